@@ -1,0 +1,30 @@
+"""bcg: breakable CUDA graphs for LLM prefill."""
+
+from bcg.graph import (
+    BoundaryMismatchError,
+    BreakableCUDAGraph,
+    CaptureError,
+    break_graph,
+    breakable_graph,
+    eager_on_graph,
+    force_no_graph,
+    is_capturing,
+    is_in_breakable_graph,
+    no_graph,
+)
+from bcg.emulation import UncapturableOpError
+
+__all__ = [
+    "BoundaryMismatchError",
+    "BreakableCUDAGraph",
+    "CaptureError",
+    "UncapturableOpError",
+    "break_graph",
+    "breakable_graph",
+    "eager_on_graph",
+    "force_no_graph",
+    "is_capturing",
+    "is_in_breakable_graph",
+    "no_graph",
+]
+__version__ = "0.1.0"

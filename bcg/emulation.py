@@ -1,0 +1,248 @@
+"""CPU emulation of a CUDA graph, so capture/replay logic runs and is tested on machines without a GPU.
+
+``EmulatedGraph`` mirrors the part of ``torch.cuda.CUDAGraph`` that bcg uses (``capture_begin``, ``capture_end``,
+``replay``). While capturing, a dispatch mode records every aten op with the very tensors it read and wrote. Replay
+re-executes the recorded ops against the same storages and copies fresh results into the recorded outputs, so:
+
+- outputs reflect the *current* contents of static inputs (tensors are addresses, as in a CUDA graph);
+- Python values (ints, floats, shapes, branches taken) stay baked at their capture-time values;
+- anything that cannot be captured on CUDA fails here too, with :class:`UncapturableOpError`: host reads
+  (``.item()``, ``int(t)``, ``if t:``, ``.tolist()``, ``.numpy()``, ``.cpu()``, printing a tensor),
+  data-dependent output shapes (``nonzero``, boolean-mask indexing, ``masked_select``, ``unique``,
+  ``bincount``, ``repeat_interleave`` without ``output_size``), ``torch.equal`` and creating tensors from Python
+  data (a host-to-device copy on CUDA).
+
+Because every tensor of an emulated capture stands for device memory, host-side metadata must be read outside the
+capture, exactly as it must on a GPU. Emulation is for correctness, not speed.
+
+Known divergence: on CUDA, capture does not execute kernels, so values computed during capture are garbage; the
+emulation executes them. Code that relies on capture-time values (rather than using ``capture_stub``) can therefore
+pass here and fail on a GPU; the CUDA test tier covers that.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import itertools
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+__all__ = ["EmulatedGraph", "UncapturableOpError", "emulated_pool_handle", "is_emulated_capturing"]
+
+aten = torch.ops.aten
+
+
+class UncapturableOpError(RuntimeError):
+    """An operation that a CUDA graph cannot capture was called during an (emulated) capture."""
+
+
+_CAPTURING: contextvars.ContextVar[bool] = contextvars.ContextVar("bcg_emulated_capturing", default=False)
+_pool_ids = itertools.count(1)
+
+
+def emulated_pool_handle() -> tuple[int, int]:
+    """A fresh pool id, shaped like ``torch.cuda.graph_pool_handle()``; the emulation has no memory reuse."""
+    return (0, next(_pool_ids))
+
+
+def is_emulated_capturing() -> bool:
+    """True while an emulated segment is being captured in the current context."""
+    return _CAPTURING.get()
+
+
+_FIX = "Move it into an @eager_on_graph function, or keep shapes fixed and the values on the device."
+_ALWAYS = {
+    aten._local_scalar_dense: "a host read of a tensor value (.item(), int(t), float(t), bool(t), `if t:`)",
+    aten.item: "a host read of a tensor value (.item())",
+    aten.equal: "torch.equal, which returns a Python bool (a host sync)",
+    aten.nonzero: "nonzero (or torch.where(cond) / argwhere), whose output shape depends on the data",
+    aten.masked_select: "masked_select, whose output shape depends on the data",
+    aten._unique: "unique, whose output shape depends on the data",
+    aten._unique2: "unique, whose output shape depends on the data",
+    aten.unique_dim: "unique, whose output shape depends on the data",
+    aten.unique_consecutive: "unique_consecutive, whose output shape depends on the data",
+    aten.bincount: "bincount, which reads the maximum back to the host",
+    aten.lift_fresh: "creating a tensor from Python data (torch.tensor(...)), a host-to-device copy on CUDA",
+    aten.lift_fresh_copy: "creating a tensor from Python data (torch.tensor(...)), a host-to-device copy on CUDA",
+}
+_BOOL_INDEXED = {aten.index, aten.index_put, aten.index_put_, aten._index_put_impl_}
+
+
+def _check_capturable(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> None:
+    packet = func.overloadpacket
+    reason = _ALWAYS.get(packet)
+    if reason is None and packet in _BOOL_INDEXED:
+        indices = args[1] if len(args) > 1 else kwargs.get("indices", ())
+        if any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in indices):
+            reason = "boolean-mask indexing, whose output shape depends on the data"
+    elif reason is None and packet is aten.repeat_interleave:
+        if isinstance(args[0], torch.Tensor) and kwargs.get("output_size") is None:
+            reason = "repeat_interleave with tensor repeats and no output_size"
+    elif reason is None and packet is aten.one_hot:
+        num_classes = args[1] if len(args) > 1 else kwargs.get("num_classes", -1)
+        if num_classes == -1:
+            reason = "one_hot without num_classes, which reads the maximum back to the host"
+    if reason is not None:
+        raise UncapturableOpError(f"{func} cannot be captured in a CUDA graph: {reason}. {_FIX}")
+
+
+def _host_read_guard(name: str, original: Callable) -> Callable:
+    def guarded(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        if _CAPTURING.get():
+            raise UncapturableOpError(
+                f"Tensor.{name}() cannot be captured in a CUDA graph: it copies device memory to the host "
+                f"and synchronizes. {_FIX}"
+            )
+        return original(self, *args, **kwargs)
+
+    guarded.__name__ = name
+    guarded.__doc__ = original.__doc__
+    return guarded
+
+
+# Host reads that do not reach the dispatcher for CPU tensors, so the dispatch mode cannot see them.
+_GUARDED_METHODS = ("tolist", "numpy", "__array__", "cpu", "__repr__", "__format__")
+_guard_lock = threading.Lock()
+_guard_users = 0
+_originals: dict[str, Callable] = {}
+
+
+def _install_guards() -> None:
+    global _guard_users
+    with _guard_lock:
+        if _guard_users == 0:
+            for name in _GUARDED_METHODS:
+                _originals[name] = getattr(torch.Tensor, name)
+                setattr(torch.Tensor, name, _host_read_guard(name, _originals[name]))
+        _guard_users += 1
+
+
+def _remove_guards() -> None:
+    global _guard_users
+    with _guard_lock:
+        _guard_users -= 1
+        if _guard_users == 0:
+            for name, fn in _originals.items():
+                setattr(torch.Tensor, name, fn)
+            _originals.clear()
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in _tensors(v)]
+    return []
+
+
+def _storage_key(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+class _Op:
+    """One recorded aten call and which of its outputs need a copy back after re-execution."""
+
+    __slots__ = ("func", "args", "kwargs", "outputs", "copy_back")
+
+    def __init__(self, func: Callable, args: tuple, kwargs: dict, out: Any) -> None:
+        self.func, self.args, self.kwargs = func, args, kwargs
+        inputs = {_storage_key(t) for t in _tensors(args) + _tensors(list(kwargs.values()))}
+        self.outputs = _tensors(out)
+        # Outputs that alias an input (views, in-place and out= ops) already live at the recorded address;
+        # freshly allocated outputs must be copied back so later ops read them where they were captured.
+        self.copy_back = [_storage_key(t) not in inputs for t in self.outputs]
+
+    def run(self) -> None:
+        fresh = _tensors(self.func(*self.args, **self.kwargs))
+        for recorded, new, copy in zip(self.outputs, fresh, self.copy_back):
+            if copy:
+                recorded.copy_(new)
+
+
+def _needs_replay(func: torch._ops.OpOverload) -> bool:
+    if torch.Tag.inplace_view in func.tags:  # metadata-only (unsqueeze_, t_, ...): no kernel in a real graph
+        return False
+    packet = func.overloadpacket
+    if packet in (aten.empty, aten.empty_like, aten.empty_strided, aten.new_empty, aten.new_empty_strided):
+        return False  # contents are undefined anyway
+    returns = func._schema.returns
+    # Pure views (no write) do no work; the recorded view already points at the right storage.
+    return not (returns and all(r.alias_info is not None and not r.alias_info.is_write for r in returns))
+
+
+class _RecordMode(TorchDispatchMode):
+    def __init__(self, ops: list[_Op]) -> None:
+        super().__init__()
+        self.ops = ops
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        kwargs = kwargs or {}
+        _check_capturable(func, args, kwargs)
+        out = func(*args, **kwargs)
+        if _needs_replay(func):
+            self.ops.append(_Op(func, args, kwargs, out))
+        return out
+
+
+class EmulatedGraph:
+    """A CPU stand-in for ``torch.cuda.CUDAGraph`` with the same capture/replay semantics (see module doc).
+
+    Example::
+
+        g = EmulatedGraph()
+        x = torch.zeros(4)
+        g.capture_begin()
+        y = x * 2 + 1
+        g.capture_end()
+        x.fill_(3.0)
+        g.replay()          # y is now 7.0 everywhere
+    """
+
+    def __init__(self) -> None:
+        self._ops: list[_Op] = []
+        self._mode: _RecordMode | None = None
+        self._token: contextvars.Token | None = None
+        self._inference = False
+        self._captured = False
+
+    def capture_begin(self, pool: Any = None, capture_error_mode: str = "global") -> None:
+        if self._mode is not None or self._captured:
+            raise RuntimeError("this EmulatedGraph was already captured; create a new one")
+        self._inference = torch.is_inference_mode_enabled()
+        self._mode = _RecordMode(self._ops)
+        _install_guards()
+        self._token = _CAPTURING.set(True)
+        self._mode.__enter__()
+
+    def capture_end(self) -> None:
+        if self._mode is None:
+            raise RuntimeError("capture_end() without capture_begin()")
+        mode, self._mode = self._mode, None
+        try:
+            mode.__exit__(None, None, None)
+        finally:
+            _CAPTURING.reset(self._token)
+            self._token = None
+            _remove_guards()
+            self._captured = True
+
+    @property
+    def num_ops(self) -> int:
+        """Recorded ops that replay re-executes (0 means an empty graph)."""
+        return len(self._ops)
+
+    def replay(self) -> None:
+        if not self._captured:
+            raise RuntimeError("replay() before the graph was captured")
+        # Replay under the grad mode of the capture: inference tensors can only be written in inference mode.
+        with torch.inference_mode() if self._inference else torch.no_grad():
+            for op in self._ops:
+                op.run()
+
+    def reset(self) -> None:
+        self._ops = []
+        self._captured = False

@@ -1,0 +1,397 @@
+"""The breakable CUDA graph: a forward captured as graph segments split by eager functions.
+
+``breakable_graph`` captures like ``torch.cuda.graph``; each call to an ``@eager_on_graph`` function inside it ends
+the current segment, runs the function eagerly once, records it, and begins the next segment. ``replay()`` then
+launches segment 1, runs eager function 1, launches segment 2, and so on. Tensors that cross a break are kept alive
+for the life of the graph, and what an eager function returns is kept as a persistent boundary buffer that each
+replay refreshes in place (see :mod:`bcg.boundary`). Without CUDA every segment is an
+:class:`~bcg.emulation.EmulatedGraph`, so the same logic runs on a CPU.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+import logging
+import os
+import warnings
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+
+from bcg import streams
+from bcg.boundary import Boundary, BoundaryMismatchError
+from bcg.emulation import EmulatedGraph, emulated_pool_handle
+
+__all__ = [
+    "BoundaryMismatchError",
+    "BreakableCUDAGraph",
+    "CaptureError",
+    "EagerStep",
+    "break_graph",
+    "breakable_graph",
+    "eager_on_graph",
+    "force_no_graph",
+    "is_capturing",
+    "is_in_breakable_graph",
+    "no_graph",
+]
+
+logger = logging.getLogger("bcg")
+_DEBUG = os.environ.get("BCG_DEBUG", "") not in ("", "0")
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+class CaptureError(RuntimeError):
+    """A breakable capture could not be started or completed; the message names the cause and the fix."""
+
+
+class EagerStep:
+    """One break: the eager function, the arguments it was captured with, and its boundary buffers.
+
+    Holding ``args``/``kwargs`` strongly is what keeps every tensor that crosses the break alive as long as the
+    graph: a freed block could otherwise be handed to another graph in the same pool (SGLang #37606).
+    """
+
+    __slots__ = ("name", "fn", "args", "kwargs", "boundary")
+
+    def __init__(self, name: str, fn: Callable, args: tuple, kwargs: dict, boundary: Boundary) -> None:
+        self.name, self.fn, self.args, self.kwargs, self.boundary = name, fn, args, kwargs, boundary
+
+    def __call__(self) -> None:
+        self.boundary.refresh(self.fn(*self.args, **self.kwargs))
+
+    def __repr__(self) -> str:
+        return f"EagerStep({self.name})"
+
+
+class BreakableCUDAGraph:
+    """A captured sequence of CUDA graph segments and eager steps; mirrors ``torch.cuda.CUDAGraph``.
+
+    Args:
+        pool: a memory pool handle to capture into (``other.pool()``, ``torch.cuda.graph_pool_handle()`` or a
+            ``torch.cuda.MemPool``); by default a private pool is created on first use.
+        emulate: capture CPU-emulated segments instead of CUDA graphs. ``None`` emulates exactly when CUDA is
+            unavailable.
+
+    Example::
+
+        g = bcg.BreakableCUDAGraph()
+        with bcg.breakable_graph(g):
+            out = model_step(static_in)      # calls @bcg.eager_on_graph functions inside
+        static_in.copy_(new_data)
+        g.replay()                           # out now holds the result for new_data
+    """
+
+    def __init__(self, pool: Any = None, emulate: bool | None = None) -> None:
+        cuda = torch.cuda.is_available()
+        self.is_emulated = (not cuda) if emulate is None else bool(emulate)
+        if not self.is_emulated and not cuda:
+            raise CaptureError("BreakableCUDAGraph(emulate=False) needs CUDA, which is not available here; "
+                               "leave emulate=None to use the CPU emulation")
+        if pool is not None and hasattr(pool, "id") and not isinstance(pool, tuple):
+            pool = pool.id  # torch.cuda.MemPool
+        self._pool = pool
+        self._steps: list[Any] = []  # segments (CUDAGraph / EmulatedGraph) and EagerSteps, in replay order
+        self._replay_fns: list[Callable[[], None]] = []
+
+    @property
+    def device_type(self) -> str:
+        return "cpu" if self.is_emulated else "cuda"
+
+    def pool(self) -> Any:
+        """The memory pool handle of this graph; pass it to another graph to share the pool."""
+        if self._pool is None:
+            self._pool = emulated_pool_handle() if self.is_emulated else torch.cuda.graph_pool_handle()
+        return self._pool
+
+    @property
+    def num_segments(self) -> int:
+        """Captured graph segments (empty segments between consecutive breaks are not kept)."""
+        return sum(not isinstance(s, EagerStep) for s in self._steps)
+
+    @property
+    def num_breaks(self) -> int:
+        """Eager steps run between segments at replay."""
+        return sum(isinstance(s, EagerStep) for s in self._steps)
+
+    @property
+    def steps(self) -> tuple[Any, ...]:
+        """The replay sequence: segment graphs and :class:`EagerStep` objects, in order."""
+        return tuple(self._steps)
+
+    @property
+    def is_captured(self) -> bool:
+        return bool(self._steps)
+
+    def replay(self) -> None:
+        """Replays every segment and eager step in capture order on the current stream."""
+        if not self._replay_fns:
+            raise RuntimeError("BreakableCUDAGraph.replay() before a successful capture")
+        for fn in self._replay_fns:
+            fn()
+
+    def reset(self) -> None:
+        """Drops the captured segments and boundary buffers; the pool handle is kept for reuse."""
+        self._steps.clear()
+        self._replay_fns.clear()
+
+    def _append(self, step: Any) -> None:
+        self._steps.append(step)
+        self._replay_fns.append(step if isinstance(step, EagerStep) else step.replay)
+
+
+_CAPTURE: contextvars.ContextVar[_CaptureState | None] = contextvars.ContextVar("bcg_capture", default=None)
+_default_streams: dict[int, torch.cuda.Stream] = {}
+
+
+def is_capturing() -> bool:
+    """True while a breakable capture is running in this context (also inside its eager functions)."""
+    return _CAPTURE.get() is not None
+
+
+is_in_breakable_graph = is_capturing
+
+
+class _CaptureState:
+    """Bookkeeping of one running capture: the open segment, side streams and the first error."""
+
+    def __init__(self, graph: BreakableCUDAGraph, pool: Any, mode: str, barrier_fn: Callable[[], Any] | None,
+                 auto_join: bool, stream: torch.cuda.Stream | None) -> None:
+        self.graph, self.pool, self.mode = graph, pool, mode
+        self.barrier_fn, self.auto_join, self.stream = barrier_fn, auto_join, stream
+        self.tracker = streams.StreamTracker(stream.cuda_stream) if stream is not None else None
+        self.open: Any = None
+        self.in_eager = False
+        self.error: BaseException | None = None
+
+    def begin_segment(self) -> None:
+        seg = EmulatedGraph() if self.graph.is_emulated else torch.cuda.CUDAGraph()
+        if self.tracker is not None:
+            self.tracker.reset()
+        seg.capture_begin(pool=self.pool, capture_error_mode=self.mode)
+        self.open = seg
+
+    def _join_side_streams(self, at: str, force: bool) -> None:
+        if self.tracker is None or not self.tracker.forked:
+            return
+        pending = self.tracker.unjoined()
+        if not (force or self.auto_join):
+            ids = ", ".join(hex(s.cuda_stream) for s in pending)
+            raise CaptureError(
+                f"side stream(s) [{ids}] forked from the capture stream were not joined before {at}. A graph "
+                "segment can only end once every forked stream has rejoined the capture stream. Fix: call "
+                "torch.cuda.current_stream().wait_stream(side_stream) before that point, or pass "
+                "auto_join_streams=True to bcg.breakable_graph(...)."
+            )
+        for s in pending:
+            self.stream.wait_stream(s)
+        self.tracker.reset()
+
+    def end_segment(self, at: str) -> None:
+        self._join_side_streams(at, force=False)
+        seg, self.open = self.open, None
+        if self.graph.is_emulated:
+            seg.capture_end()
+            is_empty = seg.num_ops == 0
+        else:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                seg.capture_end()
+            # torch warns "The CUDA Graph is empty" for a segment without nodes (consecutive breaks).
+            is_empty = any("empty" in str(w.message) for w in caught)
+            for w in caught:
+                if "empty" not in str(w.message):
+                    warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+        if not is_empty:
+            self.graph._append(seg)
+        if _DEBUG:
+            logger.debug("bcg: segment %s at %s", "dropped (empty)" if is_empty else "captured", at)
+
+    def abort(self) -> None:
+        """Ends an open segment whatever its state, so no stream is left capturing."""
+        seg, self.open = self.open, None
+        if seg is None:
+            return
+        try:
+            self._join_side_streams("abort", force=True)
+        except Exception:  # best effort: the capture is being thrown away
+            pass
+        try:
+            seg.capture_end()
+        except Exception:
+            pass
+
+    def run_break(self, fn: Callable, name: str, stub: Callable | None, args: tuple, kwargs: dict) -> Any:
+        if self.error is not None:
+            raise CaptureError(f"the capture already failed before {name!r}") from self.error
+        try:
+            self.end_segment(at=f"the eager function {name!r}")
+            if self.barrier_fn is not None:
+                self.barrier_fn()
+            self.in_eager = True
+            try:
+                out = (stub if stub is not None else fn)(*args, **kwargs)
+            finally:
+                self.in_eager = False
+            self.graph._append(EagerStep(name, fn, args, kwargs, Boundary(name, out, self.graph.device_type)))
+            self.begin_segment()
+        except BaseException as e:
+            self.error = e
+            raise
+        return out
+
+
+class breakable_graph:
+    """Context manager that captures a :class:`BreakableCUDAGraph`, like ``torch.cuda.graph``.
+
+    Args:
+        cuda_graph: the graph to capture into; it must be empty (call ``reset()`` to recapture).
+        pool: memory pool handle; defaults to ``cuda_graph.pool()``.
+        stream: the capture stream; defaults to a side stream per device (never the default stream).
+        capture_error_mode: passed to ``CUDAGraph.capture_begin`` ("global", "thread_local" or "relaxed").
+        barrier_fn: zero-argument callable run at capture right before each eager function, after the segment
+            has ended (to re-align distributed ranks).
+        auto_join_streams: join side streams that are still forked at a break instead of raising.
+
+    Example::
+
+        g = bcg.BreakableCUDAGraph()
+        with bcg.breakable_graph(g):
+            y = layer2(attention(layer1(static_x)))   # attention is @bcg.eager_on_graph
+        g.replay()
+
+    One device synchronisation and cache cleanup happen per capture, not per segment. On any exception the open
+    segment is ended, the graph is reset and the exception propagates.
+    """
+
+    def __init__(self, cuda_graph: BreakableCUDAGraph, pool: Any = None, stream: torch.cuda.Stream | None = None,
+                 capture_error_mode: str = "global", barrier_fn: Callable[[], Any] | None = None,
+                 auto_join_streams: bool = False) -> None:
+        if capture_error_mode not in ("global", "thread_local", "relaxed"):
+            raise ValueError(f"capture_error_mode must be 'global', 'thread_local' or 'relaxed', "
+                             f"not {capture_error_mode!r}")
+        self.graph = cuda_graph
+        self.pool = pool if pool is not None else cuda_graph.pool()
+        self.stream, self.mode = stream, capture_error_mode
+        self.barrier_fn, self.auto_join = barrier_fn, auto_join_streams
+        self._state: _CaptureState | None = None
+        self._token: contextvars.Token | None = None
+        self._stream_ctx: Any = None
+        self._outer: torch.cuda.Stream | None = None
+
+    def __enter__(self) -> BreakableCUDAGraph:
+        active = _CAPTURE.get()
+        if active is not None:
+            raise CaptureError("a breakable capture is already running in this context; nested captures are "
+                               "not supported. Capture the graphs one after another.")
+        if self.graph.is_captured:
+            raise CaptureError("this BreakableCUDAGraph already holds a capture; call reset() before "
+                               "capturing it again")
+        stream = None
+        if not self.graph.is_emulated:
+            if torch.cuda.is_current_stream_capturing():
+                raise CaptureError("a CUDA graph capture is already running on the current stream; nested "
+                                   "captures are not supported")
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+            dev = torch.cuda.current_device()
+            stream = self.stream or _default_streams.setdefault(dev, torch.cuda.Stream(dev))
+            self._outer = torch.cuda.current_stream()
+            stream.wait_stream(self._outer)
+            self._stream_ctx = torch.cuda.stream(stream)
+            self._stream_ctx.__enter__()
+            streams.install_hooks()
+        self._state = _CaptureState(self.graph, self.pool, self.mode, self.barrier_fn, self.auto_join, stream)
+        self._token = _CAPTURE.set(self._state)
+        if stream is not None:
+            streams.active_tracker().set(self._state.tracker)
+        try:
+            self._state.begin_segment()
+        except BaseException:
+            self._cleanup(failed=True)
+            raise
+        return self.graph
+
+    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> bool:
+        state = self._state
+        failed = exc is not None or state.error is not None
+        try:
+            if not failed:
+                try:
+                    state.end_segment(at="the end of the capture")
+                except BaseException:
+                    failed = True
+                    raise
+        finally:
+            if failed:
+                state.abort()
+            self._cleanup(failed)
+        if exc is None and state.error is not None:
+            # The user swallowed an exception raised by an eager function; the capture is incomplete.
+            raise CaptureError("the capture failed inside an eager function (see the cause); the graph was "
+                               "reset") from state.error
+        if exc is not None and hasattr(exc, "add_note") and not self.graph.is_emulated:
+            exc.add_note("bcg: raised while capturing a breakable CUDA graph; the graph was reset. Host syncs "
+                         "and data-dependent shapes belong in @bcg.eager_on_graph functions.")
+        return False
+
+    def _cleanup(self, failed: bool) -> None:
+        _CAPTURE.reset(self._token)
+        if self._stream_ctx is not None:
+            streams.active_tracker().set(None)
+            streams.remove_hooks()
+            self._stream_ctx.__exit__(None, None, None)
+            self._outer.wait_stream(self.stream or _default_streams[torch.cuda.current_device()])
+            self._stream_ctx = None
+        if failed:
+            self.graph.reset()
+
+
+def eager_on_graph(fn: F | None = None, *, enable: bool = True,
+                   capture_stub: Callable[..., Any] | None = None) -> Any:
+    """Marks a function that runs eagerly between graph segments instead of being captured.
+
+    Outside a capture the decorated function is the plain function (one context lookup of overhead). Inside
+    ``breakable_graph`` a call ends the current segment, runs the function (or ``capture_stub``, at capture only)
+    once, records it with its arguments, and begins the next segment. Replay always runs the real function with the
+    captured arguments, so it must read its inputs from tensors (fixed addresses), not from Python values that
+    change between replays. A returned tensor (or tuple/list/dict/dataclass of tensors) becomes a boundary buffer
+    that replay refreshes in place; returning None and writing into argument tensors costs no copy.
+
+    Usable bare or configured::
+
+        @bcg.eager_on_graph
+        def attention(q, k, v, out): ...
+
+        @bcg.eager_on_graph(enable=use_islands, capture_stub=lambda x: torch.empty_like(x))
+        def all_gather(x): ...
+    """
+
+    def wrap(f: F) -> F:
+        if not enable:
+            return f
+        name = getattr(f, "__qualname__", None) or repr(f)
+
+        @functools.wraps(f)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            state = _CAPTURE.get()
+            if state is None or state.in_eager:
+                return f(*args, **kwargs)
+            return state.run_break(f, name, capture_stub, args, kwargs)
+
+        wrapper.__bcg_eager__ = True  # type: ignore[attr-defined]
+        return wrapper  # type: ignore[return-value]
+
+    return wrap if fn is None else wrap(fn)
+
+
+@eager_on_graph
+def break_graph() -> None:
+    """Forces a segment split at this point with no eager work (a no-op outside a capture)."""
+    return None
+
+
+no_graph = eager_on_graph  # alias for users of Meta's breakable-cuda-graphs
+force_no_graph = break_graph
