@@ -1,5 +1,6 @@
 """bcg: breakable CUDA graphs for LLM prefill."""
 
+from bcg.emulation import UncapturableOpError
 from bcg.graph import (
     BoundaryMismatchError,
     BreakableCUDAGraph,
@@ -12,7 +13,6 @@ from bcg.graph import (
     is_in_breakable_graph,
     no_graph,
 )
-from bcg.emulation import UncapturableOpError
 
 __all__ = [
     "BoundaryMismatchError",

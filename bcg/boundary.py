@@ -88,7 +88,10 @@ def describe(spec: Spec) -> str:
         return f"Tensor(shape={list(shape)}, dtype={dtype}, device={device})"
     if kind == "V":
         v = spec[1]
-        return f"{type(v).__name__}({v!r})" if not isinstance(v, torch.Tensor) else f"host tensor {v.tolist()!r}"
+        if isinstance(v, torch.Tensor):  # baked (off-device) tensor: signature, values only if small
+            sig = f"baked Tensor(shape={list(v.shape)}, dtype={v.dtype}, device={v.device})"
+            return f"{sig} = {v.tolist()!r}" if v.device.type == "cpu" and v.numel() <= 16 else sig
+        return f"{type(v).__name__}({v!r})"
     if kind == "S":
         inner = ", ".join(describe(c) for c in spec[3])
     else:

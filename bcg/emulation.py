@@ -40,7 +40,9 @@ class UncapturableOpError(RuntimeError):
     """An operation that a CUDA graph cannot capture was called during an (emulated) capture."""
 
 
-_CAPTURING: contextvars.ContextVar[bool] = contextvars.ContextVar("bcg_emulated_capturing", default=False)
+# The EmulatedGraph being captured in this context (None outside a capture).
+_CAPTURING: contextvars.ContextVar[EmulatedGraph | None] = contextvars.ContextVar("bcg_emulated_capturing",
+                                                                                  default=None)
 _pool_ids = itertools.count(1)
 
 
@@ -51,7 +53,15 @@ def emulated_pool_handle() -> tuple[int, int]:
 
 def is_emulated_capturing() -> bool:
     """True while an emulated segment is being captured in the current context."""
-    return _CAPTURING.get()
+    return _CAPTURING.get() is not None
+
+
+def _uncapturable(message: str) -> UncapturableOpError:
+    """The error for an uncapturable op; like a CUDA capture, the segment stays invalid even if it is caught."""
+    graph = _CAPTURING.get()
+    if graph is not None and graph._invalid is None:
+        graph._invalid = message
+    return UncapturableOpError(message)
 
 
 _FIX = "Move it into an @eager_on_graph function, or keep shapes fixed and the values on the device."
@@ -87,13 +97,13 @@ def _check_capturable(func: torch._ops.OpOverload, args: tuple, kwargs: dict) ->
         if num_classes == -1:
             reason = "one_hot without num_classes, which reads the maximum back to the host"
     if reason is not None:
-        raise UncapturableOpError(f"{func} cannot be captured in a CUDA graph: {reason}. {_FIX}")
+        raise _uncapturable(f"{func} cannot be captured in a CUDA graph: {reason}. {_FIX}")
 
 
 def _host_read_guard(name: str, original: Callable) -> Callable:
     def guarded(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        if _CAPTURING.get():
-            raise UncapturableOpError(
+        if _CAPTURING.get() is not None:
+            raise _uncapturable(
                 f"Tensor.{name}() cannot be captured in a CUDA graph: it copies device memory to the host "
                 f"and synchronizes. {_FIX}"
             )
@@ -163,15 +173,18 @@ class _Op:
                 recorded.copy_(new)
 
 
-def _needs_replay(func: torch._ops.OpOverload) -> bool:
+def _is_noop_on_replay(func: torch._ops.OpOverload, op: _Op) -> bool:
+    """Ops a real graph would hold no kernel for, or whose re-execution is redundant."""
     if torch.Tag.inplace_view in func.tags:  # metadata-only (unsqueeze_, t_, ...): no kernel in a real graph
-        return False
-    packet = func.overloadpacket
-    if packet in (aten.empty, aten.empty_like, aten.empty_strided, aten.new_empty, aten.new_empty_strided):
-        return False  # contents are undefined anyway
+        return True
+    if func.overloadpacket in (aten.empty, aten.empty_like, aten.empty_strided, aten.new_empty,
+                               aten.new_empty_strided):
+        return True  # contents are undefined anyway
     returns = func._schema.returns
-    # Pure views (no write) do no work; the recorded view already points at the right storage.
-    return not (returns and all(r.alias_info is not None and not r.alias_info.is_write for r in returns))
+    may_alias = bool(returns) and all(r.alias_info is not None and not r.alias_info.is_write for r in returns)
+    # A read-only op that *may* alias (view, reshape, .to) and did alias does no work; if it copied instead
+    # (``.to`` to another dtype, ``reshape`` of a non-contiguous tensor) it must be replayed like any op.
+    return may_alias and not any(op.copy_back)
 
 
 class _RecordMode(TorchDispatchMode):
@@ -183,8 +196,9 @@ class _RecordMode(TorchDispatchMode):
         kwargs = kwargs or {}
         _check_capturable(func, args, kwargs)
         out = func(*args, **kwargs)
-        if _needs_replay(func):
-            self.ops.append(_Op(func, args, kwargs, out))
+        op = _Op(func, args, kwargs, out)
+        if not _is_noop_on_replay(func, op):
+            self.ops.append(op)
         return out
 
 
@@ -208,6 +222,7 @@ class EmulatedGraph:
         self._token: contextvars.Token | None = None
         self._inference = False
         self._captured = False
+        self._invalid: str | None = None
 
     def capture_begin(self, pool: Any = None, capture_error_mode: str = "global") -> None:
         if self._mode is not None or self._captured:
@@ -215,7 +230,7 @@ class EmulatedGraph:
         self._inference = torch.is_inference_mode_enabled()
         self._mode = _RecordMode(self._ops)
         _install_guards()
-        self._token = _CAPTURING.set(True)
+        self._token = _CAPTURING.set(self)
         self._mode.__enter__()
 
     def capture_end(self) -> None:
@@ -229,6 +244,10 @@ class EmulatedGraph:
             self._token = None
             _remove_guards()
             self._captured = True
+        if self._invalid is not None:
+            # cudaStreamEndCapture fails once an illegal call invalidated the capture, even if it was caught.
+            raise UncapturableOpError(f"the capture was invalidated by an earlier uncapturable operation: "
+                                      f"{self._invalid}")
 
     @property
     def num_ops(self) -> int:
@@ -246,3 +265,4 @@ class EmulatedGraph:
     def reset(self) -> None:
         self._ops = []
         self._captured = False
+        self._invalid = None

@@ -54,12 +54,19 @@ class EagerStep:
     graph: a freed block could otherwise be handed to another graph in the same pool (SGLang #37606).
     """
 
-    __slots__ = ("name", "fn", "args", "kwargs", "boundary")
+    __slots__ = ("name", "fn", "args", "kwargs", "boundary", "inference")
 
     def __init__(self, name: str, fn: Callable, args: tuple, kwargs: dict, boundary: Boundary) -> None:
         self.name, self.fn, self.args, self.kwargs, self.boundary = name, fn, args, kwargs, boundary
+        # Tensors made under inference_mode (the boundary buffers, often the arguments) can only be written in
+        # inference mode, so a step captured there replays there, wherever replay() is called from.
+        self.inference = torch.is_inference_mode_enabled()
 
     def __call__(self) -> None:
+        if self.inference and not torch.is_inference_mode_enabled():
+            with torch.inference_mode():
+                self.boundary.refresh(self.fn(*self.args, **self.kwargs))
+            return
         self.boundary.refresh(self.fn(*self.args, **self.kwargs))
 
     def __repr__(self) -> str:

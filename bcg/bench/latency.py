@@ -1,0 +1,138 @@
+"""The seed's isolated prefill experiment: one request at a time, fixed input length, every backend.
+
+For each backend one engine is built per model (capture ceiling = the longest input, capped at the chunk size) and
+reused across lengths. Each (backend, length) row holds the median prefill latency over ``runs`` timed runs after
+``warmup``, the speedup over eager and the kernel floor (device busy time of the eager forward, CUDA only). For the
+eager and breakable backends one extra batch per length packs ``batch_requests`` requests of the same total tokens,
+to show whether a many-request batch still replays a graph.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from bcg.bench.amdahl import launch_gap_share
+from bcg.bench.config import BenchConfig
+from bcg.bench.engines import BuildRecord, engine_for, make_prompts, split_tokens
+from bcg.bench.timing import gpu_kernel_ms, time_fn
+
+__all__ = ["LatencyResult", "LatencyRow", "fill_speedups", "run_latency"]
+
+BATCH_BACKENDS = ("eager", "breakable")
+
+
+@dataclass
+class LatencyRow:
+    """One (backend, input length, requests) measurement; times in milliseconds.
+
+    ``graph_used`` is True when every forward of the timed prefill replayed a graph; ``bucket``/``reason`` are
+    those of its first forward. ``kernel_floor_ms`` is the eager forward's device busy time at the same shape.
+    """
+
+    backend: str
+    input_len: int
+    num_requests: int
+    num_tokens: int
+    median_ms: float
+    min_ms: float
+    mean_ms: float
+    stdev_ms: float
+    runs: int
+    graph_used: bool
+    bucket: int | None
+    reason: str
+    speedup_vs_eager: float | None = None
+    kernel_ms: float | None = None
+    kernel_floor_ms: float | None = None
+    launch_gap_share: float | None = None
+
+
+@dataclass
+class LatencyResult:
+    """Build records per backend, one row per (backend, length), and the many-request batch rows."""
+
+    builds: list[BuildRecord] = field(default_factory=list)
+    rows: list[LatencyRow] = field(default_factory=list)
+    batch_rows: list[LatencyRow] = field(default_factory=list)
+
+
+def _measure(eng: Any, backend: str, input_len: int, prompts: list[Any], cfg: BenchConfig,
+             profile: bool) -> LatencyRow:
+    def call() -> Any:
+        return eng.prefill(prompts)
+
+    timing = time_fn(call, cfg.device, runs=cfg.runs, warmup=cfg.warmup)
+    batches = eng.prefill(prompts).batches  # one more, untimed, to read how it ran
+    kernel = gpu_kernel_ms(call, cfg.device, warmup=0) if profile else None
+    first = batches[0]
+    return LatencyRow(
+        backend=backend, input_len=input_len, num_requests=len(prompts),
+        num_tokens=sum(int(p.numel()) for p in prompts), median_ms=timing.median_ms, min_ms=timing.min_ms,
+        mean_ms=timing.mean_ms, stdev_ms=timing.stdev_ms, runs=len(timing.samples_ms),
+        graph_used=all(b.graph_used for b in batches), bucket=first.bucket, reason=first.reason,
+        kernel_ms=kernel,
+    )
+
+
+def _bench_backend(backend: str, cfg: BenchConfig, result: LatencyResult, bar: Any) -> None:
+    """Builds one engine, measures every length, and frees it (the engine lives only in this frame)."""
+    record = BuildRecord(backend)
+    result.builds.append(record)
+    with engine_for(cfg.model, backend, device=cfg.device, dtype=cfg.dtype, seed=cfg.seed,
+                    chunked_prefill_size=cfg.chunked_prefill_size, max_tokens=cfg.ceiling,
+                    progress=cfg.progress, record=record) as eng:
+        if eng is None:
+            bar.update(len(cfg.lengths))
+            bar.write(f"bcg bench: backend {backend!r} is unavailable: {record.error}")
+            return
+        vocab = eng.model.config.vocab_size
+        for length in cfg.lengths:
+            bar.set_postfix(backend=backend, input_len=length)
+            single = make_prompts([length], vocab, cfg.seed + length)
+            # The kernel floor is a property of the eager kernels; profiling graph replays adds nothing to it.
+            result.rows.append(_measure(eng, backend, length, single, cfg, cfg.profile and backend == "eager"))
+            if backend in BATCH_BACKENDS and cfg.batch_requests > 1:
+                many = make_prompts(split_tokens(length, cfg.batch_requests), vocab, cfg.seed + length)
+                result.batch_rows.append(_measure(eng, backend, length, many, cfg, False))
+            bar.update(1)
+
+
+def fill_speedups(rows: list[LatencyRow]) -> None:
+    """Sets speedup over eager, the kernel floor and the launch-gap share on rows of the same shape.
+
+    Example::
+
+        fill_speedups(result.rows)   # rows[i].speedup_vs_eager = eager median / this median
+    """
+    eager = {(r.input_len, r.num_requests): r for r in rows if r.backend == "eager"}
+    for r in rows:
+        base = eager.get((r.input_len, r.num_requests))
+        if base is None:
+            continue
+        r.speedup_vs_eager = base.median_ms / r.median_ms if r.median_ms > 0 else None
+        r.kernel_floor_ms = base.kernel_ms
+        r.launch_gap_share = launch_gap_share(base.kernel_ms, r.median_ms) if r.median_ms > 0 else None
+
+
+def run_latency(cfg: BenchConfig) -> LatencyResult:
+    """Runs the isolated prefill experiment for every backend of a resolved ``cfg``.
+
+    Eager is always measured (first) because every speedup is relative to it.
+
+    Example::
+
+        res = run_latency(BenchConfig(model="tiny-dense", lengths=[16, 32], runs=2).resolved())
+        [(r.backend, r.input_len, r.median_ms) for r in res.rows]
+    """
+    backends = ["eager"] + [b for b in cfg.backends if b != "eager"]
+    result = LatencyResult()
+    with tqdm(total=len(backends) * len(cfg.lengths), desc="bcg bench", unit="shape",
+              disable=not cfg.progress) as bar:
+        for backend in backends:
+            _bench_backend(backend, cfg, result, bar)
+    fill_speedups(result.rows)
+    fill_speedups(result.batch_rows)
+    return result

@@ -1,0 +1,170 @@
+"""PNG figures for ``bcg bench`` and ``bcg analyze`` (matplotlib, Agg backend: no display needed).
+
+Each function takes the plain rows the JSON holds (dicts), so a figure can be redrawn from ``results.json`` alone.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = ["plot_analyze", "plot_latency", "plot_memory", "plot_speedup"]
+
+
+def _plt() -> Any:
+    import matplotlib
+
+    matplotlib.use("Agg")  # headless: the benchmark machine has no display
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save(fig: Any, path: str | os.PathLike) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    _plt().close(fig)
+    return path
+
+
+def _backends(rows: Sequence[dict]) -> list[str]:
+    seen: list[str] = []
+    for r in rows:
+        if r["backend"] not in seen:
+            seen.append(r["backend"])
+    return seen
+
+
+def plot_latency(rows: Sequence[dict], path: str | os.PathLike, title: str = "") -> Path:
+    """Median prefill latency vs input length, one line per backend, log2 x axis, kernel floor dashed.
+
+    Flat lines over a 32x length range are the seed's signature of launch-bound prefill.
+
+    Example::
+
+        plot_latency(results["rows"], "out/bench/latency.png", title="llama-dense on H200")
+    """
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for backend in _backends(rows):
+        pts = sorted((r["input_len"], r["median_ms"]) for r in rows if r["backend"] == backend)
+        ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=backend)
+    floor = sorted({(r["input_len"], r["kernel_floor_ms"]) for r in rows if r.get("kernel_floor_ms") is not None})
+    if floor:
+        ax.plot([x for x, _ in floor], [y for _, y in floor], "k--", label="kernel floor (eager)")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("input length (tokens, one request)")
+    ax.set_ylabel("prefill latency, median (ms)")
+    ax.set_ylim(bottom=0)
+    ax.set_title(title or "Isolated prefill latency")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    return _save(fig, path)
+
+
+def plot_speedup(rows: Sequence[dict], path: str | os.PathLike, title: str = "") -> Path:
+    """Grouped bars of speedup over eager per input length and backend, with a line at 1x.
+
+    Example::
+
+        plot_speedup(results["rows"], "out/bench/speedup.png")
+    """
+    plt = _plt()
+    backends = [b for b in _backends(rows) if b != "eager"]
+    lengths = sorted({r["input_len"] for r in rows})
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    width = 0.8 / max(len(backends), 1)
+    for i, backend in enumerate(backends):
+        by_len = {r["input_len"]: r.get("speedup_vs_eager") for r in rows if r["backend"] == backend}
+        xs = [j + i * width for j in range(len(lengths))]
+        ax.bar(xs, [by_len.get(n) or 0.0 for n in lengths], width, label=backend)
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.set_xticks([j + width * (len(backends) - 1) / 2 for j in range(len(lengths))])
+    ax.set_xticklabels([str(n) for n in lengths])
+    ax.set_xlabel("input length (tokens)")
+    ax.set_ylabel("speedup over eager (x)")
+    ax.set_title(title or "Prefill speedup over eager")
+    if backends:
+        ax.legend()
+    return _save(fig, path)
+
+
+def plot_memory(rows: Sequence[dict], path: str | os.PathLike, title: str = "") -> Path:
+    """Memory above the no-graph baseline per capture ceiling: device-level total and resident graph memory.
+
+    Example::
+
+        plot_memory(results["memory"]["rows"], "out/bench/memory.png")
+    """
+    plt = _plt()
+    rows = [r for r in rows if r.get("available")]
+    labels = [r["label"] if r["ceiling"] is None else f"{r['label']}\n({r['ceiling']})" for r in rows]
+    gib = 2.0**30
+
+    def series(key: str) -> list[float]:
+        return [(r.get(key) or 0) / gib for r in rows]
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    xs = range(len(rows))
+    ax.bar([x - 0.2 for x in xs], series("device_used_above_baseline_bytes"), 0.4, label="total above baseline")
+    ax.bar([x + 0.2 for x in xs], series("graph_memory_bytes"), 0.4, label="resident graph memory")
+    ax.axhline(0.0, color="k", lw=0.8)
+    ax.set_xticks(list(xs))
+    ax.set_xticklabels(labels)
+    ax.set_xlabel("capture ceiling (fraction of chunked_prefill_size)")
+    ax.set_ylabel("GiB")
+    ax.set_title(title or "Memory after one chunk-sized prefill")
+    ax.legend()
+    return _save(fig, path)
+
+
+def plot_analyze(analysis: dict[str, Any], path: str | os.PathLike, title: str = "") -> Path:
+    """Two panels: eager vs breakable forward time (stacked by segment / island / outside), and the forward-size
+    histogram of the length distribution split by replayed vs eager, with the bucket ceiling marked.
+
+    Example::
+
+        plot_analyze(analysis_json, "out/analyze/analyze.png")
+    """
+    plt = _plt()
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.5))
+    rep = analysis["replay"]
+    eager_ms = analysis["timing"]["eager_forward_ms"]
+    ax1.bar([0], [eager_ms], 0.6, color="tab:gray", label="eager forward")
+    bottom = 0.0
+    parts = [("outside graph", rep["outside_ms"], "tab:olive"), ("segments (replayed)", rep["segments_ms"],
+                                                                   "tab:blue")]
+    parts += [(f"island {i['name']}", i["ms"], None) for i in rep["islands"]]
+    for label, ms, color in parts:
+        ax1.bar([1], [ms], 0.6, bottom=bottom, label=label, color=color)
+        bottom += ms
+    measured = analysis["timing"].get("breakable_forward_ms")
+    if measured is not None:
+        ax1.plot([0.6, 1.4], [measured, measured], "k--", label="breakable measured")
+    ax1.set_xticks([0, 1])
+    ax1.set_xticklabels(["eager", "breakable\n(parts)"])
+    ax1.set_ylabel(f"ms per forward ({analysis['timing']['length']} tokens)")
+    ax1.set_title(f"Island share p = {rep['p']:.2f}")
+    ax1.legend(fontsize=7)
+
+    cov = analysis["coverage"]
+    sizes, graph = cov["forward_sizes"], cov["forward_graph"]
+    if sizes:
+        import numpy as np
+
+        bins = np.logspace(np.log2(max(min(sizes), 1)), np.log2(max(sizes) + 1), 30, base=2)
+        ax2.hist([[s for s, g in zip(sizes, graph) if g], [s for s, g in zip(sizes, graph) if not g]], bins=bins,
+                 stacked=True, label=["replays a graph", "runs eagerly"], color=["tab:green", "tab:red"])
+        ax2.set_xscale("log", base=2)
+    ax2.axvline(cov["max_bucket"], color="k", ls="--", label=f"ceiling {cov['max_bucket']}")
+    ax2.set_xlabel("forward size (tokens)")
+    ax2.set_ylabel("forwards")
+    ax2.set_title(f"Coverage {cov['graph_fraction']:.0%}, padding waste {cov['padding_waste']:.0%}")
+    ax2.legend(fontsize=8)
+    if title:
+        fig.suptitle(title)
+    return _save(fig, path)

@@ -1,0 +1,142 @@
+"""Readable text tables and JSON output for ``bcg bench`` and ``bcg analyze``.
+
+Tables are plain text with aligned columns so they read the same in a terminal, a CI log or a pasted issue.
+JSON is written with every non-finite float turned into ``null`` so any JSON reader accepts it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = ["fmt", "fmt_bytes", "jsonable", "summary_line", "table", "write_json"]
+
+
+def fmt(value: Any, digits: int = 2, suffix: str = "") -> str:
+    """Formats one cell: ``-`` for missing values, fixed decimals for floats.
+
+    Example::
+
+        >>> fmt(1.2345), fmt(None), fmt(0.5, 1, "x"), fmt(True)
+        ('1.23', '-', '0.5x', 'yes')
+    """
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, float):
+        if math.isinf(value):
+            return "inf"
+        return f"{value:.{digits}f}{suffix}"
+    return f"{value}{suffix}"
+
+
+def fmt_bytes(n: int | float | None) -> str:
+    """Human-readable bytes in binary units.
+
+    Example::
+
+        >>> fmt_bytes(3 * 2**20), fmt_bytes(None), fmt_bytes(-2**30)
+        ('3.0 MiB', '-', '-1.00 GiB')
+    """
+    if n is None:
+        return "-"
+    sign, n = ("-" if n < 0 else ""), abs(float(n))
+    if n >= 2**30:
+        return f"{sign}{n / 2**30:.2f} GiB"
+    if n >= 2**20:
+        return f"{sign}{n / 2**20:.1f} MiB"
+    if n >= 2**10:
+        return f"{sign}{n / 2**10:.1f} KiB"
+    return f"{sign}{int(n)} B"
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[Any]], title: str | None = None) -> str:
+    """An aligned plain-text table; numbers are right-aligned, text left-aligned.
+
+    Example::
+
+        >>> print(table(["backend", "ms"], [["eager", "1.50"], ["breakable", "0.75"]]))
+        backend      ms
+        ---------  ----
+        eager      1.50
+        breakable  0.75
+    """
+    cells = [[str(c) for c in row] for row in rows]
+    widths = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(headers)]
+
+    def numeric(col: int) -> bool:
+        vals = [r[col] for r in cells if r[col] != "-"]
+        return bool(vals) and all(_looks_numeric(v) for v in vals)
+
+    right = [numeric(i) for i in range(len(headers))]
+
+    def line(values: Sequence[str]) -> str:
+        parts = [v.rjust(w) if r else v.ljust(w) for v, w, r in zip(values, widths, right)]
+        return "  ".join(parts).rstrip()
+
+    out = [title] if title else []
+    out += [line(list(headers)), "  ".join("-" * w for w in widths)]
+    out += [line(r) for r in cells]
+    return "\n".join(out)
+
+
+def _looks_numeric(text: str) -> bool:
+    stripped = text.rstrip("x%").replace(" MiB", "").replace(" GiB", "").replace(" KiB", "").replace(" B", "")
+    try:
+        float(stripped)
+    except ValueError:
+        return stripped == "inf"
+    return True
+
+
+def jsonable(obj: Any) -> Any:
+    """Converts dataclasses, paths, tuples and non-finite floats into plain JSON values.
+
+    Example::
+
+        >>> jsonable({"a": float("inf"), "b": (1, 2), "c": Path("x")})
+        {'a': None, 'b': [1, 2], 'c': 'x'}
+    """
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return jsonable(dataclasses.asdict(obj))
+    if isinstance(obj, dict):
+        return {str(k): jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple, set)):
+        return [jsonable(v) for v in obj]
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, (os.PathLike,)):
+        return os.fspath(obj)
+    if obj is None or isinstance(obj, (str, int, bool)):
+        return obj
+    return str(obj)
+
+
+def write_json(path: str | os.PathLike, data: Any) -> Path:
+    """Writes ``data`` as indented JSON (creating parent folders) and returns the path.
+
+    Example::
+
+        write_json("out/bench/results.json", {"rows": rows})
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(jsonable(data), indent=2) + "\n")
+    return path
+
+
+def summary_line(data: dict[str, Any]) -> str:
+    """One compact JSON line (the last line a CLI command prints, for scripts to parse).
+
+    Example::
+
+        >>> summary_line({"speedup": 1.5, "bad": float("nan")})
+        '{"speedup": 1.5, "bad": null}'
+    """
+    return json.dumps(jsonable(data), separators=(", ", ": "))

@@ -1,0 +1,141 @@
+"""The interface every model implements, and :func:`build_model`.
+
+A prefill step is split in three so the runner can capture the middle part:
+
+* :meth:`CausalLM.embed` (eager) turns the real token ids into hidden states;
+* :meth:`CausalLM.forward_layers` (captured) runs the layer stack on ``num_padded_tokens`` rows;
+  it holds only fixed-shape tensor ops plus calls to ``@eager_on_graph`` islands, which are the
+  only places that read the live batch (real token count, request boundaries, KV slots);
+* :meth:`CausalLM.compute_logits` (eager) applies the final norm and the LM head to the rows the
+  runner picked (one per request), in fp32.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from bcg.models.config import ModelConfig
+from bcg.models.layers import RMSNorm, RotaryEmbedding
+
+INIT_STD = 0.02
+
+
+class CausalLM(nn.Module):
+    """Base class of the model zoo: embedding, a layer stack, final norm and LM head.
+
+    Subclasses fill ``self.layers`` with modules called as ``layer(hidden, cos, sin)`` or override
+    :meth:`forward_layers`. Build instances with :func:`build_model` or
+    :func:`bcg.models.loader.load_checkpoint` rather than directly: they materialise the weights
+    on the target device and tie the embeddings.
+
+    Example:
+        >>> from bcg.models.config import get_preset
+        >>> from bcg.runtime.batch import PrefillBatch, PrefillItem
+        >>> from bcg.runtime.context import forward_context
+        >>> from bcg.runtime.kv_cache import KVPool
+        >>> model = build_model(get_preset("tiny-dense"), "cpu", torch.float32, seed=0)
+        >>> pool = KVPool.for_model(model.config, num_slots=16, device="cpu", dtype=torch.float32)
+        >>> batch = PrefillBatch([PrefillItem([1, 2, 3], new_slots=pool.alloc(3))], pool)
+        >>> with forward_context(batch.to_context(batch.num_tokens)):
+        ...     hidden = model.forward_layers(model.embed(batch.input_ids), batch.positions)
+        >>> model.compute_logits(hidden[batch.logits_indices]).shape
+        torch.Size([1, 256])
+    """
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta)
+        self.layers = nn.ModuleList()
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """Share the embedding matrix with the LM head when the config asks for it."""
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def embed(self, input_ids: Tensor) -> Tensor:
+        """Token ids ``(T,)`` -> hidden states ``(T, hidden_size)``. Eager part."""
+        return self.embed_tokens(input_ids)
+
+    def forward_layers(self, hidden: Tensor, positions: Tensor) -> Tensor:
+        """Run the layer stack on ``(T_pad, hidden_size)`` rows. Captured part.
+
+        Rows past the real token count are padding: they flow through the dense ops like any row
+        but the attention islands ignore them and never let them touch the KV pool. Needs a
+        :func:`bcg.runtime.context.forward_context` around the call.
+        """
+        cos, sin = self.rotary(positions)
+        for layer in self.layers:
+            hidden = layer(hidden, cos, sin)
+        return hidden
+
+    def compute_logits(self, hidden_last: Tensor) -> Tensor:
+        """Final norm + LM head on ``(R, hidden_size)`` rows -> fp32 logits ``(R, vocab_size)``."""
+        return self.lm_head(self.norm(hidden_last)).float()
+
+    @torch.no_grad()
+    def init_weights(self, generator: torch.Generator) -> None:
+        """Deterministic random init: N(0, 0.02) matrices, unit norm scales, zero biases.
+
+        Parameters are visited in registration order, so one seed always gives the same weights
+        on a given device type.
+        """
+        for name, param in self.named_parameters():
+            if name.endswith("bias"):
+                param.zero_()
+            elif param.ndim == 1:
+                param.fill_(1.0)
+            else:
+                param.normal_(0.0, INIT_STD, generator=generator)
+
+    def post_init(self) -> None:
+        """Fix-ups after the weights land on their device; subclasses may extend it."""
+        self.tie_weights()
+        for module in self.modules():
+            if isinstance(module, RotaryEmbedding):
+                module.reset_parameters()
+
+
+def model_class(config: ModelConfig) -> type[CausalLM]:
+    """The :class:`CausalLM` subclass implementing ``config.arch``."""
+    # Imported here because the architecture modules import this one.
+    from bcg.models.dense import DenseLM
+    from bcg.models.dsa import DSALM
+    from bcg.models.moe import MoELM
+
+    return {"dense": DenseLM, "moe": MoELM, "dsa": DSALM}[config.arch]
+
+
+def materialize(config: ModelConfig, device: torch.device | str, dtype: torch.dtype) -> CausalLM:
+    """Build the model for ``config`` on ``device`` in ``dtype`` with uninitialised weights.
+
+    The module is first built on the meta device so no memory is spent on a throwaway init.
+    """
+    with torch.device("meta"):
+        model = model_class(config)(config)
+    model = model.to(dtype=dtype).to_empty(device=device)
+    model.post_init()
+    return model.eval().requires_grad_(False)
+
+
+def build_model(
+    config: ModelConfig, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32, seed: int = 0
+) -> CausalLM:
+    """Build a randomly initialised model; the same seed gives the same weights.
+
+    Example:
+        >>> from bcg.models.config import get_preset
+        >>> a = build_model(get_preset("tiny-moe"), "cpu", torch.float32, seed=1)
+        >>> b = build_model(get_preset("tiny-moe"), "cpu", torch.float32, seed=1)
+        >>> all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters()))
+        True
+    """
+    model = materialize(config, device, dtype)
+    generator = torch.Generator(device=torch.device(device)).manual_seed(seed)
+    model.init_weights(generator)
+    return model

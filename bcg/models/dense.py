@@ -1,0 +1,116 @@
+"""Dense decoder: GQA attention with RoPE (optional Qwen3 q/k norm and bias) and a SwiGLU MLP.
+
+The attention and decoder-layer modules here are reused by the MoE and DSA models.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor, nn
+
+from bcg.models.base import CausalLM
+from bcg.models.config import ModelConfig
+from bcg.models.layers import RMSNorm, SwiGLUMLP, apply_rotary
+from bcg.runtime.attention import attention
+
+
+class QKVProjection(nn.Module):
+    """Fused q/k/v projection, optional per-head q/k RMSNorm, then RoPE.
+
+    Returns ``q (T, num_heads, head_dim)``, ``k, v (T, num_kv_heads, head_dim)``.
+
+    Example:
+        >>> from bcg.models.config import get_preset
+        >>> from bcg.models.layers import RotaryEmbedding
+        >>> cfg = get_preset("tiny-dense")
+        >>> cos, sin = RotaryEmbedding(cfg.head_dim)(torch.arange(3))
+        >>> q, k, v = QKVProjection(cfg)(torch.randn(3, cfg.hidden_size), cos, sin)
+        >>> q.shape, k.shape
+        (torch.Size([3, 4, 16]), torch.Size([3, 2, 16]))
+    """
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.split_sizes = [q_size, kv_size, kv_size]
+        # One matmul for q, k and v: fewer launches than three separate projections.
+        self.qkv_proj = nn.Linear(config.hidden_size, q_size + 2 * kv_size, bias=config.attention_bias)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        num_rows = x.shape[0]
+        q, k, v = self.qkv_proj(x).split(self.split_sizes, dim=-1)
+        q = q.view(num_rows, self.num_heads, self.head_dim)
+        k = k.view(num_rows, self.num_kv_heads, self.head_dim)
+        v = v.view(num_rows, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
+
+
+class Attention(nn.Module):
+    """Causal GQA self-attention whose core runs in the :func:`bcg.runtime.attention.attention` island.
+
+    Example:
+        >>> from bcg.models.config import get_preset
+        >>> Attention(get_preset("tiny-dense"), layer_id=0).o_proj.in_features
+        64
+    """
+
+    def __init__(self, config: ModelConfig, layer_id: int) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.qkv = QKVProjection(config)
+        self.o_proj = nn.Linear(config.num_heads * config.head_dim, config.hidden_size, bias=config.attention_bias)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        q, k, v = self.qkv(x, cos, sin)
+        # Allocated in the captured segment so the island writes into a buffer the graph owns.
+        out = torch.empty_like(q)
+        attention(q, k, v, out, self.layer_id)
+        return self.o_proj(out.flatten(1))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm residual block: ``h += attn(norm(h)); h += ffn(norm(h))``.
+
+    Example:
+        >>> from bcg.models.config import get_preset
+        >>> cfg = get_preset("tiny-dense")
+        >>> layer = DecoderLayer(cfg, Attention(cfg, 0), SwiGLUMLP(cfg.hidden_size, cfg.intermediate_size))
+        >>> isinstance(layer.mlp, SwiGLUMLP)
+        True
+    """
+
+    def __init__(self, config: ModelConfig, self_attn: nn.Module, mlp: nn.Module) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = self_attn
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = mlp
+
+    def forward(self, hidden: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class DenseLM(CausalLM):
+    """Llama/Qwen3-style dense model (``arch="dense"``).
+
+    Example:
+        >>> from bcg.models.base import build_model
+        >>> from bcg.models.config import get_preset
+        >>> len(build_model(get_preset("tiny-dense")).layers)
+        2
+    """
+
+    def __init__(self, config: ModelConfig, make_mlp: Callable[[ModelConfig], nn.Module] | None = None) -> None:
+        super().__init__(config)
+        make_mlp = make_mlp or (lambda cfg: SwiGLUMLP(cfg.hidden_size, cfg.intermediate_size))
+        self.layers.extend(
+            DecoderLayer(config, Attention(config, layer_id), make_mlp(config)) for layer_id in range(config.num_layers)
+        )

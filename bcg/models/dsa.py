@@ -1,0 +1,216 @@
+"""DSA model: attention restricted to keys picked by a lightweight indexer (DeepSeek/GLM style).
+
+Per token the indexer produces ``index_n_heads`` index queries and one index key (all of
+``index_head_dim``) plus one weight per head. The score of query ``i`` for key ``j`` is
+``sum_h w_ih * relu(q_ih . k_j)``, causal within a request (cached prefix included). Each query keeps
+its ``index_topk`` best keys; ties go to the earlier key (stable sort), so the selection does not
+depend on how requests are packed. The first layer of each group of ``index_share`` layers
+computes the selection; the others reuse it.
+
+Both steps are eager islands because both read the live batch. The sparse attention is also
+genuinely uncapturable: it compacts the valid (query, key) pairs with ``nonzero`` (a
+data-dependent count), then runs a segment softmax over the pairs of each query.
+"""
+
+from __future__ import annotations
+
+from itertools import accumulate
+
+import torch
+from torch import Tensor, nn
+
+from bcg import eager_on_graph
+from bcg.models.base import CausalLM
+from bcg.models.config import ModelConfig
+from bcg.models.dense import DecoderLayer, QKVProjection
+from bcg.models.layers import SwiGLUMLP
+from bcg.models.moe import MoEFFN, prepare_experts
+from bcg.runtime.attention import write_and_gather_kv
+from bcg.runtime.context import get_forward_context
+
+# Bounds the memory of the pair tensors in sparse attention (each is pairs x num_heads x head_dim).
+MAX_PAIRS_PER_CHUNK = 1 << 17
+
+
+@eager_on_graph
+def select_topk(index_q: Tensor, index_k: Tensor, head_weights: Tensor, group_id: int, topk: int) -> Tensor:
+    """Indexer island: cache the real tokens' index keys and pick each query's top keys.
+
+    Args:
+        index_q: ``(T_pad, index_n_heads, index_head_dim)``.
+        index_k: ``(T_pad, index_head_dim)``.
+        head_weights: ``(T_pad, index_n_heads)``.
+        group_id: indexer group, i.e. which index-key cache of the pool to use.
+        topk: keys kept per query.
+
+    Returns:
+        int64 ``(T_pad, topk)``: per query, the positions (within its request, prefix included)
+        of the selected keys, best first; ``-1`` marks unused picks and fills padded rows.
+    """
+    ctx = get_forward_context()
+    num_tokens = ctx.num_tokens
+    cache = ctx.kv_pool.index_k[group_id]
+    cache.index_copy_(0, ctx.write_slots, index_k[:num_tokens])
+    keys = cache[ctx.read_slots] if ctx.has_prefix else index_k[:num_tokens]
+    selection = torch.full((ctx.num_padded_tokens, topk), -1, dtype=torch.int64, device=index_q.device)
+    q_starts = accumulate(ctx.seq_lens_q, initial=0)
+    k_starts = accumulate(ctx.seq_lens_k, initial=0)
+    for q_start, k_start, len_q, prefix_len in zip(q_starts, k_starts, ctx.seq_lens_q, ctx.prefix_lens):
+        len_k = prefix_len + len_q
+        rows = slice(q_start, q_start + len_q)
+        # fp32 so the ranking does not hinge on bf16 rounding.
+        dots = torch.einsum("qhd,kd->qhk", index_q[rows].float(), keys[k_start : k_start + len_k].float())
+        scores = torch.einsum("qhk,qh->qk", dots.relu_(), head_weights[rows].float())
+        is_visible = torch.ones(len_q, len_k, dtype=torch.bool, device=scores.device).tril(prefix_len)
+        scores.masked_fill_(~is_visible, float("-inf"))
+        num_picks = min(topk, len_k)
+        values, picks = scores.sort(dim=-1, descending=True, stable=True)
+        values, picks = values[:, :num_picks], picks[:, :num_picks]
+        selection[rows, :num_picks] = picks.masked_fill(values == float("-inf"), -1)
+    return selection
+
+
+@eager_on_graph
+def sparse_attention(q: Tensor, k: Tensor, v: Tensor, selection: Tensor, out: Tensor, layer_id: int) -> None:
+    """Sparse attention island: each real query attends only to its selected keys.
+
+    Args:
+        q: ``(T_pad, num_heads, head_dim)``; k, v: ``(T_pad, num_kv_heads, head_dim)``.
+        selection: ``(T_pad, topk)`` from :func:`select_topk`.
+        out: ``(T_pad, num_heads, head_dim)``; real rows get the result, padded rows zeros.
+        layer_id: which layer's KV cache to use (real rows' K/V are written there first).
+    """
+    ctx = get_forward_context()
+    num_tokens = ctx.num_tokens
+    keys, values = write_and_gather_kv(ctx, layer_id, k, v)
+    # Offset of each query's request in the packed keys, so a position maps to a packed row.
+    key_starts = torch.repeat_interleave(
+        ctx.cu_seqlens_k[:-1].long(), ctx.cu_seqlens_q.diff(), output_size=num_tokens
+    )
+    scale = q.shape[-1] ** -0.5
+    rows_per_chunk = max(1, MAX_PAIRS_PER_CHUNK // max(1, selection.shape[1]))
+    for start in range(0, num_tokens, rows_per_chunk):
+        stop = min(num_tokens, start + rows_per_chunk)
+        picks = selection[start:stop]
+        # The uncapturable step: how many pairs survive depends on the data.
+        rows, cols = (picks >= 0).nonzero(as_tuple=True)
+        key_rows = key_starts[start:stop][rows] + picks[rows, cols]
+        out[start:stop] = segment_attention(q[start:stop], rows, keys[key_rows], values[key_rows], scale)
+    out[num_tokens:].zero_()
+
+
+def segment_attention(q: Tensor, rows: Tensor, k_pairs: Tensor, v_pairs: Tensor, scale: float) -> Tensor:
+    """Attention over a list of (query row, key) pairs, softmax taken per query row.
+
+    Args:
+        q: ``(M, num_heads, head_dim)`` queries.
+        rows: ``(P,)`` query row of each pair; every row must appear at least once.
+        k_pairs, v_pairs: ``(P, num_kv_heads, head_dim)`` key/value of each pair.
+        scale: score scale.
+
+    Returns:
+        ``(M, num_heads, head_dim)`` in ``q.dtype`` (computed in fp32).
+    """
+    num_rows, num_heads, head_dim = q.shape
+    num_kv_heads = k_pairs.shape[1]
+    group = num_heads // num_kv_heads
+    q_pairs = q.view(num_rows, num_kv_heads, group, head_dim)[rows].float()
+    scores = torch.einsum("phgd,phd->phg", q_pairs, k_pairs.float()).flatten(1) * scale
+    index = rows[:, None].expand_as(scores)
+    row_max = scores.new_full((num_rows, num_heads), float("-inf")).scatter_reduce_(0, index, scores, "amax")
+    probs = (scores - row_max[rows]).exp_()
+    denom = scores.new_zeros(num_rows, num_heads).index_add_(0, rows, probs)
+    weighted = probs.view(-1, num_kv_heads, group, 1) * v_pairs.float()[:, :, None, :]
+    acc = scores.new_zeros(num_rows, num_kv_heads, group, head_dim).index_add_(0, rows, weighted)
+    return (acc.view(num_rows, num_heads, head_dim) / denom[..., None]).to(q.dtype)
+
+
+class Indexer(nn.Module):
+    """Lightweight scorer that picks, per query, the keys its group's layers attend to.
+
+    Example:
+        >>> from bcg.models.config import get_preset
+        >>> Indexer(get_preset("tiny-dsa"), group_id=0).topk
+        8
+    """
+
+    def __init__(self, config: ModelConfig, group_id: int) -> None:
+        super().__init__()
+        self.group_id, self.topk = group_id, config.index_topk
+        self.num_heads, self.head_dim = config.index_n_heads, config.index_head_dim
+        self.split_sizes = [self.num_heads * self.head_dim, self.head_dim, self.num_heads]
+        # Index queries, index key and head weights from one matmul.
+        self.proj = nn.Linear(config.hidden_size, sum(self.split_sizes), bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        index_q, index_k, head_weights = self.proj(x).split(self.split_sizes, dim=-1)
+        index_q = index_q.reshape(x.shape[0], self.num_heads, self.head_dim)
+        return select_topk(index_q, index_k, head_weights, self.group_id, self.topk)
+
+
+class SparseAttention(nn.Module):
+    """GQA attention over indexer-selected keys; layer ``i`` owns an indexer iff ``i % index_share == 0``.
+
+    Example:
+        >>> from bcg.models.config import get_preset
+        >>> cfg = get_preset("tiny-dsa")
+        >>> SparseAttention(cfg, 4).indexer is not None, SparseAttention(cfg, 5).indexer is None
+        (True, True)
+    """
+
+    def __init__(self, config: ModelConfig, layer_id: int) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.qkv = QKVProjection(config)
+        self.o_proj = nn.Linear(config.num_heads * config.head_dim, config.hidden_size, bias=config.attention_bias)
+        is_group_leader = layer_id % config.index_share == 0
+        self.indexer = Indexer(config, layer_id // config.index_share) if is_group_leader else None
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, selection: Tensor | None) -> tuple[Tensor, Tensor]:
+        if self.indexer is not None:
+            selection = self.indexer(x)
+        if selection is None:
+            raise RuntimeError(f"layer {self.layer_id} has no indexer and was given no selection")
+        q, k, v = self.qkv(x, cos, sin)
+        out = torch.empty_like(q)
+        sparse_attention(q, k, v, selection, out, self.layer_id)
+        return self.o_proj(out.flatten(1)), selection
+
+
+class SparseDecoderLayer(DecoderLayer):
+    """Pre-norm block around :class:`SparseAttention`; threads the selection through."""
+
+    def forward(  # type: ignore[override]
+        self, hidden: Tensor, cos: Tensor, sin: Tensor, selection: Tensor | None
+    ) -> tuple[Tensor, Tensor]:
+        attn_out, selection = self.self_attn(self.input_layernorm(hidden), cos, sin, selection)
+        hidden = hidden + attn_out
+        return hidden + self.mlp(self.post_attention_layernorm(hidden)), selection
+
+
+class DSALM(CausalLM):
+    """GLM-5-like model (``arch="dsa"``): indexer-selected sparse attention, MoE or dense FFN.
+
+    Example:
+        >>> from bcg.models.base import build_model
+        >>> from bcg.models.config import get_preset
+        >>> sum(layer.self_attn.indexer is not None for layer in build_model(get_preset("tiny-dsa")).layers)
+        2
+    """
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__(config)
+        for layer_id in range(config.num_layers):
+            mlp = MoEFFN(config) if config.is_moe else SwiGLUMLP(config.hidden_size, config.intermediate_size)
+            self.layers.append(SparseDecoderLayer(config, SparseAttention(config, layer_id), mlp))
+
+    def forward_layers(self, hidden: Tensor, positions: Tensor) -> Tensor:
+        cos, sin = self.rotary(positions)
+        selection: Tensor | None = None
+        for layer in self.layers:
+            hidden, selection = layer(hidden, cos, sin, selection)
+        return hidden
+
+    def post_init(self) -> None:
+        super().post_init()
+        prepare_experts(self)

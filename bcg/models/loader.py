@@ -1,0 +1,195 @@
+"""Loading Hugging Face checkpoints (``config.json`` + safetensors) into the model zoo.
+
+Supported ``model_type``: ``llama``, ``qwen3`` (q/k norm) and ``qwen3_moe``. Our modules fuse
+q/k/v and gate/up projections and stack the experts, so the loader concatenates the per-projection
+(and per-expert) tensors of the checkpoint; the fused ``experts.gate_up_proj``/``down_proj``
+layout of recent transformers versions is accepted too.
+"""
+
+from __future__ import annotations
+
+import json
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from torch import Tensor
+
+from bcg.models.base import CausalLM, materialize
+from bcg.models.config import ModelConfig
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen3", "qwen3_moe")
+# Checkpoint entries that carry no weights we need.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+class CheckpointError(ValueError):
+    """The checkpoint is unsupported, inconsistent with its config, or incomplete."""
+
+
+def config_from_hf(hf_config: dict[str, Any]) -> ModelConfig:
+    """Map a Hugging Face ``config.json`` dict to a :class:`ModelConfig`.
+
+    Raises:
+        CheckpointError: unsupported model type or feature (RoPE scaling, sliding window, non-SiLU
+            activation, dense layers inside an MoE model, ...).
+
+    Example:
+        >>> config_from_hf({"model_type": "llama", "vocab_size": 256, "hidden_size": 64,
+        ...                 "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        ...                 "intermediate_size": 128}).head_dim
+        16
+    """
+    model_type = hf_config.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise CheckpointError(f"unsupported model_type {model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+
+    def unsupported(what: str) -> CheckpointError:
+        return CheckpointError(f"{model_type} checkpoint uses {what}, which bcg does not implement")
+
+    if hf_config.get("hidden_act", "silu") != "silu":
+        raise unsupported(f"hidden_act={hf_config['hidden_act']!r}")
+    if hf_config.get("mlp_bias"):
+        raise unsupported("mlp_bias")
+    # transformers >= 5 nests RoPE settings in `rope_parameters`; older configs use `rope_scaling`.
+    rope = hf_config.get("rope_parameters") or hf_config.get("rope_scaling") or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type != "default":
+        raise unsupported(f"RoPE scaling {rope_type!r}")
+    if hf_config.get("use_sliding_window") or any(t != "full_attention" for t in hf_config.get("layer_types") or []):
+        raise unsupported("sliding-window attention")
+
+    hidden_size, num_heads = hf_config["hidden_size"], hf_config["num_attention_heads"]
+    fields: dict[str, Any] = dict(
+        arch="dense",
+        vocab_size=hf_config["vocab_size"],
+        hidden_size=hidden_size,
+        num_layers=hf_config["num_hidden_layers"],
+        num_heads=num_heads,
+        num_kv_heads=hf_config.get("num_key_value_heads") or num_heads,
+        head_dim=hf_config.get("head_dim") or hidden_size // num_heads,
+        intermediate_size=hf_config["intermediate_size"],
+        rms_norm_eps=hf_config.get("rms_norm_eps", 1e-6),
+        rope_theta=hf_config.get("rope_theta", rope.get("rope_theta", 10000.0)),
+        max_position_embeddings=hf_config.get("max_position_embeddings", 4096),
+        tie_word_embeddings=bool(hf_config.get("tie_word_embeddings", False)),
+        qk_norm=model_type in ("qwen3", "qwen3_moe"),
+        attention_bias=bool(hf_config.get("attention_bias", False)),
+    )
+    if model_type == "qwen3_moe":
+        if hf_config.get("mlp_only_layers") or hf_config.get("decoder_sparse_step", 1) != 1:
+            raise unsupported("dense layers between MoE layers (mlp_only_layers / decoder_sparse_step)")
+        fields.update(
+            arch="moe",
+            # Renamed to num_local_experts in transformers >= 5.
+            num_experts=hf_config.get("num_experts") or hf_config["num_local_experts"],
+            num_experts_per_tok=hf_config["num_experts_per_tok"],
+            moe_intermediate_size=hf_config["moe_intermediate_size"],
+            norm_topk_prob=bool(hf_config.get("norm_topk_prob", False)),
+        )
+    return ModelConfig(**fields)
+
+
+class _CheckpointReader:
+    """Lazy name -> tensor access over one or more safetensors files; remembers what was read."""
+
+    def __init__(self, folder: Path, stack: ExitStack) -> None:
+        index_path = folder / "model.safetensors.index.json"
+        if index_path.exists():
+            weight_map: dict[str, str] = json.loads(index_path.read_text())["weight_map"]
+            files = sorted(set(weight_map.values()))
+        else:
+            files = sorted(p.name for p in folder.glob("*.safetensors"))
+        if not files:
+            raise CheckpointError(f"no *.safetensors files in {folder}")
+        self.handles: dict[str, Any] = {}
+        for file in files:
+            handle = stack.enter_context(safe_open(str(folder / file), framework="pt", device="cpu"))
+            self.handles.update(dict.fromkeys(handle.keys(), handle))
+        self.used: set[str] = set()
+
+    def has(self, name: str) -> bool:
+        return name in self.handles
+
+    def __call__(self, name: str) -> Tensor:
+        if name not in self.handles:
+            raise KeyError(name)
+        self.used.add(name)
+        return self.handles[name].get_tensor(name)
+
+
+def _hf_tensor(name: str, get: _CheckpointReader, num_experts: int) -> Tensor:
+    """Assemble our parameter ``name`` from the checkpoint tensors it corresponds to."""
+    if not name.startswith("layers."):
+        return get(name if name.startswith("lm_head.") else f"model.{name}")
+    layer_id, rest = name.removeprefix("layers.").split(".", 1)
+    prefix = f"model.layers.{layer_id}."
+    if rest.startswith("self_attn.qkv.qkv_proj."):
+        kind = rest.rsplit(".", 1)[1]  # weight or bias
+        return torch.cat([get(f"{prefix}self_attn.{p}_proj.{kind}") for p in "qkv"])
+    if rest.startswith("self_attn.qkv."):  # q_norm / k_norm
+        return get(prefix + "self_attn." + rest.removeprefix("self_attn.qkv."))
+    if rest == "mlp.gate_up_proj.weight":
+        return torch.cat([get(f"{prefix}mlp.gate_proj.weight"), get(f"{prefix}mlp.up_proj.weight")])
+    if rest in ("mlp.experts_gate_up", "mlp.experts_down"):
+        fused = prefix + ("mlp.experts.gate_up_proj" if rest == "mlp.experts_gate_up" else "mlp.experts.down_proj")
+        if get.has(fused):
+            return get(fused)
+        experts = prefix + "mlp.experts."
+        if rest == "mlp.experts_down":
+            return torch.stack([get(f"{experts}{e}.down_proj.weight") for e in range(num_experts)])
+        return torch.stack(
+            [torch.cat([get(f"{experts}{e}.gate_proj.weight"), get(f"{experts}{e}.up_proj.weight")]) for e in range(num_experts)]
+        )
+    return get(prefix + rest)
+
+
+def load_checkpoint(path: str | Path, device: torch.device | str, dtype: torch.dtype) -> CausalLM:
+    """Load a Hugging Face-layout checkpoint folder into a :class:`CausalLM`.
+
+    Reads ``config.json`` and ``*.safetensors`` (sharded via ``model.safetensors.index.json`` or
+    not), casting every tensor to ``dtype`` on ``device``.
+
+    Raises:
+        CheckpointError: unsupported model type or feature, missing or unexpected tensors,
+            shape mismatch, or no weights in the folder.
+
+    Example:
+        >>> model = load_checkpoint("/models/Qwen3-0.6B", "cuda", torch.bfloat16)  # doctest: +SKIP
+    """
+    folder = Path(path)
+    config_path = folder / "config.json"
+    if not config_path.exists():
+        raise CheckpointError(f"{folder} has no config.json")
+    config = config_from_hf(json.loads(config_path.read_text()))
+    model = materialize(config, device, dtype)
+    missing: list[str] = []
+    with ExitStack() as stack, torch.no_grad():
+        reader = _CheckpointReader(folder, stack)
+        for name, param in model.named_parameters():
+            try:
+                tensor = _hf_tensor(name, reader, config.num_experts)
+            except KeyError as exc:
+                missing.append(str(exc.args[0]))
+                continue
+            if tensor.shape != param.shape:
+                raise CheckpointError(f"shape mismatch for {name}: checkpoint {tuple(tensor.shape)}, model {tuple(param.shape)}")
+            param.copy_(tensor)
+        ignorable = {"lm_head.weight"} if config.tie_word_embeddings else set()
+        unexpected = sorted(
+            n for n in reader.handles if n not in reader.used and n not in ignorable and not n.endswith(_IGNORED_SUFFIXES)
+        )
+    if missing or unexpected:
+        details = _summary("missing", missing) + _summary("unexpected", unexpected)
+        raise CheckpointError(f"checkpoint {folder} does not match its {config.arch} model:{details}")
+    return model
+
+
+def _summary(label: str, names: list[str], limit: int = 8) -> str:
+    if not names:
+        return ""
+    shown = ", ".join(names[:limit]) + (f", ... ({len(names)} in all)" if len(names) > limit else "")
+    return f" {label}: {shown};"
+

@@ -1,0 +1,49 @@
+"""The interface every prefill backend implements behind the runner."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from bcg.runtime.runner import Runner
+
+__all__ = ["GraphBackend", "BackendRefused"]
+
+
+class BackendRefused(RuntimeError):
+    """The backend cannot serve this model at all (e.g. an uncapturable op); the engine then runs eagerly."""
+
+
+class GraphBackend(ABC):
+    """Builds one replayable handle per token bucket and replays it against the runner's static buffers.
+
+    The runner owns the static buffers (``static_hidden``, ``static_positions``, ``static_output``), the bucket
+    table, the forward context and all fallbacks; a backend only knows how to capture and replay a bucket.
+    """
+
+    name: str = "?"
+    uses_graphs: bool = True
+
+    def __init__(self, runner: Runner) -> None:
+        self.runner = runner
+
+    def prepare(self) -> None:
+        """One-time work before any capture (compilation); its time is reported as compile time."""
+
+    def warmup(self, num_tokens: int) -> None:
+        """One uncaptured forward at bucket size (kernel selection, lazy init) before the capture."""
+        r = self.runner
+        r.model.forward_layers(r.static_hidden[:num_tokens], r.static_positions[:num_tokens])
+
+    @abstractmethod
+    def capture(self, num_tokens: int) -> Any:
+        """Captures bucket ``num_tokens``: afterwards replaying the handle writes ``static_output[:num_tokens]``."""
+
+    @abstractmethod
+    def replay(self, handle: Any, num_tokens: int) -> None:
+        """Replays a handle; the live forward context is already set and static inputs are filled."""
+
+    def describe(self, handle: Any) -> tuple[int, int]:
+        """(segments, breaks) of a captured handle, for telemetry."""
+        return (1, 0)

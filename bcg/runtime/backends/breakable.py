@@ -1,0 +1,39 @@
+"""The breakable backend: one breakable graph per token bucket, attention as eager islands."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import bcg
+from bcg.runtime.backends.base import GraphBackend
+
+__all__ = ["BreakableBackend"]
+
+
+class BreakableBackend(GraphBackend):
+    """Captures the layer stack per bucket with :func:`bcg.breakable_graph` into the runner's shared pool.
+
+    In debug mode the whole layer stack is one eager break: the runner, static buffers and replay path stay the
+    same while nothing of the model is captured, so a bug that disappears in debug mode is a capture bug.
+    """
+
+    name = "breakable"
+
+    def prepare(self) -> None:
+        r = self.runner
+        self._layers = bcg.eager_on_graph(r.model.forward_layers) if r.config.debug else r.model.forward_layers
+
+    def capture(self, num_tokens: int) -> bcg.BreakableCUDAGraph:
+        r = self.runner
+        graph = bcg.BreakableCUDAGraph(pool=r.pool, emulate=r.emulate)
+        hidden, positions = r.static_hidden[:num_tokens], r.static_positions[:num_tokens]
+        with bcg.breakable_graph(graph, pool=r.pool, stream=r.capture_stream):
+            out = self._layers(hidden, positions)
+            r.static_output[:num_tokens].copy_(out)
+        return graph
+
+    def replay(self, handle: Any, num_tokens: int) -> None:
+        handle.replay()
+
+    def describe(self, handle: Any) -> tuple[int, int]:
+        return (handle.num_segments, handle.num_breaks)

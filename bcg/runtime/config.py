@@ -1,0 +1,100 @@
+"""Engine configuration: one dataclass, mapped 1:1 to CLI flags."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = ["BACKENDS", "EngineConfig", "resolve_backend"]
+
+# Names follow SGLang's --cuda-graph-backend-prefill values; "disabled" is an alias of "eager".
+BACKENDS = ("eager", "breakable", "full", "tc_piecewise")
+_ALIASES = {"disabled": "eager"}
+
+
+def resolve_backend(name: str) -> str:
+    """Canonical backend name; raises ValueError naming the valid choices."""
+    name = _ALIASES.get(name, name)
+    if name not in BACKENDS:
+        raise ValueError(f"unknown backend {name!r}; choose one of {', '.join(BACKENDS)} (or 'disabled')")
+    return name
+
+
+@dataclass
+class EngineConfig:
+    """Everything an :class:`~bcg.runtime.engine.Engine` needs besides the model.
+
+    Attributes:
+        backend: "eager" ("disabled"), "breakable", "full" or "tc_piecewise".
+        device: "cuda", "cpu" or a torch device string; None picks CUDA when available.
+        dtype: "bfloat16", "float16" or "float32"; None picks bfloat16 on CUDA and float32 on CPU.
+        seed: seed of the random weights (same seed, same weights, whatever the backend).
+        chunked_prefill_size: most tokens one forward processes; longer prompts are split into chunks.
+        max_tokens: capture ceiling in tokens; None means ``chunked_prefill_size``.
+        buckets: explicit bucket list (token counts); None means the default ladder up to ``max_tokens``.
+        max_padding_factor: run eagerly when the bucket would be more than this many times the real tokens.
+        kv_tokens: KV pool capacity in tokens; None means ``4 * chunked_prefill_size``.
+        max_requests: request slots of the "full" backend; None means ``max(chunked_prefill_size // 512, 1)``.
+        tc_compiler: "inductor" or "eager" (no compilation), used by "tc_piecewise".
+        debug: run the whole layer stack as one eager break through the same runner path (bisects graph bugs).
+        warmup: forward passes per bucket before its capture.
+        progress: show a progress bar while capturing.
+    """
+
+    backend: str = "breakable"
+    device: str | None = None
+    dtype: str | None = None
+    seed: int = 0
+    chunked_prefill_size: int = 2048
+    max_tokens: int | None = None
+    buckets: list[int] | None = None
+    max_padding_factor: float = 2.0
+    kv_tokens: int | None = None
+    max_requests: int | None = None
+    tc_compiler: str = "inductor"
+    debug: bool = False
+    warmup: int = 2
+    progress: bool = True
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.backend = resolve_backend(self.backend)
+        if self.chunked_prefill_size < 1:
+            raise ValueError(f"chunked_prefill_size must be >= 1, got {self.chunked_prefill_size}")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.tc_compiler not in ("inductor", "eager"):
+            raise ValueError(f"tc_compiler must be 'inductor' or 'eager', got {self.tc_compiler!r}")
+        if self.max_padding_factor < 1.0:
+            raise ValueError(f"max_padding_factor must be >= 1.0, got {self.max_padding_factor}")
+
+    @property
+    def torch_device(self) -> torch.device:
+        if self.device is None:
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        if self.dtype is None:
+            return torch.bfloat16 if self.torch_device.type == "cuda" else torch.float32
+        try:
+            dtype = getattr(torch, self.dtype)
+        except AttributeError:
+            dtype = None
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise ValueError(f"dtype must be a floating torch dtype name such as 'bfloat16', got {self.dtype!r}")
+        return dtype
+
+    @property
+    def capture_ceiling(self) -> int:
+        return self.max_tokens if self.max_tokens is not None else self.chunked_prefill_size
+
+    @property
+    def kv_capacity(self) -> int:
+        return self.kv_tokens if self.kv_tokens is not None else 4 * self.chunked_prefill_size
+
+    @property
+    def request_slots(self) -> int:
+        return self.max_requests if self.max_requests is not None else max(self.chunked_prefill_size // 512, 1)

@@ -1,0 +1,156 @@
+"""The prefill engine: validate prompts, schedule chunks, run them through the runner, sample greedily."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+
+from bcg.models.base import CausalLM, build_model
+from bcg.models.config import ModelConfig, get_preset
+from bcg.runtime.batch import PrefillBatch, PrefillItem
+from bcg.runtime.config import EngineConfig
+from bcg.runtime.kv_cache import KVPool
+from bcg.runtime.runner import Runner
+from bcg.runtime.scheduler import plan_batches
+from bcg.runtime.telemetry import BatchRecord, Telemetry
+
+__all__ = ["Engine", "PrefillResult"]
+
+Prompt = Sequence[int] | torch.Tensor
+
+
+@dataclass
+class PrefillResult:
+    """Output of :meth:`Engine.prefill`.
+
+    Attributes:
+        logits: (num_prompts, vocab) fp32 logits at each prompt's last token.
+        next_tokens: (num_prompts,) greedy first output token.
+        batches: one record per forward (tokens, requests, bucket replayed or why it ran eagerly).
+    """
+
+    logits: torch.Tensor
+    next_tokens: torch.Tensor
+    batches: list[BatchRecord]
+
+
+def _load_model(model: str | os.PathLike | ModelConfig | CausalLM, cfg: EngineConfig) -> CausalLM:
+    device, dtype = cfg.torch_device, cfg.torch_dtype
+    if isinstance(model, torch.nn.Module):
+        return model.to(device=device, dtype=dtype)
+    if isinstance(model, ModelConfig):
+        return build_model(model, device, dtype, cfg.seed)
+    if os.path.isdir(model):
+        from bcg.models.loader import load_checkpoint
+
+        return load_checkpoint(model, device, dtype)
+    return build_model(get_preset(str(model)), device, dtype, cfg.seed)
+
+
+class Engine:
+    """Prefill-only inference engine with a pluggable CUDA-graph backend.
+
+    Args:
+        model: a preset name (``"tiny-dense"``, ``"llama-dense"``, ...), a Hugging Face checkpoint folder, a
+            :class:`ModelConfig` or a built model.
+        config: an :class:`EngineConfig`; keyword arguments override or replace it field by field.
+
+    Example::
+
+        from bcg.runtime import Engine
+        eng = Engine("tiny-dense", backend="breakable", device="cpu", seed=0)
+        res = eng.prefill([[1, 2, 3], [4, 5, 6, 7, 8]])
+        res.logits.shape, res.next_tokens      # (2, vocab), greedy next tokens
+    """
+
+    def __init__(self, model: Any = "tiny-dense", config: EngineConfig | None = None, **kwargs: Any) -> None:
+        names = {f.name for f in fields(EngineConfig)}
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise TypeError(f"unknown Engine option(s) {unknown}; valid options: {sorted(names)}")
+        base = {f.name: getattr(config, f.name) for f in fields(EngineConfig)} if config else {}
+        self.config = EngineConfig(**{**base, **kwargs})
+        self.device, self.dtype = self.config.torch_device, self.config.torch_dtype
+        t0 = time.perf_counter()
+        self.model = _load_model(model, self.config).eval()
+        self.load_ms = (time.perf_counter() - t0) * 1e3
+        mc = self.model.config
+        max_bucket = max(self.config.buckets or [self.config.capture_ceiling])
+        # The pool must hold one largest-bucket dummy batch during capture and the biggest live batch.
+        self.kv_pool = KVPool.for_model(mc, max(self.config.kv_capacity, max_bucket), self.device, self.dtype)
+        self.runner = Runner(self.model, self.config, self.kv_pool)
+        t0 = time.perf_counter()
+        self.runner.build()
+        self.build_ms = (time.perf_counter() - t0) * 1e3
+
+    @property
+    def telemetry(self) -> Telemetry:
+        """Per-bucket build records and per-batch replay records."""
+        return self.runner.telemetry
+
+    @torch.inference_mode()
+    def prefill(self, prompts: Sequence[Prompt]) -> PrefillResult:
+        """Prefills every prompt and returns last-token logits and greedy next tokens.
+
+        Prompts are lists of token ids or 1-D integer tensors (on the CPU or the engine's device). Prompts longer
+        than ``chunked_prefill_size`` are split into chunks; chunks of several prompts are packed per forward.
+        """
+        ids = self._validate(prompts)
+        lengths = [len(t) for t in ids]
+        all_slots = self.kv_pool.alloc(sum(lengths))  # all or nothing: a failure leaves the pool untouched
+        slots = all_slots.split(lengths)
+        first = len(self.telemetry.batches)
+        logits = torch.empty(len(ids), self.model.config.vocab_size, dtype=torch.float32, device=self.device)
+        try:
+            for plan in plan_batches(lengths, self.config.chunked_prefill_size):
+                items = [PrefillItem(ids[c.request][c.start:c.end], slots[c.request][c.start:c.end], c.start,
+                                     slots[c.request][: c.start]) for c in plan]
+                batch = PrefillBatch(items, self.kv_pool)
+                hidden = self.runner.forward(batch)
+                last = [i for i, c in enumerate(plan) if c.is_last]
+                if last:
+                    rows = batch.logits_indices[last]
+                    logits[[plan[i].request for i in last]] = self.model.compute_logits(hidden[rows]).float()
+        finally:
+            self.kv_pool.free(all_slots)
+        return PrefillResult(logits, logits.argmax(dim=-1), self.telemetry.batches[first:])
+
+    def _validate(self, prompts: Sequence[Prompt]) -> list[torch.Tensor]:
+        if isinstance(prompts, torch.Tensor) or not isinstance(prompts, Sequence) or isinstance(prompts, str):
+            raise TypeError("prefill() takes a list of prompts (lists of token ids or 1-D integer tensors), "
+                            f"got {type(prompts).__name__}")
+        if len(prompts) == 0:
+            raise ValueError("prefill() needs at least one prompt; got an empty list")
+        vocab, out = self.model.config.vocab_size, []
+        for i, p in enumerate(prompts):
+            if isinstance(p, torch.Tensor):
+                if p.dtype.is_floating_point or p.dtype.is_complex or p.dtype == torch.bool:
+                    raise TypeError(f"prompt {i} is a {p.dtype} tensor; token ids must be an integer tensor "
+                                    "(e.g. torch.long)")
+                if p.device.type != "cpu" and p.device != self.device:
+                    raise ValueError(f"prompt {i} is on {p.device}, but the engine runs on {self.device}; "
+                                     f"pass it on the CPU or on {self.device}")
+                if p.dim() != 1:
+                    raise ValueError(f"prompt {i} has shape {tuple(p.shape)}; a prompt is a 1-D tensor of ids")
+                t = p.to(device="cpu", dtype=torch.long)
+            else:
+                if not all(isinstance(x, int) and not isinstance(x, bool) for x in p):
+                    raise TypeError(f"prompt {i} must contain Python ints (token ids)")
+                t = torch.tensor(list(p), dtype=torch.long)
+            if t.numel() == 0:
+                raise ValueError(f"prompt {i} is empty; every prompt needs at least one token")
+            lo, hi = int(t.min()), int(t.max())
+            if lo < 0 or hi >= vocab:
+                bad = lo if lo < 0 else hi
+                raise ValueError(f"prompt {i} has token id {bad} outside the vocabulary [0, {vocab})")
+            out.append(t)
+        total, capacity = sum(len(t) for t in out), self.kv_pool.num_free
+        if total > capacity:
+            raise ValueError(f"the prompts need {total} KV slots but the pool has {capacity} free; raise "
+                             "kv_tokens or prefill fewer/shorter prompts")
+        return out

@@ -1,0 +1,127 @@
+"""Token-slot KV pool (page size 1) with a host-side slot allocator.
+
+Every token of every request owns one slot, the same slot index in every layer. Slot
+``num_slots`` (the last row) is a scratch slot owned by nobody: a backend that cannot mask the
+KV write of padded rows (a whole-graph capture) can point them there. The bcg islands never write
+padded rows at all.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from bcg.models.config import ModelConfig
+
+
+class KVPoolFullError(RuntimeError):
+    """Not enough free slots for an allocation."""
+
+
+class KVPool:
+    """Per-layer K/V caches (plus per-group index-key caches for DSA) and a slot allocator.
+
+    Shapes: ``k[layer]`` and ``v[layer]`` are ``(num_slots + 1, num_kv_heads, head_dim)``;
+    ``index_k[group]`` is ``(num_slots + 1, index_head_dim)``. All start zeroed.
+
+    Slot bookkeeping stays on the host: :meth:`alloc` returns a CPU ``int64`` tensor and
+    :meth:`free` takes one; :class:`bcg.runtime.batch.PrefillBatch` ships slots to the device in
+    one copy per batch.
+
+    Example:
+        >>> pool = KVPool(num_slots=4, num_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.float32)
+        >>> slots = pool.alloc(3)
+        >>> slots.tolist(), pool.num_free
+        ([0, 1, 2], 1)
+        >>> pool.free(slots); pool.num_free
+        4
+    """
+
+    def __init__(
+        self,
+        num_slots: int,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+        num_index_groups: int = 0,
+        index_head_dim: int = 0,
+    ) -> None:
+        if num_slots <= 0:
+            raise ValueError(f"num_slots must be positive, got {num_slots}")
+        self.num_slots = num_slots
+        self.device = torch.device(device)
+        shape = (num_slots + 1, num_kv_heads, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+        self.index_k = [
+            torch.zeros(num_slots + 1, index_head_dim, dtype=dtype, device=self.device) for _ in range(num_index_groups)
+        ]
+        # Free slots as a stack; reversed so allocations come out in ascending order.
+        self._free_stack = torch.arange(num_slots - 1, -1, -1, dtype=torch.int64)
+        self._num_free = num_slots
+        self._is_free = torch.ones(num_slots, dtype=torch.bool)
+
+    @classmethod
+    def for_model(
+        cls, config: ModelConfig, num_slots: int, device: torch.device | str, dtype: torch.dtype
+    ) -> KVPool:
+        """Pool sized for ``config`` with a budget of ``num_slots`` cached tokens.
+
+        Example:
+            >>> from bcg.models.config import get_preset
+            >>> len(KVPool.for_model(get_preset("tiny-dsa"), 16, "cpu", torch.float32).index_k)
+            2
+        """
+        return cls(
+            num_slots, config.num_layers, config.num_kv_heads, config.head_dim, dtype, device,
+            num_index_groups=config.num_index_groups, index_head_dim=config.index_head_dim,
+        )
+
+    @property
+    def scratch_slot(self) -> int:
+        """Index of the scratch slot that padded rows may write to."""
+        return self.num_slots
+
+    @property
+    def num_free(self) -> int:
+        """Slots currently free."""
+        return self._num_free
+
+    def alloc(self, n: int) -> Tensor:
+        """Take ``n`` free slots; returns a CPU ``int64`` tensor of slot indices.
+
+        Raises:
+            KVPoolFullError: fewer than ``n`` slots are free; nothing is allocated.
+        """
+        if n < 0:
+            raise ValueError(f"cannot allocate a negative number of slots ({n})")
+        if n > self._num_free:
+            raise KVPoolFullError(
+                f"KV pool out of slots: requested {n}, only {self._num_free} of {self.num_slots} free "
+                f"(short by {n - self._num_free})"
+            )
+        start = self._num_free - n
+        slots = self._free_stack[start : self._num_free].flip(0)
+        self._num_free = start
+        self._is_free[slots] = False
+        return slots
+
+    def free(self, slots: Tensor) -> None:
+        """Return ``slots`` to the pool (their cached contents become garbage).
+
+        Raises:
+            ValueError: a slot is out of range, duplicated, or not allocated; nothing is freed.
+        """
+        slots = slots.detach().to("cpu", torch.int64).flatten()
+        if slots.numel() == 0:
+            return
+        if int(slots.min()) < 0 or int(slots.max()) >= self.num_slots:
+            raise ValueError(f"slot out of range [0, {self.num_slots}) in free()")
+        if slots.unique().numel() != slots.numel() or bool(self._is_free[slots].any()):
+            raise ValueError("free() got a duplicated slot or one that is not allocated")
+        self._is_free[slots] = True
+        end = self._num_free + slots.numel()
+        self._free_stack[self._num_free : end] = slots.flip(0)
+        self._num_free = end

@@ -1,0 +1,238 @@
+"""The token-bucket runner: static buffers, capture of every bucket, and the replay-or-eager decision.
+
+Captured: the layer stack (``model.forward_layers``). Eager: the embedding lookup before it and the final norm,
+LM head and sampling on each request's last token after it, so one capture per token bucket serves any mix of
+requests. A live batch of ``num_tokens`` is padded to the smallest bucket, copied into static buffers (padded rows
+zeroed), replayed under a forward context that the attention islands read, and its rows are read back from one
+max-size output buffer sliced per bucket.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import time
+from contextlib import contextmanager, nullcontext
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from bcg.emulation import UncapturableOpError
+from bcg.runtime.backends import make_backend
+from bcg.runtime.backends.base import BackendRefused
+from bcg.runtime.batch import PrefillBatch, PrefillItem
+from bcg.runtime.buckets import BucketTable, default_ladder
+from bcg.runtime.config import EngineConfig
+from bcg.runtime.context import forward_context
+from bcg.runtime.kv_cache import KVPool
+from bcg.runtime.telemetry import BatchRecord, BucketRecord, Telemetry
+
+__all__ = ["Runner"]
+
+logger = logging.getLogger("bcg")
+
+
+def _is_uncapturable(e: BaseException) -> bool:
+    """Errors that say the *model* cannot be captured, as opposed to one bucket failing (e.g. out of memory)."""
+    if isinstance(e, (UncapturableOpError, BackendRefused)):
+        return True
+    text = str(e)
+    return "operation not permitted when stream is capturing" in text or "cudaErrorStreamCapture" in text
+
+
+@contextmanager
+def _frozen_gc() -> Any:
+    # A collection during capture could free tensors mid-segment; freezing also keeps capture fast.
+    gc.collect()
+    gc.freeze()
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+        gc.unfreeze()
+
+
+def _free_memory(device: torch.device) -> int:
+    return torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else 0
+
+
+class Runner:
+    """Runs the layer stack of ``model`` for packed prefill batches through one backend.
+
+    Example::
+
+        runner = Runner(model, EngineConfig(backend="breakable", buckets=[16, 32]), kv_pool)
+        runner.build()                       # captures every bucket, largest first
+        hidden = runner.forward(batch)       # (batch.num_tokens, hidden_size)
+    """
+
+    def __init__(self, model: torch.nn.Module, config: EngineConfig, kv_pool: KVPool) -> None:
+        self.model, self.config, self.kv_pool = model, config, kv_pool
+        self.device, self.dtype = config.torch_device, config.torch_dtype
+        self.emulate = self.device.type != "cuda"
+        self.telemetry = Telemetry(backend=config.backend)
+        sizes = config.buckets if config.buckets is not None else default_ladder(config.capture_ceiling)
+        self.table = BucketTable(sizes, config.max_padding_factor)
+        self.backend = make_backend(config.backend, self)
+        self.handles: dict[int, Any] = {}
+        self.pool: Any = None
+        self.capture_stream = None
+        if self.backend.uses_graphs:
+            max_tokens, hidden = self.table.max_bucket, model.config.hidden_size
+            kw = {"device": self.device}
+            self.static_hidden = torch.zeros(max_tokens, hidden, dtype=self.dtype, **kw)
+            self.static_positions = torch.zeros(max_tokens, dtype=torch.long, **kw)
+            self.static_output = torch.zeros(max_tokens, hidden, dtype=self.dtype, **kw)
+            if not self.emulate:
+                self.pool = torch.cuda.graph_pool_handle()
+                self.capture_stream = torch.cuda.Stream(self.device)
+
+    # ---------------------------------------------------------------- build
+    def build(self) -> None:
+        """Compiles (if the backend does) and captures every bucket, largest first, into one shared pool."""
+        if not self.backend.uses_graphs:
+            return
+        t0 = time.perf_counter()
+        try:
+            self.backend.prepare()
+        except Exception as e:  # noqa: BLE001 - any failure here means: serve eagerly, loudly
+            self._refuse(e)
+            return
+        finally:
+            self.telemetry.compile_ms = (time.perf_counter() - t0) * 1e3
+        sizes = sorted(self.table.sizes, reverse=True)
+        bar = tqdm(sizes, desc=f"Capturing {self.config.backend}", disable=not self.config.progress,
+                   unit="bucket", leave=False)
+        start_free = _free_memory(self.device)
+        t_all = time.perf_counter()
+        with _frozen_gc(), torch.inference_mode():
+            for n in bar:
+                record = self._capture_one(n)
+                bar.set_postfix(num_tokens=n, capture_ms=f"{record.capture_ms:.1f}",
+                                free_gib=f"{_free_memory(self.device) / 2**30:.1f}")
+                if self.telemetry.refused_reason is not None:
+                    break
+        bar.close()
+        self.telemetry.capture_ms = (time.perf_counter() - t_all) * 1e3
+        self.telemetry.graph_memory_bytes = max(start_free - _free_memory(self.device), 0)
+        logger.info("bcg: %s captured %d/%d buckets in %.0f ms (compile %.0f ms), graph memory %.1f MiB",
+                    self.config.backend, self.telemetry.num_captured, len(sizes), self.telemetry.capture_ms,
+                    self.telemetry.compile_ms, self.telemetry.graph_memory_bytes / 2**20)
+
+    def _capture_one(self, n: int) -> BucketRecord:
+        record = BucketRecord(num_tokens=n)
+        self.telemetry.buckets[n] = record
+        free0 = _free_memory(self.device)
+        t0 = time.perf_counter()
+        try:
+            with self._dummy_context(n):
+                stream_ctx = torch.cuda.stream(self.capture_stream) if self.capture_stream else nullcontext()
+                with stream_ctx:
+                    for _ in range(self.config.warmup):
+                        self.backend.warmup(n)
+                if self.capture_stream is not None:
+                    torch.cuda.current_stream().wait_stream(self.capture_stream)
+                handle = self.backend.capture(n)
+        except Exception as e:  # noqa: BLE001 - one bucket failing must not take the others down
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+            if _is_uncapturable(e):
+                self._refuse(e)
+            else:
+                self._disable(n, f"capture failed: {type(e).__name__}: {str(e).splitlines()[0]}")
+            return record
+        record.capture_ms = (time.perf_counter() - t0) * 1e3
+        record.memory_bytes = max(free0 - _free_memory(self.device), 0)
+        record.num_segments, record.num_breaks = self.backend.describe(handle)
+        self.handles[n] = handle
+        return record
+
+    @contextmanager
+    def _dummy_context(self, n: int) -> Any:
+        """A one-request batch of ``n`` tokens with real KV slots, live during warmup and capture."""
+        slots = self.kv_pool.alloc(n)
+        try:
+            batch = PrefillBatch([PrefillItem(torch.zeros(n, dtype=torch.long), slots)], self.kv_pool)
+            self.static_positions[:n].copy_(batch.positions)
+            with forward_context(batch.to_context(n)):
+                yield
+        finally:
+            self.kv_pool.free(slots)
+            self.static_positions.zero_()
+
+    def _refuse(self, e: BaseException) -> None:
+        msg = (f"backend {self.config.backend!r} cannot capture this model: {type(e).__name__}: "
+               f"{str(e).splitlines()[0]}")
+        if self.config.backend != "breakable":
+            msg += " Use backend='breakable', which runs such ops in eager islands."
+        self.telemetry.refused_reason = msg
+        for n in self.table.sizes:
+            self.table.disable(n, "backend_refused")
+            self.telemetry.buckets.setdefault(n, BucketRecord(num_tokens=n)).disabled_reason = msg
+        self.handles.clear()
+        logger.warning("bcg: %s; serving every batch eagerly", msg)
+
+    def _disable(self, n: int, reason: str) -> None:
+        self.table.disable(n, reason)
+        self.handles.pop(n, None)
+        self.telemetry.buckets.setdefault(n, BucketRecord(num_tokens=n)).disabled_reason = reason
+        logger.warning("bcg: bucket %d disabled: %s", n, reason)
+
+    # ---------------------------------------------------------------- forward
+    def choose(self, num_tokens: int) -> tuple[int | None, str]:
+        """The single replay-or-eager predicate: (bucket, "graph") or (None, reason)."""
+        if not self.backend.uses_graphs:
+            return None, "backend_eager"
+        if self.telemetry.refused_reason is not None:
+            return None, "backend_refused"
+        choice = self.table.choose(num_tokens)
+        if choice.bucket is not None and choice.bucket not in self.handles:
+            return None, "bucket_disabled"
+        return choice.bucket, choice.reason
+
+    def forward(self, batch: PrefillBatch) -> torch.Tensor:
+        """Hidden states of the real tokens of ``batch``: (num_tokens, hidden_size)."""
+        n_real = batch.num_tokens
+        hidden = self.model.embed(batch.input_ids)
+        bucket, reason = self.choose(n_real)
+        if bucket is not None:
+            try:
+                self._load(hidden, batch.positions, bucket)
+                with forward_context(batch.to_context(bucket)):
+                    self.backend.replay(self.handles[bucket], bucket)
+                self._record(batch, bucket, True, "graph")
+                return self.static_output[:n_real]
+            except Exception as e:  # noqa: BLE001 - a failed replay falls back to eager for this batch
+                self._disable(bucket, f"replay failed: {type(e).__name__}: {str(e).splitlines()[0]}")
+                reason = "replay_failed"
+        if reason not in ("backend_eager",):
+            self.telemetry.log_once(reason, f"bcg: running a batch eagerly ({reason}); logged once per reason")
+        self._record(batch, None, False, reason)
+        with forward_context(batch.to_context(n_real)):
+            return self.model.forward_layers(hidden, batch.positions)
+
+    @contextmanager
+    def replay_context(self, batch: PrefillBatch) -> Any:
+        """Loads ``batch`` into the static buffers of its bucket and sets its forward context; yields
+        ``(bucket, handle)``. For tools that replay or time the steps of a handle themselves (``bcg analyze``).
+        Raises ValueError when the batch would not replay a graph."""
+        bucket, reason = self.choose(batch.num_tokens)
+        if bucket is None:
+            raise ValueError(f"a batch of {batch.num_tokens} tokens does not replay a graph ({reason})")
+        self._load(self.model.embed(batch.input_ids), batch.positions, bucket)
+        with forward_context(batch.to_context(bucket)):
+            yield bucket, self.handles[bucket]
+
+    def _load(self, hidden: torch.Tensor, positions: torch.Tensor, bucket: int) -> None:
+        n = hidden.shape[0]
+        self.static_hidden[:n].copy_(hidden)
+        self.static_hidden[n:bucket].zero_()
+        self.static_positions[:n].copy_(positions)
+        self.static_positions[n:bucket].zero_()
+
+    def _record(self, batch: PrefillBatch, bucket: int | None, used: bool, reason: str) -> None:
+        self.telemetry.batches.append(BatchRecord(batch.num_tokens, batch.num_requests, bucket, used, reason))

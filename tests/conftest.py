@@ -1,0 +1,58 @@
+"""Shared test helper: an eager prefill driver standing in for the runner."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+from torch import Tensor
+
+from bcg.models.base import CausalLM
+from bcg.runtime.batch import PrefillBatch, PrefillItem
+from bcg.runtime.context import forward_context
+from bcg.runtime.kv_cache import KVPool
+
+
+@dataclass
+class PrefillResult:
+    logits: Tensor  # (R, V) fp32, last new token of each request
+    hidden: Tensor  # (T_pad, H) output of forward_layers
+    slots: list[Tensor]  # per request: all its cached slots (prefix + new), to continue it later
+    batch: PrefillBatch
+
+
+def run_prefill(
+    model: CausalLM,
+    pool: KVPool,
+    chunks: list[tuple[Tensor | None, list[int]]],
+    num_padded_tokens: int | None = None,
+) -> PrefillResult:
+    """Run one packed prefill step eagerly, as the runner would (zeroed padding rows).
+
+    ``chunks`` holds, per request, the slots of its cached prefix (``None`` for none) and its new
+    token ids.
+    """
+    items, slots = [], []
+    for prefix_slots, token_ids in chunks:
+        prefix_slots = torch.empty(0, dtype=torch.int64) if prefix_slots is None else prefix_slots
+        new_slots = pool.alloc(len(token_ids))
+        items.append(PrefillItem(token_ids, new_slots, prefix_len=prefix_slots.numel(), prefix_slots=prefix_slots))
+        slots.append(torch.cat([prefix_slots, new_slots]))
+    batch = PrefillBatch(items, pool)
+    num_padded = num_padded_tokens or batch.num_tokens
+    weight = model.embed_tokens.weight
+    hidden = torch.zeros(num_padded, model.config.hidden_size, dtype=weight.dtype, device=weight.device)
+    hidden[: batch.num_tokens] = model.embed(batch.input_ids)
+    positions = torch.zeros(num_padded, dtype=torch.int64, device=weight.device)
+    positions[: batch.num_tokens] = batch.positions
+    with torch.no_grad(), forward_context(batch.to_context(num_padded)):
+        hidden = model.forward_layers(hidden, positions)
+        logits = model.compute_logits(hidden[batch.logits_indices])
+    return PrefillResult(logits, hidden, slots, batch)
+
+
+@pytest.fixture
+def prefill():
+    """The :func:`run_prefill` driver."""
+    return run_prefill

@@ -1,0 +1,102 @@
+"""Attention island: KV writes of real rows only, and causal varlen attention with prefixes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from bcg.runtime import attention as attention_module
+from bcg.runtime.attention import attention, sdpa_attention, varlen_attention, write_and_gather_kv
+from bcg.runtime.batch import PrefillBatch, PrefillItem
+from bcg.runtime.context import ForwardContext, forward_context
+from bcg.runtime.kv_cache import KVPool
+
+# (new tokens, cached prefix) per request
+LAYOUTS = {
+    "no-prefix": [(5, 0), (1, 0), (9, 0)],
+    "prefix": [(4, 3), (1, 0), (7, 10), (2, 1)],
+}
+
+
+def _setup(layout, num_heads, num_kv_heads, num_padded, device="cpu", dtype=torch.float32, head_dim=16):
+    pool = KVPool(64, num_layers=2, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype, device=device)
+    items = [PrefillItem(list(range(n)), pool.alloc(n), p, pool.alloc(p)) for n, p in layout]
+    gen = torch.Generator().manual_seed(0)
+    for item in items:  # cached prefixes hold earlier chunks' K/V
+        for cache in (pool.k[1], pool.v[1]):
+            cache[item.prefix_slots] = torch.randn(item.prefix_len, num_kv_heads, head_dim, generator=gen).to(device, dtype)
+    ctx = PrefillBatch(items, pool).to_context(num_padded)
+    q = torch.randn(num_padded, num_heads, head_dim, generator=gen).to(device, dtype)
+    k, v = (torch.randn(num_padded, num_kv_heads, head_dim, generator=gen).to(device, dtype) for _ in range(2))
+    return ctx, items, q, k, v
+
+
+def _naive(ctx: ForwardContext, items, q, layer_id=1):
+    """softmax(QK^T / sqrt(d)) V per request, query i seeing keys 0..prefix+i, from the pool."""
+    pool, outs, row = ctx.kv_pool, [], 0
+    for item in items:
+        slots = torch.cat([item.prefix_slots, item.new_slots]).to(q.device)
+        keys, values = pool.k[layer_id][slots].double(), pool.v[layer_id][slots].double()
+        group = q.shape[1] // keys.shape[1]
+        keys, values = keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1)
+        qs = q[row : row + item.num_new_tokens].double()
+        scores = torch.einsum("qhd,khd->hqk", qs, keys) / q.shape[-1] ** 0.5
+        visible = torch.ones(qs.shape[0], keys.shape[0], dtype=torch.bool, device=q.device).tril(item.prefix_len)
+        probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
+        outs.append(torch.einsum("hqk,khd->qhd", probs, values))
+        row += item.num_new_tokens
+    return torch.cat(outs)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(4, 4), (4, 2), (6, 1)])
+def test_island_matches_naive_reference(layout, num_heads, num_kv_heads):
+    ctx, items, q, k, v = _setup(LAYOUTS[layout], num_heads, num_kv_heads, num_padded=40)
+    out = torch.full_like(q, float("nan"))
+    prefix_state = [c.clone() for c in (ctx.kv_pool.k[1], ctx.kv_pool.v[1])]
+    with forward_context(ctx):
+        attention(q, k, v, out, 1)
+    n = ctx.num_tokens
+    assert (out[:n] - _naive(ctx, items, q)).abs().max() <= 1e-5
+    assert (out[n:] == 0).all()
+    # Real rows land at their slots; no other slot (scratch included) changes; layer 0 untouched.
+    pool = ctx.kv_pool
+    assert torch.equal(pool.k[1][ctx.write_slots], k[:n]) and torch.equal(pool.v[1][ctx.write_slots], v[:n])
+    other = torch.ones(pool.num_slots + 1, dtype=torch.bool)
+    other[ctx.write_slots] = False
+    assert torch.equal(pool.k[1][other], prefix_state[0][other]) and torch.equal(pool.v[1][other], prefix_state[1][other])
+    assert not pool.k[0].any() and not pool.v[0].any()
+
+
+def test_gather_returns_prefix_then_new_keys():
+    ctx, items, q, k, v = _setup(LAYOUTS["prefix"], 4, 2, num_padded=30)
+    keys, _ = write_and_gather_kv(ctx, 1, k, v)
+    first = items[0]
+    assert torch.equal(keys[: first.prefix_len], ctx.kv_pool.k[1][first.prefix_slots])
+    assert torch.equal(keys[first.prefix_len : first.prefix_len + first.num_new_tokens], k[: first.num_new_tokens])
+
+
+def test_island_outside_context_raises():
+    q = torch.zeros(2, 1, 4)
+    with pytest.raises(RuntimeError, match="no ForwardContext"):
+        attention(q, q, q, q, 0)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.skipif(attention_module.varlen_attn is None, reason="torch without varlen_attn")
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_varlen_island_matches_sdpa_reference_bf16(layout):
+    ctx, items, q, k, v = _setup(LAYOUTS[layout], 8, 2, num_padded=48, device="cuda", dtype=torch.bfloat16, head_dim=128)
+    out = torch.full_like(q, float("nan"))
+    with forward_context(ctx):
+        attention(q, k, v, out, 1)
+    n = ctx.num_tokens
+    keys, values = write_and_gather_kv(ctx, 1, k, v)
+    reference = sdpa_attention(q[:n], keys, values, ctx).float()
+    assert (out[:n].float() - reference).abs().max() <= 2e-2
+    assert (out[n:] == 0).all()
+    # The varlen kernel itself (the island may route prefix batches elsewhere).
+    if not ctx.has_prefix or attention_module.varlen_causal_is_bottom_right(q.device):
+        assert (varlen_attention(q[:n], keys, values, ctx).float() - reference).abs().max() <= 2e-2
+    assert (out[:n].float() - _naive(ctx, items, q).float()).abs().max() <= 2e-2

@@ -1,0 +1,212 @@
+"""Engine and runner behaviour under CPU graph emulation: equality with eager, fallbacks, bad input."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from bcg.runtime import Engine
+from bcg.runtime.batch import PrefillBatch, PrefillItem
+
+PRESETS = ["tiny-dense", "tiny-moe", "tiny-dsa"]
+BUCKETS = [4, 8, 16, 32, 48, 64]
+_cache: dict[tuple, Engine] = {}
+
+
+def engine(preset: str, backend: str, **kw) -> Engine:
+    """Engines are cached per configuration: capture is the slow part and engines are reusable."""
+    key = (preset, backend, tuple(sorted(kw.items())))
+    if key not in _cache:
+        kw.setdefault("buckets", BUCKETS)
+        kw.setdefault("chunked_prefill_size", 64)
+        kw.setdefault("kv_tokens", 1024)
+        _cache[key] = Engine(preset, backend=backend, device="cpu", seed=0, progress=False, **kw)
+    return _cache[key]
+
+
+def prompts(lengths: list[int], seed: int = 0, vocab: int = 256) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_breakable_matches_eager_and_replays_graphs(preset: str) -> None:
+    batch = prompts([3, 7, 12, 1])
+    ref = engine(preset, "eager").prefill(batch)
+    res = engine(preset, "breakable").prefill(batch)
+    assert res.logits.shape == (4, 256)
+    assert (res.logits - ref.logits).abs().max().item() <= 1e-5
+    assert torch.equal(res.next_tokens, ref.next_tokens)
+    assert [b.graph_used for b in res.batches] == [True] and res.batches[0].bucket == 32
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_replay_is_identical_to_eager_at_the_padded_shape(preset: str) -> None:
+    eng = engine(preset, "breakable")
+    runner = eng.runner
+    batch_prompts = prompts([5, 9])
+    slots = eng.kv_pool.alloc(14)
+    try:
+        items = [PrefillItem(torch.tensor(batch_prompts[0]), slots[:5]),
+                 PrefillItem(torch.tensor(batch_prompts[1]), slots[5:])]
+        batch = PrefillBatch(items, eng.kv_pool)
+        with torch.inference_mode():
+            with runner.replay_context(batch) as (bucket, handle):
+                handle.replay()
+                graph_out = runner.static_output[:bucket].clone()
+                eager_out = eng.model.forward_layers(runner.static_hidden[:bucket], runner.static_positions[:bucket])
+    finally:
+        eng.kv_pool.free(slots)
+    assert bucket == 16
+    assert torch.equal(graph_out[:14], eager_out[:14])
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_islands_are_the_only_breaks(preset: str) -> None:
+    eng = engine(preset, "breakable")
+    rec = eng.telemetry.buckets[16]
+    layers = eng.model.config.num_layers
+    assert rec.disabled_reason is None and rec.num_breaks >= layers
+    assert rec.num_segments == rec.num_breaks + 1
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(lengths=st.lists(st.integers(1, 40), min_size=1, max_size=16), seed=st.integers(0, 2**16),
+       chunk=st.sampled_from([16, 64]))
+def test_random_compositions_match_eager(lengths: list[int], seed: int, chunk: int) -> None:
+    batch = prompts(lengths, seed)
+    ref = engine("tiny-dense", "eager", chunked_prefill_size=chunk).prefill(batch)
+    res = engine("tiny-dense", "breakable", chunked_prefill_size=chunk).prefill(batch)
+    assert (res.logits - ref.logits).abs().max().item() <= 1e-5
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_chunked_prefill_equals_one_shot(preset: str) -> None:
+    prompt = prompts([50])
+    one_shot = engine(preset, "eager").prefill(prompt)
+    chunked = engine(preset, "breakable", chunked_prefill_size=16).prefill(prompt)
+    assert len(chunked.batches) == 4 and all(b.graph_used for b in chunked.batches[:3])
+    assert (chunked.logits - one_shot.logits).abs().max().item() <= 1e-5
+
+
+def test_same_seed_same_weights_whatever_the_backend() -> None:
+    a, b = engine("tiny-moe", "eager"), engine("tiny-moe", "breakable")
+    for (name, p), (_, q) in zip(a.model.state_dict().items(), b.model.state_dict().items()):
+        assert torch.equal(p, q), name
+
+
+def test_fallback_reasons_are_recorded() -> None:
+    eng = engine("tiny-dense", "breakable", chunked_prefill_size=256)
+    res = eng.prefill(prompts([70, 17]))  # 87 tokens > largest bucket (64)
+    assert [(b.graph_used, b.reason) for b in res.batches] == [(False, "exceeds_max_bucket")]
+    res = eng.prefill(prompts([1]))  # bucket 4 would be 4x padding
+    assert res.batches[0].reason == "padding_over_limit"
+    assert eng.runner.choose(33) == (48, "graph")
+
+
+def test_failed_capture_disables_only_that_bucket(monkeypatch: pytest.MonkeyPatch) -> None:
+    from bcg.runtime.backends.breakable import BreakableBackend
+
+    original = BreakableBackend.capture
+
+    def flaky(self, n):  # noqa: ANN001
+        if n == 16:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return original(self, n)
+
+    monkeypatch.setattr(BreakableBackend, "capture", flaky)
+    eng = Engine("tiny-dense", backend="breakable", device="cpu", buckets=[8, 16, 32], progress=False)
+    assert set(eng.runner.handles) == {8, 32}
+    assert "out of memory" in eng.telemetry.buckets[16].disabled_reason
+    res = eng.prefill(prompts([12]))
+    assert res.batches[0].reason == "bucket_disabled"
+    ref = engine("tiny-dense", "eager").prefill(prompts([12]))
+    assert (res.logits - ref.logits).abs().max().item() <= 1e-5
+    assert eng.prefill(prompts([20])).batches[0].graph_used
+
+
+def test_failed_replay_falls_back_and_engine_stays_usable() -> None:
+    eng = Engine("tiny-dense", backend="breakable", device="cpu", buckets=[8, 16], progress=False)
+    handle = eng.runner.handles[16]
+    calls = {"n": 0}
+    real_replay = handle.replay
+
+    def broken() -> None:
+        calls["n"] += 1
+        real_replay()  # writes some state, then fails half way like a real error would
+        raise RuntimeError("simulated replay failure")
+
+    handle.replay = broken
+    ref = engine("tiny-dense", "eager").prefill(prompts([13]))
+    res = eng.prefill(prompts([13]))
+    assert calls["n"] == 1 and res.batches[0].reason == "replay_failed"
+    assert (res.logits - ref.logits).abs().max().item() <= 1e-5
+    assert "replay failed" in eng.telemetry.buckets[16].disabled_reason
+    assert eng.prefill(prompts([13])).batches[0].reason == "bucket_disabled"
+    assert eng.prefill(prompts([7])).batches[0].graph_used
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_debug_mode_runs_the_stack_as_one_break(preset: str) -> None:
+    eng = engine(preset, "breakable", debug=True)
+    rec = eng.telemetry.buckets[16]
+    assert rec.num_breaks == 1
+    ref = engine(preset, "eager").prefill(prompts([6, 5]))
+    res = eng.prefill(prompts([6, 5]))
+    assert res.batches[0].graph_used and (res.logits - ref.logits).abs().max().item() <= 1e-5
+
+
+@pytest.mark.parametrize(
+    ("bad", "error", "match"),
+    [
+        ([], ValueError, "at least one prompt"),
+        ([[1, 2], []], ValueError, "prompt 1 is empty"),
+        ([[1, 256]], ValueError, "token id 256 outside the vocabulary"),
+        ([[-1]], ValueError, "token id -1"),
+        ([torch.tensor([1.0, 2.0])], TypeError, "integer tensor"),
+        ([torch.tensor([[1, 2]])], ValueError, "1-D"),
+        ([[1, 2.5]], TypeError, "Python ints"),
+        (torch.tensor([1, 2]), TypeError, "list of prompts"),
+        ([list(range(200))] * 8, ValueError, "KV slots"),
+    ],
+)
+def test_bad_input_is_rejected_and_leaves_the_pool_untouched(bad, error, match) -> None:  # noqa: ANN001
+    eng = engine("tiny-dense", "breakable")
+    free = eng.kv_pool.num_free
+    k0 = eng.kv_pool.k[0].clone()
+    with pytest.raises(error, match=match):
+        eng.prefill(bad)
+    assert eng.kv_pool.num_free == free and torch.equal(eng.kv_pool.k[0], k0)
+
+
+def test_unknown_options_and_backends_fail_clearly() -> None:
+    with pytest.raises(TypeError, match="unknown Engine option"):
+        Engine("tiny-dense", device="cpu", bukets=[4])
+    with pytest.raises(ValueError, match="unknown backend"):
+        Engine("tiny-dense", device="cpu", backend="cudagraph")
+    with pytest.raises(ValueError, match="tiny-dense"):
+        Engine("no-such-model", device="cpu")
+
+
+def test_disabled_is_an_alias_of_eager() -> None:
+    eng = Engine("tiny-dense", backend="disabled", device="cpu", progress=False)
+    assert eng.config.backend == "eager" and eng.prefill(prompts([4])).batches[0].reason == "backend_eager"
+
+
+def test_padded_rows_do_not_write_kv() -> None:
+    eng = engine("tiny-dense", "breakable")
+    for k in eng.kv_pool.k:
+        k.zero_()
+    eng.prefill(prompts([5]))  # replays bucket 8: three padded rows
+    assert eng.kv_pool.k[0][5:].abs().sum().item() == 0  # slots 0..4 were the request's; nothing else written
+    assert eng.kv_pool.k[0][eng.kv_pool.scratch_slot].abs().sum().item() == 0
+
+
+def test_forward_context_is_not_leaked() -> None:
+    from bcg.runtime.context import get_forward_context
+
+    engine("tiny-dense", "breakable").prefill(prompts([3]))
+    with pytest.raises(RuntimeError, match="no ForwardContext"):
+        get_forward_context()

@@ -1,0 +1,316 @@
+"""Boundary buffers: what eager functions return, refreshed in place at replay, and the mismatch errors."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import bcg
+from bcg.boundary import Boundary, describe, flatten, same_spec
+from bcg.graph import EagerStep
+
+
+class _CountCopies(TorchDispatchMode):
+    """Counts aten.copy_ calls (the boundary refresh path) while active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.copies = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        if func.overloadpacket is torch.ops.aten.copy_:
+            self.copies += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _capture(fn, *inputs):
+    g = bcg.BreakableCUDAGraph(emulate=True)
+    with bcg.breakable_graph(g):
+        out = fn(*inputs)
+    return g, out
+
+
+def _boundary(g: bcg.BreakableCUDAGraph, index: int = 0) -> Boundary:
+    return [s for s in g.steps if isinstance(s, EagerStep)][index].boundary
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# returned tensors and structures
+
+
+@bcg.eager_on_graph
+def fresh(x):
+    return x * 10
+
+
+def test_returned_tensor_is_a_persistent_buffer_refreshed_in_place():
+    x = torch.zeros(4)
+    holder = {}
+
+    def step(x):
+        r = fresh(x + 1)
+        holder["r"] = r
+        return r * 2
+
+    g, out = _capture(step, x)
+    buf = holder["r"]
+    assert _boundary(g).buffers[0] is buf
+    ptr = buf.data_ptr()
+    for v in (1.0, 2.0, -3.0):
+        x.fill_(v)
+        g.replay()
+        assert buf.data_ptr() == ptr
+        torch.testing.assert_close(buf, torch.full((4,), (v + 1) * 10))
+        torch.testing.assert_close(out, torch.full((4,), (v + 1) * 20))
+
+
+@dataclasses.dataclass
+class Pair:
+    a: torch.Tensor
+    b: torch.Tensor
+    tag: str = "pair"
+
+
+def _structures(x):
+    return {
+        "tuple": (x + 1, x * 2),
+        "list": [x + 1, x * 2],
+        "dict": {"a": x + 1, "b": x * 2},
+        "dataclass": Pair(x + 1, x * 2),
+        "nested": {"a": (x + 1, [x * 0 + 7, {"k": x * 2}]), "b": Pair(x, x)},
+    }
+
+
+def _sum_leaves(value):
+    if isinstance(value, torch.Tensor):
+        return value
+    if isinstance(value, (tuple, list)):
+        return sum(_sum_leaves(v) for v in value)
+    if isinstance(value, dict):
+        return sum(_sum_leaves(v) for v in value.values())
+    if dataclasses.is_dataclass(value):
+        return _sum_leaves(value.a) + _sum_leaves(value.b)
+    return 0
+
+
+@pytest.mark.parametrize("kind", ["tuple", "list", "dict", "dataclass", "nested"])
+def test_structured_results_are_refreshed(kind):
+    @bcg.eager_on_graph
+    def produce(x):
+        return _structures(x)[kind]
+
+    def step(x):
+        return _sum_leaves(produce(x * 1)) * 3
+
+    x = torch.zeros(3)
+    g, out = _capture(step, x)
+    assert type(_boundary(g).value) is type(_structures(x)[kind])
+    for v in (1.0, 5.0):
+        x.fill_(v)
+        g.replay()
+        torch.testing.assert_close(out, _sum_leaves(_structures(x)[kind]) * 3)
+
+
+def test_non_tensor_leaves_are_baked_and_may_repeat():
+    @bcg.eager_on_graph
+    def produce(x):
+        return x + 1, 3, "mode", None, torch.float32
+
+    x = torch.zeros(2)
+    g, out = _capture(lambda x: produce(x * 1)[0] * 2, x)
+    assert len(_boundary(g).buffers) == 1
+    x.fill_(4.0)
+    g.replay()
+    torch.testing.assert_close(out, torch.full((2,), 10.0))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# zero-copy style
+
+
+def test_writing_into_arguments_and_returning_none_costs_no_copy():
+    @bcg.eager_on_graph
+    def into(x, out):
+        torch.add(x, 1, out=out)
+
+    x, out = torch.zeros(4), torch.zeros(4)
+
+    def step(x):
+        x.mul_(2)
+        into(x, out)
+        out.mul_(3)
+
+    g, _ = _capture(step, x)
+    assert _boundary(g).buffers == [] and _boundary(g).value is None
+    ptr = out.data_ptr()
+    x.fill_(1.0)
+    with _CountCopies() as spy:
+        g.replay()
+    assert spy.copies == 0
+    assert out.data_ptr() == ptr
+    torch.testing.assert_close(out, torch.full((4,), 9.0))
+
+
+def test_returning_an_argument_costs_no_copy():
+    @bcg.eager_on_graph
+    def bump(x):
+        return x.add_(1)
+
+    x = torch.zeros(4)
+
+    def step(x):
+        x.mul_(2)
+        return bump(x)
+
+    g, out = _capture(step, x)
+    assert out is x
+    x.fill_(1.0)
+    with _CountCopies() as spy:
+        g.replay()
+    assert spy.copies == 0
+    torch.testing.assert_close(x, torch.full((4,), 3.0))
+
+
+def test_returning_a_fresh_tensor_is_one_copy():
+    # The contrast to the zero-copy tests: shows the spy does see the boundary refresh.
+    x = torch.zeros(4)
+
+    def step(x):
+        x.mul_(2)
+        fresh(x)
+
+    g, _ = _capture(step, x)
+    with _CountCopies() as spy:
+        g.replay()
+    assert spy.copies == 1
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# mismatch errors
+
+
+def _mismatch_case(captured, replayed):
+    """A graph whose eager function returns ``captured`` at capture and ``replayed(x)`` at replay."""
+    state = {"replay": False}
+
+    @bcg.eager_on_graph
+    def shifty(x):
+        return replayed(x) if state["replay"] else captured(x)
+
+    x = torch.zeros(4)
+    g, _ = _capture(lambda x: shifty(x * 1), x)
+    state["replay"] = True
+    return g, state
+
+
+@pytest.mark.parametrize(
+    "captured, replayed, captured_sig, replay_sig",
+    [
+        pytest.param(lambda x: x + 1, lambda x: torch.zeros(5), "Tensor(shape=[4]", "Tensor(shape=[5]", id="shape"),
+        pytest.param(lambda x: x + 1, lambda x: torch.zeros(1), "Tensor(shape=[4]", "Tensor(shape=[1]",
+                     id="broadcastable-shape"),
+        pytest.param(lambda x: x + 1, lambda x: torch.zeros(4, dtype=torch.float64), "dtype=torch.float32",
+                     "dtype=torch.float64", id="dtype"),
+        pytest.param(lambda x: x + 1, lambda x: torch.zeros(4, device="meta"), "device=cpu", "device=meta",
+                     id="device"),
+        pytest.param(lambda x: x + 1, lambda x: None, "Tensor(shape=[4]", "NoneType(None)", id="tensor-to-none"),
+        pytest.param(lambda x: None, lambda x: x + 1, "NoneType(None)", "Tensor(shape=[4]", id="none-to-tensor"),
+        pytest.param(lambda x: (x, x), lambda x: (x, x, x), "tuple(Tensor", "tuple(Tensor", id="tuple-length"),
+        pytest.param(lambda x: (x, x), lambda x: [x, x], "tuple(", "list(", id="tuple-to-list"),
+        pytest.param(lambda x: {"a": x}, lambda x: {"b": x}, "dict(a=", "dict(b=", id="dict-keys"),
+        pytest.param(lambda x: (x, 3), lambda x: (x, 4), "int(3)", "int(4)", id="int-value"),
+        pytest.param(lambda x: (x, "a"), lambda x: (x, "b"), "str('a')", "str('b')", id="str-value"),
+        pytest.param(lambda x: (x, 1), lambda x: (x, True), "int(1)", "bool(True)", id="value-type"),
+        pytest.param(lambda x: (x, None), lambda x: (x, x), "NoneType(None)", "Tensor(shape=[4]",
+                     id="nested-none-to-tensor"),
+        pytest.param(lambda x: Pair(x, x), lambda x: Pair(x, x, tag="other"), "tag=str('pair')",
+                     "tag=str('other')", id="dataclass-field"),
+        pytest.param(lambda x: {"a": (x, x)}, lambda x: {"a": (x, x[:2])}, "Tensor(shape=[4]", "Tensor(shape=[2]",
+                     id="nested-shape"),
+    ],
+)
+def test_replay_mismatch_raises_with_both_signatures(captured, replayed, captured_sig, replay_sig):
+    g, _ = _mismatch_case(captured, replayed)
+    with pytest.raises(bcg.BoundaryMismatchError) as info:
+        g.replay()
+    msg = str(info.value)
+    assert "shifty" in msg
+    captured_line = next(line for line in msg.splitlines() if line.strip().startswith("captured:"))
+    replay_line = next(line for line in msg.splitlines() if line.strip().startswith("replay:"))
+    assert captured_sig in captured_line
+    assert replay_sig in replay_line
+
+
+def test_mismatch_does_not_touch_the_buffers_and_a_good_replay_recovers():
+    state = {"bad": False}
+
+    @bcg.eager_on_graph
+    def pair(x):
+        return (x + 1, x.double()) if state["bad"] else (x + 1, x + 2)
+
+    x = torch.zeros(3)
+    g, out = _capture(lambda x: sum(pair(x * 1)) * 1, x)
+    a, b = _boundary(g).buffers
+    before = (a.clone(), b.clone())
+    x.fill_(9.0)
+    state["bad"] = True
+    with pytest.raises(bcg.BoundaryMismatchError):
+        g.replay()
+    torch.testing.assert_close((a, b), before)  # checked before any copy
+    state["bad"] = False
+    g.replay()
+    torch.testing.assert_close(out, torch.full((3,), 21.0))
+
+
+def test_matching_non_contiguous_result_is_copied_by_value():
+    state = {"replay": False}
+
+    @bcg.eager_on_graph
+    def mat(x):
+        m = x.view(2, 2) * 1
+        return m.t() if state["replay"] else m  # same shape, other strides
+
+    x = torch.arange(4.0)
+    g, out = _capture(lambda x: mat(x * 1) + 0, x)
+    state["replay"] = True
+    g.replay()
+    torch.testing.assert_close(out, torch.tensor([[0.0, 2.0], [1.0, 3.0]]))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Boundary on its own
+
+
+def test_flatten_collects_device_leaves_and_bakes_the_rest():
+    t, u = torch.ones(2), torch.zeros(3, dtype=torch.int64)
+    leaves: list[torch.Tensor] = []
+    spec = flatten({"a": (t, 1), "b": [u, "s"]}, "cpu", leaves)
+    assert len(leaves) == 2 and leaves[0] is t and leaves[1] is u
+    assert describe(spec) == (
+        "dict(a=tuple(Tensor(shape=[2], dtype=torch.float32, device=cpu), int(1)), "
+        "b=list(Tensor(shape=[3], dtype=torch.int64, device=cpu), str('s')))"
+    )
+    # on a "cuda" graph, CPU tensors are baked by value, not kept as buffers
+    leaves = []
+    spec = flatten((t, u), "cuda", leaves)
+    assert leaves == []
+    assert same_spec(spec, flatten((t.clone(), u.clone()), "cuda", []))
+    assert not same_spec(spec, flatten((t + 1, u), "cuda", []))
+
+
+def test_baked_host_tensor_mismatch_names_its_signature_not_all_its_data():
+    host = torch.zeros(100_000)
+    b = Boundary("seq_lens", host, device_type="cuda")  # a host tensor next to a CUDA graph is baked
+    assert b.buffers == []
+    b.refresh(host.clone())  # same value: fine
+    with pytest.raises(bcg.BoundaryMismatchError) as info:
+        b.refresh(host + 1)
+    msg = str(info.value)
+    assert "seq_lens" in msg and "baked Tensor(shape=[100000]" in msg
+    assert len(msg) < 2000
+    small = Boundary("lens", torch.tensor([1, 2]), device_type="cuda")
+    with pytest.raises(bcg.BoundaryMismatchError, match=r"= \[1, 2\](.|\n)*= \[1, 3\]"):
+        small.refresh(torch.tensor([1, 3]))

@@ -1,0 +1,258 @@
+"""The CPU emulation behaves like a CUDA graph: tensors are addresses, Python values are baked, and whatever a
+CUDA graph cannot capture (host reads, data-dependent shapes) raises UncapturableOpError during capture."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+import bcg
+from bcg.emulation import EmulatedGraph, is_emulated_capturing
+
+
+def _uncapturable_ops():
+    """(id, op) pairs; each op is illegal in a CUDA graph capture and fine anywhere else."""
+    return [
+        ("item", lambda t: t.sum().item()),
+        ("int", lambda t: int(t.sum())),
+        ("float", lambda t: float(t.sum())),
+        ("bool", lambda t: bool(t.sum())),
+        ("if", lambda t: 1 if t.sum() else 0),
+        ("tolist", lambda t: t.tolist()),
+        ("cpu", lambda t: t.cpu()),
+        ("numpy", lambda t: t.numpy()),
+        ("np.asarray", lambda t: np.asarray(t)),
+        ("print", lambda t: print(t)),
+        ("repr", lambda t: repr(t)),
+        ("str", lambda t: str(t)),
+        ("format", lambda t: f"{t}"),
+        ("nonzero", lambda t: t.nonzero()),
+        ("where-1-arg", lambda t: torch.where(t > 0)),
+        ("bool-mask-index", lambda t: t[t > 0]),
+        ("bool-mask-index-put", lambda t: t.__setitem__(t > 0, 0.0)),
+        ("masked_select", lambda t: torch.masked_select(t, t > 0)),
+        ("unique", lambda t: torch.unique(t)),
+        ("unique-dim", lambda t: torch.unique(t.view(2, 2), dim=0)),
+        ("unique_consecutive", lambda t: torch.unique_consecutive(t)),
+        ("bincount", lambda t: torch.bincount(t.long())),
+        ("equal", lambda t: torch.equal(t, t)),
+        ("torch.tensor", lambda t: torch.tensor([1.0, 2.0])),
+        ("one_hot-no-classes", lambda t: torch.nn.functional.one_hot(t.long())),
+        ("repeat_interleave", lambda t: torch.repeat_interleave(t, t.long())),
+    ]
+
+
+UNCAPTURABLE = [pytest.param(op, id=name) for name, op in _uncapturable_ops()]
+
+
+@pytest.fixture(autouse=True)
+def _no_debris():
+    yield
+    assert not bcg.is_capturing() and not is_emulated_capturing()
+    assert _get_current_dispatch_mode() is None
+
+
+def _input():
+    return torch.tensor([1.0, 0.0, 2.0, 1.0])
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# EmulatedGraph on its own
+
+
+def test_replay_reads_the_current_contents_of_inputs():
+    x = torch.zeros(4)
+    g = EmulatedGraph()
+    g.capture_begin()
+    y = torch.exp(x) * 2 + 1
+    z = y.view(2, 2).t().contiguous()  # view of a fresh tensor, then a copy
+    g.capture_end()
+    x.copy_(torch.tensor([0.0, 1.0, 2.0, 3.0]))
+    g.replay()
+    torch.testing.assert_close(y, torch.exp(x) * 2 + 1)
+    torch.testing.assert_close(z, (torch.exp(x) * 2 + 1).view(2, 2).t())
+
+
+def test_outputs_keep_their_addresses_across_replays():
+    x = torch.zeros(8)
+    g = EmulatedGraph()
+    g.capture_begin()
+    y = x + 1
+    g.capture_end()
+    ptr = y.data_ptr()
+    for v in range(3):
+        x.fill_(float(v))
+        g.replay()
+        assert y.data_ptr() == ptr
+        torch.testing.assert_close(y, torch.full((8,), v + 1.0))
+
+
+def test_in_place_ops_are_replayed_in_order():
+    x = torch.ones(3)
+    acc = torch.zeros(3)
+    g = EmulatedGraph()
+    g.capture_begin()
+    acc.add_(x)
+    acc.mul_(3)
+    torch.add(acc, x, out=acc)
+    g.capture_end()
+    acc.zero_()
+    x.fill_(2.0)
+    g.replay()
+    torch.testing.assert_close(acc, torch.full((3,), 8.0))
+
+
+def test_python_values_stay_baked():
+    x = torch.ones(4)
+    scale, flag = 3.0, True
+    g = EmulatedGraph()
+    g.capture_begin()
+    n = x.shape[0]  # metadata is fine and is baked
+    y = x * scale + n if flag else x - 100
+    g.capture_end()
+    scale, flag = 10.0, False  # no effect on the captured graph
+    x.fill_(2.0)
+    g.replay()
+    torch.testing.assert_close(y, torch.full((4,), 2.0 * 3.0 + 4))
+
+
+def test_empty_capture_records_no_ops():
+    x = torch.ones(4)
+    g = EmulatedGraph()
+    g.capture_begin()
+    x.view(2, 2).t()
+    torch.empty(3)
+    g.capture_end()
+    assert g.num_ops == 0
+
+
+def test_lifecycle_errors():
+    g = EmulatedGraph()
+    with pytest.raises(RuntimeError, match="before the graph was captured"):
+        g.replay()
+    with pytest.raises(RuntimeError, match="without capture_begin"):
+        g.capture_end()
+    g.capture_begin()
+    g.capture_end()
+    with pytest.raises(RuntimeError, match="already captured"):
+        g.capture_begin()
+    g.reset()
+    g.capture_begin()
+    g.capture_end()
+
+
+def test_capture_flag_follows_the_capture():
+    g = EmulatedGraph()
+    assert not is_emulated_capturing()
+    g.capture_begin()
+    assert is_emulated_capturing()
+    g.capture_end()
+    assert not is_emulated_capturing()
+
+
+def test_inference_mode_capture_replays_in_inference_mode():
+    with torch.inference_mode():
+        x = torch.zeros(3)
+        g = EmulatedGraph()
+        g.capture_begin()
+        y = x + 1
+        y.mul_(2)
+        g.capture_end()
+        x.fill_(4.0)
+    g.replay()  # called outside inference mode: still writes the inference tensors
+    torch.testing.assert_close(y, torch.full((3,), 10.0))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# uncapturable operations
+
+
+@pytest.mark.parametrize("op", UNCAPTURABLE)
+def test_uncapturable_op_raises_in_an_emulated_capture(op):
+    x = _input()
+    g = EmulatedGraph()
+    g.capture_begin()
+    try:
+        with pytest.raises(bcg.UncapturableOpError, match="cannot be captured in a CUDA graph"):
+            op(x)
+    finally:
+        with pytest.raises(bcg.UncapturableOpError, match="invalidated"):
+            g.capture_end()
+
+
+@pytest.mark.parametrize("op", UNCAPTURABLE)
+def test_uncapturable_op_fails_a_breakable_capture_cleanly(op):
+    x = _input()
+    g = bcg.BreakableCUDAGraph(emulate=True)
+    with pytest.raises(bcg.UncapturableOpError):
+        with bcg.breakable_graph(g):
+            bcg.break_graph()
+            op(x * 1)
+    assert not g.is_captured
+
+
+@pytest.mark.parametrize("op", UNCAPTURABLE)
+def test_the_same_op_is_fine_inside_an_eager_function(op):
+    @bcg.eager_on_graph
+    def host_side(x, out):
+        op(x.clone())
+        out.fill_(int(x.sum()))  # a host read, legal here
+
+    x, out = _input(), torch.zeros(2)
+    g = bcg.BreakableCUDAGraph(emulate=True)
+    with bcg.breakable_graph(g):
+        host_side(x * 1, out)
+        y = out * 2
+    x.fill_(3.0)
+    g.replay()
+    torch.testing.assert_close(y, torch.full((2,), 24.0))
+
+
+@pytest.mark.parametrize("op", UNCAPTURABLE)
+def test_the_same_op_is_fine_outside_a_capture(op):
+    g = EmulatedGraph()
+    g.capture_begin()
+    g.capture_end()
+    op(_input())  # guards are gone once the capture ended
+
+
+def test_eager_functions_may_return_data_dependent_shapes_padded():
+    @bcg.eager_on_graph
+    def positive_positions(x, out):
+        idx = x.nonzero().flatten()  # data-dependent: fine eagerly
+        out.fill_(-1)
+        out[: idx.numel()] = idx
+
+    x, out = _input(), torch.empty(4, dtype=torch.int64)
+    g = bcg.BreakableCUDAGraph(emulate=True)
+    with bcg.breakable_graph(g):
+        positive_positions(x * 1, out)
+        y = out + 0
+    x.copy_(torch.tensor([0.0, 0.0, 5.0, 0.0]))
+    g.replay()
+    assert torch.equal(y, torch.tensor([2, -1, -1, -1]))
+
+
+def test_capturable_cousins_are_allowed():
+    # fixed-shape versions of the ops above capture fine
+    x = torch.tensor([1.0, -2.0, 3.0, 0.0])
+    g = EmulatedGraph()
+    g.capture_begin()
+    a = torch.where(x > 0, x, torch.zeros_like(x))
+    b = x.masked_fill(x < 0, 0.0)
+    c = torch.zeros(4, 2, dtype=torch.int64).scatter_(1, (x > 0).long().unsqueeze(1), 1)  # one-hot, fixed shape
+    vals, ids = x.topk(2)
+    d = x[torch.arange(2)]  # integer indexing has a fixed shape
+    e = torch.repeat_interleave(x, torch.full((4,), 2), output_size=8)
+    g.capture_end()
+    x.copy_(torch.tensor([-1.0, 2.0, 0.0, 4.0]))
+    g.replay()
+    torch.testing.assert_close(a, torch.tensor([0.0, 2.0, 0.0, 4.0]))
+    torch.testing.assert_close(b, torch.tensor([0.0, 2.0, 0.0, 4.0]))
+    assert torch.equal(c, torch.tensor([[1, 0], [0, 1], [1, 0], [0, 1]]))
+    torch.testing.assert_close(d, torch.tensor([-1.0, 2.0]))
+    torch.testing.assert_close(vals, torch.tensor([4.0, 2.0]))
+    assert torch.equal(ids, torch.tensor([3, 1]))
+    torch.testing.assert_close(e, x.repeat_interleave(2))
