@@ -226,6 +226,13 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         ns.parser.error(str(e))  # exits 2 with the subcommand's usage line and the message on stderr
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    if not cfg.emulated:
+        import torch
+
+        # CUDA events and the profiler use the current device; make it the one measured (e.g. --device cuda:1).
+        dev = torch.device(cfg.device)
+        if dev.index is not None:
+            torch.cuda.set_device(dev)
     if cfg.emulated:
         print(CPU_BANNER)
     summary = ns.func(cfg)

@@ -100,6 +100,8 @@ class BreakableCUDAGraph:
         if pool is not None and hasattr(pool, "id") and not isinstance(pool, tuple):
             pool = pool.id  # torch.cuda.MemPool
         self._pool = pool
+        self._owns_pool = pool is None
+        self._anchors: dict[Any, Any] = {}  # pool handle -> empty CUDAGraph holding a use of it (_hold_pool)
         self._steps: list[Any] = []  # segments (CUDAGraph / EmulatedGraph) and EagerSteps, in replay order
         self._replay_fns: list[Callable[[], None]] = []
 
@@ -148,6 +150,28 @@ class BreakableCUDAGraph:
         self._steps.append(step)
         self._replay_fns.append(step if isinstance(step, EagerStep) else step.replay)
 
+    def _hold_pool(self, pool: Any, mode: str) -> None:
+        """Keeps one use of ``pool`` for the life of this graph (CUDA only; call on the capture stream).
+
+        torch retires a private pool when the last CUDAGraph captured into it is destroyed, and a later
+        ``capture_begin`` into the same handle then fails an internal assert (``use_count > 0``). Dropped empty
+        segments, ``reset()`` and failed captures all destroy segments, so an empty graph stays as an anchor.
+        """
+        if self.is_emulated or pool in self._anchors:
+            return
+        anchor = torch.cuda.CUDAGraph()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "The CUDA Graph is empty"
+            anchor.capture_begin(pool=pool, capture_error_mode=mode)
+            anchor.capture_end()
+        self._anchors[pool] = anchor
+
+    def _discard_pool(self, pool: Any) -> None:
+        """An invalidated capture leaves its pool unusable in torch ("already recording"): use a new one."""
+        self._anchors.pop(pool, None)
+        if self._owns_pool and pool == self._pool:
+            self._pool = None
+
 
 _CAPTURE: contextvars.ContextVar[_CaptureState | None] = contextvars.ContextVar("bcg_capture", default=None)
 _default_streams: dict[int, torch.cuda.Stream] = {}
@@ -172,6 +196,7 @@ class _CaptureState:
         self.open: Any = None
         self.in_eager = False
         self.error: BaseException | None = None
+        self.pool_poisoned = False  # a CUDA segment's capture_end failed (see BreakableCUDAGraph._discard_pool)
 
     def begin_segment(self) -> None:
         seg = EmulatedGraph() if self.graph.is_emulated else torch.cuda.CUDAGraph()
@@ -205,7 +230,11 @@ class _CaptureState:
         else:
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
-                seg.capture_end()
+                try:
+                    seg.capture_end()
+                except BaseException:
+                    self.pool_poisoned = True
+                    raise
             # torch warns "The CUDA Graph is empty" for a segment without nodes (consecutive breaks).
             is_empty = any("empty" in str(w.message) for w in caught)
             for w in caught:
@@ -227,8 +256,8 @@ class _CaptureState:
             pass
         try:
             seg.capture_end()
-        except Exception:
-            pass
+        except Exception:  # an invalidated capture (e.g. a host sync inside the segment)
+            self.pool_poisoned = not self.graph.is_emulated
 
     def run_break(self, fn: Callable, name: str, stub: Callable | None, args: tuple, kwargs: dict) -> Any:
         if self.error is not None:
@@ -315,6 +344,7 @@ class breakable_graph:
         if stream is not None:
             streams.active_tracker().set(self._state.tracker)
         try:
+            self.graph._hold_pool(self.pool, self.mode)
             self._state.begin_segment()
         except BaseException:
             self._cleanup(failed=True)
@@ -354,6 +384,8 @@ class breakable_graph:
             self._stream_ctx = None
         if failed:
             self.graph.reset()
+            if self._state is not None and self._state.pool_poisoned:
+                self.graph._discard_pool(self.pool)
 
 
 def eager_on_graph(fn: F | None = None, *, enable: bool = True,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import pytest
@@ -53,6 +54,6 @@ def run_prefill(
 
 
 @pytest.fixture
-def prefill():
+def prefill() -> Callable[..., PrefillResult]:
     """The :func:`run_prefill` driver."""
     return run_prefill

@@ -439,6 +439,35 @@ def test_nested_capture_raises():
     _check_simple(inner, x, out)
 
 
+def test_pool_survives_reset_dropped_segments_and_deleted_sharers():
+    # torch retires a pool when its last CUDAGraph dies; a later capture into the same handle then fails an
+    # internal assert. bcg keeps the pool alive for as long as any BreakableCUDAGraph using it lives.
+    x = torch.zeros(16, device=DEV)
+    a = _graph()
+    with bcg.breakable_graph(a):
+        bcg.break_graph()  # the first segment is empty and dropped
+        y = x + 1
+    b = bcg.BreakableCUDAGraph(pool=a.pool(), emulate=False)
+    out_b = _simple(b, x)
+    del a, y
+    b.reset()
+    out_b = _simple(b, x)
+    _check_simple(b, x, out_b)
+
+
+def test_failed_capture_moves_an_owned_graph_to_a_fresh_pool():
+    # An invalidated capture leaves its pool "already recording" in torch, so the graph takes a new pool.
+    x = torch.ones(16, device=DEV)
+    g = _graph()
+    old = g.pool()
+    with pytest.raises(RuntimeError):
+        with bcg.breakable_graph(g):
+            (x * 2).sum().item()
+    assert g.pool() != old
+    out = _simple(g, x)
+    _check_simple(g, x, out)
+
+
 def test_reset_and_recapture():
     x = torch.zeros(16, device=DEV)
     g = _graph()

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from tqdm.auto import tqdm
 
 from bcg.bench.amdahl import launch_gap_share
@@ -59,21 +60,15 @@ class LatencyResult:
     batch_rows: list[LatencyRow] = field(default_factory=list)
 
 
-def _measure(eng: Any, backend: str, input_len: int, prompts: list[Any], cfg: BenchConfig,
-             profile: bool) -> LatencyRow:
-    def call() -> Any:
-        return eng.prefill(prompts)
-
-    timing = time_fn(call, cfg.device, runs=cfg.runs, warmup=cfg.warmup)
+def _measure(eng: Any, backend: str, input_len: int, prompts: list[Any], cfg: BenchConfig) -> LatencyRow:
+    timing = time_fn(lambda: eng.prefill(prompts), cfg.device, runs=cfg.runs, warmup=cfg.warmup)
     batches = eng.prefill(prompts).batches  # one more, untimed, to read how it ran
-    kernel = gpu_kernel_ms(call, cfg.device, warmup=0) if profile else None
     first = batches[0]
     return LatencyRow(
         backend=backend, input_len=input_len, num_requests=len(prompts),
         num_tokens=sum(int(p.numel()) for p in prompts), median_ms=timing.median_ms, min_ms=timing.min_ms,
         mean_ms=timing.mean_ms, stdev_ms=timing.stdev_ms, runs=len(timing.samples_ms),
         graph_used=all(b.graph_used for b in batches), bucket=first.bucket, reason=first.reason,
-        kernel_ms=kernel,
     )
 
 
@@ -89,15 +84,39 @@ def _bench_backend(backend: str, cfg: BenchConfig, result: LatencyResult, bar: A
             bar.write(f"bcg bench: backend {backend!r} is unavailable: {record.error}")
             return
         vocab = eng.model.config.vocab_size
-        for length in cfg.lengths:
+        for done, length in enumerate(cfg.lengths):
             bar.set_postfix(backend=backend, input_len=length)
-            single = make_prompts([length], vocab, cfg.seed + length)
-            # The kernel floor is a property of the eager kernels; profiling graph replays adds nothing to it.
-            result.rows.append(_measure(eng, backend, length, single, cfg, cfg.profile and backend == "eager"))
-            if backend in BATCH_BACKENDS and cfg.batch_requests > 1:
-                many = make_prompts(split_tokens(length, cfg.batch_requests), vocab, cfg.seed + length)
-                result.batch_rows.append(_measure(eng, backend, length, many, cfg, False))
+            try:
+                single = make_prompts([length], vocab, cfg.seed + length)
+                result.rows.append(_measure(eng, backend, length, single, cfg))
+                if backend in BATCH_BACKENDS and cfg.batch_requests > 1:
+                    many = make_prompts(split_tokens(length, cfg.batch_requests), vocab, cfg.seed + length)
+                    result.batch_rows.append(_measure(eng, backend, length, many, cfg))
+            except Exception as e:  # noqa: BLE001 - one backend failing must not lose the others' results
+                record.error = f"failed at input length {length}: {type(e).__name__}: {str(e).splitlines()[0]}"
+                bar.write(f"bcg bench: backend {backend!r} {record.error}")
+                bar.update(len(cfg.lengths) - done)
+                return
             bar.update(1)
+
+
+def _kernel_floors(cfg: BenchConfig, result: LatencyResult) -> None:
+    """Profiles the eager forward of every length in a fresh eager engine and stores its device busy time.
+
+    Done last, after every graph backend has run: the kernel floor is a property of the eager kernels, and
+    keeping the profiler (CUPTI) away from graph captures avoids any interference with them.
+    """
+    rows = [r for r in result.rows if r.backend == "eager"]
+    if not (cfg.profile and rows and torch.device(cfg.device).type == "cuda"):
+        return
+    with engine_for(cfg.model, "eager", device=cfg.device, dtype=cfg.dtype, seed=cfg.seed,
+                    chunked_prefill_size=cfg.chunked_prefill_size, max_tokens=cfg.ceiling,
+                    progress=False) as eng:
+        if eng is None:
+            return
+        for row in rows:
+            prompts = make_prompts([row.input_len], eng.model.config.vocab_size, cfg.seed + row.input_len)
+            row.kernel_ms = gpu_kernel_ms(lambda p=prompts: eng.prefill(p), cfg.device, warmup=1)
 
 
 def fill_speedups(rows: list[LatencyRow]) -> None:
@@ -133,6 +152,7 @@ def run_latency(cfg: BenchConfig) -> LatencyResult:
               disable=not cfg.progress) as bar:
         for backend in backends:
             _bench_backend(backend, cfg, result, bar)
+    _kernel_floors(cfg, result)
     fill_speedups(result.rows)
     fill_speedups(result.batch_rows)
     return result

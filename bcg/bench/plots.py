@@ -31,6 +31,14 @@ def _save(fig: Any, path: str | os.PathLike) -> Path:
     return path
 
 
+def _log2_axis(ax: Any, ticks: Sequence[int]) -> None:
+    """Log2 x axis labelled with plain token counts (64, 128, ...) rather than powers of two."""
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(list(ticks))
+    ax.set_xticklabels([str(t) for t in ticks])
+    ax.minorticks_off()
+
+
 def _backends(rows: Sequence[dict]) -> list[str]:
     seen: list[str] = []
     for r in rows:
@@ -56,7 +64,7 @@ def plot_latency(rows: Sequence[dict], path: str | os.PathLike, title: str = "")
     floor = sorted({(r["input_len"], r["kernel_floor_ms"]) for r in rows if r.get("kernel_floor_ms") is not None})
     if floor:
         ax.plot([x for x, _ in floor], [y for _, y in floor], "k--", label="kernel floor (eager)")
-    ax.set_xscale("log", base=2)
+    _log2_axis(ax, sorted({r["input_len"] for r in rows}))
     ax.set_xlabel("input length (tokens, one request)")
     ax.set_ylabel("prefill latency, median (ms)")
     ax.set_ylim(bottom=0)
@@ -138,10 +146,14 @@ def plot_analyze(analysis: dict[str, Any], path: str | os.PathLike, title: str =
     bottom = 0.0
     parts = [("outside graph", rep["outside_ms"], "tab:olive"), ("segments (replayed)", rep["segments_ms"],
                                                                    "tab:blue")]
-    parts += [(f"island {i['name']}", i["ms"], None) for i in rep["islands"]]
+    palette = ["tab:orange", "tab:red", "tab:purple", "tab:brown", "tab:pink", "tab:cyan"]
+    parts += [(f"island {i['name']}", i["ms"], palette[k % len(palette)]) for k, i in enumerate(rep["islands"])]
     for label, ms, color in parts:
         ax1.bar([1], [ms], 0.6, bottom=bottom, label=label, color=color)
         bottom += ms
+    kernel = analysis["timing"].get("eager_kernel_ms")
+    if kernel is not None:
+        ax1.plot([-0.4, 0.4], [kernel, kernel], "k:", label="eager kernel time")
     measured = analysis["timing"].get("breakable_forward_ms")
     if measured is not None:
         ax1.plot([0.6, 1.4], [measured, measured], "k--", label="breakable measured")
@@ -159,7 +171,7 @@ def plot_analyze(analysis: dict[str, Any], path: str | os.PathLike, title: str =
         bins = np.logspace(np.log2(max(min(sizes), 1)), np.log2(max(sizes) + 1), 30, base=2)
         ax2.hist([[s for s, g in zip(sizes, graph) if g], [s for s, g in zip(sizes, graph) if not g]], bins=bins,
                  stacked=True, label=["replays a graph", "runs eagerly"], color=["tab:green", "tab:red"])
-        ax2.set_xscale("log", base=2)
+        _log2_axis(ax2, [2**k for k in range(int(np.log2(max(min(sizes), 1))), int(np.log2(max(sizes))) + 2)])
     ax2.axvline(cov["max_bucket"], color="k", ls="--", label=f"ceiling {cov['max_bucket']}")
     ax2.set_xlabel("forward size (tokens)")
     ax2.set_ylabel("forwards")

@@ -9,7 +9,9 @@ computes the selection; the others reuse it.
 
 Both steps are eager islands because both read the live batch. The sparse attention is also
 genuinely uncapturable: it compacts the valid (query, key) pairs with ``nonzero`` (a
-data-dependent count), then runs a segment softmax over the pairs of each query.
+data-dependent count), then runs a segment softmax over the pairs of each query: FlashAttention
+varlen on CUDA in half precision (each query's pairs form one sequence), explicit segment
+reductions elsewhere (the exact reference).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 from itertools import accumulate
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from bcg import eager_on_graph
@@ -25,11 +28,11 @@ from bcg.models.config import ModelConfig
 from bcg.models.dense import DecoderLayer, QKVProjection
 from bcg.models.layers import SwiGLUMLP
 from bcg.models.moe import MoEFFN, prepare_experts
-from bcg.runtime.attention import write_and_gather_kv
+from bcg.runtime.attention import flash_varlen, is_varlen_usable, write_and_gather_kv
 from bcg.runtime.context import get_forward_context
 
 # Bounds the memory of the pair tensors in sparse attention (each is pairs x num_heads x head_dim).
-MAX_PAIRS_PER_CHUNK = 1 << 17
+MAX_PAIRS_PER_CHUNK = 1 << 18
 
 
 @eager_on_graph
@@ -60,7 +63,7 @@ def select_topk(index_q: Tensor, index_k: Tensor, head_weights: Tensor, group_id
         rows = slice(q_start, q_start + len_q)
         # fp32 so the ranking does not hinge on bf16 rounding.
         dots = torch.einsum("qhd,kd->qhk", index_q[rows].float(), keys[k_start : k_start + len_k].float())
-        scores = torch.einsum("qhk,qh->qk", dots.relu_(), head_weights[rows].float())
+        scores = torch.bmm(head_weights[rows].float()[:, None, :], dots.relu_()).squeeze(1)
         is_visible = torch.ones(len_q, len_k, dtype=torch.bool, device=scores.device).tril(prefix_len)
         scores.masked_fill_(~is_visible, float("-inf"))
         num_picks = min(topk, len_k)
@@ -87,41 +90,72 @@ def sparse_attention(q: Tensor, k: Tensor, v: Tensor, selection: Tensor, out: Te
     key_starts = torch.repeat_interleave(
         ctx.cu_seqlens_k[:-1].long(), ctx.cu_seqlens_q.diff(), output_size=num_tokens
     )
-    scale = q.shape[-1] ** -0.5
-    rows_per_chunk = max(1, MAX_PAIRS_PER_CHUNK // max(1, selection.shape[1]))
+    topk = selection.shape[1]
+    rows_per_chunk = max(1, MAX_PAIRS_PER_CHUNK // topk)
     for start in range(0, num_tokens, rows_per_chunk):
         stop = min(num_tokens, start + rows_per_chunk)
         picks = selection[start:stop]
-        # The uncapturable step: how many pairs survive depends on the data.
-        rows, cols = (picks >= 0).nonzero(as_tuple=True)
+        is_valid = picks >= 0
+        # The uncapturable step: how many pairs survive depends on the data. nonzero yields them
+        # in row-major order, i.e. grouped by query row as segment_attention wants.
+        rows, cols = is_valid.nonzero(as_tuple=True)
         key_rows = key_starts[start:stop][rows] + picks[rows, cols]
-        out[start:stop] = segment_attention(q[start:stop], rows, keys[key_rows], values[key_rows], scale)
+        out[start:stop] = _attend_pairs(q[start:stop], rows, is_valid.sum(1), keys[key_rows], values[key_rows], topk)
     out[num_tokens:].zero_()
 
 
-def segment_attention(q: Tensor, rows: Tensor, k_pairs: Tensor, v_pairs: Tensor, scale: float) -> Tensor:
+def _attend_pairs(
+    q: Tensor, rows: Tensor, lengths: Tensor, k_pairs: Tensor, v_pairs: Tensor, max_pairs_per_row: int
+) -> Tensor:
+    """Each query row attends over its run of compacted pairs.
+
+    On CUDA in half precision the runs are exactly a varlen batch (one query per sequence, the
+    row's pairs as its keys), so FlashAttention does the segment softmax without materialising
+    per-pair products; elsewhere :func:`segment_attention` computes the same thing explicitly.
+    """
+    if not is_varlen_usable(q):
+        return segment_attention(q, rows, lengths, k_pairs, v_pairs, q.shape[-1] ** -0.5)
+    cu_seqlens_q = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device)
+    cu_seqlens_k = F.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0))
+    # An upper bound on the longest run (no host read of lengths.max()) is enough for max_seqlen_k.
+    return flash_varlen(q, k_pairs, v_pairs, cu_seqlens_q, cu_seqlens_k, 1, max_pairs_per_row, is_causal=False)
+
+
+def segment_attention(q: Tensor, rows: Tensor, lengths: Tensor, k_pairs: Tensor, v_pairs: Tensor, scale: float) -> Tensor:
     """Attention over a list of (query row, key) pairs, softmax taken per query row.
 
     Args:
         q: ``(M, num_heads, head_dim)`` queries.
-        rows: ``(P,)`` query row of each pair; every row must appear at least once.
+        rows: ``(P,)`` query row of each pair, ascending (pairs grouped by row).
+        lengths: ``(M,)`` pairs per row; every row needs at least one.
         k_pairs, v_pairs: ``(P, num_kv_heads, head_dim)`` key/value of each pair.
         scale: score scale.
 
     Returns:
-        ``(M, num_heads, head_dim)`` in ``q.dtype`` (computed in fp32).
+        ``(M, num_heads, head_dim)`` in ``q.dtype``; scores are summed and the softmax and the
+        weighted sum are computed in fp32.
+
+    Segment reductions (not ``index_add_``, whose float atomics on GPU sum in a varying order)
+    keep the result bit-identical from run to run, so graph replay can be checked against eager.
+
+    Example:
+        >>> q, kv = torch.randn(2, 2, 4), torch.randn(3, 1, 4)
+        >>> segment_attention(q, torch.tensor([0, 1, 1]), torch.tensor([1, 2]), kv, kv, 0.5).shape
+        torch.Size([2, 2, 4])
     """
     num_rows, num_heads, head_dim = q.shape
     num_kv_heads = k_pairs.shape[1]
     group = num_heads // num_kv_heads
-    q_pairs = q.view(num_rows, num_kv_heads, group, head_dim)[rows].float()
-    scores = torch.einsum("phgd,phd->phg", q_pairs, k_pairs.float()).flatten(1) * scale
-    index = rows[:, None].expand_as(scores)
-    row_max = scores.new_full((num_rows, num_heads), float("-inf")).scatter_reduce_(0, index, scores, "amax")
+    q_pairs = q.view(num_rows, num_kv_heads, group, head_dim)[rows]
+    # Elementwise product + fp32 sum rather than einsum (which would become a batched matmul of
+    # P * num_kv_heads tiny products, far slower); no fp32 copies of the pair tensors, which are
+    # the bulk of this island's memory traffic.
+    scores = (q_pairs * k_pairs[:, :, None, :]).sum(-1, dtype=torch.float32).flatten(1) * scale
+    row_max = torch.segment_reduce(scores, "max", lengths=lengths, unsafe=True)
     probs = (scores - row_max[rows]).exp_()
-    denom = scores.new_zeros(num_rows, num_heads).index_add_(0, rows, probs)
-    weighted = probs.view(-1, num_kv_heads, group, 1) * v_pairs.float()[:, :, None, :]
-    acc = scores.new_zeros(num_rows, num_kv_heads, group, head_dim).index_add_(0, rows, weighted)
+    denom = torch.segment_reduce(probs, "sum", lengths=lengths, unsafe=True)
+    weighted = probs.view(-1, num_kv_heads, group, 1) * v_pairs[:, :, None, :]  # promotes to fp32
+    acc = torch.segment_reduce(weighted, "sum", lengths=lengths, unsafe=True)
     return (acc.view(num_rows, num_heads, head_dim) / denom[..., None]).to(q.dtype)
 
 

@@ -45,7 +45,13 @@ def config_from_hf(hf_config: dict[str, Any]) -> ModelConfig:
     model_type = hf_config.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise CheckpointError(f"unsupported model_type {model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+    try:
+        return _map_config(model_type, hf_config)
+    except KeyError as exc:
+        raise CheckpointError(f"{model_type} config.json lacks the required key {exc.args[0]!r}") from None
 
+
+def _map_config(model_type: str, hf_config: dict[str, Any]) -> ModelConfig:
     def unsupported(what: str) -> CheckpointError:
         return CheckpointError(f"{model_type} checkpoint uses {what}, which bcg does not implement")
 

@@ -34,14 +34,8 @@ except ImportError:  # torch without the varlen API
 
 logger = logging.getLogger(__name__)
 
-# Keyword spellings differ across torch versions: read them once from the signatures.
-_VARLEN_KWARGS: dict[str, object] = {}
-if varlen_attn is not None:
-    _params = inspect.signature(varlen_attn).parameters
-    _VARLEN_KWARGS = {"window_size": (-1, 0)} if "window_size" in _params else {"is_causal": True}
-    if "enable_gqa" in _params:
-        # Older versions accept fewer KV heads without a flag; newer ones insist on it.
-        _VARLEN_KWARGS["enable_gqa"] = True
+# Keyword spellings differ across torch versions: read them once from the signature.
+_VARLEN_PARAMS = inspect.signature(varlen_attn).parameters if varlen_attn is not None else {}
 _SDPA_HAS_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")
 
 
@@ -90,7 +84,7 @@ def causal_attention(q: Tensor, keys: Tensor, values: Tensor, ctx: ForwardContex
 
     Picks varlen (CUDA, half precision) or per-request SDPA; see the module docstring.
     """
-    use_varlen = varlen_attn is not None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
+    use_varlen = is_varlen_usable(q)
     if use_varlen and ctx.has_prefix and not varlen_causal_is_bottom_right(q.device):
         use_varlen = False
     _log_choice(q.device.type, "varlen_attn" if use_varlen else "sdpa")
@@ -99,11 +93,33 @@ def causal_attention(q: Tensor, keys: Tensor, values: Tensor, ctx: ForwardContex
 
 def varlen_attention(q: Tensor, keys: Tensor, values: Tensor, ctx: ForwardContext) -> Tensor:
     """All requests in one ``varlen_attn`` call (CUDA, fp16/bf16)."""
+    return flash_varlen(
+        q, keys, values, ctx.cu_seqlens_q, ctx.cu_seqlens_k, ctx.max_seqlen_q, ctx.max_seqlen_k, is_causal=True
+    )
+
+
+def is_varlen_usable(q: Tensor) -> bool:
+    """Whether :func:`flash_varlen` can run on ``q`` (CUDA, fp16/bf16, torch with varlen_attn)."""
+    return varlen_attn is not None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
+
+
+def flash_varlen(
+    q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int,
+    max_seqlen_k: int, *, is_causal: bool,
+) -> Tensor:
+    """``varlen_attn`` with the causal and GQA keywords this torch version spells.
+
+    Causal is bottom-right aligned per sequence (see :func:`varlen_causal_is_bottom_right`). GQA:
+    newer versions need ``enable_gqa=True``; older ones accept fewer KV heads as they are.
+    """
     if varlen_attn is None:
         raise RuntimeError("torch.nn.attention.varlen.varlen_attn is not available in this torch build")
-    return varlen_attn(
-        q, keys, values, ctx.cu_seqlens_q, ctx.cu_seqlens_k, ctx.max_seqlen_q, ctx.max_seqlen_k, **_VARLEN_KWARGS
-    )
+    kwargs: dict[str, object] = {}
+    if is_causal:
+        kwargs.update({"window_size": (-1, 0)} if "window_size" in _VARLEN_PARAMS else {"is_causal": True})
+    if "enable_gqa" in _VARLEN_PARAMS and k.shape[1] != q.shape[1]:
+        kwargs["enable_gqa"] = True
+    return varlen_attn(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, **kwargs)
 
 
 def sdpa_attention(q: Tensor, keys: Tensor, values: Tensor, ctx: ForwardContext) -> Tensor:
@@ -148,7 +164,7 @@ def varlen_causal_is_bottom_right(device: torch.device) -> bool:
     values = torch.stack([torch.zeros(1, head_dim), torch.ones(1, head_dim)]).to(device, torch.bfloat16)
     cu_q = torch.tensor([0, 1], device=device, dtype=torch.int32)
     cu_k = torch.tensor([0, 2], device=device, dtype=torch.int32)
-    out = varlen_attn(q, keys, values, cu_q, cu_k, 1, 2, **_VARLEN_KWARGS)
+    out = flash_varlen(q, keys, values, cu_q, cu_k, 1, 2, is_causal=True)
     is_bottom_right = bool(out.float().mean() > 0.25)
     logger.info("varlen_attn causal mask is %s-aligned on %s", "bottom-right" if is_bottom_right else "top-left", device)
     return is_bottom_right

@@ -141,8 +141,11 @@ def test_moe_matches_naive_per_token_loop(norm_topk_prob, use_grouped_mm):
         assert (ffn(x) - _naive_moe(ffn, x)).abs().max() <= TOL
 
 
-def _dsa_context(config: ModelConfig, seq_lens_q: list[int], prefix_lens: list[int], num_padded: int):
-    pool = KVPool.for_model(config, 128, "cpu", torch.float32)
+def _dsa_context(
+    config: ModelConfig, seq_lens_q: list[int], prefix_lens: list[int], num_padded: int,
+    device: str = "cpu", dtype: torch.dtype = torch.float32,
+):
+    pool = KVPool.for_model(config, 128, device, dtype)
     items = []
     for len_q, prefix_len in zip(seq_lens_q, prefix_lens):
         prefix = pool.alloc(prefix_len)
@@ -196,7 +199,7 @@ def test_segment_attention_handles_uneven_segments():
     q = torch.randn(3, 4, 8, generator=gen)
     rows = torch.tensor([0, 1, 1, 1, 2, 2])
     k, v = torch.randn(6, 2, 8, generator=gen), torch.randn(6, 2, 8, generator=gen)
-    out = segment_attention(q, rows, k, v, scale=0.5)
+    out = segment_attention(q, rows, torch.tensor([1, 3, 2]), k, v, scale=0.5)
     for m in range(3):
         sel = rows == m
         kk, vv = k[sel].repeat_interleave(2, dim=1), v[sel].repeat_interleave(2, dim=1)
@@ -245,3 +248,25 @@ def test_forward_layers_captures_once_and_replays_other_batches(name, prefill):
     with torch.no_grad(), forward_context(batch.to_context(num_padded)):
         graph.replay()
     assert (static_out[:n] - expected).abs().max() <= TOL
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_sparse_attention_flash_path_matches_segment_reference_bf16(monkeypatch):
+    config = get_preset("tiny-dsa")
+    ctx = _dsa_context(config, [5, 40, 1], [0, 30, 9], 64, device="cuda", dtype=torch.bfloat16)
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(64, config.num_heads, config.head_dim, generator=gen).cuda().bfloat16()
+    k, v = (torch.randn(64, config.num_kv_heads, config.head_dim, generator=gen).cuda().bfloat16() for _ in range(2))
+    index_q = torch.randn(64, config.index_n_heads, config.index_head_dim, generator=gen).cuda().bfloat16()
+    index_k = torch.randn(64, config.index_head_dim, generator=gen).cuda().bfloat16()
+    head_weights = torch.randn(64, config.index_n_heads, generator=gen).cuda().bfloat16()
+    outs = []
+    for is_flash in (True, False):
+        monkeypatch.setattr(dsa_module, "is_varlen_usable", lambda q, flag=is_flash: flag)
+        out = torch.full_like(q, float("nan"))
+        with forward_context(ctx):
+            sparse_attention(q, k, v, select_topk(index_q, index_k, head_weights, 0, config.index_topk), out, 0)
+        outs.append(out.float())
+    assert (outs[0] - outs[1]).abs().max() <= 2e-2
+    assert (outs[0][ctx.num_tokens :] == 0).all()

@@ -28,7 +28,7 @@ class GraphBackend(ABC):
     def __init__(self, runner: Runner) -> None:
         self.runner = runner
 
-    def prepare(self) -> None:
+    def prepare(self) -> None:  # noqa: B027 - optional hook, deliberately empty
         """One-time work before any capture (compilation); its time is reported as compile time."""
 
     def warmup(self, num_tokens: int) -> None:
