@@ -14,6 +14,7 @@ import contextvars
 import functools
 import logging
 import os
+import threading
 import warnings
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -102,6 +103,7 @@ class BreakableCUDAGraph:
         self._pool = pool
         self._owns_pool = pool is None
         self._anchors: dict[Any, Any] = {}  # pool handle -> empty CUDAGraph holding a use of it (_hold_pool)
+        self._is_captured = False
         self._steps: list[Any] = []  # segments (CUDAGraph / EmulatedGraph) and EagerSteps, in replay order
         self._replay_fns: list[Callable[[], None]] = []
 
@@ -132,11 +134,12 @@ class BreakableCUDAGraph:
 
     @property
     def is_captured(self) -> bool:
-        return bool(self._steps)
+        """True after a successful capture (even one with no work), until ``reset()``."""
+        return self._is_captured
 
     def replay(self) -> None:
         """Replays every segment and eager step in capture order on the current stream."""
-        if not self._replay_fns:
+        if not self._is_captured:
             raise RuntimeError("BreakableCUDAGraph.replay() before a successful capture")
         for fn in self._replay_fns:
             fn()
@@ -145,6 +148,7 @@ class BreakableCUDAGraph:
         """Drops the captured segments and boundary buffers; the pool handle is kept for reuse."""
         self._steps.clear()
         self._replay_fns.clear()
+        self._is_captured = False
 
     def _append(self, step: Any) -> None:
         self._steps.append(step)
@@ -160,7 +164,7 @@ class BreakableCUDAGraph:
         if self.is_emulated or pool in self._anchors:
             return
         anchor = torch.cuda.CUDAGraph()
-        with warnings.catch_warnings():
+        with _warnings_lock, warnings.catch_warnings():
             warnings.simplefilter("ignore")  # "The CUDA Graph is empty"
             anchor.capture_begin(pool=pool, capture_error_mode=mode)
             anchor.capture_end()
@@ -174,7 +178,9 @@ class BreakableCUDAGraph:
 
 
 _CAPTURE: contextvars.ContextVar[_CaptureState | None] = contextvars.ContextVar("bcg_capture", default=None)
-_default_streams: dict[int, torch.cuda.Stream] = {}
+# Default capture streams per (device, thread): two threads capturing at once must not share a stream.
+_default_streams: dict[tuple[int, int], torch.cuda.Stream] = {}
+_warnings_lock = threading.Lock()
 
 
 def is_capturing() -> bool:
@@ -228,7 +234,9 @@ class _CaptureState:
             seg.capture_end()
             is_empty = seg.num_ops == 0
         else:
-            with warnings.catch_warnings(record=True) as caught:
+            # catch_warnings swaps process-wide state: without the lock, a concurrent capture in another thread
+            # could record this segment's "empty" warning (or lose its own) and drop the wrong segment.
+            with _warnings_lock, warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
                 try:
                     seg.capture_end()
@@ -333,7 +341,9 @@ class breakable_graph:
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
             dev = torch.cuda.current_device()
-            stream = self.stream or _default_streams.setdefault(dev, torch.cuda.Stream(dev))
+            stream = self.stream or _default_streams.get((dev, threading.get_ident()))
+            if stream is None:
+                stream = _default_streams[(dev, threading.get_ident())] = torch.cuda.Stream(dev)
             self._outer = torch.cuda.current_stream()
             stream.wait_stream(self._outer)
             self._stream_ctx = torch.cuda.stream(stream)
@@ -380,12 +390,14 @@ class breakable_graph:
             streams.active_tracker().set(None)
             streams.remove_hooks()
             self._stream_ctx.__exit__(None, None, None)
-            self._outer.wait_stream(self.stream or _default_streams[torch.cuda.current_device()])
+            self._outer.wait_stream(self._state.stream)
             self._stream_ctx = None
         if failed:
             self.graph.reset()
             if self._state is not None and self._state.pool_poisoned:
                 self.graph._discard_pool(self.pool)
+        else:
+            self.graph._is_captured = True
 
 
 def eager_on_graph(fn: F | None = None, *, enable: bool = True,

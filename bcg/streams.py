@@ -43,10 +43,11 @@ class StreamTracker:
         source = self._event_source.get(event_key)
         if source is None:
             return  # an event recorded outside the capture: no fork or join
-        in_capture = source == self.capture_key or source in self.forked
-        if waiter_key == self.capture_key:
-            self.forked.pop(source, None)  # join
-        elif in_capture and waiter_key not in self.forked:
+        waiter_in_capture = waiter_key == self.capture_key or waiter_key in self.forked
+        if source in self.forked and waiter_in_capture:
+            # Joined into a stream of the capture; joins are transitive (s2 -> s1 -> capture stream).
+            self.forked.pop(source)
+        elif (source == self.capture_key or source in self.forked) and not waiter_in_capture:
             self.forked[waiter_key] = waiter  # fork
 
     def unjoined(self) -> list[Any]:

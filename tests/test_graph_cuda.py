@@ -6,6 +6,7 @@ check values after replay. Each test is small and fast.
 
 from __future__ import annotations
 
+import threading
 import warnings
 
 import pytest
@@ -466,6 +467,36 @@ def test_failed_capture_moves_an_owned_graph_to_a_fresh_pool():
     assert g.pool() != old
     out = _simple(g, x)
     _check_simple(g, x, out)
+
+
+def test_two_threads_capture_and_replay_concurrently():
+    # Each thread gets its own default capture stream; "thread_local" keeps one capture's checks off the other.
+    barrier = threading.Barrier(2, timeout=60)
+    errors: list[BaseException] = []
+
+    def worker(i: int) -> None:
+        try:
+            x = torch.full((16,), float(i), device=DEV)
+            g = _graph()
+            with bcg.breakable_graph(g, capture_error_mode="thread_local"):
+                h = x * 2
+                barrier.wait()  # both threads are inside a segment at the same time
+                h = add_one(h + i) * 3
+                barrier.wait()
+            for k in range(5):
+                x.fill_(float(k + 10 * i))
+                g.replay()
+                torch.testing.assert_close(h, (x * 2 + i + 1) * 3)
+        except BaseException as e:  # surfaced in the main thread
+            errors.append(e)
+            barrier.abort()
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
 
 
 def test_reset_and_recapture():

@@ -215,3 +215,14 @@ def test_no_side_streams_nothing_to_do():
     state.tracker.reset()
     state._join_side_streams("the end of the capture", force=False)
     assert log == []
+
+
+def test_joins_are_transitive_through_another_side_stream():
+    t = StreamTracker(CAP)
+    _fork(t, 1, "s1", event=10)
+    _fork(t, 2, "s2", event=11, source=1)  # s2 forks from s1
+    t.on_record(12, 2)
+    t.on_wait(1, "s1", 12)  # s2 joins into s1 ...
+    assert t.unjoined() == ["s1"]
+    _join(t, 1, event=13)  # ... and s1 into the capture stream
+    assert t.unjoined() == []

@@ -140,6 +140,9 @@ class Runner:
         except Exception as e:  # noqa: BLE001 - one bucket failing must not take the others down
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
+                # A capture that failed inside CUDA can leave its pool unusable ("already recording"); later
+                # buckets go to a fresh pool, giving up sharing with the buckets captured before.
+                self.pool = torch.cuda.graph_pool_handle()
             if _is_uncapturable(e):
                 self._refuse(e)
             else:

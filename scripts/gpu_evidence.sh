@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# One GPU session: the CUDA test tier, the break-cost benchmark, `bcg bench` and `bcg analyze` for every GPU preset.
+# Usage: scripts/gpu_evidence.sh [OUTDIR]   (default $OUT, else out/gpu). Everything is bundled into gpu.tgz.
+# Each step has its own time limit so one slow step cannot starve the others; a failed step does not stop the rest.
+set -uo pipefail
+dest=${1:-${OUT:-out/gpu}}
+work=$(mktemp -d)
+mkdir -p "$dest"
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+step() {  # step NAME SECONDS CMD...
+  local name=$1 secs=$2; shift 2
+  local t0=$SECONDS
+  timeout "$secs" "$@" >"$work/$name.log" 2>&1
+  local rc=$?
+  echo "== $name rc=$rc $((SECONDS - t0))s" | tee -a "$work/summary.log"
+  tail -n "${TAIL:-25}" "$work/$name.log" | tee -a "$work/summary.log"
+}
+python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, \
+torch.cuda.get_device_name() if torch.cuda.is_available() else 'no cuda')" | tee "$work/summary.log"
+step cuda_tests "${T_TESTS:-200}" python3 -m pytest -q -m cuda -p no:cacheprovider -x tests
+step break_cost 60 python3 benchmarks/break_cost.py --out "$work/break_cost.json"
+for model in ${MODELS:-llama-dense gptoss-moe glm-dsa}; do
+  step "bench-$model" "${T_BENCH:-150}" python3 -m bcg bench --model "$model" --no-progress --out "$work/bench-$model" \
+    ${BENCH_ARGS:-}
+done
+for model in ${ANALYZE_MODELS:-llama-dense glm-dsa}; do
+  step "analyze-$model" "${T_ANALYZE:-90}" python3 -m bcg analyze --model "$model" --no-progress \
+    --out "$work/analyze-$model" ${ANALYZE_ARGS:-}
+done
+tar czf "$dest/gpu.tgz" -C "$work" .
+cp "$work/summary.log" "$dest/summary.log"
