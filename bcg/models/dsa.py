@@ -30,9 +30,13 @@ from bcg.models.layers import SwiGLUMLP
 from bcg.models.moe import MoEFFN, prepare_experts
 from bcg.runtime.attention import flash_varlen, is_varlen_usable, write_and_gather_kv
 from bcg.runtime.context import get_forward_context
+from bcg.runtime.static_context import refuse_static
 
 # Bounds the memory of the pair tensors in sparse attention (each is pairs x num_heads x head_dim).
 MAX_PAIRS_PER_CHUNK = 1 << 18
+# Why neither island fits a whole-layer-stack graph (raised when one meets the "full" backend's static context).
+UNCAPTURABLE = ("the DSA indexer select_topk loops over the live requests on the host, and sparse_attention "
+                "compacts the selected (query, key) pairs with nonzero, whose output shape depends on the data")
 
 
 @eager_on_graph
@@ -51,6 +55,7 @@ def select_topk(index_q: Tensor, index_k: Tensor, head_weights: Tensor, group_id
         of the selected keys, best first; ``-1`` marks unused picks and fills padded rows.
     """
     ctx = get_forward_context()
+    refuse_static(ctx, "bcg.models.dsa.select_topk", UNCAPTURABLE)
     num_tokens = ctx.num_tokens
     cache = ctx.kv_pool.index_k[group_id]
     cache.index_copy_(0, ctx.write_slots, index_k[:num_tokens])
@@ -84,6 +89,7 @@ def sparse_attention(q: Tensor, k: Tensor, v: Tensor, selection: Tensor, out: Te
         layer_id: which layer's KV cache to use (real rows' K/V are written there first).
     """
     ctx = get_forward_context()
+    refuse_static(ctx, "bcg.models.dsa.sparse_attention", UNCAPTURABLE)
     num_tokens = ctx.num_tokens
     keys, values = write_and_gather_kv(ctx, layer_id, k, v)
     # Offset of each query's request in the packed keys, so a position maps to a packed row.

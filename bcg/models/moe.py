@@ -49,6 +49,22 @@ def grouped_mm_supported(device: torch.device, dtype: torch.dtype, hidden_size: 
     return is_supported
 
 
+@functools.cache
+def grouped_mm_traceable(dtype: torch.dtype, hidden_size: int, intermediate_size: int) -> bool:
+    """Whether torch.compile can trace ``F.grouped_mm`` for this dtype (its meta kernel may accept fewer dtypes
+    than the eager kernel: bf16 only in torch 2.13). Probed on the meta device, so it costs no memory."""
+    if not hasattr(F, "grouped_mm"):
+        return False
+    try:
+        mat_a = torch.empty(2, hidden_size, device="meta", dtype=dtype)
+        mat_b = torch.empty(2, 2 * intermediate_size, hidden_size, device="meta", dtype=dtype)
+        offs = torch.empty(2, device="meta", dtype=torch.int32)
+        F.grouped_mm(mat_a, mat_b.transpose(-2, -1), offs=offs)
+    except (RuntimeError, NotImplementedError):
+        return False
+    return True
+
+
 class MoEFFN(nn.Module):
     """Top-k routed SwiGLU experts (Qwen3-MoE semantics) with fixed shapes.
 
@@ -69,11 +85,14 @@ class MoEFFN(nn.Module):
         self.experts_gate_up = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden))
         self.experts_down = nn.Parameter(torch.empty(num_experts, hidden, inter))
         self.use_grouped_mm = False
+        self.grouped_mm_traceable = False
 
     def prepare(self) -> None:
         """Choose the expert kernel for the weights' device and dtype (host-side probe)."""
         weight = self.experts_gate_up
-        self.use_grouped_mm = grouped_mm_supported(weight.device, weight.dtype, weight.shape[2], self.experts_down.shape[2])
+        hidden, inter = weight.shape[2], self.experts_down.shape[2]
+        self.use_grouped_mm = grouped_mm_supported(weight.device, weight.dtype, hidden, inter)
+        self.grouped_mm_traceable = self.use_grouped_mm and grouped_mm_traceable(weight.dtype, hidden, inter)
 
     def route(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """Router: ``(T, H)`` -> top-k weights ``(T, k)`` in ``x.dtype`` and expert ids ``(T, k)``."""
@@ -91,7 +110,8 @@ class MoEFFN(nn.Module):
         flat_ids = topk_ids.flatten()
         sorted_ids, order = flat_ids.sort(stable=True)
         x_sorted = x[order // self.top_k]
-        if self.use_grouped_mm:
+        # Traced by torch.compile where grouped_mm has no meta kernel for the dtype: the (exact) bmm fallback.
+        if self.use_grouped_mm and (self.grouped_mm_traceable or not torch.compiler.is_compiling()):
             experts = torch.arange(self.num_experts, device=x.device, dtype=sorted_ids.dtype)
             # offs[e] = end of expert e's group; always E entries, no host read.
             offs = torch.searchsorted(sorted_ids, experts, right=True, out_int32=True)

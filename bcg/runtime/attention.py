@@ -10,6 +10,9 @@ fits its bucket. Two implementations compute the same thing:
   top-left aligned, batches with a prefix use the SDPA path instead.
 * Everything else (CPU, fp32, no varlen): SDPA per request, with ``causal_lower_right`` for
   requests with a prefix. This is also the exact reference in tests.
+
+Under a :class:`~bcg.runtime.static_context.StaticForwardContext` (backend="full", which captures the island
+inside its graph) the island takes the fixed-shape path of :mod:`bcg.runtime.static_attention` instead.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from torch.nn.attention.bias import causal_lower_right
 
 from bcg import eager_on_graph
 from bcg.runtime.context import ForwardContext, get_forward_context
+from bcg.runtime.static_context import StaticForwardContext
 
 try:
     from torch.nn.attention.varlen import varlen_attn
@@ -58,6 +62,12 @@ def attention(q: Tensor, k: Tensor, v: Tensor, out: Tensor, layer_id: int) -> No
         ...     attention(q, k, v, out, layer_id=0)
     """
     ctx = get_forward_context()
+    if isinstance(ctx, StaticForwardContext):
+        # backend="full" captures this island inside its graph: fixed shapes over static metadata buffers.
+        from bcg.runtime.static_attention import static_attention  # here: that module imports this one
+
+        static_attention(q, k, v, out, layer_id, ctx)
+        return
     num_tokens = ctx.num_tokens
     keys, values = write_and_gather_kv(ctx, layer_id, k, v)
     out[:num_tokens] = causal_attention(q[:num_tokens], keys, values, ctx)

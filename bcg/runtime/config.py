@@ -36,6 +36,9 @@ class EngineConfig:
         max_padding_factor: run eagerly when the bucket would be more than this many times the real tokens.
         kv_tokens: KV pool capacity in tokens; None means ``4 * chunked_prefill_size``.
         max_requests: request slots of the "full" backend; None means ``max(chunked_prefill_size // 512, 1)``.
+        prefix_capacity: cached-prefix keys (summed over a batch's requests) a "full" graph can attend to: bucket
+            ``b`` reads ``b + prefix_capacity`` key slots per layer. None means ``chunked_prefill_size``; a batch
+            with more keys runs eagerly (reason "too_many_keys").
         tc_compiler: "inductor" or "eager" (no compilation), used by "tc_piecewise".
         debug: run the whole layer stack as one eager break through the same runner path (bisects graph bugs).
         warmup: forward passes per bucket before its capture.
@@ -52,6 +55,7 @@ class EngineConfig:
     max_padding_factor: float = 2.0
     kv_tokens: int | None = None
     max_requests: int | None = None
+    prefix_capacity: int | None = None
     tc_compiler: str = "inductor"
     debug: bool = False
     warmup: int = 2
@@ -66,6 +70,10 @@ class EngineConfig:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if self.tc_compiler not in ("inductor", "eager"):
             raise ValueError(f"tc_compiler must be 'inductor' or 'eager', got {self.tc_compiler!r}")
+        if self.max_requests is not None and self.max_requests < 1:
+            raise ValueError(f"max_requests must be >= 1, got {self.max_requests}")
+        if self.prefix_capacity is not None and self.prefix_capacity < 0:
+            raise ValueError(f"prefix_capacity must be >= 0, got {self.prefix_capacity}")
         if self.max_padding_factor < 1.0:
             raise ValueError(f"max_padding_factor must be >= 1.0, got {self.max_padding_factor}")
 
@@ -98,3 +106,7 @@ class EngineConfig:
     @property
     def request_slots(self) -> int:
         return self.max_requests if self.max_requests is not None else max(self.chunked_prefill_size // 512, 1)
+
+    @property
+    def prefix_keys(self) -> int:
+        return self.prefix_capacity if self.prefix_capacity is not None else self.chunked_prefill_size

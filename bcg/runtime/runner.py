@@ -3,8 +3,9 @@
 Captured: the layer stack (``model.forward_layers``). Eager: the embedding lookup before it and the final norm,
 LM head and sampling on each request's last token after it, so one capture per token bucket serves any mix of
 requests. A live batch of ``num_tokens`` is padded to the smallest bucket, copied into static buffers (padded rows
-zeroed), replayed under a forward context that the attention islands read, and its rows are read back from one
-max-size output buffer sliced per bucket.
+zeroed), replayed under the forward context its backend gives (``load_batch``: the live batch for island backends,
+static metadata buffers for a whole-graph backend), and its rows are read back from one max-size output buffer
+sliced per bucket.
 """
 
 from __future__ import annotations
@@ -129,7 +130,9 @@ class Runner:
         free0 = _free_memory(self.device)
         t0 = time.perf_counter()
         try:
-            with self._dummy_context(n):
+            with self.dummy_context(n):
+                if self.capture_stream is not None:  # the static buffers were just filled on the current stream
+                    self.capture_stream.wait_stream(torch.cuda.current_stream())
                 stream_ctx = torch.cuda.stream(self.capture_stream) if self.capture_stream else nullcontext()
                 with stream_ctx:
                     for _ in range(self.config.warmup):
@@ -155,13 +158,14 @@ class Runner:
         return record
 
     @contextmanager
-    def _dummy_context(self, n: int) -> Any:
-        """A one-request batch of ``n`` tokens with real KV slots, live during warmup and capture."""
+    def dummy_context(self, n: int) -> Any:
+        """A one-request batch of ``n`` tokens with real KV slots, live during warmup and capture (and while a
+        backend compiles in ``prepare``); its context comes from the backend's ``load_batch``."""
         slots = self.kv_pool.alloc(n)
         try:
             batch = PrefillBatch([PrefillItem(torch.zeros(n, dtype=torch.long), slots)], self.kv_pool)
             self.static_positions[:n].copy_(batch.positions)
-            with forward_context(batch.to_context(n)):
+            with forward_context(self.backend.load_batch(batch, n)):
                 yield
         finally:
             self.kv_pool.free(slots)
@@ -186,8 +190,12 @@ class Runner:
         logger.warning("bcg: bucket %d disabled: %s", n, reason)
 
     # ---------------------------------------------------------------- forward
-    def choose(self, num_tokens: int) -> tuple[int | None, str]:
-        """The single replay-or-eager predicate: (bucket, "graph") or (None, reason)."""
+    def choose(self, num_tokens: int, batch: PrefillBatch | None = None) -> tuple[int | None, str]:
+        """The single replay-or-eager predicate: (bucket, "graph") or (None, reason).
+
+        With ``batch`` the backend also checks what its graphs bake in besides the token count (``can_run``:
+        request slots and key capacity of the "full" backend); without it only the token count is judged.
+        """
         if not self.backend.uses_graphs:
             return None, "backend_eager"
         if self.telemetry.refused_reason is not None:
@@ -195,17 +203,21 @@ class Runner:
         choice = self.table.choose(num_tokens)
         if choice.bucket is not None and choice.bucket not in self.handles:
             return None, "bucket_disabled"
+        if choice.bucket is not None and batch is not None:
+            reason = self.backend.can_run(batch, choice.bucket)
+            if reason is not None:
+                return None, reason
         return choice.bucket, choice.reason
 
     def forward(self, batch: PrefillBatch) -> torch.Tensor:
         """Hidden states of the real tokens of ``batch``: (num_tokens, hidden_size)."""
         n_real = batch.num_tokens
         hidden = self.model.embed(batch.input_ids)
-        bucket, reason = self.choose(n_real)
+        bucket, reason = self.choose(n_real, batch)
         if bucket is not None:
             try:
                 self._load(hidden, batch.positions, bucket)
-                with forward_context(batch.to_context(bucket)):
+                with forward_context(self.backend.load_batch(batch, bucket)):
                     self.backend.replay(self.handles[bucket], bucket)
                 self._record(batch, bucket, True, "graph")
                 return self.static_output[:n_real]
@@ -223,11 +235,11 @@ class Runner:
         """Loads ``batch`` into the static buffers of its bucket and sets its forward context; yields
         ``(bucket, handle)``. For tools that replay or time the steps of a handle themselves (``bcg analyze``).
         Raises ValueError when the batch would not replay a graph."""
-        bucket, reason = self.choose(batch.num_tokens)
+        bucket, reason = self.choose(batch.num_tokens, batch)
         if bucket is None:
             raise ValueError(f"a batch of {batch.num_tokens} tokens does not replay a graph ({reason})")
         self._load(self.model.embed(batch.input_ids), batch.positions, bucket)
-        with forward_context(batch.to_context(bucket)):
+        with forward_context(self.backend.load_batch(batch, bucket)):
             yield bucket, self.handles[bucket]
 
     def _load(self, hidden: torch.Tensor, positions: torch.Tensor, bucket: int) -> None:

@@ -6,6 +6,8 @@ from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from bcg.runtime.batch import PrefillBatch
+    from bcg.runtime.context import ForwardContext
     from bcg.runtime.runner import Runner
 
 __all__ = ["GraphBackend", "BackendRefused"]
@@ -30,6 +32,22 @@ class GraphBackend(ABC):
 
     def prepare(self) -> None:  # noqa: B027 - optional hook, deliberately empty
         """One-time work before any capture (compilation); its time is reported as compile time."""
+
+    def can_run(self, batch: PrefillBatch, bucket: int) -> str | None:
+        """Why ``batch`` cannot replay bucket ``bucket`` (a short reason recorded per batch), or None if it can.
+
+        Part of :meth:`Runner.choose`; a backend whose graphs bake in more than the token count (request slots,
+        key capacity) says here which batches do not fit.
+        """
+        return None
+
+    def load_batch(self, batch: PrefillBatch, bucket: int) -> ForwardContext | Any:
+        """The forward context to install while bucket ``bucket`` runs ``batch`` (warmup, capture and replay).
+
+        By default the live context, which the attention islands read eagerly; a backend that captures the
+        attention too copies the batch into its static metadata here and returns a context over those buffers.
+        """
+        return batch.to_context(bucket)
 
     def warmup(self, num_tokens: int) -> None:
         """One uncaptured forward at bucket size (kernel selection, lazy init) before the capture."""

@@ -1,0 +1,129 @@
+"""The tc_piecewise backend: torch.compile traces the layer stack once; the pieces between islands get graphs."""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from bcg.runtime.backends.base import BackendRefused, GraphBackend
+from bcg.runtime.backends.capture import hold_pool
+from bcg.runtime.backends.piecewise import PieceRuntime, PiecewiseCompiler
+
+__all__ = ["PiecewiseHandle", "TcPiecewiseBackend"]
+
+
+@dataclass(frozen=True)
+class PiecewiseHandle:
+    """What one bucket's capture produced: ``num_graphs`` piece graphs around ``num_islands`` eager islands."""
+
+    bucket: int
+    num_graphs: int
+    num_islands: int
+
+
+class TcPiecewiseBackend(GraphBackend):
+    """The torch.compile route (SGLang's piecewise CUDA graphs, built from public torch APIs).
+
+    ``prepare`` traces ``forward_layers`` once with ``torch.compile(fullgraph=True)``, token dimension dynamic,
+    through :class:`~bcg.runtime.backends.piecewise.PiecewiseCompiler`, which splits the graph at the attention
+    op and compiles each piece (its time is the reported compile time). ``capture(n)`` then calls the compiled
+    function in capture mode: each piece captures its own graph for bucket ``n`` in the shared pool while the
+    islands run eagerly between them. ``replay`` calls the compiled function again, guards included, and the
+    pieces replay their graphs. Models that torch.compile cannot take (DSA) are refused with the reason.
+
+    Example::
+
+        eng = Engine("tiny-dense", backend="tc_piecewise", tc_compiler="eager", device="cpu", buckets=[8, 16])
+        eng.telemetry.compile_ms, eng.telemetry.buckets[16].num_breaks     # trace time, 2 islands
+    """
+
+    name = "tc_piecewise"
+
+    def prepare(self) -> None:
+        r = self.runner
+        if r.emulate and r.config.tc_compiler == "inductor":
+            raise BackendRefused(
+                "tc_compiler='inductor' cannot run under the CPU graph emulation: Inductor's CPU kernels are C++ "
+                "called directly, not aten ops the emulation records. Use tc_compiler='eager' on a CPU, or a GPU")
+        import bcg.runtime.compile_ops  # noqa: F401 - registers the islands' ops and tracing stand-ins
+
+        self.runtime = PieceRuntime(pool=r.pool, emulate=r.emulate)
+        self.compiler = PiecewiseCompiler(self.runtime, r.config.tc_compiler)
+        self._anchor = hold_pool(r.pool, r.capture_stream)
+        self.compiled = torch.compile(_private_step(r.model), fullgraph=True, backend=self.compiler)
+        n = r.table.max_bucket
+        # Trace and compile now, under the grad mode of capture and replay, so the guards match them.
+        with torch.inference_mode(), r.dummy_context(n):
+            try:
+                self._run(n, mark_dynamic=True)
+            except BackendRefused:
+                raise
+            except Exception as e:  # noqa: BLE001 - a trace failure means: serve eagerly, with dynamo's reason
+                lines = str(e).strip().splitlines()
+                raise BackendRefused(f"torch.compile could not trace {type(r.model).__name__}.forward_layers as "
+                                     f"one graph: {type(e).__name__}: {lines[0] if lines else ''}") from e
+        if self.compiler.num_compiles == 0:
+            raise BackendRefused("torch.compile ran the layer stack without calling the bcg compile backend "
+                                 "(recompile limit reached?)")
+
+    def _run(self, n: int, mark_dynamic: bool = False) -> None:
+        r = self.runner
+        args = (r.static_hidden[:n], r.static_positions[:n], r.static_output[:n])
+        if mark_dynamic:
+            for t in args:
+                torch._dynamo.mark_dynamic(t, 0)
+        self.compiled(*args)
+
+    def warmup(self, num_tokens: int) -> None:
+        self._run(num_tokens)
+
+    def capture(self, num_tokens: int) -> PiecewiseHandle:
+        r, rt = self.runner, self.runtime
+        rt.mode, rt.bucket, rt.captured = "capture", num_tokens, 0
+        stream = r.capture_stream
+        try:
+            if stream is None:
+                self._run(num_tokens)
+            else:
+                stream.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(stream):
+                    self._run(num_tokens)
+                torch.cuda.current_stream().wait_stream(stream)
+        finally:
+            rt.mode = "eager"
+        if rt.captured == 0:
+            raise RuntimeError(f"bucket {num_tokens}: the compiled layer stack ran no piece in capture mode")
+        return PiecewiseHandle(num_tokens, rt.captured, self.compiler.num_islands)
+
+    def replay(self, handle: Any, num_tokens: int) -> None:
+        rt = self.runtime
+        rt.mode, rt.bucket = "replay", num_tokens
+        try:
+            if torch.is_inference_mode_enabled():
+                self._run(num_tokens)
+            else:  # the guards were made under inference mode; anything else would recompile
+                with torch.inference_mode():
+                    self._run(num_tokens)
+        finally:
+            rt.mode = "eager"
+
+    def describe(self, handle: Any) -> tuple[int, int]:
+        return (handle.num_graphs, handle.num_islands)
+
+
+def _private_step(model: torch.nn.Module) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]:
+    """``out.copy_(model.forward_layers(hidden, positions))`` as a function with a code object of its own.
+
+    Dynamo keeps compiled code and guards per code object; one copy per backend keeps engines in one process from
+    evaluating each other's guards at every replay and from sharing one recompile limit.
+    """
+
+    def step(hidden: torch.Tensor, positions: torch.Tensor, out: torch.Tensor) -> None:
+        out.copy_(model.forward_layers(hidden, positions))
+
+    return types.FunctionType(step.__code__.replace(), step.__globals__, step.__name__, step.__defaults__,
+                              step.__closure__)

@@ -1,0 +1,115 @@
+"""The CUDA tier of the "full" and "tc_piecewise" backends: real CUDA graphs, bf16, varlen attention, Inductor."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from bcg.models import get_preset
+from bcg.runtime import Engine
+
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+BUCKETS = [16, 32, 64]
+# Tiny presets with GPU-friendly attention and expert shapes (head_dim 64, dims multiples of 16).
+CONFIGS = {
+    name: replace(get_preset(name), hidden_size=256, head_dim=64, intermediate_size=512, moe_intermediate_size=64)
+    for name in ("tiny-dense", "tiny-moe", "tiny-dsa")
+}
+_cache: dict[tuple, Engine] = {}
+
+
+def engine(preset: str, backend: str, **kw) -> Engine:
+    key = (preset, backend, tuple(sorted(kw.items())))
+    if key not in _cache:
+        kw.setdefault("buckets", BUCKETS)
+        kw.setdefault("chunked_prefill_size", 64)
+        kw.setdefault("kv_tokens", 1024)
+        kw.setdefault("dtype", "bfloat16")
+        if backend == "full":
+            kw.setdefault("max_requests", 6)
+            kw.setdefault("prefix_capacity", 192)
+        _cache[key] = Engine(CONFIGS[preset], backend=backend, device="cuda", seed=0, progress=False, **kw)
+    return _cache[key]
+
+
+def prompts(lengths: list[int], seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 256, (n,), generator=g).tolist() for n in lengths]
+
+
+def assert_matches(res, ref, rel: float = 2e-2) -> None:  # noqa: ANN001
+    """Logits within bf16 tolerance; the same greedy token wherever eager's top-2 margin clears that tolerance."""
+    tol = rel * max(1.0, ref.logits.abs().max().item())
+    assert (res.logits - ref.logits).abs().max().item() <= tol
+    top2 = ref.logits.topk(2, dim=-1).values
+    clear = (top2[:, 0] - top2[:, 1]) > 2 * tol
+    assert torch.equal(res.next_tokens[clear], ref.next_tokens[clear])
+
+
+COMPOSITIONS = [[3, 7, 12, 1], [40, 9], [5, 4, 3, 2, 1, 6], [64], [150]]
+
+
+@pytest.mark.parametrize("preset", ["tiny-dense", "tiny-moe"])
+@pytest.mark.parametrize("backend", ["full", "tc_piecewise"])
+def test_matches_eager_in_bf16(preset: str, backend: str) -> None:
+    eng, ref = engine(preset, backend), engine(preset, "eager")
+    assert eng.telemetry.refused_reason is None and eng.telemetry.num_captured == len(BUCKETS)
+    assert eng.telemetry.graph_memory_bytes > 0
+    for lengths in COMPOSITIONS:
+        res = eng.prefill(prompts(lengths))
+        assert all(b.graph_used for b in res.batches if b.num_tokens >= 8), res.batches
+        assert_matches(res, ref.prefill(prompts(lengths)))
+
+
+def test_full_uses_varlen_with_static_metadata_and_sentinels() -> None:
+    from bcg.runtime.attention import varlen_attn, varlen_causal_is_bottom_right
+
+    eng, ref = engine("tiny-dense", "full"), engine("tiny-dense", "eager")
+    expected = varlen_attn is not None and varlen_causal_is_bottom_right(torch.device("cuda", 0))
+    assert eng.runner.backend.metadata.use_varlen == expected
+    for lengths in ([3, 4, 2, 5, 1], [6, 5], [3, 4, 2, 5, 1], [6, 5]):  # sentinels must not leak
+        res = eng.prefill(prompts(lengths, seed=len(lengths)))
+        assert res.batches[0].graph_used
+        assert_matches(res, ref.prefill(prompts(lengths, seed=len(lengths))))
+    res = eng.prefill(prompts([2] * 7))
+    assert res.batches[0].reason == "too_many_requests"
+
+
+def test_full_fp32_uses_the_masked_path() -> None:
+    eng, ref = engine("tiny-moe", "full", dtype="float32"), engine("tiny-moe", "eager", dtype="float32")
+    assert not eng.runner.backend.metadata.use_varlen
+    for lengths in COMPOSITIONS:
+        res, expected = eng.prefill(prompts(lengths)), ref.prefill(prompts(lengths))
+        assert (res.logits - expected.logits).abs().max().item() <= 1e-4
+        assert torch.equal(res.next_tokens, expected.next_tokens)
+
+
+def test_tc_piecewise_traces_once_and_replays_every_bucket() -> None:
+    eng = engine("tiny-moe", "tc_piecewise")
+    backend, layers = eng.runner.backend, CONFIGS["tiny-moe"].num_layers
+    for lengths in COMPOSITIONS:
+        eng.prefill(prompts(lengths))
+    assert backend.compiler.num_compiles == 1
+    assert all(sorted(p.graphs) == BUCKETS for p in backend.compiler.pieces)
+    assert (eng.telemetry.buckets[64].num_segments, eng.telemetry.buckets[64].num_breaks) == (layers + 1, layers)
+    assert eng.telemetry.compile_ms > 0 and eng.telemetry.capture_ms > 0
+
+
+def test_tc_piecewise_without_inductor_matches_eager() -> None:
+    eng, ref = engine("tiny-dense", "tc_piecewise", tc_compiler="eager"), engine("tiny-dense", "eager")
+    for lengths in COMPOSITIONS:
+        assert_matches(eng.prefill(prompts(lengths)), ref.prefill(prompts(lengths)))
+
+
+@pytest.mark.parametrize("backend", ["full", "tc_piecewise"])
+def test_dsa_is_refused_and_served_eagerly(backend: str) -> None:
+    eng = engine("tiny-dsa", backend)
+    reason = eng.telemetry.refused_reason
+    assert reason is not None and "select_topk" in reason and "breakable" in reason
+    batch = prompts([3, 7, 12, 1])
+    res, ref = eng.prefill(batch), engine("tiny-dsa", "eager").prefill(batch)
+    assert [b.reason for b in res.batches] == ["backend_refused"]
+    assert (res.logits - ref.logits).abs().max().item() <= 1e-5
