@@ -181,6 +181,10 @@ _CAPTURE: contextvars.ContextVar[_CaptureState | None] = contextvars.ContextVar(
 # Default capture streams per (device, thread): two threads capturing at once must not share a stream.
 _default_streams: dict[tuple[int, int], torch.cuda.Stream] = {}
 _warnings_lock = threading.Lock()
+# CUDA captures in one process are serialised: the device sync and cache flush that open a capture, and the caching
+# allocator's bookkeeping, are not permitted while another thread's stream is capturing. Emulated captures and
+# replays (in any thread) do not take this lock.
+_cuda_capture_lock = threading.Lock()
 
 
 def is_capturing() -> bool:
@@ -324,6 +328,7 @@ class breakable_graph:
         self._token: contextvars.Token | None = None
         self._stream_ctx: Any = None
         self._outer: torch.cuda.Stream | None = None
+        self._locked = False
 
     def __enter__(self) -> BreakableCUDAGraph:
         active = _CAPTURE.get()
@@ -333,27 +338,12 @@ class breakable_graph:
         if self.graph.is_captured:
             raise CaptureError("this BreakableCUDAGraph already holds a capture; call reset() before "
                                "capturing it again")
-        stream = None
-        if not self.graph.is_emulated:
-            if torch.cuda.is_current_stream_capturing():
-                raise CaptureError("a CUDA graph capture is already running on the current stream; nested "
-                                   "captures are not supported")
-            torch.cuda.synchronize()
-            torch.cuda.empty_cache()
-            dev = torch.cuda.current_device()
-            stream = self.stream or _default_streams.get((dev, threading.get_ident()))
-            if stream is None:
-                stream = _default_streams[(dev, threading.get_ident())] = torch.cuda.Stream(dev)
-            self._outer = torch.cuda.current_stream()
-            stream.wait_stream(self._outer)
-            self._stream_ctx = torch.cuda.stream(stream)
-            self._stream_ctx.__enter__()
-            streams.install_hooks()
-        self._state = _CaptureState(self.graph, self.pool, self.mode, self.barrier_fn, self.auto_join, stream)
-        self._token = _CAPTURE.set(self._state)
-        if stream is not None:
-            streams.active_tracker().set(self._state.tracker)
         try:
+            stream = self._enter_cuda() if not self.graph.is_emulated else None
+            self._state = _CaptureState(self.graph, self.pool, self.mode, self.barrier_fn, self.auto_join, stream)
+            self._token = _CAPTURE.set(self._state)
+            if stream is not None:
+                streams.active_tracker().set(self._state.tracker)
             self.graph._hold_pool(self.pool, self.mode)
             self._state.begin_segment()
         except BaseException:
@@ -384,13 +374,36 @@ class breakable_graph:
                          "and data-dependent shapes belong in @bcg.eager_on_graph functions.")
         return False
 
+    def _enter_cuda(self) -> torch.cuda.Stream:
+        """Takes the process-wide capture lock, syncs once, and switches to the capture stream."""
+        if torch.cuda.is_current_stream_capturing():
+            raise CaptureError("a CUDA graph capture is already running on the current stream; nested "
+                               "captures are not supported")
+        _cuda_capture_lock.acquire()
+        self._locked = True
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        dev = torch.cuda.current_device()
+        stream = self.stream or _default_streams.get((dev, threading.get_ident()))
+        if stream is None:
+            stream = _default_streams[(dev, threading.get_ident())] = torch.cuda.Stream(dev)
+        self._outer = torch.cuda.current_stream()
+        stream.wait_stream(self._outer)
+        self._stream_ctx = torch.cuda.stream(stream)
+        self._stream_ctx.__enter__()
+        self._capture_stream = stream
+        streams.install_hooks()
+        return stream
+
     def _cleanup(self, failed: bool) -> None:
-        _CAPTURE.reset(self._token)
+        if self._token is not None:
+            _CAPTURE.reset(self._token)
+            self._token = None
         if self._stream_ctx is not None:
             streams.active_tracker().set(None)
             streams.remove_hooks()
             self._stream_ctx.__exit__(None, None, None)
-            self._outer.wait_stream(self._state.stream)
+            self._outer.wait_stream(self._capture_stream)
             self._stream_ctx = None
         if failed:
             self.graph.reset()
@@ -398,6 +411,9 @@ class breakable_graph:
                 self.graph._discard_pool(self.pool)
         else:
             self.graph._is_captured = True
+        if self._locked:
+            self._locked = False
+            _cuda_capture_lock.release()
 
 
 def eager_on_graph(fn: F | None = None, *, enable: bool = True,

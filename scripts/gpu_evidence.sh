@@ -14,18 +14,19 @@ step() {  # step NAME SECONDS CMD...
   local rc=$?
   echo "== $name rc=$rc $((SECONDS - t0))s" | tee -a "$work/summary.log"
   tail -n "${TAIL:-25}" "$work/$name.log" | tee -a "$work/summary.log"
+  # Bundle after every step, so a run cut short by its time limit still returns what it measured.
+  tar czf "$dest/gpu.tgz" -C "$work" . && cp "$work/summary.log" "$dest/summary.log"
 }
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, \
 torch.cuda.get_device_name() if torch.cuda.is_available() else 'no cuda')" | tee "$work/summary.log"
-step cuda_tests "${T_TESTS:-200}" python3 -m pytest -q -m cuda -p no:cacheprovider -x tests
+step cuda_tests "${T_TESTS:-200}" python3 -m pytest -q -m cuda -p no:cacheprovider -rf tests
 step break_cost 60 python3 benchmarks/break_cost.py --out "$work/break_cost.json"
+# Order: what matters most first (a run cut short keeps the earlier steps).
 for model in ${MODELS:-llama-dense gptoss-moe glm-dsa}; do
   step "bench-$model" "${T_BENCH:-150}" python3 -m bcg bench --model "$model" --no-progress --out "$work/bench-$model" \
     ${BENCH_ARGS:-}
+  case " ${ANALYZE_MODELS:-llama-dense glm-dsa} " in *" $model "*)
+    step "analyze-$model" "${T_ANALYZE:-90}" python3 -m bcg analyze --model "$model" --no-progress \
+      --out "$work/analyze-$model" ${ANALYZE_ARGS:-} ;;
+  esac
 done
-for model in ${ANALYZE_MODELS:-llama-dense glm-dsa}; do
-  step "analyze-$model" "${T_ANALYZE:-90}" python3 -m bcg analyze --model "$model" --no-progress \
-    --out "$work/analyze-$model" ${ANALYZE_ARGS:-}
-done
-tar czf "$dest/gpu.tgz" -C "$work" .
-cp "$work/summary.log" "$dest/summary.log"

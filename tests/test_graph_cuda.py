@@ -470,26 +470,28 @@ def test_failed_capture_moves_an_owned_graph_to_a_fresh_pool():
 
 
 def test_two_threads_capture_and_replay_concurrently():
-    # Each thread gets its own default capture stream; "thread_local" keeps one capture's checks off the other.
-    barrier = threading.Barrier(2, timeout=60)
+    # CUDA captures are serialised by a process-wide lock (a device sync while another thread's stream captures is
+    # not permitted); both threads start capturing at once, then replay concurrently, each with its own graph.
+    start = threading.Barrier(2, timeout=60)
     errors: list[BaseException] = []
+    in_capture = []
 
     def worker(i: int) -> None:
         try:
             x = torch.full((16,), float(i), device=DEV)
             g = _graph()
-            with bcg.breakable_graph(g, capture_error_mode="thread_local"):
-                h = x * 2
-                barrier.wait()  # both threads are inside a segment at the same time
-                h = add_one(h + i) * 3
-                barrier.wait()
-            for k in range(5):
+            start.wait()
+            with bcg.breakable_graph(g):
+                in_capture.append(i)
+                assert len(in_capture) == 1, "two captures overlapped"
+                h = add_one(x * 2 + i) * 3
+                in_capture.remove(i)
+            for k in range(50):
                 x.fill_(float(k + 10 * i))
                 g.replay()
                 torch.testing.assert_close(h, (x * 2 + i + 1) * 3)
         except BaseException as e:  # surfaced in the main thread
             errors.append(e)
-            barrier.abort()
 
     threads = [threading.Thread(target=worker, args=(i,)) for i in range(2)]
     for t in threads:

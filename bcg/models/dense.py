@@ -14,6 +14,7 @@ from bcg.models.base import CausalLM
 from bcg.models.config import ModelConfig
 from bcg.models.layers import RMSNorm, SwiGLUMLP, apply_rotary
 from bcg.runtime.attention import attention
+from bcg.runtime.bridge import carry, output_like
 
 
 class QKVProjection(nn.Module):
@@ -68,9 +69,10 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(config.num_heads * config.head_dim, config.hidden_size, bias=config.attention_bias)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        q, k, v = self.qkv(x, cos, sin)
-        # Allocated in the captured segment so the island writes into a buffer the graph owns.
-        out = torch.empty_like(q)
+        # While the runner captures, island inputs and output live in bridge buffers shared by all layers and
+        # buckets (bcg.runtime.bridge); otherwise these are the plain tensors and a fresh output.
+        q, k, v = carry("attn", *self.qkv(x, cos, sin))
+        out = output_like("attn", q)
         attention(q, k, v, out, self.layer_id)
         return self.o_proj(out.flatten(1))
 

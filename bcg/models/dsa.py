@@ -29,6 +29,7 @@ from bcg.models.dense import DecoderLayer, QKVProjection
 from bcg.models.layers import SwiGLUMLP
 from bcg.models.moe import MoEFFN, prepare_experts
 from bcg.runtime.attention import flash_varlen, is_varlen_usable, write_and_gather_kv
+from bcg.runtime.bridge import carry, output_like
 from bcg.runtime.context import get_forward_context
 from bcg.runtime.static_context import refuse_static
 
@@ -185,6 +186,7 @@ class Indexer(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         index_q, index_k, head_weights = self.proj(x).split(self.split_sizes, dim=-1)
         index_q = index_q.reshape(x.shape[0], self.num_heads, self.head_dim)
+        index_q, index_k, head_weights = carry("index", index_q, index_k, head_weights)
         return select_topk(index_q, index_k, head_weights, self.group_id, self.topk)
 
 
@@ -211,8 +213,8 @@ class SparseAttention(nn.Module):
             selection = self.indexer(x)
         if selection is None:
             raise RuntimeError(f"layer {self.layer_id} has no indexer and was given no selection")
-        q, k, v = self.qkv(x, cos, sin)
-        out = torch.empty_like(q)
+        q, k, v = carry("attn", *self.qkv(x, cos, sin))  # shared bridge buffers while capturing
+        out = output_like("attn", q)
         sparse_attention(q, k, v, selection, out, self.layer_id)
         return self.o_proj(out.flatten(1)), selection
 

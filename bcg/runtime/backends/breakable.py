@@ -6,6 +6,7 @@ from typing import Any
 
 import bcg
 from bcg.runtime.backends.base import GraphBackend
+from bcg.runtime.bridge import BridgeBuffers, bridge_buffers
 
 __all__ = ["BreakableBackend"]
 
@@ -15,6 +16,9 @@ class BreakableBackend(GraphBackend):
 
     In debug mode the whole layer stack is one eager break: the runner, static buffers and replay path stay the
     same while nothing of the model is captured, so a bug that disappears in debug mode is a capture bug.
+
+    Island inputs and outputs go through one set of bridge buffers shared by every layer and bucket
+    (:mod:`bcg.runtime.bridge`), so the tensors each graph must keep alive do not add up over the ladder.
     """
 
     name = "breakable"
@@ -22,12 +26,13 @@ class BreakableBackend(GraphBackend):
     def prepare(self) -> None:
         r = self.runner
         self._layers = bcg.eager_on_graph(r.model.forward_layers) if r.config.debug else r.model.forward_layers
+        self.bridge = BridgeBuffers(r.table.max_bucket)
 
     def capture(self, num_tokens: int) -> bcg.BreakableCUDAGraph:
         r = self.runner
         graph = bcg.BreakableCUDAGraph(pool=r.pool, emulate=r.emulate)
         hidden, positions = r.static_hidden[:num_tokens], r.static_positions[:num_tokens]
-        with bcg.breakable_graph(graph, pool=r.pool, stream=r.capture_stream):
+        with bridge_buffers(self.bridge), bcg.breakable_graph(graph, pool=r.pool, stream=r.capture_stream):
             out = self._layers(hidden, positions)
             r.static_output[:num_tokens].copy_(out)
         return graph

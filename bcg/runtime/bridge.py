@@ -1,0 +1,80 @@
+"""Bridge buffers: one set of max-size tensors that carries island inputs and outputs for every layer and bucket.
+
+A breakable graph keeps every tensor that crosses a break alive for its whole life (that is what makes it safe).
+If each layer's q/k/v/out were fresh pool tensors, every bucket would pin its own copies: the sum over buckets and
+layers, gigabytes for a 42-bucket ladder. Instead, while the runner captures, the model copies the island inputs
+into views of shared buffers and lets the island write into a shared output view. Layer ``l``'s views are consumed
+by its island before layer ``l + 1`` overwrites them, and one runner replays one bucket at a time, so one set of
+buffers sized for the largest bucket serves all of them. Outside a capture nothing is bridged.
+"""
+
+from __future__ import annotations
+
+import contextvars
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+from torch import Tensor
+
+__all__ = ["BridgeBuffers", "bridge_buffers", "carry", "output_like"]
+
+
+class BridgeBuffers:
+    """Lazily allocated ``(max_tokens, *tail)`` buffers, one per (name, tail shape, dtype).
+
+    Example::
+
+        bridge = BridgeBuffers(max_tokens=2048)
+        with bridge_buffers(bridge):
+            q, k, v = carry("attn", q, k, v)      # inside a capture: views of the shared buffers
+    """
+
+    def __init__(self, max_tokens: int) -> None:
+        self.max_tokens = max_tokens
+        self._buffers: dict[tuple, Tensor] = {}
+
+    def view(self, key: str, like: Tensor) -> Tensor:
+        """A ``like``-shaped view of the buffer ``key`` (first ``like.shape[0]`` rows)."""
+        full_key = (key, tuple(like.shape[1:]), like.dtype, like.device)
+        buf = self._buffers.get(full_key)
+        if buf is None:
+            if like.shape[0] > self.max_tokens:
+                raise ValueError(f"bridge buffer {key!r} holds {self.max_tokens} rows, got {like.shape[0]}")
+            buf = torch.empty((self.max_tokens, *like.shape[1:]), dtype=like.dtype, device=like.device)
+            self._buffers[full_key] = buf
+        return buf[: like.shape[0]]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self._buffers.values())
+
+
+_BRIDGE: contextvars.ContextVar[BridgeBuffers | None] = contextvars.ContextVar("bcg_bridge", default=None)
+
+
+@contextmanager
+def bridge_buffers(bridge: BridgeBuffers) -> Iterator[BridgeBuffers]:
+    """Routes :func:`carry` and :func:`output_like` through ``bridge`` inside the block (the runner's capture)."""
+    token = _BRIDGE.set(bridge)
+    try:
+        yield bridge
+    finally:
+        _BRIDGE.reset(token)
+
+
+def carry(name: str, *tensors: Tensor) -> tuple[Tensor, ...]:
+    """The tensors an island will read: copies into shared views while bridging, else the tensors themselves."""
+    bridge = None if torch.compiler.is_compiling() else _BRIDGE.get()  # dynamo cannot trace ContextVar.get
+    if bridge is None:
+        return tensors
+    views = tuple(bridge.view(f"{name}.{i}", t) for i, t in enumerate(tensors))
+    for view, t in zip(views, tensors):
+        view.copy_(t)
+    return views
+
+
+def output_like(name: str, like: Tensor) -> Tensor:
+    """An uninitialised output buffer shaped like ``like`` for an island to write into."""
+    bridge = None if torch.compiler.is_compiling() else _BRIDGE.get()
+    return torch.empty_like(like) if bridge is None else bridge.view(f"{name}.out", like)
