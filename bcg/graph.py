@@ -311,7 +311,9 @@ class breakable_graph:
         g.replay()
 
     One device synchronisation and cache cleanup happen per capture, not per segment. On any exception the open
-    segment is ended, the graph is reset and the exception propagates.
+    segment is ended, the graph is reset and the exception propagates. CUDA captures from several threads are
+    serialised by a process-wide lock; a thread that works while another captures must stay off the legacy default
+    stream, and the capture should use ``capture_error_mode="thread_local"`` so that thread's syncs are allowed.
     """
 
     def __init__(self, cuda_graph: BreakableCUDAGraph, pool: Any = None, stream: torch.cuda.Stream | None = None,

@@ -471,25 +471,29 @@ def test_failed_capture_moves_an_owned_graph_to_a_fresh_pool():
 
 def test_two_threads_capture_and_replay_concurrently():
     # CUDA captures are serialised by a process-wide lock (a device sync while another thread's stream captures is
-    # not permitted); both threads start capturing at once, then replay concurrently, each with its own graph.
+    # not permitted). One thread may replay while the other captures, provided it stays off the legacy default
+    # stream (which would join the capturing stream) and the capture uses "thread_local" error mode (so the other
+    # thread's syncs do not invalidate it). A first version of this test replayed on the default stream and CUDA
+    # invalidated the concurrent capture, as documented.
     start = threading.Barrier(2, timeout=60)
     errors: list[BaseException] = []
     in_capture = []
 
     def worker(i: int) -> None:
         try:
-            x = torch.full((16,), float(i), device=DEV)
-            g = _graph()
-            start.wait()
-            with bcg.breakable_graph(g):
-                in_capture.append(i)
-                assert len(in_capture) == 1, "two captures overlapped"
-                h = add_one(x * 2 + i) * 3
-                in_capture.remove(i)
-            for k in range(50):
-                x.fill_(float(k + 10 * i))
-                g.replay()
-                torch.testing.assert_close(h, (x * 2 + i + 1) * 3)
+            with torch.cuda.stream(torch.cuda.Stream(DEV)):
+                x = torch.full((16,), float(i), device=DEV)
+                g = _graph()
+                start.wait()
+                with bcg.breakable_graph(g, capture_error_mode="thread_local"):
+                    in_capture.append(i)
+                    assert len(in_capture) == 1, "two captures overlapped"
+                    h = add_one(x * 2 + i) * 3
+                    in_capture.remove(i)
+                for k in range(50):
+                    x.fill_(float(k + 10 * i))
+                    g.replay()
+                    torch.testing.assert_close(h, (x * 2 + i + 1) * 3)
         except BaseException as e:  # surfaced in the main thread
             errors.append(e)
 

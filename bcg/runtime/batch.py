@@ -14,6 +14,8 @@ from bcg.runtime.kv_cache import KVPool
 
 def _as_cpu_long(values: Sequence[int] | Tensor) -> Tensor:
     if isinstance(values, Tensor):
+        if values.dtype == torch.int64 and values.device.type == "cpu" and values.dim() == 1:
+            return values  # the engine's common case: no conversion ops on the host's hot path
         return values.detach().to("cpu", torch.int64).flatten()
     return torch.tensor(list(values), dtype=torch.int64)
 
@@ -89,7 +91,10 @@ class PrefillBatch:
         seq_lens_k = seq_lens_q + torch.tensor(self.prefix_lens)
         cu_seqlens_q = torch.nn.functional.pad(seq_lens_q.cumsum(0), (1, 0))
         cu_seqlens_k = torch.nn.functional.pad(seq_lens_k.cumsum(0), (1, 0))
-        positions = torch.cat([torch.arange(item.prefix_len, item.prefix_len + n) for item, n in zip(items, self.seq_lens_q)])
+        # prefix_len + (row - first row of its request), vectorised: host time per batch must not grow per request.
+        total = self.num_tokens
+        positions = (torch.arange(total) + (torch.tensor(self.prefix_lens) - cu_seqlens_q[:-1])
+                     .repeat_interleave(seq_lens_q, output_size=total))
         write_slots = torch.cat([item.new_slots for item in items])
         read_slots = torch.cat([s for item in items for s in (item.prefix_slots, item.new_slots)])
         check_slots(read_slots, kv_pool.num_slots)

@@ -144,11 +144,12 @@ class Engine:
                 t = torch.tensor(list(p), dtype=torch.long)
             if t.numel() == 0:
                 raise ValueError(f"prompt {i} is empty; every prompt needs at least one token")
-            lo, hi = int(t.min()), int(t.max())
-            if lo < 0 or hi >= vocab:
-                bad = lo if lo < 0 else hi
-                raise ValueError(f"prompt {i} has token id {bad} outside the vocabulary [0, {vocab})")
             out.append(t)
+        lo, hi = torch.cat(out).aminmax()  # one range check for the whole batch; find the culprit only on error
+        if lo < 0 or hi >= vocab:
+            i = next(i for i, t in enumerate(out) if t.min() < 0 or t.max() >= vocab)
+            bad = int(out[i].min()) if out[i].min() < 0 else int(out[i].max())
+            raise ValueError(f"prompt {i} has token id {bad} outside the vocabulary [0, {vocab})")
         total, capacity = sum(len(t) for t in out), self.kv_pool.num_free
         if total > capacity:
             raise ValueError(f"the prompts need {total} KV slots but the pool has {capacity} free; raise "
