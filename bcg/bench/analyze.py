@@ -159,7 +159,11 @@ def verdict(a: dict[str, Any]) -> dict[str, Any]:
     share = mem.get("graph_share_of_free")
     too_big = share is not None and share > MEMORY_SHARE_LIMIT
     where = f"at {t['length']} tokens"
-    bound = f"S_max {fmt(am.get('s_max'))}x at p={fmt(am.get('p'))}" if am.get("p") is not None else "p unknown"
+    # S_max = 1/p bounds what capturing the islands too could still win over this replay; the bound over eager
+    # (islands and host work kept, everything else free) is the other number a reader compares with.
+    bound = (f"islands are p={fmt(am.get('p'))} of a replay, so at most S_max={fmt(am.get('s_max'))}x more from "
+             f"capturing them and {fmt(am.get('s_max_over_eager'))}x over eager" if am.get("p") is not None
+             else "p unknown")
     if pays and not too_big:
         head = (f"Breakable graphs pay here: {speedup:.2f}x measured (predicted {fmt(am.get('predicted_speedup'))}x, "
                 f"{bound}) {where}")

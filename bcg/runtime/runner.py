@@ -113,8 +113,8 @@ class Runner:
         with _frozen_gc(), torch.inference_mode():
             for n in bar:
                 record = self._capture_one(n)
-                bar.set_postfix(num_tokens=n, capture_ms=f"{record.capture_ms:.1f}",
-                                free_gib=f"{_free_memory(self.device) / 2**30:.1f}")
+                free = f"{_free_memory(self.device) / 2**30:.1f}" if not self.emulate else "-"
+                bar.set_postfix(num_tokens=n, capture_ms=f"{record.capture_ms:.1f}", free_gib=free)
                 if self.telemetry.refused_reason is not None:
                     break
         bar.close()
