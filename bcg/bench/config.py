@@ -111,12 +111,7 @@ class BenchConfig:
         """A copy with every ``None`` replaced by this machine's default, validated."""
         from bcg.runtime.config import resolve_backend
 
-        device = self.device or default_device()
-        _check_device(device)
-        _check_dtype(self.dtype)
-        cuda = torch.device(device).type == "cuda"
-        model = self.model or ("llama-dense" if cuda else "tiny-dense")
-        validate_model(model)
+        device, cuda, model = _resolve_machine(self.device, self.dtype, self.model)
         backends = self.backends or (["eager", "breakable", "full", "tc_piecewise"] if cuda
                                      else ["eager", "breakable"])
         if not backends:
@@ -179,12 +174,7 @@ class AnalyzeConfig:
 
     def resolved(self) -> AnalyzeConfig:
         """A copy with every ``None`` replaced by this machine's default, validated."""
-        device = self.device or default_device()
-        _check_device(device)
-        _check_dtype(self.dtype)
-        cuda = torch.device(device).type == "cuda"
-        model = self.model or ("llama-dense" if cuda else "tiny-dense")
-        validate_model(model)
+        device, cuda, model = _resolve_machine(self.device, self.dtype, self.model)
         # On a CPU a 2048-token ladder means ~40 emulated captures; 256 keeps analyze to seconds.
         chunk = self.chunked_prefill_size or (2048 if cuda else 256)
         if chunk < 1:
@@ -204,6 +194,17 @@ class AnalyzeConfig:
             raise ValueError("--runs and --num-prompts must be >= 1 and --warmup >= 0")
         return replace(self, model=model, device=device, chunked_prefill_size=chunk, lengths=lengths,
                        length=length, max_tokens=max_tokens, runs=runs, warmup=warmup)
+
+
+def _resolve_machine(device: str | None, dtype: str | None, model: str | None) -> tuple[str, bool, str]:
+    """(device, is_cuda, model) with this machine's defaults filled in and each checked."""
+    device = device or default_device()
+    _check_device(device)
+    _check_dtype(dtype)
+    cuda = torch.device(device).type == "cuda"
+    model = model or ("llama-dense" if cuda else "tiny-dense")
+    validate_model(model)
+    return device, cuda, model
 
 
 def read_lengths_file(path: str) -> list[int]:
