@@ -104,7 +104,7 @@ class Engine:
         lengths = [len(t) for t in ids]
         all_slots = self.kv_pool.alloc(sum(lengths))  # all or nothing: a failure leaves the pool untouched
         slots = all_slots.split(lengths)
-        first = len(self.telemetry.batches)
+        records: list[BatchRecord] = []
         logits = torch.empty(len(ids), self.model.config.vocab_size, dtype=torch.float32, device=self.device)
         try:
             for plan in plan_batches(lengths, self.config.chunked_prefill_size):
@@ -112,13 +112,14 @@ class Engine:
                                      slots[c.request][: c.start]) for c in plan]
                 batch = PrefillBatch(items, self.kv_pool)
                 hidden = self.runner.forward(batch)
+                records.append(self.runner.last_record)
                 last = [i for i, c in enumerate(plan) if c.is_last]
                 if last:
                     rows = batch.logits_indices[last]
                     logits[[plan[i].request for i in last]] = self.model.compute_logits(hidden[rows]).float()
         finally:
             self.kv_pool.free(all_slots)
-        return PrefillResult(logits, logits.argmax(dim=-1), self.telemetry.batches[first:])
+        return PrefillResult(logits, logits.argmax(dim=-1), records)
 
     def _validate(self, prompts: Sequence[Prompt]) -> list[torch.Tensor]:
         if isinstance(prompts, torch.Tensor) or not isinstance(prompts, Sequence) or isinstance(prompts, str):

@@ -80,6 +80,7 @@ class Runner:
         self.table = BucketTable(sizes, config.max_padding_factor)
         self.backend = make_backend(config.backend, self)
         self.handles: dict[int, Any] = {}
+        self.last_record: BatchRecord | None = None
         self.pool: Any = None
         self.capture_stream = None
         if self.backend.uses_graphs:
@@ -210,7 +211,11 @@ class Runner:
         return choice.bucket, choice.reason
 
     def forward(self, batch: PrefillBatch) -> torch.Tensor:
-        """Hidden states of the real tokens of ``batch``: (num_tokens, hidden_size)."""
+        """Hidden states of the real tokens of ``batch``: (num_tokens, hidden_size).
+
+        On the graph path this is a view of ``static_output``: consume it before the next forward. The batch's
+        :class:`BatchRecord` is ``self.last_record``.
+        """
         n_real = batch.num_tokens
         hidden = self.model.embed(batch.input_ids)
         bucket, reason = self.choose(n_real, batch)
@@ -250,4 +255,5 @@ class Runner:
         self.static_positions[n:bucket].zero_()
 
     def _record(self, batch: PrefillBatch, bucket: int | None, used: bool, reason: str) -> None:
-        self.telemetry.batches.append(BatchRecord(batch.num_tokens, batch.num_requests, bucket, used, reason))
+        self.last_record = self.telemetry.add_batch(
+            BatchRecord(batch.num_tokens, batch.num_requests, bucket, used, reason))

@@ -39,7 +39,9 @@ class Telemetry:
 
     backend: str
     buckets: dict[int, BucketRecord] = field(default_factory=dict)
-    batches: list[BatchRecord] = field(default_factory=list)
+    batches: list[BatchRecord] = field(default_factory=list)  # the most recent ``max_batches`` forwards
+    num_batches: int = 0  # forwards recorded in total
+    max_batches: int = 100_000
     compile_ms: float = 0.0
     capture_ms: float = 0.0
     graph_memory_bytes: int = 0
@@ -51,6 +53,14 @@ class Telemetry:
         if key not in self._logged:
             self._logged.add(key)
             logger.log(level, message)
+
+    def add_batch(self, record: BatchRecord) -> BatchRecord:
+        """Records one forward; the oldest records are dropped past ``max_batches`` so a server stays bounded."""
+        self.batches.append(record)
+        self.num_batches += 1
+        if len(self.batches) > self.max_batches:
+            del self.batches[: len(self.batches) - self.max_batches]
+        return record
 
     @property
     def num_captured(self) -> int:

@@ -210,3 +210,12 @@ def test_forward_context_is_not_leaked() -> None:
     engine("tiny-dense", "breakable").prefill(prompts([3]))
     with pytest.raises(RuntimeError, match="no ForwardContext"):
         get_forward_context()
+
+
+def test_batch_telemetry_stays_bounded() -> None:
+    eng = Engine("tiny-dense", backend="breakable", device="cpu", buckets=[8], progress=False)
+    eng.telemetry.max_batches = 3
+    for _ in range(5):
+        res = eng.prefill(prompts([6]))
+        assert len(res.batches) == 1 and res.batches[0].graph_used
+    assert len(eng.telemetry.batches) == 3 and eng.telemetry.num_batches == 5
