@@ -219,3 +219,18 @@ def test_batch_telemetry_stays_bounded() -> None:
         res = eng.prefill(prompts([6]))
         assert len(res.batches) == 1 and res.batches[0].graph_used
     assert len(eng.telemetry.batches) == 3 and eng.telemetry.num_batches == 5
+
+
+def test_engine_serves_a_hugging_face_checkpoint_through_graphs(tmp_path) -> None:  # noqa: ANN001
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.Qwen3Config(num_hidden_layers=2, hidden_size=64, vocab_size=256, num_attention_heads=4,
+                                   num_key_value_heads=2, head_dim=16, intermediate_size=128)
+    torch.manual_seed(0)
+    hf_model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    hf_model.save_pretrained(tmp_path)
+    eng = Engine(str(tmp_path), backend="breakable", device="cpu", buckets=[16, 32], progress=False)
+    batch = prompts([11, 6], seed=3)
+    res = eng.prefill(batch)
+    with torch.no_grad():
+        expected = torch.stack([hf_model(torch.tensor([p])).logits[0, -1] for p in batch])
+    assert res.batches[0].graph_used and (res.logits - expected).abs().max().item() <= 1e-4
