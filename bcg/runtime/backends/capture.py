@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -41,20 +41,12 @@ def capturing(graph: Any, pool: Any = None, stream: torch.cuda.Stream | None = N
             static_out.copy_(fn(static_in))
         g.replay()
     """
-    if isinstance(graph, EmulatedGraph):
-        graph.capture_begin(pool=pool)
-        try:
-            yield graph
-        except BaseException:
-            _end_quietly(graph)
-            raise
-        graph.capture_end()
-        return
-    outer = torch.cuda.current_stream()
-    stream = stream if stream is not None else outer
-    if stream != outer:
+    emulated = isinstance(graph, EmulatedGraph)
+    outer = None if emulated else torch.cuda.current_stream()
+    stream = None if emulated else (stream if stream is not None else outer)
+    if stream is not None and stream != outer:
         stream.wait_stream(outer)
-    with torch.cuda.stream(stream):
+    with nullcontext() if emulated else torch.cuda.stream(stream):
         graph.capture_begin(pool=pool)
         try:
             yield graph
@@ -62,7 +54,7 @@ def capturing(graph: Any, pool: Any = None, stream: torch.cuda.Stream | None = N
             _end_quietly(graph)
             raise
         graph.capture_end()
-    if stream != outer:
+    if stream is not None and stream != outer:
         outer.wait_stream(stream)
 
 
