@@ -41,6 +41,8 @@ class EngineConfig:
             with more keys runs eagerly (reason "too_many_keys").
         tc_compiler: "inductor" or "eager" (no compilation), used by "tc_piecewise".
         debug: run the whole layer stack as one eager break through the same runner path (bisects graph bugs).
+        verify: after capture, replay every bucket against eager at the same padded shape and disable buckets
+            that differ (bcg.runtime.verify); costs one extra forward pair per bucket at startup.
         warmup: forward passes per bucket before its capture.
         progress: show a progress bar while capturing.
     """
@@ -58,6 +60,7 @@ class EngineConfig:
     prefix_capacity: int | None = None
     tc_compiler: str = "inductor"
     debug: bool = False
+    verify: bool = False
     warmup: int = 2
     progress: bool = True
     extra: dict = field(default_factory=dict)

@@ -87,6 +87,10 @@ class Engine:
         t0 = time.perf_counter()
         self.runner.build()
         self.build_ms = (time.perf_counter() - t0) * 1e3
+        if self.config.verify and self.runner.handles:
+            from bcg.runtime.verify import verify_buckets
+
+            verify_buckets(self.runner)
 
     @property
     def telemetry(self) -> Telemetry:

@@ -150,7 +150,7 @@ class Runner:
             if _is_uncapturable(e):
                 self._refuse(e)
             else:
-                self._disable(n, f"capture failed: {type(e).__name__}: {str(e).splitlines()[0]}")
+                self.disable(n, f"capture failed: {type(e).__name__}: {str(e).splitlines()[0]}")
             return record
         record.capture_ms = (time.perf_counter() - t0) * 1e3
         record.memory_bytes = max(free0 - _free_memory(self.device), 0)
@@ -184,7 +184,8 @@ class Runner:
         self.handles.clear()
         logger.warning("bcg: %s; serving every batch eagerly", msg)
 
-    def _disable(self, n: int, reason: str) -> None:
+    def disable(self, n: int, reason: str) -> None:
+        """Stops replaying bucket ``n`` (batches of its size run eagerly) and records why."""
         self.table.disable(n, reason)
         self.handles.pop(n, None)
         self.telemetry.buckets.setdefault(n, BucketRecord(num_tokens=n)).disabled_reason = reason
@@ -227,7 +228,7 @@ class Runner:
                 self._record(batch, bucket, True, "graph")
                 return self.static_output[:n_real]
             except Exception as e:  # noqa: BLE001 - a failed replay falls back to eager for this batch
-                self._disable(bucket, f"replay failed: {type(e).__name__}: {str(e).splitlines()[0]}")
+                self.disable(bucket, f"replay failed: {type(e).__name__}: {str(e).splitlines()[0]}")
                 reason = "replay_failed"
         if reason not in ("backend_eager",):
             self.telemetry.log_once(reason, f"bcg: running a batch eagerly ({reason}); logged once per reason")

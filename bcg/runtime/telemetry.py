@@ -20,6 +20,7 @@ class BucketRecord:
     num_segments: int = 0
     num_breaks: int = 0
     disabled_reason: str | None = None
+    verify_diff: float | None = None  # max |replay - eager| / max |eager| when the engine verified this bucket
 
 
 @dataclass

@@ -141,3 +141,11 @@ def test_dsa_is_refused_and_served_eagerly(backend: str) -> None:
     res, ref = eng.prefill(batch), engine("tiny-dsa", "eager").prefill(batch)
     assert [b.reason for b in res.batches] == ["backend_refused"]
     assert (res.logits - ref.logits).abs().max().item() <= 1e-5
+
+
+@pytest.mark.parametrize("preset", ["tiny-dense", "tiny-moe", "tiny-dsa"])
+def test_breakable_verify_finds_every_bucket_identical_to_eager(preset: str) -> None:
+    from bcg.runtime.verify import verify_buckets
+
+    diffs = verify_buckets(engine(preset, "breakable").runner)
+    assert set(diffs) == set(BUCKETS) and all(d == 0.0 for d in diffs.values())
