@@ -119,8 +119,11 @@ class Engine:
                 records.append(self.runner.last_record)
                 last = [i for i, c in enumerate(plan) if c.is_last]
                 if last:
-                    rows = batch.logits_indices[last]
-                    logits[[plan[i].request for i in last]] = self.model.compute_logits(hidden[rows]).float()
+                    # Common case, every request ends here in order: slices, no index tensors copied to the device.
+                    rows = batch.logits_indices if len(last) == len(plan) else batch.logits_indices[last]
+                    reqs = [plan[i].request for i in last]
+                    dest = slice(reqs[0], reqs[-1] + 1) if reqs[-1] - reqs[0] == len(reqs) - 1 else reqs
+                    logits[dest] = self.model.compute_logits(hidden[rows]).float()
         finally:
             self.kv_pool.free(all_slots)
         return PrefillResult(logits, logits.argmax(dim=-1), records)
