@@ -163,12 +163,7 @@ class BreakableCUDAGraph:
         """
         if self.is_emulated or pool in self._anchors:
             return
-        anchor = torch.cuda.CUDAGraph()
-        with _warnings_lock, warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # "The CUDA Graph is empty"
-            anchor.capture_begin(pool=pool, capture_error_mode=mode)
-            anchor.capture_end()
-        self._anchors[pool] = anchor
+        self._anchors[pool] = pool_anchor(pool, mode)
 
     def _discard_pool(self, pool: Any) -> None:
         """An invalidated capture leaves its pool unusable in torch ("already recording"): use a new one."""
@@ -185,6 +180,17 @@ _warnings_lock = threading.Lock()
 # allocator's bookkeeping, are not permitted while another thread's stream is capturing. Emulated captures and
 # replays (in any thread) do not take this lock.
 _cuda_capture_lock = threading.Lock()
+
+
+def pool_anchor(pool: Any, capture_error_mode: str = "global") -> torch.cuda.CUDAGraph:
+    """An empty CUDA graph captured into ``pool`` on the current (non-default) stream; while it lives, torch keeps
+    the pool alive even when every other graph captured into it is destroyed (a failed or reset capture)."""
+    anchor = torch.cuda.CUDAGraph()
+    with _warnings_lock, warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "The CUDA Graph is empty"
+        anchor.capture_begin(pool=pool, capture_error_mode=capture_error_mode)
+        anchor.capture_end()
+    return anchor
 
 
 def is_capturing() -> bool:

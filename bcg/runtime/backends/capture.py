@@ -8,7 +8,6 @@ synchronise the device and empty the allocator cache for every graph (tc_piecewi
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from typing import Any
@@ -16,6 +15,7 @@ from typing import Any
 import torch
 
 from bcg.emulation import EmulatedGraph
+from bcg.graph import pool_anchor
 
 __all__ = ["capturing", "hold_pool", "new_graph"]
 
@@ -74,9 +74,5 @@ def hold_pool(pool: Any, stream: torch.cuda.Stream | None) -> Any:
     """
     if pool is None:
         return None
-    anchor = torch.cuda.CUDAGraph()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # "The CUDA Graph is empty"
-        with capturing(anchor, pool, stream):
-            pass
-    return anchor
+    with torch.cuda.stream(stream) if stream is not None else nullcontext():
+        return pool_anchor(pool)
