@@ -28,9 +28,10 @@ from bcg.models.config import ModelConfig
 from bcg.models.dense import DecoderLayer, QKVProjection
 from bcg.models.layers import SwiGLUMLP
 from bcg.models.moe import MoEFFN, prepare_experts
-from bcg.runtime.attention import flash_varlen, is_varlen_usable, write_and_gather_kv
+from bcg.runtime.attention import write_and_gather_kv
 from bcg.runtime.bridge import carry, output_like
 from bcg.runtime.context import get_forward_context
+from bcg.runtime.flash import flash_varlen, is_varlen_usable
 from bcg.runtime.static_context import refuse_static
 
 # Bounds the memory of the pair tensors in sparse attention (each is pairs x num_heads x head_dim).

@@ -4,12 +4,15 @@
 live :class:`~bcg.runtime.context.ForwardContext`, so one captured graph serves every batch that
 fits its bucket. Two implementations compute the same thing:
 
-* CUDA, bf16/fp16: ``torch.nn.attention.varlen.varlen_attn`` (FlashAttention) on all requests at
-  once. Its causal mask must be aligned bottom-right when a request has a cached prefix (query
-  ``i`` sees keys ``0..prefix+i``); that is probed once per device and, if the kernel turns out
-  top-left aligned, batches with a prefix use the SDPA path instead.
+* CUDA, bf16/fp16: FlashAttention's varlen forward (:mod:`bcg.runtime.flash`) on all requests at
+  once, written straight into the island's output rows. Its causal mask must be aligned bottom-right
+  when a request has a cached prefix (query ``i`` sees keys ``0..prefix+i``); that is probed once per
+  device and, if the kernel turns out top-left aligned, batches with a prefix use the SDPA path instead.
 * Everything else (CPU, fp32, no varlen): SDPA per request, with ``causal_lower_right`` for
   requests with a prefix. This is also the exact reference in tests.
+
+The island runs once per layer per replay, so it does as little host work as it can: no slicing or
+zeroing when the batch fills its bucket exactly, no output copy where the kernel writes in place.
 
 Under a :class:`~bcg.runtime.static_context.StaticForwardContext` (backend="full", which captures the island
 inside its graph) the island takes the fixed-shape path of :mod:`bcg.runtime.static_attention` instead.
@@ -18,7 +21,6 @@ inside its graph) the island takes the fixed-shape path of :mod:`bcg.runtime.sta
 from __future__ import annotations
 
 import functools
-import inspect
 import logging
 from itertools import accumulate
 
@@ -29,17 +31,14 @@ from torch.nn.attention.bias import causal_lower_right
 
 from bcg import eager_on_graph
 from bcg.runtime.context import ForwardContext, get_forward_context
+from bcg.runtime.flash import flash_varlen, is_varlen_usable, varlen_attn, varlen_causal_is_bottom_right
 from bcg.runtime.static_context import StaticForwardContext
 
-try:
-    from torch.nn.attention.varlen import varlen_attn
-except ImportError:  # torch without the varlen API
-    varlen_attn = None
+__all__ = ["attention", "causal_attention", "flash_varlen", "is_varlen_usable", "sdpa_attention", "varlen_attn",
+           "varlen_attention", "varlen_causal_is_bottom_right", "write_and_gather_kv"]
 
 logger = logging.getLogger(__name__)
 
-# Keyword spellings differ across torch versions: read them once from the signature.
-_VARLEN_PARAMS = inspect.signature(varlen_attn).parameters if varlen_attn is not None else {}
 _SDPA_HAS_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")
 
 
@@ -70,7 +69,10 @@ def attention(q: Tensor, k: Tensor, v: Tensor, out: Tensor, layer_id: int) -> No
         return
     num_tokens = ctx.num_tokens
     keys, values = write_and_gather_kv(ctx, layer_id, k, v)
-    out[:num_tokens] = causal_attention(q[:num_tokens], keys, values, ctx)
+    if num_tokens == ctx.num_padded_tokens:  # the batch fills its bucket: no slices, no padded rows
+        causal_attention(q, keys, values, ctx, out=out)
+        return
+    causal_attention(q[:num_tokens], keys, values, ctx, out=out[:num_tokens])
     out[num_tokens:].zero_()
 
 
@@ -81,55 +83,43 @@ def write_and_gather_kv(ctx: ForwardContext, layer_id: int, k: Tensor, v: Tensor
     """
     num_tokens, pool = ctx.num_tokens, ctx.kv_pool
     k_cache, v_cache = pool.k[layer_id], pool.v[layer_id]
-    k_cache.index_copy_(0, ctx.write_slots, k[:num_tokens])
-    v_cache.index_copy_(0, ctx.write_slots, v[:num_tokens])
+    if num_tokens != k.shape[0]:
+        k, v = k[:num_tokens], v[:num_tokens]
+    k_cache.index_copy_(0, ctx.write_slots, k)
+    v_cache.index_copy_(0, ctx.write_slots, v)
     if not ctx.has_prefix:
         # Key ranges are exactly the new tokens: skip the gather.
-        return k[:num_tokens], v[:num_tokens]
+        return k, v
     return k_cache[ctx.read_slots], v_cache[ctx.read_slots]
 
 
-def causal_attention(q: Tensor, keys: Tensor, values: Tensor, ctx: ForwardContext) -> Tensor:
+def causal_attention(
+    q: Tensor, keys: Tensor, values: Tensor, ctx: ForwardContext, out: Tensor | None = None
+) -> Tensor:
     """Causal attention of the packed real queries ``q`` over the packed ``keys``/``values``.
 
-    Picks varlen (CUDA, half precision) or per-request SDPA; see the module docstring.
+    Picks varlen (CUDA, half precision) or per-request SDPA; see the module docstring. Writes into ``out``
+    (contiguous, shaped like ``q``) when given and returns it.
     """
     use_varlen = is_varlen_usable(q)
     if use_varlen and ctx.has_prefix and not varlen_causal_is_bottom_right(q.device):
         use_varlen = False
-    _log_choice(q.device.type, "varlen_attn" if use_varlen else "sdpa")
-    return varlen_attention(q, keys, values, ctx) if use_varlen else sdpa_attention(q, keys, values, ctx)
+    _log_choice(q.device.type, "varlen" if use_varlen else "sdpa")
+    if use_varlen:
+        return varlen_attention(q, keys, values, ctx, out=out)
+    result = sdpa_attention(q, keys, values, ctx)
+    if out is None:
+        return result
+    out.copy_(result)
+    return out
 
 
-def varlen_attention(q: Tensor, keys: Tensor, values: Tensor, ctx: ForwardContext) -> Tensor:
-    """All requests in one ``varlen_attn`` call (CUDA, fp16/bf16)."""
-    return flash_varlen(
-        q, keys, values, ctx.cu_seqlens_q, ctx.cu_seqlens_k, ctx.max_seqlen_q, ctx.max_seqlen_k, is_causal=True
-    )
-
-
-def is_varlen_usable(q: Tensor) -> bool:
-    """Whether :func:`flash_varlen` can run on ``q`` (CUDA, fp16/bf16, torch with varlen_attn)."""
-    return varlen_attn is not None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
-
-
-def flash_varlen(
-    q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int,
-    max_seqlen_k: int, *, is_causal: bool,
+def varlen_attention(
+    q: Tensor, keys: Tensor, values: Tensor, ctx: ForwardContext, out: Tensor | None = None
 ) -> Tensor:
-    """``varlen_attn`` with the causal and GQA keywords this torch version spells.
-
-    Causal is bottom-right aligned per sequence (see :func:`varlen_causal_is_bottom_right`). GQA:
-    newer versions need ``enable_gqa=True``; older ones accept fewer KV heads as they are.
-    """
-    if varlen_attn is None:
-        raise RuntimeError("torch.nn.attention.varlen.varlen_attn is not available in this torch build")
-    kwargs: dict[str, object] = {}
-    if is_causal:
-        kwargs.update({"window_size": (-1, 0)} if "window_size" in _VARLEN_PARAMS else {"is_causal": True})
-    if "enable_gqa" in _VARLEN_PARAMS and k.shape[1] != q.shape[1]:
-        kwargs["enable_gqa"] = True
-    return varlen_attn(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, **kwargs)
+    """All requests in one FlashAttention varlen call (CUDA, fp16/bf16)."""
+    return flash_varlen(q, keys, values, ctx.cu_seqlens_q, ctx.cu_seqlens_k, ctx.max_seqlen_q, ctx.max_seqlen_k,
+                        is_causal=True, out=out)
 
 
 def sdpa_attention(q: Tensor, keys: Tensor, values: Tensor, ctx: ForwardContext) -> Tensor:
@@ -158,26 +148,6 @@ def sdpa_attention(q: Tensor, keys: Tensor, values: Tensor, ctx: ForwardContext)
         out_r = F.scaled_dot_product_attention(q_r, k_r, v_r, **kwargs)
         out[q_start : q_start + len_q] = out_r[0].transpose(0, 1)
     return out
-
-
-@functools.cache
-def varlen_causal_is_bottom_right(device: torch.device) -> bool:
-    """Whether ``varlen_attn``'s causal mask is bottom-right aligned when keys outnumber queries.
-
-    One query and two keys with equal scores: bottom-right alignment lets the query see both
-    (output = mean of the values = 0.5), top-left only the first (output = 0). Runs once per
-    device, eagerly (islands never run under capture).
-    """
-    head_dim = 64
-    q = torch.zeros(1, 1, head_dim, device=device, dtype=torch.bfloat16)
-    keys = torch.zeros(2, 1, head_dim, device=device, dtype=torch.bfloat16)
-    values = torch.stack([torch.zeros(1, head_dim), torch.ones(1, head_dim)]).to(device, torch.bfloat16)
-    cu_q = torch.tensor([0, 1], device=device, dtype=torch.int32)
-    cu_k = torch.tensor([0, 2], device=device, dtype=torch.int32)
-    out = flash_varlen(q, keys, values, cu_q, cu_k, 1, 2, is_causal=True)
-    is_bottom_right = bool(out.float().mean() > 0.25)
-    logger.info("varlen_attn causal mask is %s-aligned on %s", "bottom-right" if is_bottom_right else "top-left", device)
-    return is_bottom_right
 
 
 @functools.cache

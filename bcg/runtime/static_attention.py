@@ -18,7 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from bcg.runtime.attention import _SDPA_HAS_GQA, flash_varlen, is_varlen_usable, varlen_causal_is_bottom_right
+from bcg.runtime.attention import _SDPA_HAS_GQA
+from bcg.runtime.flash import flash_varlen, is_varlen_usable, varlen_causal_is_bottom_right
 from bcg.runtime.static_context import StaticForwardContext
 
 __all__ = ["static_attention", "static_varlen_usable"]

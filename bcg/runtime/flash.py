@@ -1,0 +1,153 @@
+"""FlashAttention's variable-length forward, called as cheaply as this torch version allows.
+
+An attention island runs at every replay of every layer, so its host cost is paid ~24 times per forward on a
+launch-bound GPU. ``torch.nn.attention.varlen.varlen_attn`` is a ``torch.library.custom_op``: each call goes
+through the Python custom-op dispatcher and launches an extra kernel (a zeroed RNG-state tensor) around the one
+flash kernel. The aten op underneath, ``aten._flash_attention_forward``, computes the same thing without that
+wrapper, and torch builds that have ``aten._flash_attention_forward_no_dropout_inplace`` can write straight into
+the island's output buffer (no copy). :func:`flash_varlen` uses the aten op where a once-per-device probe shows it
+agrees with ``varlen_attn``, and ``varlen_attn`` otherwise (or when ``BCG_FLASH=wrapper`` asks for it).
+
+Two behaviours differ between torch versions and are detected, never assumed: how ``varlen_attn`` spells causal
+(``window_size=(-1, 0)`` or ``is_causal``) and GQA (``enable_gqa`` or fewer K/V heads as they are), and whether
+the causal mask is aligned bottom-right when keys outnumber queries (:func:`varlen_causal_is_bottom_right`).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+import os
+
+import torch
+from torch import Tensor
+
+try:
+    from torch.nn.attention.varlen import varlen_attn
+except ImportError:  # torch without the varlen API
+    varlen_attn = None
+
+__all__ = ["flash_varlen", "is_varlen_usable", "varlen_attn", "varlen_causal_is_bottom_right", "uses_aten_flash"]
+
+logger = logging.getLogger(__name__)
+
+_VARLEN_PARAMS = inspect.signature(varlen_attn).parameters if varlen_attn is not None else {}
+_FLASH = getattr(torch.ops.aten, "_flash_attention_forward", None)
+_FLASH_INPLACE = getattr(torch.ops.aten, "_flash_attention_forward_no_dropout_inplace", None)
+
+
+def is_varlen_usable(q: Tensor) -> bool:
+    """Whether :func:`flash_varlen` can run on ``q`` (CUDA, fp16/bf16, torch with varlen_attn)."""
+    return varlen_attn is not None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
+
+
+def flash_varlen(
+    q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int,
+    max_seqlen_k: int, *, is_causal: bool, out: Tensor | None = None,
+) -> Tensor:
+    """Variable-length FlashAttention forward over packed ``(tokens, heads, head_dim)`` tensors.
+
+    Args:
+        q: ``(total_q, num_heads, head_dim)``; k, v: ``(total_k, num_kv_heads, head_dim)`` (GQA when fewer heads).
+        cu_seqlens_q, cu_seqlens_k: int32 ``(num_seqs + 1,)`` on the device.
+        max_seqlen_q, max_seqlen_k: host ints, upper bounds of the sequence lengths.
+        is_causal: causal mask per sequence (bottom-right aligned where the kernel is, see
+            :func:`varlen_causal_is_bottom_right`).
+        out: optional contiguous ``q``-shaped buffer to write the result into (returned).
+
+    Example::
+
+        o = flash_varlen(q, k, v, cu_q, cu_k, 64, 64, is_causal=True)      # CUDA, bf16
+    """
+    if varlen_attn is None:
+        raise RuntimeError("torch.nn.attention.varlen.varlen_attn is not available in this torch build")
+    if uses_aten_flash(q.device):
+        if out is not None and _FLASH_INPLACE is not None:
+            _FLASH_INPLACE(out, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 0.0, is_causal,
+                           False)
+            return out
+        result = _FLASH(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 0.0, is_causal, False)[0]
+    else:
+        result = _wrapper(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal)
+    if out is None:
+        return result
+    out.copy_(result)
+    return out
+
+
+def _wrapper(
+    q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, max_q: int, max_k: int, is_causal: bool
+) -> Tensor:
+    """``varlen_attn`` with the causal and GQA keywords this torch version spells."""
+    kwargs: dict[str, object] = {}
+    if is_causal:
+        kwargs.update({"window_size": (-1, 0)} if "window_size" in _VARLEN_PARAMS else {"is_causal": True})
+    if "enable_gqa" in _VARLEN_PARAMS and k.shape[1] != q.shape[1]:
+        kwargs["enable_gqa"] = True
+    return varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, **kwargs)
+
+
+def uses_aten_flash(device: torch.device) -> bool:
+    """Whether :func:`flash_varlen` calls the aten flash op directly on ``device`` (else ``varlen_attn``).
+
+    Decided once per device by :func:`_probe_aten_flash`; never probed inside a stream capture (the capture
+    then uses ``varlen_attn``, which is always correct).
+    """
+    if _FLASH is None or os.environ.get("BCG_FLASH", "").lower() == "wrapper":
+        return False
+    if device in _ATEN_FLASH_OK:
+        return _ATEN_FLASH_OK[device]
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return False
+    _ATEN_FLASH_OK[device] = ok = _probe_aten_flash(device)
+    return ok
+
+
+_ATEN_FLASH_OK: dict[torch.device, bool] = {}
+
+
+def _probe_aten_flash(device: torch.device) -> bool:
+    """Runs a small causal GQA batch with a cached prefix through the aten op and through ``varlen_attn``."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    q = torch.randn(5, 4, 64, device=device, dtype=torch.bfloat16, generator=gen)
+    k, v = (torch.randn(9, 2, 64, device=device, dtype=torch.bfloat16, generator=gen) for _ in range(2))
+    cu_q = torch.tensor([0, 2, 5], device=device, dtype=torch.int32)
+    cu_k = torch.tensor([0, 4, 9], device=device, dtype=torch.int32)
+    try:
+        expected = _wrapper(q, k, v, cu_q, cu_k, 3, 5, True).float()
+        got = [_FLASH(q, k, v, cu_q, cu_k, 3, 5, 0.0, True, False)[0].float()]
+        if _FLASH_INPLACE is not None:
+            out = torch.full_like(q, float("nan"))
+            _FLASH_INPLACE(out, q, k, v, cu_q, cu_k, 3, 5, 0.0, True, False)
+            got.append(out.float())
+        ok = all(torch.allclose(g, expected, atol=1e-2, rtol=0) for g in got)
+        reason = "" if ok else "its output differs from varlen_attn"
+    except (RuntimeError, TypeError) as e:
+        ok, reason = False, f"{type(e).__name__}: {str(e).splitlines()[0]}"
+    if ok:
+        logger.info("bcg: calling aten._flash_attention_forward%s directly on %s (skips varlen_attn's custom-op "
+                    "wrapper)", " (in-place)" if _FLASH_INPLACE is not None else "", device)
+    else:
+        logger.warning("bcg: using varlen_attn on %s; the direct aten flash call is not usable: %s", device, reason)
+    return ok
+
+
+@functools.cache
+def varlen_causal_is_bottom_right(device: torch.device) -> bool:
+    """Whether the causal mask of :func:`flash_varlen` is bottom-right aligned when keys outnumber queries.
+
+    One query and two keys with equal scores: bottom-right alignment lets the query see both (output = mean of
+    the values = 0.5), top-left only the first (output = 0). Runs once per device, eagerly; it also settles
+    :func:`uses_aten_flash`, so call it before any capture that attends.
+    """
+    head_dim = 64
+    q = torch.zeros(1, 1, head_dim, device=device, dtype=torch.bfloat16)
+    keys = torch.zeros(2, 1, head_dim, device=device, dtype=torch.bfloat16)
+    values = torch.stack([torch.zeros(1, head_dim), torch.ones(1, head_dim)]).to(device, torch.bfloat16)
+    cu_q = torch.tensor([0, 1], device=device, dtype=torch.int32)
+    cu_k = torch.tensor([0, 2], device=device, dtype=torch.int32)
+    out = flash_varlen(q, keys, values, cu_q, cu_k, 1, 2, is_causal=True)
+    is_bottom_right = bool(out.float().mean() > 0.25)
+    logger.info("varlen causal mask is %s-aligned on %s", "bottom-right" if is_bottom_right else "top-left", device)
+    return is_bottom_right
