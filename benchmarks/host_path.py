@@ -27,7 +27,6 @@ import argparse
 import cProfile
 import io
 import json
-import os
 import pstats
 import statistics
 import sys
@@ -176,11 +175,11 @@ def main(argv: list[str] | None = None) -> int:
     for num_requests in sorted({1, args.requests}):
         prompts = make_prompts(split_tokens(args.tokens, num_requests), vocab, num_requests)
         row = {"aten": prefill_times(eng, prompts, args.runs)}
-        os.environ["BCG_FLASH"] = "wrapper"
+        flash.FORCE_WRAPPER = True  # what BCG_FLASH=wrapper sets at import
         try:
             row["varlen_attn"] = prefill_times(eng, prompts, args.runs)
         finally:
-            del os.environ["BCG_FLASH"]
+            flash.FORCE_WRAPPER = False
         result["prefill"][num_requests] = row
         (args.out / f"profile_{num_requests}req.txt").write_text(profile_text(eng, prompts))
     print(f"{args.model}, bucket {args.tokens}, {name}, torch {torch.__version__}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -63,7 +64,7 @@ class PrefillItem:
 class PrefillBatch:
     """The new tokens of several requests packed back to back, plus their KV bookkeeping.
 
-    All device tensors come from a single host-to-device copy.
+    All device tensors come from a single host-to-device copy (pinned and non-blocking on CUDA).
 
     Attributes:
         input_ids: int64 ``(num_tokens,)`` on the pool's device.
@@ -86,29 +87,40 @@ class PrefillBatch:
         self.kv_pool = kv_pool
         self.seq_lens_q = [item.num_new_tokens for item in items]
         self.prefix_lens = [item.prefix_len for item in items]
-        self.num_tokens = sum(self.seq_lens_q)
-        seq_lens_q = torch.tensor(self.seq_lens_q)
-        seq_lens_k = seq_lens_q + torch.tensor(self.prefix_lens)
-        cu_seqlens_q = torch.nn.functional.pad(seq_lens_q.cumsum(0), (1, 0))
-        cu_seqlens_k = torch.nn.functional.pad(seq_lens_k.cumsum(0), (1, 0))
-        # prefix_len + (row - first row of its request), vectorised: host time per batch must not grow per request.
-        total = self.num_tokens
-        positions = (torch.arange(total) + (torch.tensor(self.prefix_lens) - cu_seqlens_q[:-1])
-                     .repeat_interleave(seq_lens_q, output_size=total))
-        write_slots = torch.cat([item.new_slots for item in items])
-        read_slots = torch.cat([s for item in items for s in (item.prefix_slots, item.new_slots)])
+        self.num_tokens = total = sum(self.seq_lens_q)
+        # Host metadata in numpy: this runs before every forward while the GPU may sit idle, and numpy's per-call
+        # cost is a fraction of torch's on CPU tensors. Nothing here grows per request except the concatenations.
+        seq_q = np.array(self.seq_lens_q, dtype=np.int64)
+        prefix = np.array(self.prefix_lens, dtype=np.int64)
+        cu_q = np.zeros(len(items) + 1, dtype=np.int64)
+        cu_k = np.zeros(len(items) + 1, dtype=np.int64)
+        np.cumsum(seq_q, out=cu_q[1:])
+        np.cumsum(seq_q + prefix, out=cu_k[1:])
+        positions = np.arange(total, dtype=np.int64) + np.repeat(prefix - cu_q[:-1], seq_q)
+        write_slots = np.concatenate([item.new_slots.numpy() for item in items])
+        has_prefix = any(self.prefix_lens)
+        read_slots = (np.concatenate([s.numpy() for item in items for s in (item.prefix_slots, item.new_slots)])
+                      if has_prefix else write_slots)
         check_slots(read_slots, kv_pool.num_slots)
-        # One packed host buffer -> one transfer; the fields below are views into it.
-        parts = [
-            torch.cat([item.token_ids for item in items]), positions, write_slots, read_slots,
-            cu_seqlens_q[1:] - 1, cu_seqlens_q, cu_seqlens_k,
-        ]
-        packed = torch.cat(parts).to(kv_pool.device)
-        (self.input_ids, self.positions, self.write_slots, self.read_slots, self.logits_indices,
-         cu_q, cu_k) = packed.split([p.numel() for p in parts])
-        self.cu_seqlens_q, self.cu_seqlens_k = cu_q.to(torch.int32), cu_k.to(torch.int32)
+        # cu_seqlens are int32 on the device: pack them as int32 pairs reinterpreted as int64, so one transfer
+        # carries everything and no cast kernel runs on the device.
+        cu32 = np.concatenate([cu_q, cu_k]).astype(np.int32)
+        if cu32.size % 2:
+            cu32 = np.append(cu32, np.int32(0))
+        parts = [np.concatenate([item.token_ids.numpy() for item in items]), positions, write_slots,
+                 read_slots if has_prefix else write_slots[:0], cu_q[1:] - 1, cu32.view(np.int64)]
+        packed = torch.from_numpy(np.concatenate(parts))
+        if kv_pool.device.type == "cuda":
+            # Pinned and non-blocking: a pageable copy would make the host wait for the GPU's queued work.
+            packed = packed.pin_memory().to(kv_pool.device, non_blocking=True)
+        (self.input_ids, self.positions, self.write_slots, read, self.logits_indices, cu) = packed.split(
+            [p.size for p in parts])
+        self.read_slots = read if has_prefix else self.write_slots
+        cu = cu.view(torch.int32)
+        self.cu_seqlens_q, self.cu_seqlens_k = cu[: len(items) + 1], cu[len(items) + 1 : 2 * len(items) + 2]
         self.max_seqlen_q = max(self.seq_lens_q)
-        self.max_seqlen_k = int(seq_lens_k.max())
+        self.max_seqlen_k = int((seq_q + prefix).max())
+        self.has_prefix = has_prefix
 
     @property
     def num_requests(self) -> int:
@@ -132,14 +144,15 @@ class PrefillBatch:
         )
 
 
-def check_slots(slots: Tensor, num_slots: int) -> None:
+def check_slots(slots: Tensor | np.ndarray, num_slots: int) -> None:
     """Raise ``ValueError`` if any slot is outside ``[0, num_slots)`` or used twice.
 
     The scratch slot (``num_slots``) is rejected too: it belongs to no request.
     """
-    if slots.numel() == 0:
+    slots = slots.numpy() if isinstance(slots, Tensor) else slots
+    if slots.size == 0:
         return
     if int(slots.min()) < 0 or int(slots.max()) >= num_slots:
         raise ValueError(f"KV slot out of range [0, {num_slots}) (the scratch slot is not allocatable)")
-    if slots.unique().numel() != slots.numel():
+    if np.unique(slots).size != slots.size:
         raise ValueError("a KV slot appears twice in the batch")

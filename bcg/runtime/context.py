@@ -10,6 +10,7 @@ concurrent forwards on different threads apart.
 from __future__ import annotations
 
 import contextvars
+import functools
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -84,9 +85,9 @@ class ForwardContext:
         """Key range length (prefix + new) per request."""
         return [p + q for p, q in zip(self.prefix_lens, self.seq_lens_q)]
 
-    @property
+    @functools.cached_property
     def has_prefix(self) -> bool:
-        """Whether any request continues from cached tokens."""
+        """Whether any request continues from cached tokens (computed once; islands ask every layer)."""
         return any(self.prefix_lens)
 
 

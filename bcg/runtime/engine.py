@@ -22,6 +22,7 @@ from bcg.runtime.telemetry import BatchRecord, Telemetry
 __all__ = ["Engine", "PrefillResult"]
 
 Prompt = Sequence[int] | torch.Tensor
+_NO_SLOTS = torch.empty(0, dtype=torch.long)
 
 
 @dataclass
@@ -112,8 +113,7 @@ class Engine:
         logits = torch.empty(len(ids), self.model.config.vocab_size, dtype=torch.float32, device=self.device)
         try:
             for plan in plan_batches(lengths, self.config.chunked_prefill_size):
-                items = [PrefillItem(ids[c.request][c.start:c.end], slots[c.request][c.start:c.end], c.start,
-                                     slots[c.request][: c.start]) for c in plan]
+                items = [self._item(ids[c.request], slots[c.request], c.start, c.end) for c in plan]
                 batch = PrefillBatch(items, self.kv_pool)
                 hidden = self.runner.forward(batch)
                 records.append(self.runner.last_record)
@@ -127,6 +127,12 @@ class Engine:
         finally:
             self.kv_pool.free(all_slots)
         return PrefillResult(logits, logits.argmax(dim=-1), records)
+
+    @staticmethod
+    def _item(ids: torch.Tensor, slots: torch.Tensor, start: int, end: int) -> PrefillItem:
+        if start == 0 and end == len(ids):  # a whole prompt: no slicing ops on the host's per-request path
+            return PrefillItem(ids, slots, 0, _NO_SLOTS)
+        return PrefillItem(ids[start:end], slots[start:end], start, slots[:start])
 
     def _validate(self, prompts: Sequence[Prompt]) -> list[torch.Tensor]:
         if isinstance(prompts, torch.Tensor) or not isinstance(prompts, Sequence) or isinstance(prompts, str):

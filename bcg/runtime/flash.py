@@ -6,7 +6,8 @@ through the Python custom-op dispatcher and launches an extra kernel (a zeroed R
 flash kernel. The aten op underneath, ``aten._flash_attention_forward``, computes the same thing without that
 wrapper, and torch builds that have ``aten._flash_attention_forward_no_dropout_inplace`` can write straight into
 the island's output buffer (no copy). :func:`flash_varlen` uses the aten op where a once-per-device probe shows it
-agrees with ``varlen_attn``, and ``varlen_attn`` otherwise (or when ``BCG_FLASH=wrapper`` asks for it).
+agrees with ``varlen_attn``, and ``varlen_attn`` otherwise (or when ``BCG_FLASH=wrapper`` in the environment at import, or ``FORCE_WRAPPER = True``, asks
+for it).
 
 Two behaviours differ between torch versions and are detected, never assumed: how ``varlen_attn`` spells causal
 (``window_size=(-1, 0)`` or ``is_causal``) and GQA (``enable_gqa`` or fewer K/V heads as they are), and whether
@@ -94,10 +95,11 @@ def uses_aten_flash(device: torch.device) -> bool:
     Decided once per device by :func:`_probe_aten_flash`; never probed inside a stream capture (the capture
     then uses ``varlen_attn``, which is always correct).
     """
-    if _FLASH is None or os.environ.get("BCG_FLASH", "").lower() == "wrapper":
+    ok = _ATEN_FLASH_OK.get(device)
+    if ok is not None:
+        return ok and not FORCE_WRAPPER
+    if _FLASH is None or FORCE_WRAPPER:
         return False
-    if device in _ATEN_FLASH_OK:
-        return _ATEN_FLASH_OK[device]
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         return False
     _ATEN_FLASH_OK[device] = ok = _probe_aten_flash(device)
@@ -105,6 +107,8 @@ def uses_aten_flash(device: torch.device) -> bool:
 
 
 _ATEN_FLASH_OK: dict[torch.device, bool] = {}
+# Debug switch, read once (the islands must not pay an environment lookup per layer): BCG_FLASH=wrapper.
+FORCE_WRAPPER = os.environ.get("BCG_FLASH", "").lower() == "wrapper"
 
 
 def _probe_aten_flash(device: torch.device) -> bool:

@@ -8,6 +8,7 @@ padded rows at all.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -117,11 +118,13 @@ class KVPool:
         slots = slots.detach().to("cpu", torch.int64).flatten()
         if slots.numel() == 0:
             return
-        if int(slots.min()) < 0 or int(slots.max()) >= self.num_slots:
+        # numpy for the checks: free() runs after every prefill on the host's critical path.
+        idx, is_free = slots.numpy(), self._is_free.numpy()
+        if int(idx.min()) < 0 or int(idx.max()) >= self.num_slots:
             raise ValueError(f"slot out of range [0, {self.num_slots}) in free()")
-        if slots.unique().numel() != slots.numel() or bool(self._is_free[slots].any()):
+        if np.unique(idx).size != idx.size or bool(is_free[idx].any()):
             raise ValueError("free() got a duplicated slot or one that is not allocated")
-        self._is_free[slots] = True
-        end = self._num_free + slots.numel()
+        is_free[idx] = True
+        end = self._num_free + idx.size
         self._free_stack[self._num_free : end] = slots.flip(0)
         self._num_free = end

@@ -251,9 +251,10 @@ class Runner:
     def _load(self, hidden: torch.Tensor, positions: torch.Tensor, bucket: int) -> None:
         n = hidden.shape[0]
         self.static_hidden[:n].copy_(hidden)
-        self.static_hidden[n:bucket].zero_()
         self.static_positions[:n].copy_(positions)
-        self.static_positions[n:bucket].zero_()
+        if n < bucket:  # two launches saved when the batch fills its bucket
+            self.static_hidden[n:bucket].zero_()
+            self.static_positions[n:bucket].zero_()
 
     def _record(self, batch: PrefillBatch, bucket: int | None, used: bool, reason: str) -> None:
         self.last_record = self.telemetry.add_batch(

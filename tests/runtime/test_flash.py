@@ -7,6 +7,10 @@ The numerics of both paths are checked on the GPU (tests/runtime/test_attention.
 from __future__ import annotations
 
 import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -49,7 +53,7 @@ def fakes(monkeypatch):
     monkeypatch.setattr(flash, "_FLASH", aten)
     monkeypatch.setattr(flash, "_FLASH_INPLACE", aten_inplace)
     monkeypatch.setattr(flash, "_ATEN_FLASH_OK", {})
-    monkeypatch.delenv("BCG_FLASH", raising=False)
+    monkeypatch.setattr(flash, "FORCE_WRAPPER", False)
     return calls
 
 
@@ -105,9 +109,18 @@ def test_probe_error_falls_back(fakes, monkeypatch, caplog):
 
 
 def test_debug_switch_forces_the_wrapper(fakes, monkeypatch):
-    monkeypatch.setenv("BCG_FLASH", "wrapper")
+    _call(torch.empty(5, 4, 8))  # probed: the aten op is usable
+    fakes.names.clear()
+    monkeypatch.setattr(flash, "FORCE_WRAPPER", True)
     _call(torch.empty(5, 4, 8))
     assert fakes.names == ["wrapper"]
+
+
+def test_debug_switch_is_read_from_the_environment():
+    code = "from bcg.runtime import flash; print(flash.FORCE_WRAPPER)"
+    env = {**os.environ, "BCG_FLASH": "wrapper", "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "True"
 
 
 def test_no_varlen_is_a_clear_error(monkeypatch):
