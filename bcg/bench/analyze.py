@@ -84,7 +84,7 @@ def _replay_breakdown(eng: Any, prompt: torch.Tensor, cfg: AnalyzeConfig) -> dic
                 whole = time_fn(handle.replay, cfg.device, runs=cfg.runs, warmup=cfg.warmup)
                 per_run: list[list[float]] = []
                 for i in range(cfg.warmup + cfg.runs):
-                    marks = Marks(cfg.device)
+                    marks = Marks(cfg.device, capacity=len(steps) + 1)
                     marks.mark()
                     for step in steps:
                         step() if isinstance(step, EagerStep) else step.replay()
