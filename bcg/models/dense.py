@@ -35,20 +35,22 @@ class QKVProjection(nn.Module):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.split_sizes = [q_size, kv_size, kv_size]
         # One matmul for q, k and v: fewer launches than three separate projections.
         self.qkv_proj = nn.Linear(config.hidden_size, q_size + 2 * kv_size, bias=config.attention_bias)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        num_rows = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(self.split_sizes, dim=-1)
-        q = q.view(num_rows, self.num_heads, self.head_dim)
-        k = k.view(num_rows, self.num_kv_heads, self.head_dim)
-        v = v.view(num_rows, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
+        num_rows, heads, kv_heads, dim = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = self.qkv_proj(x)
+        v = qkv[:, (heads + kv_heads) * dim :].view(num_rows, kv_heads, dim)
+        if self.q_norm is None or self.k_norm is None:
+            # q and k heads sit side by side in the projection: rotate them in one pass (half the RoPE kernels).
+            qk = apply_rotary(qkv[:, : (heads + kv_heads) * dim].view(num_rows, heads + kv_heads, dim), cos, sin)
+            q, k = qk.split([heads, kv_heads], dim=1)
+            return q, k, v
+        q = self.q_norm(qkv[:, : heads * dim].view(num_rows, heads, dim))
+        k = self.k_norm(qkv[:, heads * dim : (heads + kv_heads) * dim].view(num_rows, kv_heads, dim))
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
 
 
