@@ -16,8 +16,6 @@ reductions elsewhere (the exact reference).
 
 from __future__ import annotations
 
-from itertools import accumulate
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -36,9 +34,12 @@ from bcg.runtime.static_context import refuse_static
 
 # Bounds the memory of the pair tensors in sparse attention (each is pairs x num_heads x head_dim).
 MAX_PAIRS_PER_CHUNK = 1 << 18
+# Bounds the indexer's fp32 score tensor (rows x heads x packed keys) per chunk of query rows.
+MAX_SCORES_PER_CHUNK = 1 << 25
 # Why neither island fits a whole-layer-stack graph (raised when one meets the "full" backend's static context).
-UNCAPTURABLE = ("the DSA indexer select_topk loops over the live requests on the host, and sparse_attention "
-                "compacts the selected (query, key) pairs with nonzero, whose output shape depends on the data")
+UNCAPTURABLE = ("the DSA indexer select_topk sizes its scores by the live batch's packed key ranges, and "
+                "sparse_attention compacts the selected (query, key) pairs with nonzero, whose output shape depends "
+                "on the data")
 
 
 @eager_on_graph
@@ -58,25 +59,31 @@ def select_topk(index_q: Tensor, index_k: Tensor, head_weights: Tensor, group_id
     """
     ctx = get_forward_context()
     refuse_static(ctx, "bcg.models.dsa.select_topk", UNCAPTURABLE)
-    num_tokens = ctx.num_tokens
+    num_tokens, device = ctx.num_tokens, index_q.device
     cache = ctx.kv_pool.index_k[group_id]
     cache.index_copy_(0, ctx.write_slots, index_k[:num_tokens])
-    keys = cache[ctx.read_slots] if ctx.has_prefix else index_k[:num_tokens]
-    selection = torch.full((ctx.num_padded_tokens, topk), -1, dtype=torch.int64, device=index_q.device)
-    q_starts = accumulate(ctx.seq_lens_q, initial=0)
-    k_starts = accumulate(ctx.seq_lens_k, initial=0)
-    for q_start, k_start, len_q, prefix_len in zip(q_starts, k_starts, ctx.seq_lens_q, ctx.prefix_lens):
-        len_k = prefix_len + len_q
-        rows = slice(q_start, q_start + len_q)
-        # fp32 so the ranking does not hinge on bf16 rounding.
-        dots = torch.einsum("qhd,kd->qhk", index_q[rows].float(), keys[k_start : k_start + len_k].float())
+    # fp32 so the ranking does not hinge on bf16 rounding. Keys are every request's range, packed.
+    keys = (cache[ctx.read_slots] if ctx.has_prefix else index_k[:num_tokens]).float()
+    num_keys = keys.shape[0]
+    # All requests at once (no host loop per request): query row i of request r sees the packed keys
+    # [cu_k[r], cu_k[r+1] - cu_q[r+1] + i], i.e. its own range up to its own position.
+    seq_lens_q = ctx.cu_seqlens_q.diff()
+    first = torch.repeat_interleave(ctx.cu_seqlens_k[:-1].long(), seq_lens_q, output_size=num_tokens)
+    last = torch.repeat_interleave((ctx.cu_seqlens_k[1:] - ctx.cu_seqlens_q[1:]).long(), seq_lens_q,
+                                   output_size=num_tokens) + torch.arange(num_tokens, device=device)
+    cols = torch.arange(num_keys, device=device)
+    selection = torch.full((ctx.num_padded_tokens, topk), -1, dtype=torch.int64, device=device)
+    num_picks = min(topk, num_keys)
+    rows_per_chunk = max(1, MAX_SCORES_PER_CHUNK // (num_keys * index_q.shape[1]))
+    for start in range(0, num_tokens, rows_per_chunk):  # bounded by memory, not by the number of requests
+        rows = slice(start, min(num_tokens, start + rows_per_chunk))
+        dots = torch.einsum("qhd,kd->qhk", index_q[rows].float(), keys)
         scores = torch.bmm(head_weights[rows].float()[:, None, :], dots.relu_()).squeeze(1)
-        is_visible = torch.ones(len_q, len_k, dtype=torch.bool, device=scores.device).tril(prefix_len)
+        is_visible = (cols >= first[rows, None]) & (cols <= last[rows, None])
         scores.masked_fill_(~is_visible, float("-inf"))
-        num_picks = min(topk, len_k)
         values, picks = scores.sort(dim=-1, descending=True, stable=True)
         values, picks = values[:, :num_picks], picks[:, :num_picks]
-        selection[rows, :num_picks] = picks.masked_fill(values == float("-inf"), -1)
+        selection[rows, :num_picks] = (picks - first[rows, None]).masked_fill(values == float("-inf"), -1)
     return selection
 
 
