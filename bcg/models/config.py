@@ -104,8 +104,15 @@ PRESETS: dict[str, ModelConfig] = {
         _TINY, arch="dsa", num_layers=5, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
         index_n_heads=2, index_head_dim=16, index_topk=8, index_share=4,
     ),
-    # GPU presets: small enough that prefill of a few thousand tokens is launch-bound on an H200.
+    # GPU presets: small enough that prefill of a few hundred tokens is launch-bound on an H200 (eager wall time
+    # well above the summed kernel time); hidden 1024-2048 and 24-28 layers, like the small models they mimic.
     "llama-dense": ModelConfig(
+        arch="dense", vocab_size=32000, hidden_size=1024, num_layers=28, num_heads=16, num_kv_heads=4,
+        head_dim=64, intermediate_size=2816, rms_norm_eps=1e-5,
+    ),
+    # The same architecture at TinyLlama width: at 512 tokens its kernels alone take about half of eager's wall
+    # time on a fast host, so no graph method can be 3x faster there (BENCHMARKS.md shows both).
+    "llama-dense-2k": ModelConfig(
         arch="dense", vocab_size=32000, hidden_size=2048, num_layers=24, num_heads=16, num_kv_heads=4,
         head_dim=128, intermediate_size=5632, rms_norm_eps=1e-5,
     ),

@@ -57,7 +57,9 @@ def test_presets_shapes():
     assert {"tiny-dense", "tiny-moe", "tiny-dsa", "llama-dense", "gptoss-moe", "glm-dsa"} <= set(PRESETS)
     assert get_preset("tiny-dsa").num_index_groups >= 2
     llama = get_preset("llama-dense")
-    assert (llama.num_layers, llama.hidden_size, llama.num_heads, llama.num_kv_heads) == (24, 2048, 16, 4)
+    assert (llama.num_layers, llama.hidden_size, llama.num_heads, llama.num_kv_heads) == (28, 1024, 16, 4)
+    wide = get_preset("llama-dense-2k")
+    assert (wide.num_layers, wide.hidden_size, wide.head_dim, wide.arch) == (24, 2048, 128, "dense")
     glm = get_preset("glm-dsa")
     assert glm.arch == "dsa" and glm.is_moe and (glm.index_n_heads, glm.index_head_dim, glm.index_topk) == (4, 64, 256)
     with pytest.raises(ValueError, match="num_kv_heads"):
