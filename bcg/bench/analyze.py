@@ -4,7 +4,8 @@ Measures the four quantities the seed's Amdahl argument rests on, then judges:
 
 1. launch-gap share of an eager forward (device busy time from the profiler vs wall time);
 2. ``p``, the share of a breakable replay spent in eager islands, per island name (each step of the handle is
-   timed inside ``runner.replay_context``), with ``S_max = 1 / p``;
+   timed inside ``runner.replay_context``), with ``S_max = 1 / p``; and whether the replay is host-bound (the host
+   time to launch it against its device time);
 3. bucket coverage of a prompt-length distribution, decided by the runner's own ``choose``;
 4. resident graph memory against free device memory.
 
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import math
 import statistics
+import time
 from collections import defaultdict
 from typing import Any
 
@@ -25,7 +27,7 @@ from bcg.bench import amdahl
 from bcg.bench.config import AnalyzeConfig
 from bcg.bench.engines import BuildRecord, engine_for, make_prompts, one_batch
 from bcg.bench.report import fmt, fmt_bytes, table
-from bcg.bench.timing import Marks, gpu_kernel_ms, time_fn
+from bcg.bench.timing import Marks, gpu_kernel_ms, sync, time_fn
 
 __all__ = ["PAYS_THRESHOLD", "format_analysis", "run_analyze", "sample_lengths", "verdict"]
 
@@ -82,6 +84,7 @@ def _replay_breakdown(eng: Any, prompt: torch.Tensor, cfg: AnalyzeConfig) -> dic
             with runner.replay_context(batch) as (bucket, handle):
                 steps = list(handle.steps)
                 whole = time_fn(handle.replay, cfg.device, runs=cfg.runs, warmup=cfg.warmup)
+                host_ms = _host_launch_ms(handle.replay, cfg)
                 per_run: list[list[float]] = []
                 for i in range(cfg.warmup + cfg.runs):
                     marks = Marks(cfg.device, capacity=len(steps) + 1)
@@ -108,9 +111,24 @@ def _replay_breakdown(eng: Any, prompt: torch.Tensor, cfg: AnalyzeConfig) -> dic
     return {
         "bucket": bucket, "num_segments": len(steps) - sum(is_island), "num_breaks": sum(is_island),
         "num_islands": len(islands), "segments_ms": seg, "islands_ms": isl, "outside_ms": outside.median_ms,
-        "replay_ms": whole.median_ms, "p": amdahl.island_fraction(isl, seg + isl) if seg + isl > 0 else None,
+        "replay_ms": whole.median_ms, "replay_host_ms": host_ms, "host_over_device": host_ms / whole.median_ms,
+        "p": amdahl.island_fraction(isl, seg + isl) if seg + isl > 0 else None,
         "islands": islands,
     }
+
+
+def _host_launch_ms(fn: Any, cfg: AnalyzeConfig) -> float:
+    """Median host time for ``fn`` to return, from an idle device and without waiting for it: below the device
+    time the islands' host work hides behind the GPU; near it, the replay is host-bound."""
+    samples = []
+    for i in range(cfg.warmup + cfg.runs):
+        sync(cfg.device)
+        t0 = time.perf_counter()
+        fn()
+        if i >= cfg.warmup:
+            samples.append((time.perf_counter() - t0) * 1e3)
+    sync(cfg.device)
+    return statistics.median(samples)
 
 
 def _enter_exit(runner: Any, batch: Any) -> None:
@@ -284,6 +302,12 @@ def format_analysis(a: dict[str, Any]) -> str:
         rows.append(["(outside graph)", "-", fmt(rep["outside_ms"], 3), "-"])
         out += ["", table(["step", "count", "ms", "share of replay"], rows,
                           title=f"Replay of bucket {rep['bucket']}: islands, costliest first")]
+        ratio = rep["host_over_device"]
+        bound = ("CPU emulation: the host runs everything" if a["environment"].get("emulated")
+                 else "host-bound: cheaper islands would pay" if ratio > 0.9
+                 else "device-bound: island host work is hidden")
+        out.append(f"Replay launch on the host {fmt(rep['replay_host_ms'], 3)} ms vs {fmt(rep['replay_ms'], 3)} ms "
+                   f"on the device (host/device {fmt(ratio, 2)}; {bound}).")
     never = cov["never_fired"]
     out += ["", table(["quantity", "value"], [
         ["prompts / forwards", f"{cov['num_prompts']} / {cov['num_forwards']}"],

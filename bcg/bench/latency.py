@@ -106,7 +106,9 @@ def _kernel_floors(cfg: BenchConfig, result: LatencyResult) -> None:
     Done last, after every graph backend has run: the kernel floor is a property of the eager kernels, and
     keeping the profiler (CUPTI) away from graph captures avoids any interference with them.
     """
-    rows = [r for r in result.rows if r.backend == "eager"]
+    # Many-request rows too: their kernels can differ from one request's (an MoE routes differently), so each
+    # shape gets its own floor.
+    rows = [r for r in result.rows + result.batch_rows if r.backend == "eager"]
     if not (cfg.profile and rows and torch.device(cfg.device).type == "cuda"):
         return
     with engine_for(cfg.model, "eager", device=cfg.device, dtype=cfg.dtype, seed=cfg.seed,
@@ -115,7 +117,8 @@ def _kernel_floors(cfg: BenchConfig, result: LatencyResult) -> None:
         if eng is None:
             return
         for row in rows:
-            prompts = make_prompts([row.input_len], eng.model.config.vocab_size, cfg.seed + row.input_len)
+            parts = [row.input_len] if row.num_requests == 1 else split_tokens(row.input_len, row.num_requests)
+            prompts = make_prompts(parts, eng.model.config.vocab_size, cfg.seed + row.input_len)
             row.kernel_ms = gpu_kernel_ms(lambda p=prompts: eng.prefill(p), cfg.device, warmup=1)
 
 

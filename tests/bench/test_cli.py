@@ -87,6 +87,7 @@ def test_analyze_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
     assert {"timing", "replay", "amdahl", "coverage", "memory", "verdict", "model", "build"} <= set(data)
     assert data["replay"]["bucket"] == 16 and data["replay"]["islands"][0]["name"].endswith("attention")
     assert data["replay"]["islands"][0]["count"] == 2  # one attention island per layer of tiny-dense
+    assert data["replay"]["replay_host_ms"] > 0 and data["replay"]["host_over_device"] > 0
     cov = data["coverage"]
     assert cov["num_forwards"] == 6  # 70 splits into 32 + 32 + 6
     assert cov["reaches_chunk"] is True and cov["max_bucket"] == 32
