@@ -59,10 +59,12 @@ class KVPool:
         self.index_k = [
             torch.zeros(num_slots + 1, index_head_dim, dtype=dtype, device=self.device) for _ in range(num_index_groups)
         ]
-        # Free slots as a stack; reversed so allocations come out in ascending order.
-        self._free_stack = torch.arange(num_slots - 1, -1, -1, dtype=torch.int64)
+        # Host bookkeeping in numpy: cheap per call on the prefill's critical path, and untouched by inference mode
+        # (a pool built under torch.inference_mode() must still free slots outside it). Free slots form a stack,
+        # reversed so allocations come out in ascending order.
+        self._free_stack = np.arange(num_slots - 1, -1, -1, dtype=np.int64)
         self._num_free = num_slots
-        self._is_free = torch.ones(num_slots, dtype=torch.bool)
+        self._is_free = np.ones(num_slots, dtype=bool)
 
     @classmethod
     def for_model(
@@ -104,10 +106,10 @@ class KVPool:
                 f"(short by {n - self._num_free})"
             )
         start = self._num_free - n
-        slots = self._free_stack[start : self._num_free].flip(0)
+        slots = self._free_stack[start : self._num_free][::-1].copy()
         self._num_free = start
         self._is_free[slots] = False
-        return slots
+        return torch.from_numpy(slots)
 
     def free(self, slots: Tensor) -> None:
         """Return ``slots`` to the pool (their cached contents become garbage).
@@ -118,13 +120,12 @@ class KVPool:
         slots = slots.detach().to("cpu", torch.int64).flatten()
         if slots.numel() == 0:
             return
-        # numpy for the checks: free() runs after every prefill on the host's critical path.
-        idx, is_free = slots.numpy(), self._is_free.numpy()
+        idx = slots.numpy()
         if int(idx.min()) < 0 or int(idx.max()) >= self.num_slots:
             raise ValueError(f"slot out of range [0, {self.num_slots}) in free()")
-        if np.unique(idx).size != idx.size or bool(is_free[idx].any()):
+        if np.unique(idx).size != idx.size or bool(self._is_free[idx].any()):
             raise ValueError("free() got a duplicated slot or one that is not allocated")
-        is_free[idx] = True
+        self._is_free[idx] = True
         end = self._num_free + idx.size
-        self._free_stack[self._num_free : end] = slots.flip(0)
+        self._free_stack[self._num_free : end] = idx[::-1]
         self._num_free = end

@@ -53,3 +53,16 @@ def test_free_rejects_bad_slots():
     pool.free(slots)
     with pytest.raises(ValueError, match="not allocated"):
         pool.free(slots)
+
+
+def test_pool_built_under_inference_mode_allocates_and_frees_outside_it():
+    # Bookkeeping is host-side numpy, so the mode a pool was built (or a slot allocated) in does not matter.
+    with torch.inference_mode():
+        pool = KVPool(num_slots=6, num_layers=1, num_kv_heads=1, head_dim=4, dtype=torch.float32)
+        inside = pool.alloc(2)
+    outside = pool.alloc(3)
+    assert inside.tolist() == [0, 1] and outside.tolist() == [2, 3, 4] and pool.num_free == 1
+    pool.free(inside)
+    with torch.inference_mode():
+        pool.free(outside)
+    assert pool.num_free == 6 and sorted(pool.alloc(6).tolist()) == list(range(6))
