@@ -55,6 +55,17 @@ class PrefillItem:
         if self.prefix_slots.numel() != self.prefix_len:
             raise ValueError(f"prefix_len={self.prefix_len} but {self.prefix_slots.numel()} prefix slots")
 
+    @classmethod
+    def unchecked(cls, token_ids: Tensor, new_slots: Tensor, prefix_len: int, prefix_slots: Tensor) -> PrefillItem:
+        """An item from CPU int64 1-D tensors of matching lengths, without normalising or checking them.
+
+        For callers that have already validated their inputs (the engine builds one item per request per
+        prefill, on the host's critical path). Anything else should call the constructor.
+        """
+        item = cls.__new__(cls)
+        item.token_ids, item.new_slots, item.prefix_len, item.prefix_slots = token_ids, new_slots, prefix_len, prefix_slots
+        return item
+
     @property
     def num_new_tokens(self) -> int:
         """Number of new tokens."""

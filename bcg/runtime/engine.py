@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
+import numpy as np
 import torch
 
 from bcg.models.base import CausalLM, build_model
@@ -16,7 +17,7 @@ from bcg.runtime.batch import PrefillBatch, PrefillItem
 from bcg.runtime.config import EngineConfig
 from bcg.runtime.kv_cache import KVPool
 from bcg.runtime.runner import Runner
-from bcg.runtime.scheduler import plan_batches
+from bcg.runtime.scheduler import Chunk, plan_batches
 from bcg.runtime.telemetry import BatchRecord, Telemetry
 
 __all__ = ["Engine", "PrefillResult"]
@@ -105,15 +106,14 @@ class Engine:
         Prompts are lists of token ids or 1-D integer tensors (on the CPU or the engine's device). Prompts longer
         than ``chunked_prefill_size`` are split into chunks; chunks of several prompts are packed per forward.
         """
-        ids = self._validate(prompts)
-        lengths = [len(t) for t in ids]
+        ids, lengths = self._validate(prompts)
         all_slots = self.kv_pool.alloc(sum(lengths))  # all or nothing: a failure leaves the pool untouched
         slots = all_slots.split(lengths)
         records: list[BatchRecord] = []
         logits = torch.empty(len(ids), self.model.config.vocab_size, dtype=torch.float32, device=self.device)
         try:
             for plan in plan_batches(lengths, self.config.chunked_prefill_size):
-                items = [self._item(ids[c.request], slots[c.request], c.start, c.end) for c in plan]
+                items = [self._item(ids[c.request], slots[c.request], c) for c in plan]
                 batch = PrefillBatch(items, self.kv_pool)
                 hidden = self.runner.forward(batch)
                 records.append(self.runner.last_record)
@@ -129,43 +129,52 @@ class Engine:
         return PrefillResult(logits, logits.argmax(dim=-1), records)
 
     @staticmethod
-    def _item(ids: torch.Tensor, slots: torch.Tensor, start: int, end: int) -> PrefillItem:
-        if start == 0 and end == len(ids):  # a whole prompt: no slicing ops on the host's per-request path
-            return PrefillItem(ids, slots, 0, _NO_SLOTS)
-        return PrefillItem(ids[start:end], slots[start:end], start, slots[:start])
+    def _item(ids: torch.Tensor, slots: torch.Tensor, chunk: Chunk) -> PrefillItem:
+        # ids were validated and slots come from the pool, all CPU int64: no per-item normalisation needed.
+        start, end = chunk.start, chunk.end
+        if start == 0 and chunk.is_last:  # a whole prompt: no slicing ops on the host's per-request path
+            return PrefillItem.unchecked(ids, slots, 0, _NO_SLOTS)
+        return PrefillItem.unchecked(ids[start:end], slots[start:end], start, slots[:start])
 
-    def _validate(self, prompts: Sequence[Prompt]) -> list[torch.Tensor]:
+    def _validate(self, prompts: Sequence[Prompt]) -> tuple[list[torch.Tensor], list[int]]:
+        """CPU int64 tensors of the prompts and their lengths, or a clear error naming the bad prompt."""
         if isinstance(prompts, torch.Tensor) or not isinstance(prompts, Sequence) or isinstance(prompts, str):
             raise TypeError("prefill() takes a list of prompts (lists of token ids or 1-D integer tensors), "
                             f"got {type(prompts).__name__}")
         if len(prompts) == 0:
             raise ValueError("prefill() needs at least one prompt; got an empty list")
-        vocab, out = self.model.config.vocab_size, []
+        vocab, out, lengths = self.model.config.vocab_size, [], []
         for i, p in enumerate(prompts):
             if isinstance(p, torch.Tensor):
-                if p.dtype.is_floating_point or p.dtype.is_complex or p.dtype == torch.bool:
+                if p.dtype == torch.long and p.device.type == "cpu" and p.dim() == 1:  # already what we need
+                    t = p
+                elif p.dtype.is_floating_point or p.dtype.is_complex or p.dtype == torch.bool:
                     raise TypeError(f"prompt {i} is a {p.dtype} tensor; token ids must be an integer tensor "
                                     "(e.g. torch.long)")
-                if p.device.type != "cpu" and p.device != self.device:
+                elif p.device.type != "cpu" and p.device != self.device:
                     raise ValueError(f"prompt {i} is on {p.device}, but the engine runs on {self.device}; "
                                      f"pass it on the CPU or on {self.device}")
-                if p.dim() != 1:
+                elif p.dim() != 1:
                     raise ValueError(f"prompt {i} has shape {tuple(p.shape)}; a prompt is a 1-D tensor of ids")
-                t = p.to(device="cpu", dtype=torch.long)
+                else:
+                    t = p.to(device="cpu", dtype=torch.long)
             else:
                 if not all(isinstance(x, int) and not isinstance(x, bool) for x in p):
                     raise TypeError(f"prompt {i} must contain Python ints (token ids)")
                 t = torch.tensor(list(p), dtype=torch.long)
-            if t.numel() == 0:
+            n = t.shape[0]
+            if n == 0:
                 raise ValueError(f"prompt {i} is empty; every prompt needs at least one token")
             out.append(t)
-        lo, hi = torch.cat(out).aminmax()  # one range check for the whole batch; find the culprit only on error
-        if lo < 0 or hi >= vocab:
+            lengths.append(n)
+        # One range check for the whole batch (numpy: cheaper per call); find the culprit only on error.
+        every = np.concatenate([t.numpy() for t in out])
+        if every.min() < 0 or every.max() >= vocab:
             i = next(i for i, t in enumerate(out) if t.min() < 0 or t.max() >= vocab)
             bad = int(out[i].min()) if out[i].min() < 0 else int(out[i].max())
             raise ValueError(f"prompt {i} has token id {bad} outside the vocabulary [0, {vocab})")
-        total, capacity = sum(len(t) for t in out), self.kv_pool.num_free
+        total, capacity = sum(lengths), self.kv_pool.num_free
         if total > capacity:
             raise ValueError(f"the prompts need {total} KV slots but the pool has {capacity} free; raise "
                              "kv_tokens or prefill fewer/shorter prompts")
-        return out
+        return out, lengths

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 __all__ = ["Chunk", "plan_batches"]
 
 
-@dataclass(frozen=True)
-class Chunk:
-    """Tokens ``[start, end)`` of request ``request`` (``start`` of them already cached); ``is_last`` ends it."""
+class Chunk(NamedTuple):
+    """Tokens ``[start, end)`` of request ``request`` (``start`` of them already cached); ``is_last`` ends it.
+
+    A named tuple, not a dataclass: one is built per request per prefill on the host's critical path.
+    """
 
     request: int
     start: int
@@ -28,6 +30,8 @@ def plan_batches(lengths: list[int], chunked_prefill_size: int) -> list[list[Chu
         >>> [[(c.request, c.start, c.end) for c in b] for b in plan_batches([3, 6], 4)]
         [[(0, 0, 3), (1, 0, 1)], [(1, 1, 5)], [(1, 5, 6)]]
     """
+    if sum(lengths) <= chunked_prefill_size:  # the common case: every prompt whole, in one batch
+        return [[Chunk(i, 0, n, True) for i, n in enumerate(lengths)]]
     done = [0] * len(lengths)
     batches: list[list[Chunk]] = []
     while any(d < n for d, n in zip(done, lengths)):

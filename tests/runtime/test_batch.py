@@ -69,3 +69,14 @@ def test_forward_context_nests_and_resets(pool):
         assert get_forward_context() is outer
     with pytest.raises(RuntimeError, match="no ForwardContext"):
         get_forward_context()
+
+
+def test_unchecked_item_builds_the_same_batch_as_a_checked_one():
+    pool = KVPool(num_slots=16, num_layers=1, num_kv_heads=1, head_dim=4, dtype=torch.float32)
+    ids, slots, prefix = torch.tensor([4, 5, 6]), torch.tensor([7, 8, 9]), torch.tensor([2])
+    a = PrefillBatch([PrefillItem(ids, slots, 1, prefix)], pool)
+    b = PrefillBatch([PrefillItem.unchecked(ids, slots, 1, prefix)], pool)
+    for name in ("input_ids", "positions", "write_slots", "read_slots", "logits_indices", "cu_seqlens_q",
+                 "cu_seqlens_k"):
+        assert torch.equal(getattr(a, name), getattr(b, name)), name
+    assert (a.max_seqlen_k, a.has_prefix) == (b.max_seqlen_k, b.has_prefix) == (4, True)
