@@ -7,11 +7,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import torch
 from torch import Tensor, nn
 
 from bcg.models.base import CausalLM
 from bcg.models.config import ModelConfig
-from bcg.models.layers import RMSNorm, SwiGLUMLP, apply_rotary
+from bcg.models.layers import RMSNorm, SwiGLUMLP, rotate
 from bcg.runtime.attention import attention
 from bcg.runtime.bridge import carry, output_like
 
@@ -41,17 +42,26 @@ class QKVProjection(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        qk, v = self.rotated(x, cos, sin)
+        return (*qk.to(x.dtype).split([self.num_heads, self.num_kv_heads], dim=1), v)
+
+    def rotated(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+        """``(qk, v)``: q heads then k heads after norm and RoPE, ``(T, heads + kv_heads, head_dim)`` in fp32, and
+        ``v`` in ``x.dtype``. q and k sit side by side in the fused projection, so they rotate in one pass."""
         num_rows, heads, kv_heads, dim = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv_proj(x)
+        qk = qkv[:, : (heads + kv_heads) * dim].view(num_rows, heads + kv_heads, dim)
         v = qkv[:, (heads + kv_heads) * dim :].view(num_rows, kv_heads, dim)
-        if self.q_norm is None or self.k_norm is None:
-            # q and k heads sit side by side in the projection: rotate them in one pass (half the RoPE kernels).
-            qk = apply_rotary(qkv[:, : (heads + kv_heads) * dim].view(num_rows, heads + kv_heads, dim), cos, sin)
-            q, k = qk.split([heads, kv_heads], dim=1)
-            return q, k, v
-        q = self.q_norm(qkv[:, : heads * dim].view(num_rows, heads, dim))
-        k = self.k_norm(qkv[:, heads * dim : (heads + kv_heads) * dim].view(num_rows, kv_heads, dim))
-        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
+        if self.q_norm is not None and self.k_norm is not None:
+            qk = torch.cat((self.q_norm(qk[:, :heads]), self.k_norm(qk[:, heads:])), dim=1)
+        return rotate(qk, cos, sin), v
+
+    def carried(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """``q, k, v`` in ``x.dtype`` for an attention island: while the runner captures they live in bridge
+        buffers shared by all layers and buckets (:mod:`bcg.runtime.bridge`), and the fp32 RoPE result is cast
+        in the copy into them; otherwise they are plain tensors."""
+        qk, v = carry("attn", *self.rotated(x, cos, sin), dtype=x.dtype)
+        return (*qk.split([self.num_heads, self.num_kv_heads], dim=1), v)
 
 
 class Attention(nn.Module):
@@ -70,10 +80,8 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(config.num_heads * config.head_dim, config.hidden_size, bias=config.attention_bias)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        # While the runner captures, island inputs and output live in bridge buffers shared by all layers and
-        # buckets (bcg.runtime.bridge); otherwise these are the plain tensors and a fresh output.
-        q, k, v = carry("attn", *self.qkv(x, cos, sin))
-        out = output_like("attn", q)
+        q, k, v = self.qkv.carried(x, cos, sin)
+        out = output_like("attn", q)  # a shared bridge buffer while the runner captures, else a fresh tensor
         attention(q, k, v, out, self.layer_id)
         return self.o_proj(out.flatten(1))
 

@@ -221,7 +221,7 @@ class SparseAttention(nn.Module):
             selection = self.indexer(x)
         if selection is None:
             raise RuntimeError(f"layer {self.layer_id} has no indexer and was given no selection")
-        q, k, v = carry("attn", *self.qkv(x, cos, sin))  # shared bridge buffers while capturing
+        q, k, v = self.qkv.carried(x, cos, sin)  # shared bridge buffers while capturing
         out = output_like("attn", q)
         sparse_attention(q, k, v, selection, out, self.layer_id)
         return self.o_proj(out.flatten(1)), selection

@@ -39,7 +39,7 @@ class RotaryEmbedding(nn.Module):
     """Rotary position embedding (non-interleaved "rotate half" layout, as in Llama/Qwen).
 
     ``forward(positions)`` turns an int tensor of positions into ``cos, sin`` of shape
-    ``(T, 1, head_dim)`` on the device, so it can sit inside a captured graph: nothing is read back
+    ``(T, 1, head_dim)`` on the device (``sin`` with its first half negated, see :func:`rotate`), so it can sit inside a captured graph: nothing is read back
     to the host and no table is sized by the largest position seen.
 
     Example:
@@ -72,26 +72,42 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: Tensor) -> tuple[Tensor, Tensor]:
         freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
         angles = torch.cat((freqs, freqs), dim=-1)[:, None, :]
-        return angles.cos(), angles.sin()
+        sin = angles.sin()
+        # The sign of rotate-half folded into sin once per forward (first half negated): every layer's rotation
+        # then swaps the halves with one cat instead of a negation and a cat. Exact: only signs move.
+        sin[..., : self.head_dim // 2].neg_()
+        return angles.cos(), sin
 
 
-def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate ``x`` of shape ``(T, heads, head_dim)`` by the angles behind ``cos``/``sin``.
+def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate ``x`` of shape ``(T, heads, head_dim)`` by the angles behind ``cos``/``sin``, in fp32.
 
-    The math runs in fp32 (angles at large positions lose too much in bf16) and the result is cast
-    back to ``x.dtype``. ``x`` may be a strided view (e.g. q and k heads side by side in a fused projection).
+    Non-interleaved "rotate half" RoPE: ``x * cos + rotate_half(x) * sin`` with ``rotate_half(x) = (-x2, x1)``.
+    ``sin`` comes from :class:`RotaryEmbedding` with that minus sign folded into its first half, so the halves
+    only swap. The math runs in fp32 (angles at large positions lose too much in bf16): a half-precision ``x``
+    times the fp32 angles promotes exactly, the same numbers as casting ``x`` first with one kernel fewer.
+    ``x`` may be a strided view (q and k heads side by side in a fused projection). The result stays fp32, so
+    a caller that copies it anyway (a bridge buffer) casts in that copy.
 
     Example:
         >>> cos, sin = RotaryEmbedding(8)(torch.zeros(2, dtype=torch.long))
         >>> x = torch.randn(2, 1, 8)
-        >>> torch.equal(apply_rotary(x, cos, sin), x)  # position 0 is the identity
+        >>> torch.equal(rotate(x, cos, sin), x)  # position 0 is the identity
         True
     """
     x1, x2 = x.chunk(2, dim=-1)
-    rotated = torch.cat((-x2, x1), dim=-1)  # negation is exact in any dtype
-    # A half-precision x times the fp32 cos/sin promotes to fp32 exactly: the same numbers as casting x first,
-    # one kernel fewer (the layer stack is launch-bound at short prompts, so kernels count).
-    return (x * cos + rotated * sin).to(x.dtype)
+    return x * cos + torch.cat((x2, x1), dim=-1) * sin
+
+
+def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """:func:`rotate`, cast back to ``x.dtype``.
+
+    Example:
+        >>> cos, sin = RotaryEmbedding(8)(torch.arange(3))
+        >>> apply_rotary(torch.randn(3, 2, 8, dtype=torch.bfloat16), cos, sin).dtype
+        torch.bfloat16
+    """
+    return rotate(x, cos, sin).to(x.dtype)
 
 
 class SwiGLUMLP(nn.Module):

@@ -34,14 +34,16 @@ class BridgeBuffers:
         self.max_tokens = max_tokens
         self._buffers: dict[tuple, Tensor] = {}
 
-    def view(self, key: str, like: Tensor) -> Tensor:
-        """A ``like``-shaped view of the buffer ``key`` (first ``like.shape[0]`` rows)."""
-        full_key = (key, tuple(like.shape[1:]), like.dtype, like.device)
+    def view(self, key: str, like: Tensor, dtype: torch.dtype | None = None) -> Tensor:
+        """A ``like``-shaped view of the buffer ``key`` (first ``like.shape[0]`` rows), of ``like``'s dtype or
+        ``dtype``."""
+        dtype = dtype or like.dtype
+        full_key = (key, tuple(like.shape[1:]), dtype, like.device)
         buf = self._buffers.get(full_key)
         if buf is None:
             if like.shape[0] > self.max_tokens:
                 raise ValueError(f"bridge buffer {key!r} holds {self.max_tokens} rows, got {like.shape[0]}")
-            buf = torch.empty((self.max_tokens, *like.shape[1:]), dtype=like.dtype, device=like.device)
+            buf = torch.empty((self.max_tokens, *like.shape[1:]), dtype=dtype, device=like.device)
             self._buffers[full_key] = buf
         return buf[: like.shape[0]]
 
@@ -63,12 +65,15 @@ def bridge_buffers(bridge: BridgeBuffers) -> Iterator[BridgeBuffers]:
         _BRIDGE.reset(token)
 
 
-def carry(name: str, *tensors: Tensor) -> tuple[Tensor, ...]:
-    """The tensors an island will read: copies into shared views while bridging, else the tensors themselves."""
+def carry(name: str, *tensors: Tensor, dtype: torch.dtype | None = None) -> tuple[Tensor, ...]:
+    """The tensors an island will read: copies into shared views while bridging, else the tensors themselves.
+
+    With ``dtype`` the result is cast to it; while bridging the cast happens in the copy (no extra kernel).
+    """
     bridge = None if torch.compiler.is_compiling() else _BRIDGE.get()  # dynamo cannot trace ContextVar.get
     if bridge is None:
-        return tensors
-    views = tuple(bridge.view(f"{name}.{i}", t) for i, t in enumerate(tensors))
+        return tensors if dtype is None else tuple(t.to(dtype) for t in tensors)
+    views = tuple(bridge.view(f"{name}.{i}", t, dtype) for i, t in enumerate(tensors))
     for view, t in zip(views, tensors):
         view.copy_(t)
     return views

@@ -26,6 +26,17 @@ def test_carry_copies_into_shared_views() -> None:
     assert out.data_ptr() != va.data_ptr() and bridge.nbytes == 2 * 16 * 2 * 8 * 4
 
 
+def test_carry_casts_in_the_copy_or_on_its_own() -> None:
+    x = torch.randn(4, 2, 8, dtype=torch.float64)
+    (plain,) = carry("attn", x, dtype=torch.float32)  # outside a bridge: a cast
+    bridge = BridgeBuffers(max_tokens=16)
+    with bridge_buffers(bridge):
+        (bridged,) = carry("attn", x, dtype=torch.float32)
+    assert plain.dtype == bridged.dtype == torch.float32 and torch.equal(plain, bridged)
+    assert bridged.data_ptr() == bridge.view("attn.0", x, torch.float32).data_ptr()
+    assert bridge.nbytes == 16 * 2 * 8 * 4  # one float32 buffer, none for the float64 input
+
+
 def _island_ptrs(graph) -> set[int]:  # noqa: ANN001
     return {t.untyped_storage().data_ptr() for s in graph.steps if isinstance(s, EagerStep)
             for t in s.args if isinstance(t, torch.Tensor)}
@@ -34,7 +45,7 @@ def _island_ptrs(graph) -> set[int]:  # noqa: ANN001
 def test_every_bucket_and_layer_shares_the_same_island_buffers() -> None:
     eng = Engine("tiny-dense", backend="breakable", device="cpu", buckets=[8, 16, 32], progress=False)
     ptrs = [_island_ptrs(eng.runner.handles[n]) for n in (8, 16, 32)]
-    assert ptrs[0] == ptrs[1] == ptrs[2] and len(ptrs[0]) == 4  # q, k, v, out: one storage each
+    assert ptrs[0] == ptrs[1] == ptrs[2] and len(ptrs[0]) == 3  # q and k side by side in one buffer, v, out
     ref = Engine("tiny-dense", backend="eager", device="cpu", progress=False)
     prompts = [[1, 2, 3, 4, 5, 6], [7] * 13, [9] * 30, [3, 4, 5]]
     for p in prompts + prompts[::-1]:  # interleave buckets 8, 16, 32
