@@ -12,7 +12,7 @@ from torch import Tensor, nn
 
 from bcg.models.base import CausalLM
 from bcg.models.config import ModelConfig
-from bcg.models.layers import RMSNorm, SwiGLUMLP, rotate
+from bcg.models.layers import RMSNorm, SwiGLUMLP, apply_rotary, rotate
 from bcg.runtime.attention import attention
 from bcg.runtime.bridge import carry, output_like
 
@@ -46,14 +46,18 @@ class QKVProjection(nn.Module):
         return (*qk.to(x.dtype).split([self.num_heads, self.num_kv_heads], dim=1), v)
 
     def rotated(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
-        """``(qk, v)``: q heads then k heads after norm and RoPE, ``(T, heads + kv_heads, head_dim)`` in fp32, and
-        ``v`` in ``x.dtype``. q and k sit side by side in the fused projection, so they rotate in one pass."""
+        """``(qk, v)``: q heads then k heads after norm and RoPE, ``(T, heads + kv_heads, head_dim)``, and ``v`` in
+        ``x.dtype``. Without q/k norms, q and k sit side by side in the fused projection and rotate in one pass,
+        and ``qk`` stays fp32 (the caller's copy casts it); with them, ``qk`` is already ``x.dtype``."""
         num_rows, heads, kv_heads, dim = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv_proj(x)
         qk = qkv[:, : (heads + kv_heads) * dim].view(num_rows, heads + kv_heads, dim)
         v = qkv[:, (heads + kv_heads) * dim :].view(num_rows, kv_heads, dim)
         if self.q_norm is not None and self.k_norm is not None:
-            qk = torch.cat((self.q_norm(qk[:, :heads]), self.k_norm(qk[:, heads:])), dim=1)
+            # Normed q and k are rotated and rounded apart, as in eager reference code: fused across the cat,
+            # Inductor would skip the rounding of the norms' outputs and drift further from eager.
+            q = apply_rotary(self.q_norm(qk[:, :heads]), cos, sin)
+            return torch.cat((q, apply_rotary(self.k_norm(qk[:, heads:]), cos, sin)), dim=1), v
         return rotate(qk, cos, sin), v
 
     def carried(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
