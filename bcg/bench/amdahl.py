@@ -20,6 +20,7 @@ __all__ = [
     "chunk_sizes",
     "island_fraction",
     "launch_gap_share",
+    "launch_bound",
     "predict_breakable",
     "prediction_error",
     "s_max",
@@ -88,6 +89,24 @@ def launch_gap_share(kernel_ms: float | None, wall_ms: float) -> float | None:
     if wall_ms <= 0:
         raise ValueError(f"wall_ms must be positive, got {wall_ms}")
     return min(max(1.0 - kernel_ms / wall_ms, 0.0), 1.0)
+
+
+def launch_bound(eager_ms: float, kernel_ms: float | None) -> float | None:
+    """The most any launch path (a graph of any kind) can speed up eager without fusing kernels: the time
+    eager takes over the time its kernels compute, ``eager_ms / kernel_ms``. ``None`` without a kernel time.
+
+    Example::
+
+        >>> launch_bound(12.0, 3.0)
+        4.0
+        >>> launch_bound(12.0, None) is None
+        True
+    """
+    if kernel_ms is None:
+        return None
+    if kernel_ms <= 0:
+        raise ValueError(f"kernel_ms must be positive, got {kernel_ms}")
+    return eager_ms / kernel_ms
 
 
 def prediction_error(predicted_ms: float, measured_ms: float) -> float:

@@ -182,6 +182,9 @@ def verdict(a: dict[str, Any]) -> dict[str, Any]:
     bound = (f"islands are p={fmt(am.get('p'))} of a replay, so at most S_max={fmt(am.get('s_max'))}x more from "
              f"capturing them and {fmt(am.get('s_max_over_eager'))}x over eager" if am.get("p") is not None
              else "p unknown")
+    if t.get("launch_bound") is not None:
+        # What no launch path can beat without fusing kernels: how far a speedup target is reachable at all.
+        bound += f"; no graph beats eager by more than {t['launch_bound']:.2f}x here without fusing kernels"
     if pays and not too_big:
         head = (f"Breakable graphs pay here: {speedup:.2f}x measured (predicted {fmt(am.get('predicted_speedup'))}x, "
                 f"{bound}) {where}")
@@ -244,6 +247,7 @@ def run_analyze(cfg: AnalyzeConfig, environment: dict[str, Any]) -> dict[str, An
     del eng
     a["build"] = vars(record)
     timing["launch_gap_share"] = amdahl.launch_gap_share(timing["eager_kernel_ms"], timing["eager_forward_ms"])
+    timing["launch_bound"] = amdahl.launch_bound(timing["eager_forward_ms"], timing["eager_kernel_ms"])
     timing["measured_speedup"] = timing["eager_forward_ms"] / timing["breakable_forward_ms"]
     a["timing"], a["replay"] = timing, replay
     a["amdahl"] = _amdahl(timing, replay)
@@ -288,6 +292,7 @@ def format_analysis(a: dict[str, Any]) -> str:
         ["eager forward (ms)", fmt(t["eager_forward_ms"], 3)],
         ["eager kernel time (ms)", fmt(t["eager_kernel_ms"], 3)],
         ["launch-gap share", fmt(t["launch_gap_share"], 3)],
+        ["bound without fusion (eager / kernel)", fmt(t.get("launch_bound"), 2, "x")],
         ["breakable forward (ms)", fmt(t["breakable_forward_ms"], 3)],
         ["p (island share of replay)", fmt(am.get("p"), 3)],
         ["S_max = 1/p", fmt(am.get("s_max"), 2, "x")],

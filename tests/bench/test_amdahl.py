@@ -50,6 +50,15 @@ def test_island_fraction_and_launch_gap() -> None:
         amdahl.island_fraction(1.0, 0.0)
 
 
+def test_launch_bound_is_eager_over_kernel_time() -> None:
+    assert amdahl.launch_bound(10.0, 2.5) == pytest.approx(4.0)
+    # The bound and the launch-gap share say the same thing: 1 / (1 - gap).
+    assert amdahl.launch_bound(10.0, 2.5) == pytest.approx(1 / (1 - amdahl.launch_gap_share(2.5, 10.0)))
+    assert amdahl.launch_bound(10.0, None) is None
+    with pytest.raises(ValueError, match="kernel_ms must be positive"):
+        amdahl.launch_bound(10.0, 0.0)
+
+
 def test_predict_breakable_sums_parts() -> None:
     pr = amdahl.predict_breakable(eager_ms=30.0, islands_ms=3.0, segments_ms=9.0, num_breaks=6, per_break_ms=0.5,
                                   outside_ms=0.0)

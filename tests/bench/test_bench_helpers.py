@@ -96,6 +96,10 @@ def test_verdict_sentences() -> None:
     assert big["pays"] is True and "50% of free memory" in big["sentence"]
     cpu = analyze.verdict(_analysis(1.8, None, emulated=True))
     assert cpu["pays"] is None and cpu["sentence"].startswith("CPU emulation")
+    assert "without fusing kernels" not in yes["sentence"]  # no kernel time measured, no bound claimed
+    bounded = _analysis(1.8, 0.01)
+    bounded["timing"]["launch_bound"] = 2.4
+    assert "no graph beats eager by more than 2.40x here without fusing kernels" in analyze.verdict(bounded)["sentence"]
 
 
 def test_sample_lengths_is_seeded_and_bounded() -> None:
