@@ -6,9 +6,9 @@ from dataclasses import replace
 
 import pytest
 import torch
+from engine_cache import EngineCache, random_prompts
 
 from bcg.models import get_preset
-from bcg.runtime import Engine
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -18,26 +18,9 @@ CONFIGS = {
     name: replace(get_preset(name), hidden_size=256, head_dim=64, intermediate_size=512, moe_intermediate_size=64)
     for name in ("tiny-dense", "tiny-moe", "tiny-dsa")
 }
-_cache: dict[tuple, Engine] = {}
-
-
-def engine(preset: str, backend: str, **kw) -> Engine:
-    key = (preset, backend, tuple(sorted(kw.items())))
-    if key not in _cache:
-        kw.setdefault("buckets", BUCKETS)
-        kw.setdefault("chunked_prefill_size", 64)
-        kw.setdefault("kv_tokens", 1024)
-        kw.setdefault("dtype", "bfloat16")
-        if backend == "full":
-            kw.setdefault("max_requests", 6)
-            kw.setdefault("prefix_capacity", 192)
-        _cache[key] = Engine(CONFIGS[preset], backend=backend, device="cuda", seed=0, progress=False, **kw)
-    return _cache[key]
-
-
-def prompts(lengths: list[int], seed: int = 0) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, 256, (n,), generator=g).tolist() for n in lengths]
+engine = EngineCache(buckets=BUCKETS, chunked_prefill_size=64, kv_tokens=1024, dtype="bfloat16", device="cuda",
+                     per_backend={"full": {"max_requests": 6, "prefix_capacity": 192}}, model_for=CONFIGS.get)
+prompts = random_prompts
 
 
 def assert_matches(res, ref, rel: float = 2e-2) -> None:  # noqa: ANN001

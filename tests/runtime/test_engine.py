@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from engine_cache import EngineCache, random_prompts
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -12,23 +13,8 @@ from bcg.runtime.batch import PrefillBatch, PrefillItem
 
 PRESETS = ["tiny-dense", "tiny-moe", "tiny-dsa"]
 BUCKETS = [4, 8, 16, 32, 48, 64]
-_cache: dict[tuple, Engine] = {}
-
-
-def engine(preset: str, backend: str, **kw) -> Engine:
-    """Engines are cached per configuration: capture is the slow part and engines are reusable."""
-    key = (preset, backend, tuple(sorted(kw.items())))
-    if key not in _cache:
-        kw.setdefault("buckets", BUCKETS)
-        kw.setdefault("chunked_prefill_size", 64)
-        kw.setdefault("kv_tokens", 1024)
-        _cache[key] = Engine(preset, backend=backend, device="cpu", seed=0, progress=False, **kw)
-    return _cache[key]
-
-
-def prompts(lengths: list[int], seed: int = 0, vocab: int = 256) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
+engine = EngineCache(buckets=BUCKETS, chunked_prefill_size=64, kv_tokens=1024, device="cpu")
+prompts = random_prompts
 
 
 @pytest.mark.parametrize("preset", PRESETS)

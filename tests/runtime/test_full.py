@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from engine_cache import EngineCache, max_diff, random_prompts
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from bcg.runtime import Engine
 from bcg.runtime.batch import PrefillBatch, PrefillItem
 from bcg.runtime.context import forward_context
 from bcg.runtime.kv_cache import KVPool
@@ -16,29 +16,9 @@ from bcg.runtime.static_context import PAD_KEY, PAD_QUERY, StaticMetadata
 
 BUCKETS = [8, 16, 32]
 SLOTS = 6
-_cache: dict[tuple, Engine] = {}
-
-
-def engine(preset: str, backend: str, **kw) -> Engine:
-    """Engines are cached per configuration: capture is the slow part and engines are reusable."""
-    key = (preset, backend, tuple(sorted(kw.items())))
-    if key not in _cache:
-        kw.setdefault("buckets", BUCKETS)
-        kw.setdefault("chunked_prefill_size", 32)
-        kw.setdefault("kv_tokens", 512)
-        if backend == "full":
-            kw.setdefault("max_requests", SLOTS)
-        _cache[key] = Engine(preset, backend=backend, device="cpu", seed=0, progress=False, **kw)
-    return _cache[key]
-
-
-def prompts(lengths: list[int], seed: int = 0) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, 256, (n,), generator=g).tolist() for n in lengths]
-
-
-def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
-    return (a - b).abs().max().item()
+engine = EngineCache(buckets=BUCKETS, chunked_prefill_size=32, kv_tokens=512, device="cpu",
+                     per_backend={"full": {"max_requests": SLOTS}})
+prompts = random_prompts
 
 
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -6,38 +6,19 @@ from dataclasses import replace
 
 import pytest
 import torch
+from engine_cache import EngineCache, max_diff, random_prompts
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from bcg.models import build_model, get_preset
-from bcg.runtime import Engine
 from bcg.runtime.backends import piecewise
 from bcg.runtime.backends.piecewise import PieceRuntime, PiecewiseCompiler
 
 BUCKETS = [8, 16, 32]
-_cache: dict[tuple, Engine] = {}
-
-
-def engine(preset: str, backend: str, **kw) -> Engine:
-    """Engines are cached per configuration: compile and capture are the slow part."""
-    key = (preset, backend, tuple(sorted(kw.items())))
-    if key not in _cache:
-        kw.setdefault("buckets", BUCKETS)
-        kw.setdefault("chunked_prefill_size", 32)
-        kw.setdefault("kv_tokens", 512)
-        if backend == "tc_piecewise":
-            kw.setdefault("tc_compiler", "eager")  # Inductor's CPU kernels bypass the emulation (see below)
-        _cache[key] = Engine(preset, backend=backend, device="cpu", seed=0, progress=False, **kw)
-    return _cache[key]
-
-
-def prompts(lengths: list[int], seed: int = 0) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, 256, (n,), generator=g).tolist() for n in lengths]
-
-
-def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
-    return (a - b).abs().max().item()
+# Inductor's CPU kernels bypass the emulation (see below), so the CPU tier traces pieces with the eager compiler.
+engine = EngineCache(buckets=BUCKETS, chunked_prefill_size=32, kv_tokens=512, device="cpu",
+                     per_backend={"tc_piecewise": {"tc_compiler": "eager"}})
+prompts = random_prompts
 
 
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])

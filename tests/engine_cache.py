@@ -1,0 +1,40 @@
+"""Test helpers shared by the runtime tests: engines cached per configuration, and seeded prompts."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from bcg.runtime import Engine
+
+
+class EngineCache:
+    """Builds each engine configuration once (capture and compile are the slow part); one cache per test module,
+    so a test that changes an engine's state cannot leak into another module.
+
+    ``defaults`` apply to every engine, ``per_backend`` to one backend's; keyword arguments of a call win.
+    """
+
+    def __init__(self, per_backend: dict[str, dict[str, Any]] | None = None, model_for: Any = None,
+                 **defaults: Any) -> None:
+        self.defaults, self.per_backend = defaults, per_backend or {}
+        self.model_for = model_for or (lambda preset: preset)
+        self._engines: dict[tuple, Engine] = {}
+
+    def __call__(self, preset: str, backend: str, **kw: Any) -> Engine:
+        kw = {**self.defaults, **self.per_backend.get(backend, {}), **kw}
+        key = (preset, backend, tuple(sorted((k, repr(v)) for k, v in kw.items())))
+        if key not in self._engines:
+            self._engines[key] = Engine(self.model_for(preset), backend=backend, seed=0, progress=False, **kw)
+        return self._engines[key]
+
+
+def random_prompts(lengths: list[int], seed: int = 0, vocab: int = 256) -> list[list[int]]:
+    """Seeded random prompts of the given lengths (lists of token ids)."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a - b).abs().max().item()
