@@ -81,7 +81,7 @@ class PrefillBatch:
         input_ids: int64 ``(num_tokens,)`` on the pool's device.
         positions: int64 ``(num_tokens,)``, ``prefix_len + arange(n)`` per request.
         logits_indices: int64 ``(num_requests,)``, row of each request's last new token.
-        seq_lens_q, prefix_lens: per-request host ints.
+        seq_lens_q, prefix_lens: per-request host ints; has_prefix: whether any request has a cached prefix.
 
     Example:
         >>> pool = KVPool(num_slots=16, num_layers=1, num_kv_heads=1, head_dim=4, dtype=torch.float32)
