@@ -44,7 +44,8 @@ except ImportError:  # run from a checkout without installing it
 
 from bcg.bench.engines import make_prompts, one_batch, split_tokens
 from bcg.bench.timing import Marks, sync
-from bcg.runtime import Engine, flash
+from bcg.ops import flash
+from bcg.runtime import Engine
 
 
 def host_us(fn: Callable[[], Any], calls: int, device: torch.device) -> float:

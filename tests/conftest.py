@@ -10,9 +10,9 @@ import torch
 from torch import Tensor
 
 from bcg.models.base import CausalLM
+from bcg.ops.context import forward_context
+from bcg.ops.kv_cache import KVPool
 from bcg.runtime.batch import PrefillBatch, PrefillItem
-from bcg.runtime.context import forward_context
-from bcg.runtime.kv_cache import KVPool
 
 
 @dataclass

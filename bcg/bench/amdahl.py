@@ -225,7 +225,7 @@ def bucket_coverage(lengths: Iterable[int], choose: Choose, buckets: Sequence[in
 
     Example::
 
-        >>> from bcg.runtime.buckets import BucketTable
+        >>> from bcg.runtime.runner.buckets import BucketTable
         >>> table = BucketTable([16, 32, 64])
         >>> choose = lambda n: (table.choose(n).bucket, table.choose(n).reason)
         >>> cov = bucket_coverage([10, 30, 100], choose, table.sizes, chunked_prefill_size=128)

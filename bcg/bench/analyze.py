@@ -132,7 +132,7 @@ def _enter_exit(runner: Any, batch: Any) -> None:
 
 
 def _coverage(eng: Any, lengths: list[int], chunk: int) -> dict[str, Any]:
-    from bcg.runtime.buckets import default_ladder
+    from bcg.runtime.runner.buckets import default_ladder
 
     runner = eng.runner
     buckets = list(runner.table.sizes)

@@ -144,14 +144,11 @@ def one_batch(eng: Any, prompt: torch.Tensor) -> tuple[Any, torch.Tensor]:
 
     Returns ``(batch, slots)``; the caller frees the slots with ``eng.kv_pool.free(slots)``.
     """
-    from bcg.runtime import batch as batch_mod
+    from bcg.runtime.batch import PrefillBatch, PrefillItem
 
     slots = eng.kv_pool.alloc(prompt.numel())
     try:
-        if hasattr(batch_mod, "PrefillItem"):
-            b = batch_mod.PrefillBatch([batch_mod.PrefillItem(prompt, slots)], eng.kv_pool)
-        else:  # the older builder API
-            b = batch_mod.PrefillBatch.build([(prompt, 0, None, slots)], eng.device)
+        b = PrefillBatch([PrefillItem(prompt, slots)], eng.kv_pool)
     except BaseException:
         eng.kv_pool.free(slots)
         raise

@@ -8,6 +8,9 @@ A prefill step is split in three so the runner can capture the middle part:
   only places that read the live batch (real token count, request boundaries, KV slots);
 * :meth:`CausalLM.compute_logits` (eager) applies the final norm and the LM head to the rows the
   runner picked (one per request), in fp32.
+
+Models are built by :func:`bcg.models.registry.build_model` (random weights) or
+:func:`bcg.models.loader.load_checkpoint`.
 """
 
 from __future__ import annotations
@@ -25,22 +28,18 @@ class CausalLM(nn.Module):
     """Base class of the model zoo: embedding, a layer stack, final norm and LM head.
 
     Subclasses fill ``self.layers`` with modules called as ``layer(hidden, cos, sin)`` or override
-    :meth:`forward_layers`. Build instances with :func:`build_model` or
+    :meth:`forward_layers`. Build instances with :func:`bcg.models.registry.build_model` or
     :func:`bcg.models.loader.load_checkpoint` rather than directly: they materialise the weights
     on the target device and tie the embeddings.
 
-    Example:
-        >>> from bcg.models.config import get_preset
-        >>> from bcg.runtime.batch import PrefillBatch, PrefillItem
-        >>> from bcg.runtime.context import forward_context
-        >>> from bcg.runtime.kv_cache import KVPool
-        >>> model = build_model(get_preset("tiny-dense"), "cpu", torch.float32, seed=0)
-        >>> pool = KVPool.for_model(model.config, num_slots=16, device="cpu", dtype=torch.float32)
-        >>> batch = PrefillBatch([PrefillItem([1, 2, 3], new_slots=pool.alloc(3))], pool)
-        >>> with forward_context(batch.to_context(batch.num_tokens)):
-        ...     hidden = model.forward_layers(model.embed(batch.input_ids), batch.positions)
-        >>> model.compute_logits(hidden[batch.logits_indices]).shape
-        torch.Size([1, 256])
+    Example::
+
+        model = build_model(get_preset("tiny-dense"), "cpu", torch.float32, seed=0)
+        pool = KVPool.for_model(model.config, num_slots=16, device="cpu", dtype=torch.float32)
+        batch = PrefillBatch([PrefillItem([1, 2, 3], new_slots=pool.alloc(3))], pool)
+        with forward_context(batch.to_context(batch.num_tokens)):
+            hidden = model.forward_layers(model.embed(batch.input_ids), batch.positions)
+        model.compute_logits(hidden[batch.logits_indices]).shape      # (1, 256)
     """
 
     def __init__(self, config: ModelConfig) -> None:
@@ -67,7 +66,7 @@ class CausalLM(nn.Module):
 
         Rows past the real token count are padding: they flow through the dense ops like any row
         but the attention islands ignore them and never let them touch the KV pool. Needs a
-        :func:`bcg.runtime.context.forward_context` around the call.
+        :func:`bcg.ops.context.forward_context` around the call.
         """
         cos, sin = self.rotary(positions)
         for layer in self.layers:
@@ -99,43 +98,3 @@ class CausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, RotaryEmbedding):
                 module.reset_parameters()
-
-
-def model_class(config: ModelConfig) -> type[CausalLM]:
-    """The :class:`CausalLM` subclass implementing ``config.arch``."""
-    # Imported here because the architecture modules import this one.
-    from bcg.models.dense import DenseLM
-    from bcg.models.dsa import DSALM
-    from bcg.models.moe import MoELM
-
-    return {"dense": DenseLM, "moe": MoELM, "dsa": DSALM}[config.arch]
-
-
-def materialize(config: ModelConfig, device: torch.device | str, dtype: torch.dtype) -> CausalLM:
-    """Build the model for ``config`` on ``device`` in ``dtype`` with uninitialised weights.
-
-    The module is first built on the meta device so no memory is spent on a throwaway init.
-    """
-    with torch.device("meta"):
-        model = model_class(config)(config)
-    model = model.to(dtype=dtype).to_empty(device=device)
-    model.post_init()
-    return model.eval().requires_grad_(False)
-
-
-def build_model(
-    config: ModelConfig, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32, seed: int = 0
-) -> CausalLM:
-    """Build a randomly initialised model; the same seed gives the same weights.
-
-    Example:
-        >>> from bcg.models.config import get_preset
-        >>> a = build_model(get_preset("tiny-moe"), "cpu", torch.float32, seed=1)
-        >>> b = build_model(get_preset("tiny-moe"), "cpu", torch.float32, seed=1)
-        >>> all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters()))
-        True
-    """
-    model = materialize(config, device, dtype)
-    generator = torch.Generator(device=torch.device(device)).manual_seed(seed)
-    model.init_weights(generator)
-    return model

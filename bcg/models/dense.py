@@ -13,8 +13,8 @@ from torch import Tensor, nn
 from bcg.models.base import CausalLM
 from bcg.models.config import ModelConfig
 from bcg.models.layers import RMSNorm, SwiGLUMLP, apply_rotary, rotate
-from bcg.runtime.attention import attention
-from bcg.runtime.bridge import carry, output_like
+from bcg.ops.attention import attention
+from bcg.ops.bridge import carry, output_like
 
 
 class QKVProjection(nn.Module):
@@ -62,14 +62,14 @@ class QKVProjection(nn.Module):
 
     def carried(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """``q, k, v`` in ``x.dtype`` for an attention island: while the runner captures they live in bridge
-        buffers shared by all layers and buckets (:mod:`bcg.runtime.bridge`), and the fp32 RoPE result is cast
+        buffers shared by all layers and buckets (:mod:`bcg.ops.bridge`), and the fp32 RoPE result is cast
         in the copy into them; otherwise they are plain tensors."""
         qk, v = carry("attn", *self.rotated(x, cos, sin), dtype=x.dtype)
         return (*qk.split([self.num_heads, self.num_kv_heads], dim=1), v)
 
 
 class Attention(nn.Module):
-    """Causal GQA self-attention whose core runs in the :func:`bcg.runtime.attention.attention` island.
+    """Causal GQA self-attention whose core runs in the :func:`bcg.ops.attention.attention` island.
 
     Example:
         >>> from bcg.models.config import get_preset
@@ -117,9 +117,8 @@ class DenseLM(CausalLM):
     """Llama/Qwen3-style dense model (``arch="dense"``).
 
     Example:
-        >>> from bcg.models.base import build_model
         >>> from bcg.models.config import get_preset
-        >>> len(build_model(get_preset("tiny-dense")).layers)
+        >>> len(DenseLM(get_preset("tiny-dense")).layers)
         2
     """
 

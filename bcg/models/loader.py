@@ -17,8 +17,9 @@ import torch
 from safetensors import safe_open
 from torch import Tensor
 
-from bcg.models.base import CausalLM, materialize
+from bcg.models.base import CausalLM
 from bcg.models.config import ModelConfig
+from bcg.models.registry import materialize
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen3", "qwen3_moe")
 # Checkpoint entries that carry no weights we need.

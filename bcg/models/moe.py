@@ -131,9 +131,8 @@ class MoELM(DenseLM):
     """Qwen3-MoE-style model (``arch="moe"``): dense attention, MoE FFN in every layer.
 
     Example:
-        >>> from bcg.models.base import build_model
         >>> from bcg.models.config import get_preset
-        >>> type(build_model(get_preset("tiny-moe")).layers[0].mlp).__name__
+        >>> type(MoELM(get_preset("tiny-moe")).layers[0].mlp).__name__
         'MoEFFN'
     """
 

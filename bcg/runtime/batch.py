@@ -9,8 +9,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from bcg.runtime.context import ForwardContext
-from bcg.runtime.kv_cache import KVPool
+from bcg.ops.attention import BatchContext
+from bcg.ops.kv_cache import KVPool
 
 
 def _as_cpu_long(values: Sequence[int] | Tensor) -> Tensor:
@@ -138,9 +138,9 @@ class PrefillBatch:
         """Number of requests in the batch."""
         return len(self.seq_lens_q)
 
-    def to_context(self, num_padded_tokens: int) -> ForwardContext:
-        """The :class:`ForwardContext` for running this batch padded to ``num_padded_tokens`` rows."""
-        return ForwardContext(
+    def to_context(self, num_padded_tokens: int) -> BatchContext:
+        """The live forward context for running this batch padded to ``num_padded_tokens`` rows."""
+        return BatchContext(
             num_tokens=self.num_tokens,
             num_padded_tokens=num_padded_tokens,
             seq_lens_q=self.seq_lens_q,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -31,18 +31,19 @@ class EngineConfig:
         dtype: "bfloat16", "float16" or "float32"; None picks bfloat16 on CUDA and float32 on CPU.
         seed: seed of the random weights (same seed, same weights, whatever the backend).
         chunked_prefill_size: most tokens one forward processes; longer prompts are split into chunks.
-        max_tokens: capture ceiling in tokens; None means ``chunked_prefill_size``.
+        max_tokens: capture ceiling in tokens (the largest bucket); None means ``chunked_prefill_size``.
         buckets: explicit bucket list (token counts); None means the default ladder up to ``max_tokens``.
         max_padding_factor: run eagerly when the bucket would be more than this many times the real tokens.
         kv_tokens: KV pool capacity in tokens; None means ``4 * chunked_prefill_size``.
-        max_requests: request slots of the "full" backend; None means ``max(chunked_prefill_size // 512, 1)``.
+        max_requests: request slots of the "full" backend (the most requests one of its graphs packs); None means
+            ``max(chunked_prefill_size // 512, 1)``.
         prefix_capacity: cached-prefix keys (summed over a batch's requests) a "full" graph can attend to: bucket
             ``b`` reads ``b + prefix_capacity`` key slots per layer. None means ``chunked_prefill_size``; a batch
             with more keys runs eagerly (reason "too_many_keys").
         tc_compiler: "inductor" or "eager" (no compilation), used by "tc_piecewise".
         debug: run the whole layer stack as one eager break through the same runner path (bisects graph bugs).
         verify: after capture, replay every bucket against eager at the same padded shape and disable buckets
-            that differ (bcg.runtime.verify); costs one extra forward pair per bucket at startup.
+            that differ (bcg.runtime.runner.verify); costs one extra forward pair per bucket at startup.
         warmup: forward passes per bucket before its capture.
         progress: show a progress bar while capturing.
     """
@@ -63,7 +64,6 @@ class EngineConfig:
     verify: bool = False
     warmup: int = 2
     progress: bool = True
-    extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.backend = resolve_backend(self.backend)
@@ -97,19 +97,3 @@ class EngineConfig:
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
             raise ValueError(f"dtype must be a floating torch dtype name such as 'bfloat16', got {self.dtype!r}")
         return dtype
-
-    @property
-    def capture_ceiling(self) -> int:
-        return self.max_tokens if self.max_tokens is not None else self.chunked_prefill_size
-
-    @property
-    def kv_capacity(self) -> int:
-        return self.kv_tokens if self.kv_tokens is not None else 4 * self.chunked_prefill_size
-
-    @property
-    def request_slots(self) -> int:
-        return self.max_requests if self.max_requests is not None else max(self.chunked_prefill_size // 512, 1)
-
-    @property
-    def prefix_keys(self) -> int:
-        return self.prefix_capacity if self.prefix_capacity is not None else self.chunked_prefill_size

@@ -11,14 +11,18 @@ from typing import Any
 import numpy as np
 import torch
 
-from bcg.models.base import CausalLM, build_model
+from bcg.models.base import CausalLM
 from bcg.models.config import ModelConfig, get_preset
+from bcg.models.loader import load_checkpoint
+from bcg.models.registry import build_model
+from bcg.ops.kv_cache import KVPool
 from bcg.runtime.batch import PrefillBatch, PrefillItem
 from bcg.runtime.config import EngineConfig
-from bcg.runtime.kv_cache import KVPool
 from bcg.runtime.runner import Runner
+from bcg.runtime.runner.buckets import default_ladder
+from bcg.runtime.runner.telemetry import BatchRecord, Telemetry
+from bcg.runtime.runner.verify import verify_buckets
 from bcg.runtime.scheduler import Chunk, plan_batches
-from bcg.runtime.telemetry import BatchRecord, Telemetry
 
 __all__ = ["Engine", "PrefillResult"]
 
@@ -48,8 +52,6 @@ def _load_model(model: str | os.PathLike | ModelConfig | CausalLM, cfg: EngineCo
     if isinstance(model, ModelConfig):
         return build_model(model, device, dtype, cfg.seed)
     if os.path.isdir(model):
-        from bcg.models.loader import load_checkpoint
-
         return load_checkpoint(model, device, dtype)
     return build_model(get_preset(str(model)), device, dtype, cfg.seed)
 
@@ -81,17 +83,16 @@ class Engine:
         t0 = time.perf_counter()
         self.model = _load_model(model, self.config).eval()
         self.load_ms = (time.perf_counter() - t0) * 1e3
-        mc = self.model.config
-        max_bucket = max(self.config.buckets or [self.config.capture_ceiling])
+        cfg = self.config
+        sizes = cfg.buckets or default_ladder(cfg.max_tokens or cfg.chunked_prefill_size)
         # The pool must hold one largest-bucket dummy batch during capture and the biggest live batch.
-        self.kv_pool = KVPool.for_model(mc, max(self.config.kv_capacity, max_bucket), self.device, self.dtype)
-        self.runner = Runner(self.model, self.config, self.kv_pool)
+        kv_tokens = max(cfg.kv_tokens or 4 * cfg.chunked_prefill_size, max(sizes))
+        self.kv_pool = KVPool.for_model(self.model.config, kv_tokens, self.device, self.dtype)
+        self.runner = Runner(self.model, cfg, self.kv_pool, sizes)
         t0 = time.perf_counter()
         self.runner.build()
         self.build_ms = (time.perf_counter() - t0) * 1e3
-        if self.config.verify and self.runner.handles:
-            from bcg.runtime.verify import verify_buckets
-
+        if cfg.verify and self.runner.handles:
             verify_buckets(self.runner)
 
     @property

@@ -7,7 +7,7 @@ import math
 import pytest
 
 from bcg.bench import amdahl
-from bcg.runtime.buckets import BucketTable, default_ladder
+from bcg.runtime.runner.buckets import BucketTable, default_ladder
 
 
 def table_choose(sizes: list[int], factor: float = 2.0, disabled: tuple[int, ...] = ()):

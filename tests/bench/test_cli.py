@@ -55,14 +55,14 @@ def test_bench_reports_unavailable_backend(tmp_path: Path, capsys: pytest.Captur
                                            monkeypatch: pytest.MonkeyPatch) -> None:
     import bcg.runtime.backends as backends
 
-    real = backends.make_backend
+    real = backends.backend_class
 
-    def fake(name, runner):  # a backend whose construction raises, like one not written yet
+    def fake(name):  # a backend whose construction raises, like one not written yet
         if name == "full":
             raise ValueError("backend 'full' is not available in this build")
-        return real(name, runner)
+        return real(name)
 
-    monkeypatch.setattr("bcg.runtime.runner.make_backend", fake)
+    monkeypatch.setattr("bcg.runtime.runner.runner.backend_class", fake)
     rc = main(["bench", *FAST, "--backends", "eager,full", "--lengths", "8", "--batch-requests", "1",
                "--no-memory", "--no-plots", "--out", str(tmp_path)])
     assert rc == 0

@@ -38,7 +38,7 @@ def _save(tmp_path, hf_config, **save_kwargs):
 
 
 def _our_last_logits(model, input_ids: torch.Tensor, prefill) -> torch.Tensor:
-    from bcg.runtime.kv_cache import KVPool
+    from bcg.ops.kv_cache import KVPool
 
     pool = KVPool.for_model(model.config, 64, "cpu", torch.float32)
     return prefill(model, pool, [(None, input_ids.tolist())]).logits[0]

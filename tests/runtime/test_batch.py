@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from bcg.ops.context import forward_context, get_forward_context
+from bcg.ops.kv_cache import KVPool
 from bcg.runtime.batch import PrefillBatch, PrefillItem
-from bcg.runtime.context import forward_context, get_forward_context
-from bcg.runtime.kv_cache import KVPool
 
 
 @pytest.fixture

@@ -191,7 +191,7 @@ def test_padded_rows_do_not_write_kv() -> None:
 
 
 def test_forward_context_is_not_leaked() -> None:
-    from bcg.runtime.context import get_forward_context
+    from bcg.ops.context import get_forward_context
 
     engine("tiny-dense", "breakable").prefill(prompts([3]))
     with pytest.raises(RuntimeError, match="no ForwardContext"):

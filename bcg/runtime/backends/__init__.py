@@ -3,14 +3,10 @@
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING
 
-from bcg.runtime.backends.base import BackendRefused, GraphBackend
+from bcg.runtime.backends.base import BackendRefused, GraphBackend, GraphResources
 
-if TYPE_CHECKING:
-    from bcg.runtime.runner import Runner
-
-__all__ = ["BackendRefused", "GraphBackend", "make_backend"]
+__all__ = ["BackendRefused", "GraphBackend", "GraphResources", "backend_class"]
 
 _REGISTRY = {
     "eager": ("bcg.runtime.backends.eager", "EagerBackend"),
@@ -20,11 +16,11 @@ _REGISTRY = {
 }
 
 
-def make_backend(name: str, runner: Runner) -> GraphBackend:
-    """Instantiates the backend called ``name`` (already validated by EngineConfig)."""
+def backend_class(name: str) -> type[GraphBackend]:
+    """The backend class called ``name`` (already validated by EngineConfig); imported on first use."""
     module, cls = _REGISTRY[name]
     try:
         mod = importlib.import_module(module)
     except ModuleNotFoundError as e:
         raise ValueError(f"backend {name!r} is not available in this build ({e})") from e
-    return getattr(mod, cls)(runner)
+    return getattr(mod, cls)

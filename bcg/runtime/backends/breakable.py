@@ -5,8 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 import bcg
+from bcg.ops.bridge import BridgeBuffers, bridge_buffers
 from bcg.runtime.backends.base import GraphBackend
-from bcg.runtime.bridge import BridgeBuffers, bridge_buffers
 
 __all__ = ["BreakableBackend"]
 
@@ -18,22 +18,22 @@ class BreakableBackend(GraphBackend):
     same while nothing of the model is captured, so a bug that disappears in debug mode is a capture bug.
 
     Island inputs and outputs go through one set of bridge buffers shared by every layer and bucket
-    (:mod:`bcg.runtime.bridge`), so the tensors each graph must keep alive do not add up over the ladder.
+    (:mod:`bcg.ops.bridge`), so the tensors each graph must keep alive do not add up over the ladder.
     """
 
     name = "breakable"
 
     def prepare(self) -> None:
-        r = self.runner
+        r = self.resources
         self._layers = bcg.eager_on_graph(r.model.forward_layers) if r.config.debug else r.model.forward_layers
-        self.bridge = BridgeBuffers(r.table.max_bucket)
+        self.bridge = BridgeBuffers(r.max_bucket)
 
     def capture(self, num_tokens: int) -> bcg.BreakableCUDAGraph:
-        r = self.runner
-        graph = bcg.BreakableCUDAGraph(pool=r.pool, emulate=r.emulate)
-        hidden, positions = r.static_hidden[:num_tokens], r.static_positions[:num_tokens]
-        with bridge_buffers(self.bridge), bcg.breakable_graph(graph, pool=r.pool, stream=r.capture_stream):
-            out = self._layers(hidden, positions)
+        r = self.resources
+        pool = r.pool.handle
+        graph = bcg.BreakableCUDAGraph(pool=pool, emulate=r.is_emulated)
+        with bridge_buffers(self.bridge), bcg.breakable_graph(graph, pool=pool, stream=r.capture_stream):
+            out = self._layers(*r.inputs(num_tokens))
             r.static_output[:num_tokens].copy_(out)
         return graph
 

@@ -17,7 +17,7 @@ import torch
 from bcg.emulation import EmulatedGraph
 from bcg.graph import pool_anchor
 
-__all__ = ["capturing", "hold_pool", "new_graph"]
+__all__ = ["GraphPool", "capturing", "new_graph"]
 
 
 def new_graph(emulate: bool) -> Any:
@@ -65,14 +65,40 @@ def _end_quietly(graph: Any) -> None:
         pass
 
 
-def hold_pool(pool: Any, stream: torch.cuda.Stream | None) -> Any:
-    """An empty CUDA graph captured into ``pool`` that keeps the pool alive; keep it as long as the pool is used.
+class GraphPool:
+    """The graph memory pool every backend of a runner captures into, with the anchor that keeps it alive.
 
     torch retires a graph pool when the last graph captured into it is destroyed, and a later ``capture_begin``
-    into the same handle then fails an internal assert; a bucket whose capture fails destroys its graph, so
-    without an anchor one failed bucket would break every bucket captured after it. None when emulating.
+    into the same handle then fails an internal assert; a bucket whose capture fails destroys its graph, so without
+    an anchor (an empty graph captured into the pool, :func:`bcg.graph.pool_anchor`) one failed bucket would break
+    every bucket captured after it. A capture that failed inside CUDA can also leave the pool itself unusable
+    ("already recording"): :meth:`renew` moves every later capture of every backend to a fresh, anchored pool.
+    Backends read :attr:`handle` at each capture and never keep it.
+
+    Example::
+
+        pool = GraphPool(stream=capture_stream)        # GraphPool(None) when emulating: handle is None
+        graph.capture_begin(pool=pool.handle)
+        ...
+        pool.renew()                                   # after a failed capture
     """
-    if pool is None:
-        return None
-    with torch.cuda.stream(stream) if stream is not None else nullcontext():
-        return pool_anchor(pool)
+
+    def __init__(self, stream: torch.cuda.Stream | None) -> None:
+        self._stream = stream
+        self.handle: Any = None
+        self._anchor: Any = None
+        self.num_renewals = 0
+        if stream is not None:
+            self._new()
+
+    def _new(self) -> None:
+        handle = torch.cuda.graph_pool_handle()
+        with torch.cuda.stream(self._stream):
+            self._anchor = pool_anchor(handle)
+        self.handle = handle
+
+    def renew(self) -> None:
+        """Later captures go to a fresh pool (no-op when emulating); graphs already captured keep theirs."""
+        if self._stream is not None:
+            self._new()
+            self.num_renewals += 1

@@ -10,7 +10,7 @@ __all__ = ["EagerBackend"]
 
 
 class EagerBackend(GraphBackend):
-    """The baseline every speedup is measured against."""
+    """The baseline every speedup is measured against (built with no resources: it captures nothing)."""
 
     name = "eager"
     uses_graphs = False

@@ -2,7 +2,7 @@
 and give every piece one graph per token bucket.
 
 :class:`PiecewiseCompiler` is a compile backend (``(gm, example_inputs) -> callable``). It cuts the dynamo graph
-at every registered split op (:mod:`bcg.runtime.compile_ops`) with ``torch.fx.passes.split_module``, compiles each
+at every registered split op (:mod:`bcg.ops.custom_ops`) with ``torch.fx.passes.split_module``, compiles each
 other piece (Inductor, or nothing for ``tc_compiler="eager"``) and wraps it in a :class:`GraphedPiece`. The split
 graph it returns runs pieces and islands in order; what each piece does depends on :class:`PieceRuntime`:
 run (``"eager"``), capture its own graph for the current bucket (``"capture"``), or replay it (``"replay"``).
@@ -17,9 +17,9 @@ from typing import Any
 import torch
 from torch.fx.passes.split_module import split_module
 
+from bcg.ops.custom_ops import UNTRACEABLE, is_split_node, split_fn, untraceable_islands
 from bcg.runtime.backends.base import BackendRefused
-from bcg.runtime.backends.capture import capturing, new_graph
-from bcg.runtime.compile_ops import UNTRACEABLE, is_split_node, split_fn, untraceable_islands
+from bcg.runtime.backends.capture import GraphPool, capturing, new_graph
 
 __all__ = ["GraphedPiece", "PieceRuntime", "PiecewiseCompiler"]
 
@@ -33,14 +33,14 @@ class PieceRuntime:
     Attributes:
         mode: "eager" (run), "capture" (capture a graph for ``bucket``) or "replay" (replay ``bucket``'s graph).
         bucket: the token bucket of the current call.
-        pool: graph memory pool (None when emulating); emulate: capture EmulatedGraphs.
+        pool: the runner's graph pool (its handle is read at each capture); is_emulated: capture EmulatedGraphs.
         captured: pieces captured since the backend last reset it (one capture per bucket).
     """
 
     mode: str = "eager"
     bucket: int = 0
-    pool: Any = None
-    emulate: bool = True
+    pool: GraphPool = field(default_factory=lambda: GraphPool(None))
+    is_emulated: bool = True
     captured: int = 0
 
 
@@ -75,8 +75,8 @@ class GraphedPiece:
             graph.replay()
             return outputs
         if rt.mode == "capture":
-            graph = new_graph(rt.emulate)
-            with capturing(graph, rt.pool):
+            graph = new_graph(rt.is_emulated)
+            with capturing(graph, rt.pool.handle):
                 outputs = self.fn(*args)
             self.graphs[rt.bucket] = (graph, outputs, _pointers(args))
             rt.captured += 1

@@ -10,7 +10,6 @@ from typing import Any
 import torch
 
 from bcg.runtime.backends.base import BackendRefused, GraphBackend
-from bcg.runtime.backends.capture import hold_pool
 from bcg.runtime.backends.piecewise import PieceRuntime, PiecewiseCompiler
 
 __all__ = ["PiecewiseHandle", "TcPiecewiseBackend"]
@@ -44,18 +43,17 @@ class TcPiecewiseBackend(GraphBackend):
     name = "tc_piecewise"
 
     def prepare(self) -> None:
-        r = self.runner
-        if r.emulate and r.config.tc_compiler == "inductor":
+        r = self.resources
+        if r.is_emulated and r.config.tc_compiler == "inductor":
             raise BackendRefused(
                 "tc_compiler='inductor' cannot run under the CPU graph emulation: Inductor's CPU kernels are C++ "
                 "called directly, not aten ops the emulation records. Use tc_compiler='eager' on a CPU, or a GPU")
-        import bcg.runtime.compile_ops  # noqa: F401 - registers the islands' ops and tracing stand-ins
+        import bcg.ops.custom_ops  # noqa: F401 - registers the islands' ops and tracing stand-ins
 
-        self.runtime = PieceRuntime(pool=r.pool, emulate=r.emulate)
+        self.runtime = PieceRuntime(pool=r.pool, is_emulated=r.is_emulated)
         self.compiler = PiecewiseCompiler(self.runtime, r.config.tc_compiler)
-        self._anchor = hold_pool(r.pool, r.capture_stream)
         self.compiled = torch.compile(_private_step(r.model), fullgraph=True, backend=self.compiler)
-        n = r.table.max_bucket
+        n = r.max_bucket
         # Trace and compile now, under the grad mode of capture and replay, so the guards match them.
         with torch.inference_mode(), r.dummy_context(n):
             try:
@@ -71,8 +69,8 @@ class TcPiecewiseBackend(GraphBackend):
                                  "(recompile limit reached?)")
 
     def _run(self, n: int, mark_dynamic: bool = False) -> None:
-        r = self.runner
-        args = (r.static_hidden[:n], r.static_positions[:n], r.static_output[:n])
+        r = self.resources
+        args = (*r.inputs(n), r.static_output[:n])
         if mark_dynamic:
             for t in args:
                 torch._dynamo.mark_dynamic(t, 0)
@@ -82,9 +80,9 @@ class TcPiecewiseBackend(GraphBackend):
         self._run(num_tokens)
 
     def capture(self, num_tokens: int) -> PiecewiseHandle:
-        r, rt = self.runner, self.runtime
+        rt = self.runtime
         rt.mode, rt.bucket, rt.captured = "capture", num_tokens, 0
-        stream = r.capture_stream
+        stream = self.resources.capture_stream
         try:
             if stream is None:
                 self._run(num_tokens)

@@ -76,7 +76,7 @@ def test_matches_eager_in_bf16(preset: str, backend: str) -> None:
 
 
 def test_full_uses_varlen_with_static_metadata_and_sentinels() -> None:
-    from bcg.runtime.attention import varlen_attn, varlen_causal_is_bottom_right
+    from bcg.ops.flash import varlen_attn, varlen_causal_is_bottom_right
 
     eng, ref = engine("tiny-dense", "full"), engine("tiny-dense", "eager")
     expected = varlen_attn is not None and varlen_causal_is_bottom_right(torch.device("cuda", 0))
@@ -128,7 +128,7 @@ def test_dsa_is_refused_and_served_eagerly(backend: str) -> None:
 
 @pytest.mark.parametrize("preset", ["tiny-dense", "tiny-moe", "tiny-dsa"])
 def test_breakable_verify_finds_every_bucket_identical_to_eager(preset: str) -> None:
-    from bcg.runtime.verify import verify_buckets
+    from bcg.runtime.runner.verify import verify_buckets
 
     diffs = verify_buckets(engine(preset, "breakable").runner)
     assert set(diffs) == set(BUCKETS) and all(d == 0.0 for d in diffs.values())

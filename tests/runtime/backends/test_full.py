@@ -8,11 +8,11 @@ from engine_cache import EngineCache, max_diff, random_prompts
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from bcg.ops.context import forward_context
+from bcg.ops.kv_cache import KVPool
+from bcg.ops.static_attention import PAD_KEY, PAD_QUERY, static_attention
+from bcg.runtime.backends.static_metadata import StaticMetadata
 from bcg.runtime.batch import PrefillBatch, PrefillItem
-from bcg.runtime.context import forward_context
-from bcg.runtime.kv_cache import KVPool
-from bcg.runtime.static_attention import static_attention
-from bcg.runtime.static_context import PAD_KEY, PAD_QUERY, StaticMetadata
 
 BUCKETS = [8, 16, 32]
 SLOTS = 6
@@ -46,7 +46,7 @@ def test_one_graph_per_bucket_and_graphs_are_used(preset: str) -> None:
 
 
 def test_attention_replays_inside_the_graph(monkeypatch: pytest.MonkeyPatch) -> None:
-    import bcg.runtime.static_attention as static_module
+    import bcg.ops.static_attention as static_module
 
     eng, calls = engine("tiny-moe", "full"), []
     monkeypatch.setattr(static_module, "static_attention", lambda *args: calls.append(args))
@@ -125,7 +125,7 @@ def test_dsa_is_refused_with_the_op_named_and_served_eagerly() -> None:
 
 @pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(4, 4), (4, 2)])
 def test_static_attention_matches_the_live_island(num_heads: int, num_kv_heads: int) -> None:
-    from bcg.runtime.attention import attention
+    from bcg.ops.attention import attention
 
     head_dim, layout, bucket = 16, [(4, 3), (1, 0), (7, 10), (2, 1)], 16
     pools = [KVPool(64, 1, num_kv_heads, head_dim, torch.float32) for _ in range(2)]
@@ -145,7 +145,7 @@ def test_static_attention_matches_the_live_island(num_heads: int, num_kv_heads: 
         attention(q, k, v, out_live, 0)
     positions = torch.zeros(bucket, dtype=torch.long)
     positions[: live.num_tokens] = live.positions
-    meta = StaticMetadata(pools[1], [bucket], request_slots=6, prefix_keys=16, positions=positions, use_varlen=False)
+    meta = StaticMetadata(pools[1], [bucket], max_requests=6, prefix_capacity=16, positions=positions, use_varlen=False)
     static = PrefillBatch(items, pools[1])
     static_attention(q, k, v, out_static, 0, meta.load(static, bucket))
     assert max_diff(out_static, out_live) <= 1e-5 and (out_static[live.num_tokens:] == 0).all()

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from bcg.runtime import Engine
-from bcg.runtime.verify import default_tolerance, verify_buckets
+from bcg.runtime.runner.verify import default_tolerance, verify_buckets
 
 
 @pytest.mark.parametrize(("preset", "backend"), [("tiny-dense", "breakable"), ("tiny-moe", "breakable"),

@@ -5,13 +5,13 @@ island therefore gets a stand-in registered with ``torch.compiler.substitute_in_
 island it traces the stand-in, which calls a ``torch.library`` custom op that the compiler treats as opaque (a
 fake kernel gives it shapes). Outside ``torch.compile`` nothing changes: calling the island costs no extra check.
 
-* ``bcg::attention`` (mutates ``out``) stands for :func:`bcg.runtime.attention.attention` and is a split point:
+* ``bcg::attention`` (mutates ``out``) stands for :func:`bcg.ops.attention.attention` and is a split point:
   the "tc_piecewise" backend cuts the traced graph there and runs the island eagerly between compiled pieces.
   :func:`register_split_op` adds more split points.
 * The DSA islands have no opaque op: their stand-ins leave a ``bcg::untraceable`` marker, and the backend refuses
   a graph holding one (:func:`untraceable_islands`) with the reason, instead of failing deep inside dynamo.
 
-Importing this module registers everything (``bcg.runtime.backends.tc_piecewise`` does).
+Importing this module registers everything (the compiling backends do, when they compile).
 """
 
 # No ``from __future__ import annotations``: torch.library reads the op schemas from real annotations.
@@ -21,8 +21,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from bcg.models import dsa
-from bcg.runtime.attention import attention
+from bcg.ops import dsa
+from bcg.ops.attention import attention
 
 __all__ = ["SPLIT_OPS", "is_split_node", "register_split_op", "untraceable_islands"]
 
@@ -88,21 +88,21 @@ def _untraceable_fake(marker: Tensor, island: str) -> None:
 
 # Island name -> why torch.compile cannot take it.
 UNTRACEABLE: dict[str, str] = {
-    "bcg.models.dsa.select_topk": dsa.UNCAPTURABLE,
-    "bcg.models.dsa.sparse_attention": dsa.UNCAPTURABLE,
+    "bcg.ops.dsa.select_topk": dsa.UNCAPTURABLE,
+    "bcg.ops.dsa.sparse_attention": dsa.UNCAPTURABLE,
 }
 
 
 @torch.compiler.substitute_in_graph(dsa.select_topk)
 def _trace_select_topk(index_q: Tensor, index_k: Tensor, head_weights: Tensor, group_id: int, topk: int) -> Tensor:
     selection = index_q.new_full((index_q.shape[0], topk), -1, dtype=torch.int64)
-    torch.ops.bcg.untraceable(selection, "bcg.models.dsa.select_topk")
+    torch.ops.bcg.untraceable(selection, "bcg.ops.dsa.select_topk")
     return selection
 
 
 @torch.compiler.substitute_in_graph(dsa.sparse_attention)
 def _trace_sparse_attention(q: Tensor, k: Tensor, v: Tensor, selection: Tensor, out: Tensor, layer_id: int) -> None:
-    torch.ops.bcg.untraceable(out, "bcg.models.dsa.sparse_attention")
+    torch.ops.bcg.untraceable(out, "bcg.ops.dsa.sparse_attention")
 
 
 def untraceable_islands(gm: torch.fx.GraphModule) -> list[str]:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from bcg.graph import EagerStep
+from bcg.ops.bridge import BridgeBuffers, bridge_buffers, carry, output_like
 from bcg.runtime import Engine
-from bcg.runtime.bridge import BridgeBuffers, bridge_buffers, carry, output_like
 
 
 def test_outside_a_bridge_tensors_pass_through() -> None:

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from bcg.runtime import flash
+from bcg.ops import flash
 
 CPU = torch.device("cpu")
 
@@ -89,7 +89,7 @@ def test_probe_mismatch_falls_back_to_varlen_attn_with_a_warning(fakes, monkeypa
         return torch.zeros_like(q), None, None, None, None
 
     monkeypatch.setattr(flash, "_FLASH", wrong)
-    with caplog.at_level(logging.WARNING, logger="bcg.runtime.flash"):
+    with caplog.at_level(logging.WARNING, logger="bcg.ops.flash"):
         assert flash.uses_aten_flash(CPU) is False
     assert "differs from varlen_attn" in caplog.text
     fakes.names.clear()
@@ -103,7 +103,7 @@ def test_probe_error_falls_back(fakes, monkeypatch, caplog):
         raise RuntimeError("schema mismatch\nmore")
 
     monkeypatch.setattr(flash, "_FLASH", broken)
-    with caplog.at_level(logging.WARNING, logger="bcg.runtime.flash"):
+    with caplog.at_level(logging.WARNING, logger="bcg.ops.flash"):
         assert flash.uses_aten_flash(CPU) is False
     assert "RuntimeError: schema mismatch" in caplog.text
 
@@ -117,7 +117,7 @@ def test_debug_switch_forces_the_wrapper(fakes, monkeypatch):
 
 
 def test_debug_switch_is_read_from_the_environment():
-    code = "from bcg.runtime import flash; print(flash.FORCE_WRAPPER)"
+    code = "from bcg.ops import flash; print(flash.FORCE_WRAPPER)"
     env = {**os.environ, "BCG_FLASH": "wrapper", "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "True"

@@ -8,11 +8,21 @@ padded rows at all.
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import numpy as np
 import torch
 from torch import Tensor
 
-from bcg.models.config import ModelConfig
+
+class KVShape(Protocol):
+    """The model dimensions a pool is sized by (a :class:`bcg.models.config.ModelConfig` has them)."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    num_index_groups: int
+    index_head_dim: int
 
 
 class KVPoolFullError(RuntimeError):
@@ -68,13 +78,15 @@ class KVPool:
 
     @classmethod
     def for_model(
-        cls, config: ModelConfig, num_slots: int, device: torch.device | str, dtype: torch.dtype
+        cls, config: KVShape, num_slots: int, device: torch.device | str, dtype: torch.dtype
     ) -> KVPool:
         """Pool sized for ``config`` with a budget of ``num_slots`` cached tokens.
 
         Example:
-            >>> from bcg.models.config import get_preset
-            >>> len(KVPool.for_model(get_preset("tiny-dsa"), 16, "cpu", torch.float32).index_k)
+            >>> from types import SimpleNamespace
+            >>> shape = SimpleNamespace(num_layers=5, num_kv_heads=2, head_dim=16, num_index_groups=2,
+            ...                         index_head_dim=16)
+            >>> len(KVPool.for_model(shape, 16, "cpu", torch.float32).index_k)
             2
         """
         return cls(

@@ -1,6 +1,6 @@
 import pytest
 
-from bcg.runtime.buckets import BucketTable, default_ladder
+from bcg.runtime.runner.buckets import BucketTable, default_ladder
 
 
 def test_ladder_matches_the_documented_rungs() -> None:

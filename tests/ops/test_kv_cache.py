@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from bcg.models.config import get_preset
-from bcg.runtime.kv_cache import KVPool, KVPoolFullError
+from bcg.ops.kv_cache import KVPool, KVPoolFullError
 
 
 def test_shapes_include_scratch_slot():

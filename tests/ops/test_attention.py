@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bcg.runtime import attention as attention_module
-from bcg.runtime.attention import attention, sdpa_attention, varlen_attention, write_and_gather_kv
+from bcg.ops import flash
+from bcg.ops.attention import BatchContext, attention, sdpa_attention, varlen_attention, write_and_gather_kv
+from bcg.ops.context import forward_context
+from bcg.ops.kv_cache import KVPool
 from bcg.runtime.batch import PrefillBatch, PrefillItem
-from bcg.runtime.context import ForwardContext, forward_context
-from bcg.runtime.kv_cache import KVPool
 
 # (new tokens, cached prefix) per request
 LAYOUTS = {
@@ -31,7 +31,7 @@ def _setup(layout, num_heads, num_kv_heads, num_padded, device="cpu", dtype=torc
     return ctx, items, q, k, v
 
 
-def _naive(ctx: ForwardContext, items, q, layer_id=1):
+def _naive(ctx: BatchContext, items, q, layer_id=1):
     """softmax(QK^T / sqrt(d)) V per request, query i seeing keys 0..prefix+i, from the pool."""
     pool, outs, row = ctx.kv_pool, [], 0
     for item in items:
@@ -84,7 +84,7 @@ def test_island_outside_context_raises():
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.skipif(attention_module.varlen_attn is None, reason="torch without varlen_attn")
+@pytest.mark.skipif(flash.varlen_attn is None, reason="torch without varlen_attn")
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_varlen_island_matches_sdpa_reference_bf16(layout):
     ctx, items, q, k, v = _setup(LAYOUTS[layout], 8, 2, num_padded=48, device="cuda", dtype=torch.bfloat16, head_dim=128)
@@ -97,6 +97,6 @@ def test_varlen_island_matches_sdpa_reference_bf16(layout):
     assert (out[:n].float() - reference).abs().max() <= 2e-2
     assert (out[n:] == 0).all()
     # The varlen kernel itself (the island may route prefix batches elsewhere).
-    if not ctx.has_prefix or attention_module.varlen_causal_is_bottom_right(q.device):
+    if not ctx.has_prefix or flash.varlen_causal_is_bottom_right(q.device):
         assert (varlen_attention(q[:n], keys, values, ctx).float() - reference).abs().max() <= 2e-2
     assert (out[:n].float() - _naive(ctx, items, q).float()).abs().max() <= 2e-2

@@ -85,10 +85,10 @@ def test_inductor_under_emulation_is_refused_with_the_fix() -> None:
 
 
 def test_inductor_pieces_compile_and_match_eager_without_graphs() -> None:
-    from bcg.runtime import compile_ops  # noqa: F401 - registers the islands for tracing
+    from bcg.ops import custom_ops  # noqa: F401 - registers the islands for tracing
+    from bcg.ops.context import forward_context
+    from bcg.ops.kv_cache import KVPool
     from bcg.runtime.batch import PrefillBatch, PrefillItem
-    from bcg.runtime.context import forward_context
-    from bcg.runtime.kv_cache import KVPool
 
     # One layer keeps the (cold) Inductor compile short: two pieces around one island.
     model = build_model(replace(get_preset("tiny-dense"), num_layers=1), "cpu", torch.float32, seed=0)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import gc
 import logging
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from typing import Any
 
@@ -20,14 +21,14 @@ import torch
 from tqdm.auto import tqdm
 
 from bcg.emulation import UncapturableOpError
-from bcg.runtime.backends import make_backend
-from bcg.runtime.backends.base import BackendRefused
+from bcg.ops.context import forward_context
+from bcg.ops.kv_cache import KVPool
+from bcg.runtime.backends import BackendRefused, GraphResources, backend_class
+from bcg.runtime.backends.capture import GraphPool
 from bcg.runtime.batch import PrefillBatch, PrefillItem
-from bcg.runtime.buckets import BucketTable, default_ladder
 from bcg.runtime.config import EngineConfig
-from bcg.runtime.context import forward_context
-from bcg.runtime.kv_cache import KVPool
-from bcg.runtime.telemetry import BatchRecord, BucketRecord, Telemetry
+from bcg.runtime.runner.buckets import BucketTable
+from bcg.runtime.runner.telemetry import BatchRecord, BucketRecord, Telemetry
 
 __all__ = ["Runner"]
 
@@ -43,7 +44,7 @@ def _is_uncapturable(e: BaseException) -> bool:
 
 
 @contextmanager
-def _frozen_gc() -> Any:
+def _frozen_gc() -> Iterator[None]:
     # A collection during capture could free tensors mid-segment; freezing also keeps capture fast.
     gc.collect()
     gc.freeze()
@@ -61,37 +62,65 @@ def _free_memory(device: torch.device) -> int:
     return torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else 0
 
 
+def _first_line(e: BaseException) -> str:
+    return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+
+
 class Runner:
     """Runs the layer stack of ``model`` for packed prefill batches through one backend.
 
+    Args:
+        model: the model (``embed``, ``forward_layers``).
+        config: the engine's options.
+        kv_pool: the KV pool batches are allocated in.
+        bucket_sizes: the token buckets to capture.
+
     Example::
 
-        runner = Runner(model, EngineConfig(backend="breakable", buckets=[16, 32]), kv_pool)
+        runner = Runner(model, EngineConfig(backend="breakable"), kv_pool, bucket_sizes=[16, 32])
         runner.build()                       # captures every bucket, largest first
         hidden = runner.forward(batch)       # (batch.num_tokens, hidden_size)
     """
 
-    def __init__(self, model: torch.nn.Module, config: EngineConfig, kv_pool: KVPool) -> None:
+    def __init__(self, model: torch.nn.Module, config: EngineConfig, kv_pool: KVPool, bucket_sizes: list[int]) -> None:
         self.model, self.config, self.kv_pool = model, config, kv_pool
         self.device, self.dtype = config.torch_device, config.torch_dtype
-        self.emulate = self.device.type != "cuda"
-        self.telemetry = Telemetry(backend=config.backend)
-        sizes = config.buckets if config.buckets is not None else default_ladder(config.capture_ceiling)
-        self.table = BucketTable(sizes, config.max_padding_factor)
-        self.backend = make_backend(config.backend, self)
-        self.handles: dict[int, Any] = {}
+        self.table = BucketTable(list(bucket_sizes), config.max_padding_factor)
+        cls = backend_class(config.backend)
+        self.telemetry = Telemetry(backend=config.backend, table=self.table if cls.uses_graphs else None)
         self.last_record: BatchRecord | None = None
-        self.pool: Any = None
-        self.capture_stream = None
-        if self.backend.uses_graphs:
+        self.resources: GraphResources | None = None
+        if cls.uses_graphs:
+            is_emulated = self.device.type != "cuda"
+            stream = None if is_emulated else torch.cuda.Stream(self.device)
             max_tokens, hidden = self.table.max_bucket, model.config.hidden_size
-            kw = {"device": self.device}
-            self.static_hidden = torch.zeros(max_tokens, hidden, dtype=self.dtype, **kw)
-            self.static_positions = torch.zeros(max_tokens, dtype=torch.long, **kw)
-            self.static_output = torch.zeros(max_tokens, hidden, dtype=self.dtype, **kw)
-            if not self.emulate:
-                self.pool = torch.cuda.graph_pool_handle()
-                self.capture_stream = torch.cuda.Stream(self.device)
+            kw = {"device": self.device, "dtype": self.dtype}
+            self.resources = GraphResources(
+                model=model, config=config, kv_pool=kv_pool, bucket_sizes=self.table.sizes,
+                static_hidden=torch.zeros(max_tokens, hidden, **kw),
+                static_positions=torch.zeros(max_tokens, dtype=torch.long, device=self.device),
+                static_output=torch.zeros(max_tokens, hidden, **kw),
+                pool=GraphPool(stream), capture_stream=stream, is_emulated=is_emulated,
+                dummy_context=self.dummy_context)
+        self.backend = cls(self.resources)
+
+    # The static buffers belong to the resources; these read them (tools and tests address them directly).
+    @property
+    def static_hidden(self) -> torch.Tensor:
+        return self.resources.static_hidden
+
+    @property
+    def static_positions(self) -> torch.Tensor:
+        return self.resources.static_positions
+
+    @property
+    def static_output(self) -> torch.Tensor:
+        return self.resources.static_output
+
+    @property
+    def handles(self) -> dict[int, Any]:
+        """Captured handles of the buckets that replay, by size."""
+        return self.table.handles
 
     # ---------------------------------------------------------------- build
     def build(self) -> None:
@@ -114,9 +143,9 @@ class Runner:
         with _frozen_gc(), torch.inference_mode():
             for n in bar:
                 record = self._capture_one(n)
-                free = f"{_free_memory(self.device) / 2**30:.1f}" if not self.emulate else "-"
+                free = f"{_free_memory(self.device) / 2**30:.1f}" if self.device.type == "cuda" else "-"
                 bar.set_postfix(num_tokens=n, capture_ms=f"{record.capture_ms:.1f}", free_gib=free)
-                if self.telemetry.refused_reason is not None:
+                if self.table.refused_reason is not None:
                     break
         bar.close()
         self.telemetry.capture_ms = (time.perf_counter() - t_all) * 1e3
@@ -126,40 +155,39 @@ class Runner:
                     self.telemetry.compile_ms, self.telemetry.graph_memory_bytes / 2**20)
 
     def _capture_one(self, n: int) -> BucketRecord:
-        record = BucketRecord(num_tokens=n)
-        self.telemetry.buckets[n] = record
+        res, record = self.resources, self.table.record(n)
         free0 = _free_memory(self.device)
         t0 = time.perf_counter()
         try:
             with self.dummy_context(n):
-                if self.capture_stream is not None:  # the static buffers were just filled on the current stream
-                    self.capture_stream.wait_stream(torch.cuda.current_stream())
-                stream_ctx = torch.cuda.stream(self.capture_stream) if self.capture_stream else nullcontext()
-                with stream_ctx:
+                stream = res.capture_stream
+                if stream is not None:  # the static buffers were just filled on the current stream
+                    stream.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(stream) if stream is not None else nullcontext():
                     for _ in range(self.config.warmup):
                         self.backend.warmup(n)
-                if self.capture_stream is not None:
-                    torch.cuda.current_stream().wait_stream(self.capture_stream)
+                if stream is not None:
+                    torch.cuda.current_stream().wait_stream(stream)
                 handle = self.backend.capture(n)
         except Exception as e:  # noqa: BLE001 - one bucket failing must not take the others down
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
-                # A capture that failed inside CUDA can leave its pool unusable ("already recording"); later
-                # buckets go to a fresh pool, giving up sharing with the buckets captured before.
-                self.pool = torch.cuda.graph_pool_handle()
+                # A capture that failed inside CUDA can leave its pool unusable ("already recording"): every
+                # backend captures later buckets into a fresh pool, giving up sharing with the earlier ones.
+                res.pool.renew()
             if _is_uncapturable(e):
                 self._refuse(e)
             else:
-                self.disable(n, f"capture failed: {type(e).__name__}: {str(e).splitlines()[0]}")
+                self.disable(n, f"capture failed: {_first_line(e)}")
             return record
         record.capture_ms = (time.perf_counter() - t0) * 1e3
         record.memory_bytes = max(free0 - _free_memory(self.device), 0)
         record.num_segments, record.num_breaks = self.backend.describe(handle)
-        self.handles[n] = handle
+        self.table.set_handle(n, handle)
         return record
 
     @contextmanager
-    def dummy_context(self, n: int) -> Any:
+    def dummy_context(self, n: int) -> Iterator[None]:
         """A one-request batch of ``n`` tokens with real KV slots, live during warmup and capture (and while a
         backend compiles in ``prepare``); its context comes from the backend's ``load_batch``."""
         slots = self.kv_pool.alloc(n)
@@ -173,38 +201,27 @@ class Runner:
             self.static_positions.zero_()
 
     def _refuse(self, e: BaseException) -> None:
-        msg = (f"backend {self.config.backend!r} cannot capture this model: {type(e).__name__}: "
-               f"{str(e).splitlines()[0]}")
+        msg = f"backend {self.config.backend!r} cannot capture this model: {_first_line(e)}"
         if self.config.backend != "breakable":
             msg += " Use backend='breakable', which runs such ops in eager islands."
-        self.telemetry.refused_reason = msg
-        for n in self.table.sizes:
-            self.table.disable(n, "backend_refused")
-            self.telemetry.buckets.setdefault(n, BucketRecord(num_tokens=n)).disabled_reason = msg
-        self.handles.clear()
+        self.table.refuse(msg)
         logger.warning("bcg: %s; serving every batch eagerly", msg)
 
     def disable(self, n: int, reason: str) -> None:
         """Stops replaying bucket ``n`` (batches of its size run eagerly) and records why."""
         self.table.disable(n, reason)
-        self.handles.pop(n, None)
-        self.telemetry.buckets.setdefault(n, BucketRecord(num_tokens=n)).disabled_reason = reason
         logger.warning("bcg: bucket %d disabled: %s", n, reason)
 
     # ---------------------------------------------------------------- forward
     def choose(self, num_tokens: int, batch: PrefillBatch | None = None) -> tuple[int | None, str]:
         """The single replay-or-eager predicate: (bucket, "graph") or (None, reason).
 
-        With ``batch`` the backend also checks what its graphs bake in besides the token count (``can_run``:
-        request slots and key capacity of the "full" backend); without it only the token count is judged.
+        The bucket table judges the token count and every bucket's state; with ``batch`` the backend also checks
+        what its graphs bake in besides the token count (``can_run``: request slots and key capacity of "full").
         """
         if not self.backend.uses_graphs:
             return None, "backend_eager"
-        if self.telemetry.refused_reason is not None:
-            return None, "backend_refused"
         choice = self.table.choose(num_tokens)
-        if choice.bucket is not None and choice.bucket not in self.handles:
-            return None, "bucket_disabled"
         if choice.bucket is not None and batch is not None:
             reason = self.backend.can_run(batch, choice.bucket)
             if reason is not None:
@@ -224,20 +241,20 @@ class Runner:
             try:
                 self._load(hidden, batch.positions, bucket)
                 with forward_context(self.backend.load_batch(batch, bucket)):
-                    self.backend.replay(self.handles[bucket], bucket)
+                    self.backend.replay(self.table.buckets[bucket].handle, bucket)
                 self._record(batch, bucket, True, "graph")
                 return self.static_output[:n_real]
             except Exception as e:  # noqa: BLE001 - a failed replay falls back to eager for this batch
-                self.disable(bucket, f"replay failed: {type(e).__name__}: {str(e).splitlines()[0]}")
+                self.disable(bucket, f"replay failed: {_first_line(e)}")
                 reason = "replay_failed"
-        if reason not in ("backend_eager",):
+        if reason != "backend_eager":
             self.telemetry.log_once(reason, f"bcg: running a batch eagerly ({reason}); logged once per reason")
         self._record(batch, None, False, reason)
         with forward_context(batch.to_context(n_real)):
             return self.model.forward_layers(hidden, batch.positions)
 
     @contextmanager
-    def replay_context(self, batch: PrefillBatch) -> Any:
+    def replay_context(self, batch: PrefillBatch) -> Iterator[tuple[int, Any]]:
         """Loads ``batch`` into the static buffers of its bucket and sets its forward context; yields
         ``(bucket, handle)``. For tools that replay or time the steps of a handle themselves (``bcg analyze``).
         Raises ValueError when the batch would not replay a graph."""
@@ -246,7 +263,17 @@ class Runner:
             raise ValueError(f"a batch of {batch.num_tokens} tokens does not replay a graph ({reason})")
         self._load(self.model.embed(batch.input_ids), batch.positions, bucket)
         with forward_context(self.backend.load_batch(batch, bucket)):
-            yield bucket, self.handles[bucket]
+            yield bucket, self.table.buckets[bucket].handle
+
+    def replay_and_eager(self, batch: PrefillBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """``batch``'s bucket replayed, and the same padded inputs run eagerly under the same forward context:
+        ``(graph_rows, eager_rows)`` for the real tokens (the differential check of :mod:`.verify`)."""
+        n = batch.num_tokens
+        with self.replay_context(batch) as (bucket, handle):
+            self.backend.replay(handle, bucket)
+            graph_out = self.static_output[:n].clone()
+            eager_out = self.model.forward_layers(self.static_hidden[:bucket], self.static_positions[:bucket])[:n]
+        return graph_out, eager_out
 
     def _load(self, hidden: torch.Tensor, positions: torch.Tensor, bucket: int) -> None:
         n = hidden.shape[0]

@@ -17,7 +17,7 @@ import torch
 from bcg.runtime.batch import PrefillBatch, PrefillItem
 
 if TYPE_CHECKING:
-    from bcg.runtime.runner import Runner
+    from bcg.runtime.runner.runner import Runner
 
 __all__ = ["default_tolerance", "verify_buckets"]
 
@@ -58,16 +58,13 @@ def verify_buckets(runner: Runner, tolerance: float | None = None, seed: int = 0
             batch = PrefillBatch(items, runner.kv_pool)
             if runner.choose(n, batch)[0] != n:
                 continue  # the backend would not replay this batch (e.g. request slots); nothing to compare
-            with runner.replay_context(batch) as (bucket, handle):
-                runner.backend.replay(handle, bucket)
-                graph_out = runner.static_output[:n].clone()
-                eager_out = runner.model.forward_layers(runner.static_hidden[:n], runner.static_positions[:n])
+            graph_out, eager_out = runner.replay_and_eager(batch)
         finally:
             runner.kv_pool.free(slots)
         scale = eager_out.abs().max().float().clamp_min(1e-12)
         diff = ((graph_out.float() - eager_out.float()).abs().max() / scale).item()
         diffs[n] = diff
-        runner.telemetry.buckets[n].verify_diff = diff
+        runner.table.record(n).verify_diff = diff
         if not diff <= tol:  # also catches NaN
             runner.disable(n, f"verify failed: replay differs from eager by {diff:.3g} (tolerance {tol:.3g})")
     logger.info("bcg: verified %d buckets of %s, worst relative difference %.3g", len(diffs),

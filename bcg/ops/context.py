@@ -1,0 +1,88 @@
+"""The forward context: what the eager islands of a forward read, installed by whoever runs the layer stack.
+
+The captured part of a forward sees only fixed-shape tensors; everything that changes from batch to batch (the
+real token count, request boundaries, KV slots) lives in a context that the runner installs with
+:func:`forward_context` around each replay, and that the islands fetch with :func:`get_forward_context`. A
+``ContextVar`` (not a global) keeps concurrent forwards on different threads apart.
+
+Two kinds of context exist, and the attention path is whatever the installed one says: the live
+:class:`~bcg.ops.attention.BatchContext` of one packed batch (its ``attend`` runs FlashAttention or SDPA over the
+live metadata, eagerly, between graph segments) and the :class:`~bcg.ops.static_attention.StaticContext` of a
+whole-graph capture (its ``attend`` is fixed-shape, over device buffers). Islands never ask which one they hold.
+"""
+
+from __future__ import annotations
+
+import contextvars
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING
+
+from torch import Tensor
+
+if TYPE_CHECKING:
+    from bcg.ops.kv_cache import KVPool
+
+__all__ = ["ForwardContext", "forward_context", "get_forward_context"]
+
+
+class ForwardContext(ABC):
+    """What every forward context offers the islands.
+
+    Attributes:
+        num_padded_tokens: rows the layer stack runs on (the bucket).
+        kv_pool: the pool the islands read and write.
+    """
+
+    num_padded_tokens: int
+    kv_pool: KVPool
+
+    @abstractmethod
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, out: Tensor, layer_id: int) -> None:
+        """Writes this batch's K/V of layer ``layer_id`` and its causal attention into ``out`` (padded rows 0)."""
+
+    @abstractmethod
+    def live(self, island: str, why: str) -> ForwardContext:
+        """The live batch metadata (a :class:`~bcg.ops.attention.BatchContext`), for islands that read it on the
+        host or have data-dependent shapes.
+
+        A context that has none (a whole-graph capture) raises :class:`~bcg.emulation.UncapturableOpError` naming
+        ``island`` and ``why``, so the backend is refused by name instead of failing on an attribute.
+        """
+
+
+_CURRENT: contextvars.ContextVar[ForwardContext | None] = contextvars.ContextVar("bcg_forward_context", default=None)
+
+
+@contextmanager
+def forward_context(ctx: ForwardContext) -> Iterator[ForwardContext]:
+    """Installs ``ctx`` as the current forward context for the duration of the ``with`` block.
+
+    Nests: the previous context (if any) is restored on exit.
+
+    Example::
+
+        with forward_context(batch.to_context(num_padded_tokens=16)):
+            hidden = model.forward_layers(hidden, positions)
+    """
+    token = _CURRENT.set(ctx)
+    try:
+        yield ctx
+    finally:
+        _CURRENT.reset(token)
+
+
+def get_forward_context() -> ForwardContext:
+    """The current forward context.
+
+    Raises:
+        RuntimeError: no context is installed (an island ran outside ``forward_context``).
+    """
+    ctx = _CURRENT.get()
+    if ctx is None:
+        raise RuntimeError(
+            "no ForwardContext is set: run the model's forward_layers inside "
+            "`with bcg.ops.context.forward_context(ctx):` (the runner does this for each batch)"
+        )
+    return ctx
