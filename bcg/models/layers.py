@@ -39,8 +39,8 @@ class RotaryEmbedding(nn.Module):
     """Rotary position embedding (non-interleaved "rotate half" layout, as in Llama/Qwen).
 
     ``forward(positions)`` turns an int tensor of positions into ``cos, sin`` of shape
-    ``(T, 1, head_dim)`` on the device (``sin`` with its first half negated, see :func:`rotate`), so it can sit inside a captured graph: nothing is read back
-    to the host and no table is sized by the largest position seen.
+    ``(T, 1, head_dim)`` on the device (``sin`` with its first half negated, see :func:`rotate`), so it can sit
+    inside a captured graph: nothing is read back to the host and no table is sized by the largest position seen.
 
     Example:
         >>> rope = RotaryEmbedding(16)

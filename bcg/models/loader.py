@@ -147,9 +147,8 @@ def _hf_tensor(name: str, get: _CheckpointReader, num_experts: int) -> Tensor:
         experts = prefix + "mlp.experts."
         if rest == "mlp.experts_down":
             return torch.stack([get(f"{experts}{e}.down_proj.weight") for e in range(num_experts)])
-        return torch.stack(
-            [torch.cat([get(f"{experts}{e}.gate_proj.weight"), get(f"{experts}{e}.up_proj.weight")]) for e in range(num_experts)]
-        )
+        return torch.stack([torch.cat([get(f"{experts}{e}.gate_proj.weight"), get(f"{experts}{e}.up_proj.weight")])
+                            for e in range(num_experts)])
     return get(prefix + rest)
 
 
@@ -163,8 +162,9 @@ def load_checkpoint(path: str | Path, device: torch.device | str, dtype: torch.d
         CheckpointError: unsupported model type or feature, missing or unexpected tensors,
             shape mismatch, or no weights in the folder.
 
-    Example:
-        >>> model = load_checkpoint("/models/Qwen3-0.6B", "cuda", torch.bfloat16)  # doctest: +SKIP
+    Example::
+
+        model = load_checkpoint("/models/Qwen3-0.6B", "cuda", torch.bfloat16)
     """
     folder = Path(path)
     config_path = folder / "config.json"
@@ -182,12 +182,12 @@ def load_checkpoint(path: str | Path, device: torch.device | str, dtype: torch.d
                 missing.append(str(exc.args[0]))
                 continue
             if tensor.shape != param.shape:
-                raise CheckpointError(f"shape mismatch for {name}: checkpoint {tuple(tensor.shape)}, model {tuple(param.shape)}")
+                raise CheckpointError(f"shape mismatch for {name}: checkpoint {tuple(tensor.shape)}, "
+                                      f"model {tuple(param.shape)}")
             param.copy_(tensor)
         ignorable = {"lm_head.weight"} if config.tie_word_embeddings else set()
-        unexpected = sorted(
-            n for n in reader.handles if n not in reader.used and n not in ignorable and not n.endswith(_IGNORED_SUFFIXES)
-        )
+        unexpected = sorted(n for n in reader.handles
+                            if n not in reader.used and n not in ignorable and not n.endswith(_IGNORED_SUFFIXES))
     if missing or unexpected:
         details = _summary("missing", missing) + _summary("unexpected", unexpected)
         raise CheckpointError(f"checkpoint {folder} does not match its {config.arch} model:{details}")

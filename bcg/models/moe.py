@@ -80,7 +80,8 @@ class MoEFFN(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         num_experts, hidden, inter = config.num_experts, config.hidden_size, config.moe_intermediate_size
-        self.num_experts, self.top_k, self.norm_topk_prob = num_experts, config.num_experts_per_tok, config.norm_topk_prob
+        self.num_experts, self.top_k = num_experts, config.num_experts_per_tok
+        self.norm_topk_prob = config.norm_topk_prob
         self.gate = nn.Linear(hidden, num_experts, bias=False)
         self.experts_gate_up = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden))
         self.experts_down = nn.Parameter(torch.empty(num_experts, hidden, inter))

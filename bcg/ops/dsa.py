@@ -126,7 +126,8 @@ def _attend_pairs(
     return flash_varlen(q, k_pairs, v_pairs, cu_seqlens_q, cu_seqlens_k, 1, max_pairs_per_row, is_causal=False)
 
 
-def segment_attention(q: Tensor, rows: Tensor, lengths: Tensor, k_pairs: Tensor, v_pairs: Tensor, scale: float) -> Tensor:
+def segment_attention(q: Tensor, rows: Tensor, lengths: Tensor, k_pairs: Tensor, v_pairs: Tensor,
+                      scale: float) -> Tensor:
     """Attention over a list of (query row, key) pairs, softmax taken per query row.
 
     Args:

@@ -6,8 +6,8 @@ through the Python custom-op dispatcher and launches an extra kernel (a zeroed R
 flash kernel. The aten op underneath, ``aten._flash_attention_forward``, computes the same thing without that
 wrapper, and torch builds that have ``aten._flash_attention_forward_no_dropout_inplace`` can write straight into
 the island's output buffer (no copy). :func:`flash_varlen` uses the aten op where a once-per-device probe shows it
-agrees with ``varlen_attn``, and ``varlen_attn`` otherwise (or when ``BCG_FLASH=wrapper`` in the environment at import, or ``FORCE_WRAPPER = True``, asks
-for it).
+agrees with ``varlen_attn``, and ``varlen_attn`` otherwise, or when ``BCG_FLASH=wrapper`` in the environment at
+import (or ``FORCE_WRAPPER = True``) asks for it.
 
 Two behaviours differ between torch versions and are detected, never assumed: how ``varlen_attn`` spells causal
 (``window_size=(-1, 0)`` or ``is_causal``) and GQA (``enable_gqa`` or fewer K/V heads as they are), and whether

@@ -63,7 +63,8 @@ class PrefillItem:
         prefill, on the host's critical path). Anything else should call the constructor.
         """
         item = cls.__new__(cls)
-        item.token_ids, item.new_slots, item.prefix_len, item.prefix_slots = token_ids, new_slots, prefix_len, prefix_slots
+        item.token_ids, item.new_slots = token_ids, new_slots
+        item.prefix_len, item.prefix_slots = prefix_len, prefix_slots
         return item
 
     @property

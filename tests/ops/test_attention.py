@@ -24,7 +24,8 @@ def _setup(layout, num_heads, num_kv_heads, num_padded, device="cpu", dtype=torc
     gen = torch.Generator().manual_seed(0)
     for item in items:  # cached prefixes hold earlier chunks' K/V
         for cache in (pool.k[1], pool.v[1]):
-            cache[item.prefix_slots] = torch.randn(item.prefix_len, num_kv_heads, head_dim, generator=gen).to(device, dtype)
+            prefix = torch.randn(item.prefix_len, num_kv_heads, head_dim, generator=gen)
+            cache[item.prefix_slots] = prefix.to(device, dtype)
     ctx = PrefillBatch(items, pool).to_context(num_padded)
     q = torch.randn(num_padded, num_heads, head_dim, generator=gen).to(device, dtype)
     k, v = (torch.randn(num_padded, num_kv_heads, head_dim, generator=gen).to(device, dtype) for _ in range(2))
@@ -64,7 +65,8 @@ def test_island_matches_naive_reference(layout, num_heads, num_kv_heads):
     assert torch.equal(pool.k[1][ctx.write_slots], k[:n]) and torch.equal(pool.v[1][ctx.write_slots], v[:n])
     other = torch.ones(pool.num_slots + 1, dtype=torch.bool)
     other[ctx.write_slots] = False
-    assert torch.equal(pool.k[1][other], prefix_state[0][other]) and torch.equal(pool.v[1][other], prefix_state[1][other])
+    assert torch.equal(pool.k[1][other], prefix_state[0][other])
+    assert torch.equal(pool.v[1][other], prefix_state[1][other])
     assert not pool.k[0].any() and not pool.v[0].any()
 
 
@@ -87,7 +89,8 @@ def test_island_outside_context_raises():
 @pytest.mark.skipif(flash.varlen_attn is None, reason="torch without varlen_attn")
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_varlen_island_matches_sdpa_reference_bf16(layout):
-    ctx, items, q, k, v = _setup(LAYOUTS[layout], 8, 2, num_padded=48, device="cuda", dtype=torch.bfloat16, head_dim=128)
+    ctx, items, q, k, v = _setup(LAYOUTS[layout], 8, 2, num_padded=48, device="cuda", dtype=torch.bfloat16,
+                                 head_dim=128)
     out = torch.full_like(q, float("nan"))
     with forward_context(ctx):
         attention(q, k, v, out, 1)

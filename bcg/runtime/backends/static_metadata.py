@@ -54,7 +54,8 @@ class StaticMetadata:
         self._cu32 = cu32
         self._contexts: dict[int, StaticContext] = {}
         for b in buckets:
-            fields = dict(zip((name for name, *_ in _LAYOUT), self._buffer[: sum(self._sizes[b])].split(self._sizes[b])))
+            views = self._buffer[: sum(self._sizes[b])].split(self._sizes[b])
+            fields = dict(zip((name for name, *_ in _LAYOUT), views))
             self._contexts[b] = StaticContext(
                 b, self.key_capacity[b], max_requests, use_varlen, fields, positions[:b],
                 cu32[: max_requests + 1], cu32[max_requests + 1 :], kv_pool)
