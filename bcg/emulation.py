@@ -31,7 +31,8 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["EmulatedGraph", "UncapturableOpError", "emulated_pool_handle", "is_emulated_capturing"]
+__all__ = ["RECORDS_COMPILED_CODE", "EmulatedGraph", "UncapturableOpError", "emulated_pool_handle",
+           "is_emulated_capturing"]
 
 aten = torch.ops.aten
 
@@ -187,10 +188,21 @@ def _is_noop_on_replay(func: torch._ops.OpOverload, op: _Op) -> bool:
     return may_alias and not any(op.copy_back)
 
 
+# Whether a compiled function called during an emulated capture runs its compiled artifact (recorded op by op) rather
+# than falling back to eager Python: torch versions whose dispatch modes can ignore compile internals.
+RECORDS_COMPILED_CODE = hasattr(TorchDispatchMode, "ignore_compile_internals")
+
+
 class _RecordMode(TorchDispatchMode):
     def __init__(self, ops: list[_Op]) -> None:
         super().__init__()
         self.ops = ops
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        # A compiled function called during a capture runs its compiled artifact, whose ops this mode records, as a
+        # CUDA capture records the artifact's kernels; without this, torch.compile would fall back to eager Python.
+        return True
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         kwargs = kwargs or {}

@@ -1,15 +1,19 @@
-"""How the islands look to ``torch.compile``: opaque custom ops, split points, and islands it cannot trace.
+"""How the islands look to ``torch.compile``: opaque custom ops, and which of them a compiled graph may split at.
 
 An island is an ``@eager_on_graph`` function whose wrapper reads a ``ContextVar``, which dynamo cannot trace. Each
 island therefore gets a stand-in registered with ``torch.compiler.substitute_in_graph``: when dynamo inlines the
-island it traces the stand-in, which calls a ``torch.library`` custom op that the compiler treats as opaque (a
-fake kernel gives it shapes). Outside ``torch.compile`` nothing changes: calling the island costs no extra check.
+island it traces the stand-in, which calls a ``torch.library`` custom op that the compiler treats as opaque (a fake
+kernel gives it shapes). The op's implementation is the island itself, so compiled code that calls it during a
+breakable capture makes a break there, exactly as uncompiled code does. Outside ``torch.compile`` nothing changes:
+calling an island costs no extra check.
 
-* ``bcg::attention`` (mutates ``out``) stands for :func:`bcg.ops.attention.attention` and is a split point:
-  the "tc_piecewise" backend cuts the traced graph there and runs the island eagerly between compiled pieces.
+* ``bcg::attention`` (mutates ``out``) stands for :func:`bcg.ops.attention.attention` and is a split point: the
+  "tc_piecewise" backend cuts the traced graph there and runs the island eagerly between compiled pieces.
   :func:`register_split_op` adds more split points.
-* The DSA islands have no opaque op: their stand-ins leave a ``bcg::untraceable`` marker, and the backend refuses
-  a graph holding one (:func:`untraceable_islands`) with the reason, instead of failing deep inside dynamo.
+* ``bcg::select_topk`` and ``bcg::sparse_attention`` stand for the DSA islands (:mod:`bcg.ops.dsa`). They are not
+  split points: a piecewise graph would capture them inside a piece, which their data-dependent shapes forbid, so
+  "tc_piecewise" refuses a graph holding one (:func:`unsplittable_islands`) with the reason. A breakable graph
+  breaks at every island, split point or not.
 
 Importing this module registers everything (the compiling backends do, when they compile).
 """
@@ -24,7 +28,8 @@ from torch import Tensor
 from bcg.ops import dsa
 from bcg.ops.attention import attention
 
-__all__ = ["SPLIT_OPS", "is_split_node", "register_split_op", "untraceable_islands"]
+__all__ = ["ISLAND_OPS", "SPLIT_OPS", "UNSPLITTABLE", "is_island_node", "is_split_node", "island_fn",
+           "register_split_op", "unsplittable_islands"]
 
 
 @torch.library.custom_op("bcg::attention", mutates_args=("out",))
@@ -43,73 +48,90 @@ def _trace_attention(q: Tensor, k: Tensor, v: Tensor, out: Tensor, layer_id: int
     torch.ops.bcg.attention(q, k, v, out, layer_id)
 
 
-# Split points: op overload packet -> the Python function the split graph calls at run time in its place. The
-# custom op is for the compiler; going through the dispatcher at run time would cost ~10-20 us per call.
+@torch.library.custom_op("bcg::select_topk", mutates_args=())
+def select_topk_op(index_q: Tensor, index_k: Tensor, head_weights: Tensor, group_id: int, topk: int) -> Tensor:
+    """The DSA indexer island as an opaque op: the top keys of every query, ``(T_pad, topk)`` int64."""
+    return dsa.select_topk(index_q, index_k, head_weights, group_id, topk)
+
+
+@select_topk_op.register_fake
+def _select_topk_fake(index_q: Tensor, index_k: Tensor, head_weights: Tensor, group_id: int, topk: int) -> Tensor:
+    return index_q.new_empty((index_q.shape[0], topk), dtype=torch.int64)
+
+
+@torch.compiler.substitute_in_graph(dsa.select_topk)
+def _trace_select_topk(index_q: Tensor, index_k: Tensor, head_weights: Tensor, group_id: int, topk: int) -> Tensor:
+    return torch.ops.bcg.select_topk(index_q, index_k, head_weights, group_id, topk)
+
+
+@torch.library.custom_op("bcg::sparse_attention", mutates_args=("out",))
+def sparse_attention_op(q: Tensor, k: Tensor, v: Tensor, selection: Tensor, out: Tensor, layer_id: int) -> None:
+    """The DSA sparse-attention island as an opaque op: writes ``out``."""
+    dsa.sparse_attention(q, k, v, selection, out, layer_id)
+
+
+@sparse_attention_op.register_fake
+def _sparse_attention_fake(q: Tensor, k: Tensor, v: Tensor, selection: Tensor, out: Tensor, layer_id: int) -> None:
+    return None
+
+
+@torch.compiler.substitute_in_graph(dsa.sparse_attention)
+def _trace_sparse_attention(q: Tensor, k: Tensor, v: Tensor, selection: Tensor, out: Tensor, layer_id: int) -> None:
+    torch.ops.bcg.sparse_attention(q, k, v, selection, out, layer_id)
+
+
+# Op overload packet -> the island's Python function. A compiled graph that runs islands itself (not through the
+# dispatcher) calls these: the dispatcher round trip would cost ~10-20 us per call, and under the CPU emulation an
+# op seen by its dispatch mode could not end the segment it is recording.
+ISLAND_OPS: dict[Any, Callable[..., Any]] = {
+    torch.ops.bcg.attention: attention,
+    torch.ops.bcg.select_topk: dsa.select_topk,
+    torch.ops.bcg.sparse_attention: dsa.sparse_attention,
+}
+# Split points of "tc_piecewise" (a subset of the islands).
 SPLIT_OPS: dict[Any, Callable[..., Any]] = {}
+# Island op name -> why a piecewise graph cannot hold it.
+UNSPLITTABLE: dict[str, str] = {"bcg.select_topk": dsa.UNCAPTURABLE, "bcg.sparse_attention": dsa.UNCAPTURABLE}
 
 
 def register_split_op(op: Any, eager_fn: Callable[..., Any]) -> None:
-    """Makes ``op`` (a ``torch.ops`` overload packet) a split point run as ``eager_fn`` between compiled pieces.
+    """Makes ``op`` (a ``torch.ops`` overload packet) an island and a split point run as ``eager_fn``.
 
     Example::
 
         register_split_op(torch.ops.mylib.all_gather, all_gather)   # all_gather traced as that op
     """
-    SPLIT_OPS[op] = eager_fn
-
-
-def is_split_node(node: torch.fx.Node) -> bool:
-    """Whether ``node`` calls a registered split op (packet or overload)."""
-    if node.op != "call_function":
-        return False
-    target = node.target
-    return target in SPLIT_OPS or getattr(target, "overloadpacket", None) in SPLIT_OPS
-
-
-def split_fn(node: torch.fx.Node) -> Callable[..., Any]:
-    """The run-time function of a split node."""
-    return SPLIT_OPS.get(node.target) or SPLIT_OPS[node.target.overloadpacket]
+    ISLAND_OPS[op] = SPLIT_OPS[op] = eager_fn
 
 
 register_split_op(torch.ops.bcg.attention, attention)
 
 
-@torch.library.custom_op("bcg::untraceable", mutates_args=("marker",))
-def untraceable_op(marker: Tensor, island: str) -> None:
-    """Marks where an island without an opaque op was traced; it mutates ``marker`` so no pass removes it."""
-    raise RuntimeError(f"{island} has no opaque op for torch.compile; a graph holding it must not run "
-                       "(the tc_piecewise backend refuses it at build)")
+def _packet(node: torch.fx.Node) -> Any:
+    return getattr(node.target, "overloadpacket", node.target) if node.op == "call_function" else None
 
 
-@untraceable_op.register_fake
-def _untraceable_fake(marker: Tensor, island: str) -> None:
-    return None
+def is_split_node(node: torch.fx.Node) -> bool:
+    """Whether ``node`` calls a registered split op (packet or overload)."""
+    return _packet(node) in SPLIT_OPS
 
 
-# Island name -> why torch.compile cannot take it.
-UNTRACEABLE: dict[str, str] = {
-    "bcg.ops.dsa.select_topk": dsa.UNCAPTURABLE,
-    "bcg.ops.dsa.sparse_attention": dsa.UNCAPTURABLE,
-}
+def is_island_node(node: torch.fx.Node) -> bool:
+    """Whether ``node`` calls an island op."""
+    return _packet(node) in ISLAND_OPS
 
 
-@torch.compiler.substitute_in_graph(dsa.select_topk)
-def _trace_select_topk(index_q: Tensor, index_k: Tensor, head_weights: Tensor, group_id: int, topk: int) -> Tensor:
-    selection = index_q.new_full((index_q.shape[0], topk), -1, dtype=torch.int64)
-    torch.ops.bcg.untraceable(selection, "bcg.ops.dsa.select_topk")
-    return selection
+def island_fn(node: torch.fx.Node) -> Callable[..., Any]:
+    """The island's Python function for an island node."""
+    return ISLAND_OPS[_packet(node)]
 
 
-@torch.compiler.substitute_in_graph(dsa.sparse_attention)
-def _trace_sparse_attention(q: Tensor, k: Tensor, v: Tensor, selection: Tensor, out: Tensor, layer_id: int) -> None:
-    torch.ops.bcg.untraceable(out, "bcg.ops.dsa.sparse_attention")
-
-
-def untraceable_islands(gm: torch.fx.GraphModule) -> list[str]:
-    """Names of the islands without an opaque op traced into ``gm``, in graph order, without repeats."""
+def unsplittable_islands(gm: torch.fx.GraphModule) -> list[str]:
+    """Names of the island ops in ``gm`` that are not split points (``bcg.select_topk``...), in order, no repeats."""
     names: list[str] = []
     for node in gm.graph.nodes:
-        target = getattr(node.target, "overloadpacket", node.target)
-        if node.op == "call_function" and target is torch.ops.bcg.untraceable and node.args[1] not in names:
-            names.append(node.args[1])
+        if is_island_node(node) and not is_split_node(node):
+            name = str(_packet(node))  # "bcg.select_topk"
+            if name not in names:
+                names.append(name)
     return names

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from bcg.runtime.compile import COMPILERS
+
 __all__ = ["BACKENDS", "EngineConfig", "resolve_backend"]
 
 # Names follow SGLang's --cuda-graph-backend-prefill values; "disabled" is an alias of "eager".
@@ -41,6 +43,9 @@ class EngineConfig:
             ``b`` reads ``b + prefix_capacity`` key slots per layer. None means ``chunked_prefill_size``; a batch
             with more keys runs eagerly (reason "too_many_keys").
         tc_compiler: "inductor" or "eager" (no compilation), used by "tc_piecewise".
+        compile: compile the layer stack once with ``torch.compile`` before capturing it (``bcg.runtime.compile``):
+            "inductor" (fused kernels, CUDA) or "eager" (trace only, no code generated: the CPU path); None compiles
+            nothing. For "eager", "breakable" and "full" ("tc_piecewise" compiles itself: use ``tc_compiler``).
         debug: run the whole layer stack as one eager break through the same runner path (bisects graph bugs).
         verify: after capture, replay every bucket against eager at the same padded shape and disable buckets
             that differ (bcg.runtime.runner.verify); costs one extra forward pair per bucket at startup.
@@ -60,6 +65,7 @@ class EngineConfig:
     max_requests: int | None = None
     prefix_capacity: int | None = None
     tc_compiler: str = "inductor"
+    compile: str | None = None
     debug: bool = False
     verify: bool = False
     warmup: int = 2
@@ -73,6 +79,11 @@ class EngineConfig:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if self.tc_compiler not in ("inductor", "eager"):
             raise ValueError(f"tc_compiler must be 'inductor' or 'eager', got {self.tc_compiler!r}")
+        if self.compile is not None and self.compile not in COMPILERS:
+            raise ValueError(f"compile must be one of {', '.join(COMPILERS)} or None, got {self.compile!r}")
+        if self.compile is not None and self.backend == "tc_piecewise":
+            raise ValueError("compile= does not apply to backend='tc_piecewise', which compiles its pieces itself; "
+                             "choose its compiler with tc_compiler='inductor' or 'eager'")
         if self.max_requests is not None and self.max_requests < 1:
             raise ValueError(f"max_requests must be >= 1, got {self.max_requests}")
         if self.prefix_capacity is not None and self.prefix_capacity < 0:

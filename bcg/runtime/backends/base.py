@@ -31,7 +31,9 @@ class GraphResources:
     """What a graph backend captures and replays with; the runner owns every one of these.
 
     Attributes:
-        model: the model whose ``forward_layers`` is captured.
+        model: the model whose layer stack is captured.
+        layers: the layer stack to capture and run, ``layers(hidden, positions)``: ``model.forward_layers``, or
+            its compiled form when the engine compiles (``config.compile``).
         config: the engine's options (backend name, debug, compiler, request slots, prefix capacity, warmup).
         kv_pool: the KV pool the islands (or a captured attention) write.
         bucket_sizes: the token buckets, ascending.
@@ -45,6 +47,7 @@ class GraphResources:
     """
 
     model: torch.nn.Module
+    layers: Callable[[Tensor, Tensor], Tensor]
     config: EngineConfig
     kv_pool: KVPool
     bucket_sizes: list[int]
@@ -99,7 +102,7 @@ class GraphBackend(ABC):
 
     def warmup(self, num_tokens: int) -> None:
         """One uncaptured forward at bucket size (kernel selection, lazy init) before the capture."""
-        self.resources.model.forward_layers(*self.resources.inputs(num_tokens))
+        self.resources.layers(*self.resources.inputs(num_tokens))
 
     @abstractmethod
     def capture(self, num_tokens: int) -> Any:

@@ -24,16 +24,15 @@ class BreakableBackend(GraphBackend):
     name = "breakable"
 
     def prepare(self) -> None:
-        r = self.resources
-        self._layers = bcg.eager_on_graph(r.model.forward_layers) if r.config.debug else r.model.forward_layers
-        self.bridge = BridgeBuffers(r.max_bucket)
+        self.bridge = BridgeBuffers(self.resources.max_bucket)
 
     def capture(self, num_tokens: int) -> bcg.BreakableCUDAGraph:
         r = self.resources
         pool = r.pool.handle
         graph = bcg.BreakableCUDAGraph(pool=pool, emulate=r.is_emulated)
+        layers = bcg.eager_on_graph(r.layers) if r.config.debug else r.layers
         with bridge_buffers(self.bridge), bcg.breakable_graph(graph, pool=pool, stream=r.capture_stream):
-            out = self._layers(*r.inputs(num_tokens))
+            out = layers(*r.inputs(num_tokens))
             r.static_output[:num_tokens].copy_(out)
         return graph
 

@@ -54,7 +54,7 @@ class FullBackend(GraphBackend):
         r = self.resources
         graph = new_graph(r.is_emulated)
         with capturing(graph, r.pool.handle, r.capture_stream):
-            out = r.model.forward_layers(*r.inputs(num_tokens))
+            out = r.layers(*r.inputs(num_tokens))
             r.static_output[:num_tokens].copy_(out)
         return graph
 

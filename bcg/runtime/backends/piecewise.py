@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch.fx.passes.split_module import split_module
 
-from bcg.ops.custom_ops import UNTRACEABLE, is_split_node, split_fn, untraceable_islands
+from bcg.ops.custom_ops import UNSPLITTABLE, is_split_node, island_fn, unsplittable_islands
 from bcg.runtime.backends.base import BackendRefused
 from bcg.runtime.backends.capture import GraphPool, capturing, new_graph
 
@@ -114,10 +114,10 @@ class PiecewiseCompiler:
             raise RuntimeError("torch.compile recompiled the layer stack during replay (a guard failed); replay "
                                "needs the graph traced at build. Replay under torch.inference_mode(), as captured")
         self.num_compiles += 1
-        refused = untraceable_islands(gm)
+        refused = unsplittable_islands(gm)
         if refused:
-            message = (f"torch.compile cannot take {refused[0]}: it has no opaque op to split at "
-                       f"({UNTRACEABLE[refused[0]]}).")
+            message = (f"a piecewise graph cannot hold the island {refused[0]}: it is not a split point, so a "
+                       f"piece would capture it ({UNSPLITTABLE[refused[0]]}).")
             return _refuser(message)
         split = _split(gm)
         compute = [name for name, sub in split.named_children() if not _is_island(sub)]
@@ -168,7 +168,7 @@ def _direct_island(sub: torch.fx.GraphModule) -> Any:
     """The island piece calling the island's Python function instead of the custom op (no dispatcher trip)."""
     for node in sub.graph.nodes:
         if is_split_node(node):
-            node.target = split_fn(node)
+            node.target = island_fn(node)
     sub.recompile()
     return sub.forward
 

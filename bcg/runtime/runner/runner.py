@@ -20,12 +20,13 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from bcg.emulation import UncapturableOpError
+from bcg.emulation import RECORDS_COMPILED_CODE, UncapturableOpError
 from bcg.ops.context import forward_context
 from bcg.ops.kv_cache import KVPool
 from bcg.runtime.backends import BackendRefused, GraphResources, backend_class
 from bcg.runtime.backends.capture import GraphPool
 from bcg.runtime.batch import PrefillBatch, PrefillItem
+from bcg.runtime.compile import compile_layers
 from bcg.runtime.config import EngineConfig
 from bcg.runtime.runner.buckets import BucketTable
 from bcg.runtime.runner.telemetry import BatchRecord, BucketRecord, Telemetry
@@ -89,6 +90,8 @@ class Runner:
         cls = backend_class(config.backend)
         self.telemetry = Telemetry(backend=config.backend, table=self.table if cls.uses_graphs else None)
         self.last_record: BatchRecord | None = None
+        # The layer stack every path runs (graphs, eager fallbacks, verification): compiled once when asked.
+        self.layers = compile_layers(model, config.compile) if config.compile else model.forward_layers
         self.resources: GraphResources | None = None
         if cls.uses_graphs:
             is_emulated = self.device.type != "cuda"
@@ -96,7 +99,7 @@ class Runner:
             max_tokens, hidden = self.table.max_bucket, model.config.hidden_size
             kw = {"device": self.device, "dtype": self.dtype}
             self.resources = GraphResources(
-                model=model, config=config, kv_pool=kv_pool, bucket_sizes=self.table.sizes,
+                model=model, layers=self.layers, config=config, kv_pool=kv_pool, bucket_sizes=self.table.sizes,
                 static_hidden=torch.zeros(max_tokens, hidden, **kw),
                 static_positions=torch.zeros(max_tokens, dtype=torch.long, device=self.device),
                 static_output=torch.zeros(max_tokens, hidden, **kw),
@@ -124,17 +127,24 @@ class Runner:
 
     # ---------------------------------------------------------------- build
     def build(self) -> None:
-        """Compiles (if the backend does) and captures every bucket, largest first, into one shared pool."""
-        if not self.backend.uses_graphs:
-            return
+        """Compiles (the layer stack, if asked, and whatever the backend compiles) and captures every bucket,
+        largest first, into one shared pool."""
         t0 = time.perf_counter()
         try:
-            self.backend.prepare()
-        except Exception as e:  # noqa: BLE001 - any failure here means: serve eagerly, loudly
-            self._refuse(e)
-            return
+            if self.backend.uses_graphs:
+                try:
+                    self.backend.prepare()
+                except Exception as e:  # noqa: BLE001 - any failure here means: serve eagerly, loudly
+                    self._refuse(e)
+            if self.config.compile:  # after prepare: the first compiled call runs under the backend's context
+                try:
+                    self._compile()
+                except Exception as e:  # noqa: BLE001 - run and capture the uncompiled stack instead, loudly
+                    self._uncompile(e)
         finally:
             self.telemetry.compile_ms = (time.perf_counter() - t0) * 1e3
+        if not self.backend.uses_graphs or self.table.refused_reason is not None:
+            return
         sizes = sorted(self.table.sizes, reverse=True)
         bar = tqdm(sizes, desc=f"Capturing {self.config.backend}", disable=not self.config.progress,
                    unit="bucket", leave=False)
@@ -186,6 +196,31 @@ class Runner:
         self.table.set_handle(n, handle)
         return record
 
+    def _compile(self) -> None:
+        """Traces and compiles the layer stack now, at the largest bucket, so build time says what compiling costs
+        and no batch pays for it; under inference mode, as every later call runs."""
+        if self.resources is not None and self.resources.is_emulated:
+            if self.config.compile == "inductor":
+                raise RuntimeError(
+                    "compile='inductor' cannot run under the CPU graph emulation: Inductor's CPU kernels are C++ "
+                    "called directly, not aten ops the emulation records. Use compile='eager' on a CPU, or a GPU")
+            if not RECORDS_COMPILED_CODE:
+                raise RuntimeError(f"this torch ({torch.__version__}) cannot record compiled code under the CPU graph "
+                                   "emulation (no TorchDispatchMode.ignore_compile_internals); use a newer torch")
+        n = self.table.max_bucket
+        hidden = torch.zeros(n, self.model.config.hidden_size, device=self.device, dtype=self.dtype)
+        positions = torch.arange(n, device=self.device)
+        with torch.inference_mode(), self.dummy_context(n):
+            self.layers(hidden, positions)
+
+    def _uncompile(self, e: BaseException) -> None:
+        """The layer stack did not compile: every path runs (and captures) the uncompiled one, and says why."""
+        self.layers = self.model.forward_layers
+        if self.resources is not None:
+            self.resources.layers = self.layers
+        self.telemetry.compile_error = f"compile={self.config.compile!r} failed: {_first_line(e)}"
+        logger.warning("bcg: %s; running the uncompiled layer stack", self.telemetry.compile_error)
+
     @contextmanager
     def dummy_context(self, n: int) -> Iterator[None]:
         """A one-request batch of ``n`` tokens with real KV slots, live during warmup and capture (and while a
@@ -193,12 +228,14 @@ class Runner:
         slots = self.kv_pool.alloc(n)
         try:
             batch = PrefillBatch([PrefillItem(torch.zeros(n, dtype=torch.long), slots)], self.kv_pool)
-            self.static_positions[:n].copy_(batch.positions)
+            if self.resources is not None:
+                self.static_positions[:n].copy_(batch.positions)
             with forward_context(self.backend.load_batch(batch, n)):
                 yield
         finally:
             self.kv_pool.free(slots)
-            self.static_positions.zero_()
+            if self.resources is not None:
+                self.static_positions.zero_()
 
     def _refuse(self, e: BaseException) -> None:
         msg = f"backend {self.config.backend!r} cannot capture this model: {_first_line(e)}"
@@ -251,7 +288,7 @@ class Runner:
             self.telemetry.log_once(reason, f"bcg: running a batch eagerly ({reason}); logged once per reason")
         self._record(batch, None, False, reason)
         with forward_context(batch.to_context(n_real)):
-            return self.model.forward_layers(hidden, batch.positions)
+            return self.layers(hidden, batch.positions)
 
     @contextmanager
     def replay_context(self, batch: PrefillBatch) -> Iterator[tuple[int, Any]]:
@@ -272,7 +309,7 @@ class Runner:
         with self.replay_context(batch) as (bucket, handle):
             self.backend.replay(handle, bucket)
             graph_out = self.static_output[:n].clone()
-            eager_out = self.model.forward_layers(self.static_hidden[:bucket], self.static_positions[:bucket])[:n]
+            eager_out = self.layers(self.static_hidden[:bucket], self.static_positions[:bucket])[:n]
         return graph_out, eager_out
 
     def _load(self, hidden: torch.Tensor, positions: torch.Tensor, bucket: int) -> None:

@@ -43,6 +43,7 @@ class Telemetry:
     compile_ms: float = 0.0
     capture_ms: float = 0.0
     graph_memory_bytes: int = 0
+    compile_error: str | None = None  # the layer stack was asked to compile and did not (it runs uncompiled)
     _logged: set = field(default_factory=set, repr=False)
 
     @property
@@ -76,7 +77,7 @@ class Telemetry:
 
     def to_dict(self) -> dict:
         d = {f: getattr(self, f) for f in ("backend", "num_batches", "max_batches", "compile_ms", "capture_ms",
-                                           "graph_memory_bytes")}
+                                           "graph_memory_bytes", "compile_error")}
         d["batches"] = [asdict(r) for r in self.batches]
         d["buckets"] = [asdict(r) for r in self.buckets.values()]
         d["refused_reason"] = self.refused_reason
