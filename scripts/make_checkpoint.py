@@ -1,0 +1,54 @@
+"""Writes a Hugging Face checkpoint with random weights in the shape of a real model, saved by transformers.
+
+The GPU machine has no internet, so benchmarks that load "a Qwen3-0.6B-shaped checkpoint by path" make one here:
+transformers builds the model from its own config class, initialises it with its own init, and saves config.json and
+safetensors exactly as a downloaded checkpoint would look.
+
+Usage: python scripts/make_checkpoint.py SHAPE OUTDIR   (SHAPE: qwen3-0.6b, gpt-oss-small)
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+SHAPES = {
+    # Qwen3-0.6B: hidden 1024, 28 layers, 16 query / 8 KV heads of 128, q/k norm, tied embeddings.
+    "qwen3-0.6b": ("Qwen3Config", dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072,
+                                       num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
+                                       head_dim=128, max_position_embeddings=40960, rope_theta=1000000.0,
+                                       rms_norm_eps=1e-6, tie_word_embeddings=True)),
+    # gpt-oss-20b's layer shape (hidden 2880, 64/8 heads of 64, 32 experts top-4, sliding window every other
+    # layer, attention sinks) with 12 layers instead of 24, so it fits a quick benchmark.
+    "gpt-oss-small": ("GptOssConfig", dict(vocab_size=201088, hidden_size=2880, intermediate_size=2880,
+                                           num_hidden_layers=12, num_attention_heads=64, num_key_value_heads=8,
+                                           head_dim=64, num_local_experts=32, num_experts_per_tok=4,
+                                           sliding_window=128, max_position_embeddings=131072)),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("shape", choices=sorted(SHAPES))
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    import transformers
+
+    cls_name, fields = SHAPES[args.shape]
+    config = getattr(transformers, cls_name)(**fields)
+    torch.manual_seed(args.seed)
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    args.out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(args.out)
+    params = sum(p.numel() for p in model.parameters())
+    print(f"{args.shape}: {params / 1e6:.0f}M parameters saved to {args.out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
