@@ -91,7 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="{bench,analyze}")
     bench = sub.add_parser("bench", help="isolated prefill latency, build time and memory of every backend",
                            description="One request at a time, fixed input lengths, every backend; plus a "
-                           "many-request batch, build times and the peak-memory experiment (CUDA only).")
+                           "many-request batch, build times and the peak-memory experiment (CUDA only; one chunk-sized "
+                           "prefill per capture ceiling).")
     _common(bench, "out/bench")
     bench.add_argument("--backends", type=_backend_list, default=None,
                        help=f"comma list of eager,breakable,full,tc_piecewise (default: "
@@ -163,7 +164,7 @@ def _title(cfg: Any, env: dict[str, Any]) -> str:
 
 def _run_bench(cfg: Any) -> dict[str, Any]:
     from bcg.bench import plots
-    from bcg.bench.bench_report import CPU_SPEEDUP_NOTE, format_bench, geomean_speedups
+    from bcg.bench.bench_report import CPU_PLOT_NOTE, CPU_SPEEDUP_NOTE, format_bench, geomean_speedups
     from bcg.bench.latency import run_latency
     from bcg.bench.memory import run_memory
     from bcg.bench.report import jsonable, write_json
@@ -183,7 +184,7 @@ def _run_bench(cfg: Any) -> dict[str, Any]:
         title = _title(cfg, env)
         pngs += [_plot("latency", plots.plot_latency, data["rows"], out / "latency.png", title),
                  _plot("speedup", plots.plot_speedup, data["rows"], out / "speedup.png",
-                       title + (f"\n{note}" if note else ""))]
+                       title + (f"\n{CPU_PLOT_NOTE}" if cfg.emulated else ""))]
         if mem is not None and mem.available:
             pngs.append(_plot("memory", plots.plot_memory, data["memory"]["rows"], out / "memory.png", title))
     data["plots"] = [p for p in pngs if p]

@@ -13,12 +13,13 @@ from typing import Any
 
 from bcg.bench.report import describe_reason, fmt, fmt_bytes, table
 
-__all__ = ["CPU_SPEEDUP_NOTE", "NOISY_SPREAD", "format_bench", "geomean_speedups", "spread"]
+__all__ = ["CPU_PLOT_NOTE", "CPU_SPEEDUP_NOTE", "NOISY_SPREAD", "format_bench", "geomean_speedups", "spread"]
 
 # A row whose middle half of runs spans more than this share of its median cannot separate backends within it.
 NOISY_SPREAD = 0.25
 CPU_SPEEDUP_NOTE = ("CPU emulation: speedups measure the emulation's replay against eager on the CPU, not the "
                     "kernel-launch overhead graphs remove on a GPU")
+CPU_PLOT_NOTE = "CPU emulation: speedups measure the emulation, not launch overhead"
 
 
 def spread(row: Any) -> float | None:
