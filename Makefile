@@ -34,8 +34,8 @@ $(VENV)/.torch: | $(BIN)/python
 	  $(BIN)/pip install "$(TORCH_LOCAL)"; \
 	else \
 	  echo "bcg setup: downloading $(TORCH_SPEC) from the package registry. On Linux that is the CUDA build, about"; \
-	  echo "  3 GB with its NVIDIA libraries (5-6 GB on disk), several minutes. For the CPU-only build (~200 MB) stop"; \
-	  echo "  now and run: make $(MAKECMDGOALS) TORCH_INDEX=https://download.pytorch.org/whl/cpu"; \
+	  echo "  3 GB with its NVIDIA libraries (5-6 GB on disk), several minutes. For the CPU-only build (~200 MB)"; \
+	  echo "  instead, interrupt (Ctrl-C) and run: make $(or $(MAKECMDGOALS),demo) TORCH_INDEX=https://download.pytorch.org/whl/cpu"; \
 	  $(BIN)/pip install "$(TORCH_SPEC)"; \
 	fi
 	touch $@

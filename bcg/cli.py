@@ -72,7 +72,8 @@ def _common(p: argparse.ArgumentParser, out: str) -> None:
     p.add_argument("--chunked-prefill-size", type=int, default=None,
                    help=f"tokens per forward, at most {MAX_CHUNK} (default: "
                    f"{_both(G.chunked_prefill_size, C.chunked_prefill_size)}, for bench and analyze alike)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the random weights and prompts (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the random weights and prompts (default: %(default)s)")
     p.add_argument("--no-plots", dest="plots", action="store_false", help="skip the PNGs")
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                    help="progress bars on stderr (default: on when stderr is a terminal, off in logs and pipes)")
@@ -85,14 +86,14 @@ def build_parser() -> argparse.ArgumentParser:
     from bcg.bench.config import CUDA_DEFAULTS as G
 
     parser = argparse.ArgumentParser(prog="bcg", description="Breakable CUDA graphs for LLM prefill: measure "
-                                     "and judge. Without a GPU every graph runs under the CPU emulation; its timings "
-                                     "show no kernel-launch overhead.")
+                                     "and judge. Without a GPU every graph runs under the CPU emulation; its "
+                                     "timings show no kernel-launch overhead.")
     parser.add_argument("--version", action="version", version=_version_line(__version__))
     sub = parser.add_subparsers(dest="command", required=True, metavar="{bench,analyze}")
     bench = sub.add_parser("bench", help="isolated prefill latency, build time and memory of every backend",
                            description="One request at a time, fixed input lengths, every backend; plus a "
-                           "many-request batch, build times and the peak-memory experiment (CUDA only; one chunk-sized "
-                           "prefill per capture ceiling).")
+                           "many-request batch, build times and the peak-memory experiment (CUDA only; one "
+                           "chunk-sized prefill per capture ceiling).")
     _common(bench, "out/bench")
     bench.add_argument("--backends", type=_backend_list, default=None,
                        help=f"comma list of eager,breakable,full,tc_piecewise (default: "
@@ -117,7 +118,8 @@ def build_parser() -> argparse.ArgumentParser:
     an.add_argument("--lengths", type=_int_list("lengths"), default=None,
                     help="prompt-length distribution, comma list (default: --num-prompts seeded log-uniform "
                     "lengths in 16..chunk)")
-    an.add_argument("--lengths-file", default=None, help="prompt lengths, one or more per line (replaces --lengths)")
+    an.add_argument("--lengths-file", default=None,
+                    help="prompt lengths, one or more per line (replaces --lengths)")
     an.add_argument("--num-prompts", type=int, default=256, help="size of the default length sample "
                     "(default: %(default)s)")
     an.add_argument("--length", type=int, default=None,

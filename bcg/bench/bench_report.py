@@ -98,8 +98,8 @@ def format_bench(cfg: Any, lat: Any, mem: Any, emulated: bool) -> str:
             out += ["", _latency_table(t, rows, not emulated)]
     noisy = sum(1 for r in lat.rows + lat.batch_rows if (spread(r) or 0) > NOISY_SPREAD)
     if noisy:
-        out += ["", f"{noisy} row(s) marked noisy: their middle half of runs spans more than {NOISY_SPREAD:.0%} of "
-                    "the median, so backends within that spread are not told apart; the machine was busy. "
+        out += ["", f"{noisy} row(s) marked noisy: their middle half of runs spans more than "
+                    f"{NOISY_SPREAD:.0%} of the median, so backends within that spread are not told apart; the machine was busy. "
                     "Rerun, or raise --runs."]
     if lat.batch_rows and cfg.batch_requests > 1:
         out += ["", f"The {cfg.batch_requests}-request rows pack requests of the same total tokens; a graph "
@@ -111,7 +111,8 @@ def format_bench(cfg: Any, lat: Any, mem: Any, emulated: bool) -> str:
                               "replayed"],
                              [[r.label if r.ceiling is None else f"{r.label} ({r.ceiling})", r.backend,
                                r.num_buckets, fmt_bytes(r.graph_memory_bytes), fmt_bytes(r.activation_peak_bytes),
-                               fmt_bytes(r.device_used_above_baseline_bytes), fmt(r.graph_used)] for r in mem.rows],
+                               fmt_bytes(r.device_used_above_baseline_bytes), fmt(r.graph_used)]
+                              for r in mem.rows],
                              title=f"Memory after one {mem.chunked_prefill_size}-token prefill"))
         else:
             out.append(f"Memory: {mem.note}")

@@ -111,7 +111,8 @@ def check_device(device: str) -> None:
         raise ValueError(f"--device {device!r}: only cuda and cpu are supported")
     if dev.type == "cuda":
         if not torch.cuda.is_available():
-            raise ValueError(f"--device {device!r} was asked for, but no CUDA device is visible (use --device cpu)")
+            raise ValueError(f"--device {device!r} was asked for, but no CUDA device is visible "
+                             "(use --device cpu)")
         count = torch.cuda.device_count()
         if dev.index is not None and dev.index >= count:
             raise ValueError(f"--device {device!r}: only {count} CUDA device(s) are visible (cuda:0 to "

@@ -1,9 +1,9 @@
 """Configuration of ``bcg bench`` and ``bcg analyze``: one dataclass each, its fields named like the CLI flags.
 
 Fields left ``None`` take a device-dependent default in :meth:`BenchConfig.resolved` /
-:meth:`AnalyzeConfig.resolved`, the same for both commands (:data:`CUDA_DEFAULTS`, :data:`CPU_DEFAULTS`): on CUDA
-the paper-sized ``llama-dense`` sweep, without CUDA a small ``tiny-dense`` run under the CPU emulation that finishes
-in seconds, on one torch thread so its timings hold still on a shared machine. Validation raises ``ValueError``
+:meth:`AnalyzeConfig.resolved`, the same for both commands (:data:`CUDA_DEFAULTS`, :data:`CPU_DEFAULTS`): on
+CUDA the paper-sized ``llama-dense`` sweep, without CUDA a small ``tiny-dense`` run under the CPU emulation that
+finishes in seconds, on one torch thread so its timings hold still on a shared machine. Validation raises ``ValueError``
 with a message the CLI prints as a usage error; :class:`BenchError` is a run that could not measure anything.
 """
 
@@ -149,11 +149,13 @@ class BenchConfig:
         if self.batch_requests < 1:
             raise ValueError(f"--batch-requests must be >= 1, got {self.batch_requests}")
         return replace(self, model=model, backends=names, lengths=sorted(set(lengths)), device=device,
-                       chunked_prefill_size=chunk, threads=self.threads or d.threads, progress=_progress(self.progress))
+                       chunked_prefill_size=chunk, threads=self.threads or d.threads,
+                       progress=_progress(self.progress))
 
     @property
     def ceiling(self) -> int:
-        """Capture ceiling of every engine of a resolved config: the longest input, but never past the chunk (no forward is larger)."""
+        """Capture ceiling of every engine of a resolved config: the longest input, but never past the chunk (no
+        forward is larger)."""
         longest = max(self.lengths or [1])
         return min(longest, self.chunked_prefill_size) if self.chunked_prefill_size else longest
 
@@ -211,8 +213,8 @@ class AnalyzeConfig:
                              f"--chunked-prefill-size {chunk}), got {max_tokens}")
         length = self.length if self.length is not None else min(d.length, max_tokens)
         if not 1 <= length <= max_tokens:
-            raise ValueError(f"--length must be in [1, {max_tokens}] (one forward that replays a graph, so at most "
-                             f"--max-tokens {max_tokens}), got {length}")
+            raise ValueError(f"--length must be in [1, {max_tokens}] (one forward that replays a graph, so at "
+                             f"most --max-tokens {max_tokens}), got {length}")
         return replace(self, model=model, device=device, chunked_prefill_size=chunk, lengths=lengths,
                        length=length, max_tokens=max_tokens, threads=self.threads or d.threads,
                        progress=_progress(self.progress))

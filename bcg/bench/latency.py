@@ -76,7 +76,8 @@ def _measure(eng: Any, backend: str, input_len: int, prompts: list[Any], cfg: Be
     return LatencyRow(
         backend=backend, input_len=input_len, num_requests=len(prompts),
         num_tokens=sum(int(p.numel()) for p in prompts), median_ms=timing.median_ms, min_ms=timing.min_ms,
-        q1_ms=timing.q1_ms, q3_ms=timing.q3_ms, max_ms=timing.max_ms, mean_ms=timing.mean_ms, stdev_ms=timing.stdev_ms, runs=len(timing.samples_ms),
+        q1_ms=timing.q1_ms, q3_ms=timing.q3_ms, max_ms=timing.max_ms, mean_ms=timing.mean_ms,
+        stdev_ms=timing.stdev_ms, runs=len(timing.samples_ms),
         graph_used=all(b.graph_used for b in batches), bucket=first.bucket, reason=first.reason,
     )
 

@@ -103,7 +103,8 @@ def plot_speedup(rows: Sequence[dict], path: str | os.PathLike, title: str = "")
         by_len = {r["input_len"]: r for r in rows if r["backend"] == backend}
         xs = [j + i * width for j in range(len(lengths))]
         mid = [(by_len[n].get("speedup_vs_eager") or 0.0) if n in by_len else 0.0 for n in lengths]
-        lo = [max(m - (by_len[n].get("speedup_low") or m), 0.0) if n in by_len else 0.0 for n, m in zip(lengths, mid)]
+        lo = [max(m - (by_len[n].get("speedup_low") or m), 0.0) if n in by_len else 0.0
+              for n, m in zip(lengths, mid)]
         hi = [max((by_len[n].get("speedup_high") or m) - m, 0.0) if n in by_len else 0.0
               for n, m in zip(lengths, mid)]
         ax.bar(xs, mid, width, yerr=[lo, hi], capsize=3, label=backend)

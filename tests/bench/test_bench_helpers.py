@@ -16,7 +16,8 @@ from bcg.bench.latency import LatencyResult, LatencyRow, fill_speedups
 from bcg.bench.memory import ceilings_for, run_memory
 
 
-@pytest.mark.parametrize("name", ["amdahl", "report", "timing", "config", "checks", "engines", "memory", "analyze"])
+@pytest.mark.parametrize("name", ["amdahl", "report", "timing", "config", "checks", "engines", "memory",
+                                  "analyze"])
 def test_doctests(name: str) -> None:
     mod = importlib.import_module(f"bcg.bench.{name}")
     result = doctest.testmod(mod, optionflags=doctest.ELLIPSIS)

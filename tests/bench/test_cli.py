@@ -179,8 +179,8 @@ def test_python_dash_m_runs_the_cli() -> None:
 def test_refused_backend_is_unavailable_and_in_no_speedup(tmp_path: Path,
                                                           capsys: pytest.CaptureFixture[str]) -> None:
     # A real refusal: Inductor's CPU kernels cannot run under the CPU emulation, so tc_piecewise refuses the model.
-    rc = main(["bench", *FAST, "--model", "tiny-moe", "--backends", "eager,breakable,tc_piecewise", "--lengths", "8",
-               "--batch-requests", "2", "--no-memory", "--no-plots", "--out", str(tmp_path)])
+    rc = main(["bench", *FAST, "--model", "tiny-moe", "--backends", "eager,breakable,tc_piecewise",
+               "--lengths", "8", "--batch-requests", "2", "--no-memory", "--no-plots", "--out", str(tmp_path)])
     assert rc == 0
     out = capsys.readouterr().out
     assert out.splitlines()[0].startswith("bcg bench: tiny-moe on the CPU")  # the banner names --model
@@ -251,7 +251,8 @@ def test_unloadable_checkpoint_exits_1_with_one_line(tmp_path: Path, capsys: pyt
         assert not (tmp_path / command / "results.json").exists()
 
 
-def test_unwritable_out_is_refused_before_anything_runs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_unwritable_out_is_refused_before_anything_runs(tmp_path: Path,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
     blocker = tmp_path / "a-file"
     blocker.write_text("")
     for out, reason in ((blocker, "it is a file, not a folder"), (blocker / "sub", "Not a directory")):
@@ -279,8 +280,8 @@ def test_help_shows_defaults_and_presets(capsys: pytest.CaptureFixture[str]) -> 
         with pytest.raises(SystemExit):
             main([command, "--help"])
         text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
-        for default in ("(default: 20)", "(default: 5)", "(default: 0)", "2048 on CUDA, 256 on the CPU, for bench and "
-                        "analyze alike", "1 on the CPU", "on when stderr is a terminal"):
+        for default in ("(default: 20)", "(default: 5)", "(default: 0)", "1 on the CPU",
+                        "2048 on CUDA, 256 on the CPU, for bench and analyze alike", "on when stderr is a terminal"):
             assert default in text, (command, default)
         assert all(name in text for name in PRESETS)
     with pytest.raises(SystemExit):

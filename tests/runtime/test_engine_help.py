@@ -23,6 +23,6 @@ def test_engine_signature_lists_every_option_with_its_default() -> None:
 
 def test_help_text_shows_the_options() -> None:
     text = pydoc.render_doc(Engine, renderer=pydoc.plaintext)
-    for snippet in ("backend: str = 'breakable'", "chunked_prefill_size: int = 2048", "max_tokens: int | None = None",
-                    "help(EngineConfig)"):
+    for snippet in ("backend: str = 'breakable'", "chunked_prefill_size: int = 2048",
+                    "max_tokens: int | None = None", "help(EngineConfig)"):
         assert snippet in text, snippet
