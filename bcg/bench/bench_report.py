@@ -91,9 +91,9 @@ def format_bench(cfg: Any, lat: Any, mem: Any, emulated: bool) -> str:
     if failed:
         out += ["", "Failed part-way (rows up to the failure are kept):"]
         out += [f"  {b.backend}: {b.error}" for b in failed]
-    title = "Latency, one request" + (f" ({CPU_SPEEDUP_NOTE.split(':')[0]})" if emulated else "")
-    for t, rows in ((title, lat.rows),
-                    (f"Latency, {cfg.batch_requests} requests (same total tokens)", lat.batch_rows)):
+    where = " (CPU emulation)" if emulated else ""
+    for t, rows in ((f"Latency, one request{where}", lat.rows),
+                    (f"Latency, {cfg.batch_requests} requests, same total tokens{where}", lat.batch_rows)):
         if rows:
             out += ["", _latency_table(t, rows, not emulated)]
     noisy = sum(1 for r in lat.rows + lat.batch_rows if (spread(r) or 0) > NOISY_SPREAD)
