@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import logging
 import platform
-import statistics
 import sys
 from dataclasses import fields
 from pathlib import Path
@@ -20,16 +19,16 @@ from typing import Any
 __all__ = ["build_parser", "main"]
 
 
-def _int_list(what: str) -> Any:
+def _int_list(flag: str) -> Any:
     def parse(text: str) -> list[int]:
-        from bcg.bench.config import parse_int_list
+        from bcg.bench.checks import parse_int_list
 
         try:
-            return parse_int_list(text, what)
+            return parse_int_list(text)
         except ValueError as e:
-            raise argparse.ArgumentTypeError(str(e)) from None
+            raise argparse.ArgumentTypeError(str(e)) from None  # argparse prefixes "argument --flag:"
 
-    parse.__name__ = what  # argparse names the type in its error message
+    parse.__name__ = flag  # argparse names the type in its error message
     return parse
 
 
@@ -38,44 +37,74 @@ def _backend_list(text: str) -> list[str]:
 
     names = [t.strip() for t in text.split(",") if t.strip()]
     if not names:
-        raise argparse.ArgumentTypeError("--backends is empty; give e.g. eager,breakable")
+        raise argparse.ArgumentTypeError("empty; give e.g. eager,breakable")
     try:
         return [resolve_backend(n) for n in names]
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def _both(gpu: Any, cpu: Any) -> str:
+    return f"{gpu} on CUDA, {cpu} on the CPU"
+
+
 def _common(p: argparse.ArgumentParser, out: str) -> None:
+    from bcg.bench.config import CPU_DEFAULTS as C
+    from bcg.bench.config import CUDA_DEFAULTS as G
+    from bcg.bench.config import MAX_CHUNK, RUNS, WARMUP
+    from bcg.models.config import PRESETS
+
     p.add_argument("--model", default=None,
-                   help="preset name or checkpoint folder (default: llama-dense on CUDA, tiny-dense on CPU)")
-    p.add_argument("--runs", type=int, default=None, help="timed runs per measurement (median is reported)")
-    p.add_argument("--warmup", type=int, default=None, help="untimed runs before timing")
-    p.add_argument("--out", default=out, help=f"output folder for results.json and PNGs (default {out})")
-    p.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda when available)")
-    p.add_argument("--dtype", default=None, help="bfloat16, float16 or float32 (default: bf16 on CUDA, fp32 on CPU)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the random weights and prompts")
+                   help=f"a preset ({', '.join(PRESETS)}) or a Hugging Face checkpoint folder (config.json and "
+                   f"*.safetensors of a llama, qwen3 or qwen3_moe model); default: {_both(G.model, C.model)}")
+    p.add_argument("--runs", type=int, default=RUNS,
+                   help="timed runs per measurement; the median is reported with its interquartile range "
+                   "(default: %(default)s)")
+    p.add_argument("--warmup", type=int, default=WARMUP, help="untimed runs before timing (default: %(default)s)")
+    p.add_argument("--out", default=out, help="output folder for results.json and the PNGs, checked for writing "
+                   "before anything runs (default: %(default)s)")
+    p.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda when a GPU is visible)")
+    p.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"],
+                   help=f"weights and activations (default: {_both('bfloat16', 'float32')})")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads (default: torch's own on CUDA, 1 on the CPU: one thread keeps CPU "
+                   "timings repeatable on a busy machine)")
+    p.add_argument("--chunked-prefill-size", type=int, default=None,
+                   help=f"tokens per forward, at most {MAX_CHUNK} (default: "
+                   f"{_both(G.chunked_prefill_size, C.chunked_prefill_size)}, for bench and analyze alike)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the random weights and prompts (default: %(default)s)")
     p.add_argument("--no-plots", dest="plots", action="store_false", help="skip the PNGs")
-    p.add_argument("--no-progress", dest="progress", action="store_false", help="hide progress bars")
+    p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                   help="progress bars on stderr (default: on when stderr is a terminal, off in logs and pipes)")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The argparse parser of ``bcg`` (subcommands ``bench`` and ``analyze``)."""
+    """The argparse parser of ``bcg`` (subcommands ``bench`` and ``analyze``, and ``--version``)."""
+    from bcg import __version__
+    from bcg.bench.config import CPU_DEFAULTS as C
+    from bcg.bench.config import CUDA_DEFAULTS as G
+
     parser = argparse.ArgumentParser(prog="bcg", description="Breakable CUDA graphs for LLM prefill: measure "
-                                     "and judge.")
+                                     "and judge. Without a GPU every graph runs under the CPU emulation; its "
+                                     "timings show no kernel-launch overhead.")
+    parser.add_argument("--version", action="version", version=_version_line(__version__))
     sub = parser.add_subparsers(dest="command", required=True, metavar="{bench,analyze}")
     bench = sub.add_parser("bench", help="isolated prefill latency, build time and memory of every backend",
                            description="One request at a time, fixed input lengths, every backend; plus a "
-                           "many-request batch, build times and the peak-memory experiment.")
+                           "many-request batch, build times and the peak-memory experiment (CUDA only; one "
+                           "chunk-sized prefill per capture ceiling).")
     _common(bench, "out/bench")
     bench.add_argument("--backends", type=_backend_list, default=None,
-                       help="comma list of eager,breakable,full,tc_piecewise (default: all four on CUDA, "
-                       "eager,breakable on CPU); eager is always measured as the baseline")
+                       help=f"comma list of eager,breakable,full,tc_piecewise (default: "
+                       f"{_both(','.join(G.backends), ','.join(C.backends))}); eager is always measured as the "
+                       "baseline")
     bench.add_argument("--lengths", type=_int_list("lengths"), default=None,
-                       help="comma list of input lengths (default 64,...,2048 on CUDA; 16,...,128 on CPU)")
-    bench.add_argument("--chunked-prefill-size", type=int, default=2048,
-                       help="tokens per forward; also the prefill size of the memory experiment")
+                       help=f"comma list of input lengths (default: "
+                       f"{_both(','.join(map(str, G.lengths)), ','.join(map(str, C.lengths)))})")
     bench.add_argument("--batch-requests", type=int, default=16,
-                       help="requests in the extra many-request batch per length (1 turns it off)")
+                       help="requests in the extra many-request batch per length, 1 turns it off "
+                       "(default: %(default)s)")
     bench.add_argument("--no-memory", dest="memory", action="store_false", help="skip the memory experiment")
     bench.add_argument("--no-profile", dest="profile", action="store_false",
                        help="skip the profiler's kernel floor")
@@ -87,16 +116,25 @@ def build_parser() -> argparse.ArgumentParser:
                         "whether breakable graphs pay and which capture ceiling to use.")
     _common(an, "out/analyze")
     an.add_argument("--lengths", type=_int_list("lengths"), default=None,
-                    help="prompt-length distribution, comma list (default: seeded log-uniform 16..chunk)")
-    an.add_argument("--lengths-file", default=None, help="prompt lengths, one or more per line")
-    an.add_argument("--num-prompts", type=int, default=256, help="size of the default length sample")
+                    help="prompt-length distribution, comma list (default: --num-prompts seeded log-uniform "
+                    "lengths in 16..chunk)")
+    an.add_argument("--lengths-file", default=None,
+                    help="prompt lengths, one or more per line (replaces --lengths)")
+    an.add_argument("--num-prompts", type=int, default=256, help="size of the default length sample "
+                    "(default: %(default)s)")
     an.add_argument("--length", type=int, default=None,
-                    help="representative input length for the timings (default 512 on CUDA, 64 on CPU)")
-    an.add_argument("--max-tokens", type=int, default=None, help="capture ceiling (default: the chunk size)")
-    an.add_argument("--chunked-prefill-size", type=int, default=None,
-                    help="tokens per forward (default 2048 on CUDA, 256 on CPU)")
+                    help=f"representative input length for the timings, at most --max-tokens (default: "
+                    f"{_both(G.length, C.length)})")
+    an.add_argument("--max-tokens", type=int, default=None,
+                    help="capture ceiling, at most the chunk size (default: the chunk size)")
     an.set_defaults(func=_run_analyze, parser=an)
     return parser
+
+
+def _version_line(version: str) -> str:
+    import torch
+
+    return f"bcg {version} (distribution bcg-prefill; torch {torch.__version__})"
 
 
 def _config(cls: type, ns: argparse.Namespace) -> Any:
@@ -107,7 +145,8 @@ def _environment(device: str, emulated: bool) -> dict[str, Any]:
     import torch
 
     env = {"torch": torch.__version__, "python": platform.python_version(), "platform": platform.platform(),
-           "cuda": torch.version.cuda, "device": device, "emulated": emulated, "device_name": "cpu"}
+           "cuda": torch.version.cuda, "device": device, "emulated": emulated, "device_name": "cpu",
+           "torch_threads": torch.get_num_threads()}
     if not emulated:
         env["device_name"] = torch.cuda.get_device_name(torch.device(device))
     return env
@@ -121,64 +160,41 @@ def _plot(kind: str, fn: Any, *args: Any) -> str | None:
         return None
 
 
+def _title(cfg: Any, env: dict[str, Any]) -> str:
+    return f"{cfg.model} on {env['device_name']}" + (" (CPU emulation)" if cfg.emulated else "")
+
+
 def _run_bench(cfg: Any) -> dict[str, Any]:
     from bcg.bench import plots
+    from bcg.bench.bench_report import CPU_PLOT_NOTE, CPU_SPEEDUP_NOTE, format_bench, geomean_speedups
     from bcg.bench.latency import run_latency
     from bcg.bench.memory import run_memory
-    from bcg.bench.report import fmt, fmt_bytes, jsonable, table, write_json
+    from bcg.bench.report import jsonable, write_json
 
     env = _environment(cfg.device, cfg.emulated)
     lat = run_latency(cfg)
     mem = (run_memory(cfg.model, cfg.device, cfg.dtype, cfg.seed, cfg.chunked_prefill_size, cfg.progress)
            if cfg.memory else None)
-    results: dict[str, Any] = {"schema": "bcg.bench/1", "kind": "bench", "config": vars(cfg), "environment": env,
-                               "builds": lat.builds, "rows": lat.rows, "batch_rows": lat.batch_rows,
-                               "memory": mem}
+    note = CPU_SPEEDUP_NOTE if cfg.emulated else None
+    results: dict[str, Any] = {"schema": "bcg.bench/2", "kind": "bench", "config": vars(cfg), "environment": env,
+                               "speedup_note": note, "builds": lat.builds, "rows": lat.rows,
+                               "batch_rows": lat.batch_rows, "memory": mem}
     data = jsonable(results)
     out = Path(cfg.out)
     pngs: list[str] = []
-    if cfg.plots:
-        title = f"{cfg.model} on {env['device_name']}" + (" (CPU emulation)" if cfg.emulated else "")
+    if cfg.plots and data["rows"]:
+        title = _title(cfg, env)
         pngs += [_plot("latency", plots.plot_latency, data["rows"], out / "latency.png", title),
-                 _plot("speedup", plots.plot_speedup, data["rows"], out / "speedup.png", title)]
+                 _plot("speedup", plots.plot_speedup, data["rows"], out / "speedup.png",
+                       title + (f"\n{CPU_PLOT_NOTE}" if cfg.emulated else ""))]
         if mem is not None and mem.available:
             pngs.append(_plot("memory", plots.plot_memory, data["memory"]["rows"], out / "memory.png", title))
     data["plots"] = [p for p in pngs if p]
     path = write_json(out / "results.json", data)
-
-    print(table(["backend", "available", "build ms", "compile ms", "capture ms", "buckets", "segs/breaks",
-                 "graph mem", "note"],
-                [[b.backend, fmt(b.available), fmt(b.build_ms, 0), fmt(b.compile_ms, 0), fmt(b.capture_ms, 0),
-                  f"{b.num_captured}/{b.num_buckets}", f"{fmt(b.num_segments)}/{fmt(b.num_breaks)}",
-                  fmt_bytes(b.graph_memory_bytes), (b.error or b.refused_reason or "")[:60]]
-                 for b in lat.builds], title="Build"))
-    for title, rows in (("Latency, one request", lat.rows), (f"Latency, {cfg.batch_requests} requests "
-                                                               "(same total tokens)", lat.batch_rows)):
-        if rows:
-            print()
-            print(table(["backend", "tokens", "reqs", "median ms", "min ms", "speedup", "kernel floor",
-                         "launch gap", "graph"],
-                        [[r.backend, r.num_tokens, r.num_requests, fmt(r.median_ms, 3), fmt(r.min_ms, 3),
-                          fmt(r.speedup_vs_eager, 2, "x"), fmt(r.kernel_floor_ms, 3), fmt(r.launch_gap_share, 2),
-                          "yes" if r.graph_used else r.reason] for r in rows], title=title))
-    if mem is not None:
-        print()
-        if mem.available:
-            print(table(["ceiling", "backend", "buckets", "graph mem", "activation peak", "total above base",
-                         "replayed"],
-                        [[r.label if r.ceiling is None else f"{r.label} ({r.ceiling})", r.backend, r.num_buckets,
-                          fmt_bytes(r.graph_memory_bytes), fmt_bytes(r.activation_peak_bytes),
-                          fmt_bytes(r.device_used_above_baseline_bytes), fmt(r.graph_used)] for r in mem.rows],
-                        title=f"Memory after one {mem.chunked_prefill_size}-token prefill"))
-        else:
-            print(f"Memory: {mem.note}")
-    speedups: dict[str, float | None] = {}
-    for b in cfg.backends:
-        vals = [r.speedup_vs_eager for r in lat.rows if r.backend == b and r.speedup_vs_eager]
-        speedups[b] = statistics.geometric_mean(vals) if vals else None
+    print(format_bench(cfg, lat, mem, cfg.emulated))
     return {"kind": "bench", "model": cfg.model, "device": env["device_name"], "emulated": cfg.emulated,
-            "lengths": cfg.lengths, "geomean_speedup": speedups,
-            "unavailable": {b.backend: b.error for b in lat.builds if not b.available},
+            "lengths": cfg.lengths, "geomean_speedup": geomean_speedups(lat.rows, cfg.backends),
+            "speedup_note": note, "unavailable": {b.backend: b.error for b in lat.builds if not b.available},
             "results": str(path), "plots": data["plots"]}
 
 
@@ -194,8 +210,7 @@ def _run_analyze(cfg: Any) -> dict[str, Any]:
     out = Path(cfg.out)
     pngs = []
     if cfg.plots and a["replay"].get("bucket") is not None:
-        title = f"{cfg.model} on {env['device_name']}" + (" (CPU emulation)" if cfg.emulated else "")
-        pngs.append(_plot("analyze", plots.plot_analyze, data, out / "analyze.png", title))
+        pngs.append(_plot("analyze", plots.plot_analyze, data, out / "analyze.png", _title(cfg, env)))
     data["plots"] = [p for p in pngs if p]
     path = write_json(out / "results.json", data)
     print(format_analysis(a))
@@ -211,11 +226,15 @@ def _run_analyze(cfg: Any) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``bcg`` console script and ``python -m bcg``; returns the exit status.
 
+    0: measured; 1: the run could not measure (e.g. the eager baseline failed to build), one line on stderr;
+    2: a bad flag, with the usage line and one line naming it (nothing has run yet).
+
     Example::
 
         main(["bench", "--device", "cpu", "--lengths", "16,32", "--runs", "2", "--out", "/tmp/b"])
     """
-    from bcg.bench.config import CPU_BANNER, AnalyzeConfig, BenchConfig
+    from bcg.bench.checks import check_out_dir
+    from bcg.bench.config import AnalyzeConfig, BenchConfig, BenchError, cpu_banner
     from bcg.bench.report import summary_line
 
     parser = build_parser()
@@ -223,19 +242,29 @@ def main(argv: list[str] | None = None) -> int:
     cls = BenchConfig if ns.command == "bench" else AnalyzeConfig
     try:
         cfg = _config(cls, ns).resolved()
+        check_out_dir(cfg.out)  # before the run: an unwritable folder must not cost its results
     except ValueError as e:
         ns.parser.error(str(e))  # exits 2 with the subcommand's usage line and the message on stderr
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
-    if not cfg.emulated:
-        import torch
+    import torch
 
+    if not cfg.emulated:
         # CUDA events and the profiler use the current device; make it the one measured (e.g. --device cuda:1).
         dev = torch.device(cfg.device)
         if dev.index is not None:
             torch.cuda.set_device(dev)
-    if cfg.emulated:
-        print(CPU_BANNER)
-    summary = ns.func(cfg)
+    threads = torch.get_num_threads()
+    try:
+        if cfg.threads is not None:
+            torch.set_num_threads(cfg.threads)
+        if cfg.emulated:
+            print(cpu_banner(ns.command, cfg.model, torch.get_num_threads()))
+        summary = ns.func(cfg)
+    except BenchError as e:
+        print(f"bcg {ns.command}: error: {e}", file=sys.stderr)
+        return 1
+    finally:
+        torch.set_num_threads(threads)  # main() called as a function leaves the process as it found it
     print(summary_line(summary))
     return 0
 

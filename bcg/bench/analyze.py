@@ -24,12 +24,13 @@ from typing import Any
 import torch
 
 from bcg.bench import amdahl
-from bcg.bench.config import AnalyzeConfig
+from bcg.bench.config import AnalyzeConfig, BenchError
 from bcg.bench.engines import BuildRecord, engine_for, make_prompts, one_batch
 from bcg.bench.timing import Marks, gpu_kernel_ms, sync, time_fn
 from bcg.bench.verdict import PAYS_THRESHOLD, format_analysis, verdict
 
 __all__ = ["PAYS_THRESHOLD", "format_analysis", "run_analyze", "sample_lengths", "verdict"]
+
 
 def sample_lengths(n: int, low: int, high: int, seed: int) -> list[int]:
     """``n`` seeded log-uniform prompt lengths in ``[low, high]`` (short prompts are common, long ones rare).
@@ -175,7 +176,7 @@ def run_analyze(cfg: AnalyzeConfig, environment: dict[str, Any]) -> dict[str, An
     # Breakable first, eager (with the profiler) last: CUPTI then never runs before a graph capture.
     with engine_for(cfg.model, "breakable", max_tokens=cfg.max_tokens, record=record, **common) as eng:
         if eng is None:
-            raise RuntimeError(f"could not build the breakable engine: {record.error}")
+            raise BenchError(f"the breakable engine of {cfg.model!r} could not be built ({record.error})")
         a["model"] = _describe_model(eng, cfg.model)
         prompt = make_prompts([length], eng.model.config.vocab_size, cfg.seed)[0]
         timing["breakable_forward_ms"], _ = _forward_time(eng, prompt, cfg, kernel=False)
@@ -183,9 +184,10 @@ def run_analyze(cfg: AnalyzeConfig, environment: dict[str, Any]) -> dict[str, An
         a["coverage"] = _coverage(eng, lengths, chunk)
         a["memory"] = _memory(eng, record)
     del eng
-    with engine_for(cfg.model, "eager", max_tokens=chunk, **common) as eng:
+    eager_record = BuildRecord("eager")
+    with engine_for(cfg.model, "eager", max_tokens=chunk, record=eager_record, **common) as eng:
         if eng is None:
-            raise RuntimeError(f"could not build the eager engine for {cfg.model!r}")
+            raise BenchError(f"the eager engine of {cfg.model!r} could not be built ({eager_record.error})")
         timing["eager_forward_ms"], timing["eager_kernel_ms"] = _forward_time(eng, prompt, cfg, kernel=True)
     del eng
     a["build"] = vars(record)

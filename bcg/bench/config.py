@@ -1,26 +1,53 @@
 """Configuration of ``bcg bench`` and ``bcg analyze``: one dataclass each, its fields named like the CLI flags.
 
 Fields left ``None`` take a device-dependent default in :meth:`BenchConfig.resolved` /
-:meth:`AnalyzeConfig.resolved`: on CUDA the paper-sized ``llama-dense`` sweep, without CUDA a small ``tiny-dense``
-run under the CPU emulation that finishes in seconds. Validation raises ``ValueError`` with a message the CLI
-prints as a usage error.
+:meth:`AnalyzeConfig.resolved`, the same for both commands (:data:`CUDA_DEFAULTS`, :data:`CPU_DEFAULTS`): on
+CUDA the paper-sized ``llama-dense`` sweep, without CUDA a small ``tiny-dense`` run under the CPU emulation that
+finishes in seconds, on one torch thread so its timings hold still on a shared machine. Validation raises ``ValueError``
+with a message the CLI prints as a usage error; :class:`BenchError` is a run that could not measure anything.
 """
 
 from __future__ import annotations
 
-import os
+import sys
 from dataclasses import dataclass, replace
 
 import torch
 
-__all__ = ["AnalyzeConfig", "BenchConfig", "CPU_BANNER", "default_device", "parse_int_list", "read_lengths_file",
-           "validate_model"]
+from bcg.bench.checks import check_device, check_dtype, check_model, read_lengths_file
 
-CPU_BANNER = ("bcg: no CUDA device; running tiny-dense under the CPU emulation. These are CPU timings: they do "
-              "not show kernel-launch overhead, so graph backends cannot win here. Run on a GPU for real numbers.")
+__all__ = ["AnalyzeConfig", "BenchConfig", "BenchError", "CPU_DEFAULTS", "CUDA_DEFAULTS", "MAX_CHUNK",
+           "MAX_LENGTH", "MachineDefaults", "cpu_banner", "default_device", "machine_defaults"]
 
-GPU_LENGTHS = [64, 128, 256, 512, 1024, 2048]
-CPU_LENGTHS = [16, 32, 64, 128]
+# Bounds on what one flag can make a run do: a chunk of 16384 tokens is a 74-bucket ladder (a 131072-token one
+# would be 298 captures), and a 128k-token prompt is a long-context request, not a typo.
+MAX_CHUNK = 16384
+MAX_LENGTH = 131072
+RUNS, WARMUP = 20, 5
+
+
+@dataclass(frozen=True)
+class MachineDefaults:
+    """What a ``None`` field becomes on one kind of machine (``threads=None``: torch's own default)."""
+
+    model: str
+    backends: tuple[str, ...]
+    lengths: tuple[int, ...]
+    chunked_prefill_size: int
+    length: int
+    threads: int | None
+
+
+CUDA_DEFAULTS = MachineDefaults("llama-dense", ("eager", "breakable", "full", "tc_piecewise"),
+                                (64, 128, 256, 512, 1024, 2048), 2048, 512, None)
+# One thread: two threads on two shared cores wait on each other whenever a neighbour is busy, and the timings
+# swing by an order of magnitude; one thread is slower but repeatable. A 256-token chunk keeps the emulated ladder
+# to 22 captures.
+CPU_DEFAULTS = MachineDefaults("tiny-dense", ("eager", "breakable"), (16, 32, 64, 128), 256, 64, 1)
+
+
+class BenchError(RuntimeError):
+    """A run that could not measure what it needs (e.g. the eager baseline failed to build); exit status 1."""
 
 
 def default_device() -> str:
@@ -28,52 +55,45 @@ def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def parse_int_list(text: str, what: str = "lengths") -> list[int]:
-    """Parses ``"64,128, 256"`` into positive ints; raises ValueError naming the bad item.
+def machine_defaults(cuda: bool) -> MachineDefaults:
+    """The defaults of a CUDA machine or of the CPU emulation."""
+    return CUDA_DEFAULTS if cuda else CPU_DEFAULTS
+
+
+def cpu_banner(command: str, model: str, threads: int) -> str:
+    """The first line a CPU run prints: what runs, how, and what its numbers cannot show.
 
     Example::
 
-        >>> parse_int_list("64,128")
-        [64, 128]
+        >>> cpu_banner("bench", "tiny-moe", 1).startswith("bcg bench: tiny-moe on the CPU")
+        True
     """
-    items = [t.strip() for t in text.split(",") if t.strip()]
-    if not items:
-        raise ValueError(f"--{what} is empty; give a comma-separated list such as 64,128,256")
-    out = []
-    for t in items:
-        try:
-            v = int(t)
-        except ValueError:
-            raise ValueError(f"--{what}: {t!r} is not an integer") from None
-        if v < 1:
-            raise ValueError(f"--{what}: {v} must be >= 1")
-        out.append(v)
-    return out
+    return (f"bcg {command}: {model} on the CPU, under the CUDA-graph emulation, {threads} torch thread"
+            f"{'s' if threads != 1 else ''} (--threads). CPU timings carry no kernel-launch overhead: a speedup "
+            "here measures the emulation against eager, not what graphs save on a GPU. Run on a GPU for real "
+            "numbers.")
 
 
-def validate_model(model: str) -> None:
-    """Accepts a preset name or a checkpoint folder; raises ValueError listing the presets otherwise."""
-    from bcg.models.config import PRESETS
-
-    if model in PRESETS or os.path.isdir(model):
-        return
-    raise ValueError(f"unknown model {model!r}: not a preset ({', '.join(PRESETS)}) and not a checkpoint folder")
-
-
-def _check_device(device: str) -> None:
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, ValueError):
-        raise ValueError(f"--device {device!r} is not a torch device (use cuda, cuda:1 or cpu)") from None
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda was asked for, but no CUDA device is visible")
-    if dev.type not in ("cuda", "cpu"):
-        raise ValueError(f"--device {device!r}: only cuda and cpu are supported")
+def _check_counts(runs: int, warmup: int, chunk: int) -> None:
+    if runs < 1:
+        raise ValueError(f"--runs must be >= 1, got {runs}")
+    if warmup < 0:
+        raise ValueError(f"--warmup must be >= 0, got {warmup}")
+    if not 1 <= chunk <= MAX_CHUNK:
+        raise ValueError(f"--chunked-prefill-size must be in [1, {MAX_CHUNK}], got {chunk}")
 
 
-def _check_dtype(dtype: str | None) -> None:
-    if dtype is not None and dtype not in ("bfloat16", "float16", "float32"):
-        raise ValueError(f"--dtype {dtype!r}: choose bfloat16, float16 or float32")
+def _check_lengths(flag: str, lengths: list[int]) -> None:
+    if not lengths:
+        raise ValueError(f"{flag} is empty; give a comma-separated list such as 64,128,256")
+    bad = [n for n in lengths if not 1 <= n <= MAX_LENGTH]
+    if bad:
+        raise ValueError(f"{flag}: {bad[0]} is outside [1, {MAX_LENGTH}] tokens")
+
+
+def _check_threads(threads: int | None) -> None:
+    if threads is not None and threads < 1:
+        raise ValueError(f"--threads must be >= 1, got {threads}")
 
 
 @dataclass
@@ -83,24 +103,25 @@ class BenchConfig:
     Example::
 
         cfg = BenchConfig(backends=["eager", "breakable"], lengths=[64, 128]).resolved()
-        cfg.device, cfg.runs      # filled in for this machine
+        cfg.device, cfg.chunked_prefill_size      # filled in for this machine
     """
 
     model: str | None = None
     backends: list[str] | None = None
     lengths: list[int] | None = None
-    runs: int | None = None
-    warmup: int | None = None
+    runs: int = RUNS
+    warmup: int = WARMUP
     out: str = "out/bench"
     device: str | None = None
     dtype: str | None = None
-    chunked_prefill_size: int = 2048
+    threads: int | None = None
+    chunked_prefill_size: int | None = None
     batch_requests: int = 16
     seed: int = 0
     memory: bool = True
     plots: bool = True
     profile: bool = True
-    progress: bool = True
+    progress: bool | None = None
 
     @property
     def emulated(self) -> bool:
@@ -111,9 +132,8 @@ class BenchConfig:
         """A copy with every ``None`` replaced by this machine's default, validated."""
         from bcg.runtime.config import resolve_backend
 
-        device, cuda, model = _resolve_machine(self.device, self.dtype, self.model)
-        backends = self.backends or (["eager", "breakable", "full", "tc_piecewise"] if cuda
-                                     else ["eager", "breakable"])
+        device, d, model = _resolve_machine(self.device, self.dtype, self.model)
+        backends = list(d.backends) if self.backends is None else self.backends
         if not backends:
             raise ValueError("--backends is empty; give e.g. eager,breakable")
         names: list[str] = []
@@ -121,22 +141,23 @@ class BenchConfig:
             name = resolve_backend(b)
             if name not in names:
                 names.append(name)
-        lengths = self.lengths or (GPU_LENGTHS if cuda else CPU_LENGTHS)
-        if not lengths or any(n < 1 for n in lengths):
-            raise ValueError(f"--lengths must be positive token counts, got {lengths}")
-        runs = self.runs if self.runs is not None else (20 if cuda else 3)
-        warmup = self.warmup if self.warmup is not None else (5 if cuda else 1)
-        if runs < 1 or warmup < 0:
-            raise ValueError(f"--runs must be >= 1 and --warmup >= 0, got {runs} and {warmup}")
-        if self.chunked_prefill_size < 1 or self.batch_requests < 1:
-            raise ValueError("--chunked-prefill-size and --batch-requests must be >= 1")
-        return replace(self, model=model, backends=names, lengths=sorted(set(lengths)), runs=runs,
-                       warmup=warmup, device=device)
+        lengths = list(d.lengths) if self.lengths is None else self.lengths
+        _check_lengths("--lengths", lengths)
+        chunk = self.chunked_prefill_size if self.chunked_prefill_size is not None else d.chunked_prefill_size
+        _check_counts(self.runs, self.warmup, chunk)
+        _check_threads(self.threads)
+        if self.batch_requests < 1:
+            raise ValueError(f"--batch-requests must be >= 1, got {self.batch_requests}")
+        return replace(self, model=model, backends=names, lengths=sorted(set(lengths)), device=device,
+                       chunked_prefill_size=chunk, threads=self.threads or d.threads,
+                       progress=_progress(self.progress))
 
     @property
     def ceiling(self) -> int:
-        """Capture ceiling of every engine: the longest input, but never past the chunk (no forward is larger)."""
-        return min(max(self.lengths or [1]), self.chunked_prefill_size)
+        """Capture ceiling of every engine of a resolved config: the longest input, but never past the chunk (no
+        forward is larger)."""
+        longest = max(self.lengths or [1])
+        return min(longest, self.chunked_prefill_size) if self.chunked_prefill_size else longest
 
 
 @dataclass
@@ -145,7 +166,7 @@ class AnalyzeConfig:
 
     ``lengths`` / ``lengths_file`` give the prompt-length distribution for the coverage check (default: a seeded
     log-uniform sample of ``num_prompts`` lengths in [16, chunked_prefill_size]); ``length`` is the representative
-    input length at which eager and breakable are timed.
+    input length at which eager and breakable are timed (one forward, so at most the chunk and the ceiling).
 
     Example::
 
@@ -158,15 +179,16 @@ class AnalyzeConfig:
     num_prompts: int = 256
     length: int | None = None
     max_tokens: int | None = None
-    runs: int | None = None
-    warmup: int | None = None
+    runs: int = RUNS
+    warmup: int = WARMUP
     out: str = "out/analyze"
     device: str | None = None
     dtype: str | None = None
+    threads: int | None = None
     chunked_prefill_size: int | None = None
     seed: int = 0
     plots: bool = True
-    progress: bool = True
+    progress: bool | None = None
 
     @property
     def emulated(self) -> bool:
@@ -174,51 +196,41 @@ class AnalyzeConfig:
 
     def resolved(self) -> AnalyzeConfig:
         """A copy with every ``None`` replaced by this machine's default, validated."""
-        device, cuda, model = _resolve_machine(self.device, self.dtype, self.model)
-        # On a CPU a 2048-token ladder means ~40 emulated captures; 256 keeps analyze to seconds.
-        chunk = self.chunked_prefill_size or (2048 if cuda else 256)
-        if chunk < 1:
-            raise ValueError(f"--chunked-prefill-size must be >= 1, got {chunk}")
+        device, d, model = _resolve_machine(self.device, self.dtype, self.model)
+        chunk = self.chunked_prefill_size if self.chunked_prefill_size is not None else d.chunked_prefill_size
+        _check_counts(self.runs, self.warmup, chunk)
+        _check_threads(self.threads)
         lengths = self.lengths
         if self.lengths_file is not None:
             lengths = read_lengths_file(self.lengths_file)
-        if lengths is not None and (not lengths or any(n < 1 for n in lengths)):
-            raise ValueError("--lengths must be a non-empty list of positive token counts")
-        length = self.length or min(512 if cuda else 64, chunk)
-        if length < 1:
-            raise ValueError(f"--length must be >= 1, got {length}")
-        max_tokens = self.max_tokens or chunk
-        runs = self.runs if self.runs is not None else (20 if cuda else 5)
-        warmup = self.warmup if self.warmup is not None else (5 if cuda else 1)
-        if runs < 1 or warmup < 0 or self.num_prompts < 1:
-            raise ValueError("--runs and --num-prompts must be >= 1 and --warmup >= 0")
+        if lengths is not None:
+            _check_lengths("--lengths-file" if self.lengths_file else "--lengths", lengths)
+        if not 1 <= self.num_prompts <= 1_000_000:
+            raise ValueError(f"--num-prompts must be in [1, 1000000], got {self.num_prompts}")
+        max_tokens = self.max_tokens if self.max_tokens is not None else chunk
+        if not 1 <= max_tokens <= chunk:
+            raise ValueError(f"--max-tokens must be in [1, {chunk}] (no forward is larger than "
+                             f"--chunked-prefill-size {chunk}), got {max_tokens}")
+        length = self.length if self.length is not None else min(d.length, max_tokens)
+        if not 1 <= length <= max_tokens:
+            raise ValueError(f"--length must be in [1, {max_tokens}] (one forward that replays a graph, so at "
+                             f"most --max-tokens {max_tokens}), got {length}")
         return replace(self, model=model, device=device, chunked_prefill_size=chunk, lengths=lengths,
-                       length=length, max_tokens=max_tokens, runs=runs, warmup=warmup)
+                       length=length, max_tokens=max_tokens, threads=self.threads or d.threads,
+                       progress=_progress(self.progress))
 
 
-def _resolve_machine(device: str | None, dtype: str | None, model: str | None) -> tuple[str, bool, str]:
-    """(device, is_cuda, model) with this machine's defaults filled in and each checked."""
+def _progress(progress: bool | None) -> bool:
+    # Bars redraw with carriage returns and escape codes: in a log file or a pipe they are noise.
+    return sys.stderr.isatty() if progress is None else progress
+
+
+def _resolve_machine(device: str | None, dtype: str | None, model: str | None) -> tuple[str, MachineDefaults, str]:
+    """(device, this machine's defaults, model) with the defaults filled in and each checked."""
     device = device or default_device()
-    _check_device(device)
-    _check_dtype(dtype)
-    cuda = torch.device(device).type == "cuda"
-    model = model or ("llama-dense" if cuda else "tiny-dense")
-    validate_model(model)
-    return device, cuda, model
-
-
-def read_lengths_file(path: str) -> list[int]:
-    """Prompt lengths from a text file: integers separated by whitespace or commas (``#`` starts a comment).
-
-    Example::
-
-        read_lengths_file("lengths.txt")   # "128\\n512, 2048  # long ones\\n" -> [128, 512, 2048]
-    """
-    try:
-        text = open(path).read()
-    except OSError as e:
-        raise ValueError(f"--lengths-file {path!r}: {e.strerror}") from None
-    tokens = [t for line in text.splitlines() for t in line.split("#", 1)[0].replace(",", " ").split()]
-    if not tokens:
-        raise ValueError(f"--lengths-file {path!r} holds no lengths")
-    return parse_int_list(",".join(tokens), "lengths-file")
+    check_device(device)
+    check_dtype(dtype)
+    d = machine_defaults(torch.device(device).type == "cuda")
+    model = model or d.model
+    check_model(model)
+    return device, d, model

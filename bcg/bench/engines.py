@@ -24,8 +24,9 @@ class BuildRecord:
 
     Attributes:
         backend: backend name.
-        available: False when the engine could not be constructed (``error`` says why).
-        refused_reason: set when the engine was built but the backend refused to capture (serves eagerly).
+        available: False when the engine could not be constructed or its backend refused the model (``error``
+            says why); an unavailable backend is measured nowhere, so its eager fallback never counts as its speed.
+        refused_reason: set when the backend refused to capture this model (the engine would serve eagerly).
         build_ms: runner build (compile + capture); load_ms: model load.
         compile_ms / capture_ms: the two parts of the build (``telemetry``).
         num_buckets / num_captured: ladder size and buckets that captured.
@@ -64,8 +65,10 @@ def _first_line(e: BaseException) -> str:
 
 @contextlib.contextmanager
 def engine_for(model: str, backend: str, *, device: str, dtype: str | None, seed: int, chunked_prefill_size: int,
-               max_tokens: int | None, progress: bool, record: BuildRecord | None = None) -> Iterator[Any]:
-    """Builds an Engine for ``backend``; yields it, or ``None`` when it cannot be built (``record`` says why).
+               max_tokens: int | None, progress: bool, record: BuildRecord | None = None,
+               kv_tokens: int | None = None) -> Iterator[Any]:
+    """Builds an Engine for ``backend``; yields it, or ``None`` when it cannot be built or its backend refuses the
+    model (``record`` says why: ``error``, and ``refused_reason`` for a refusal).
 
     The engine is freed on exit, so callers must not keep references to it past the ``with`` block.
 
@@ -84,7 +87,7 @@ def engine_for(model: str, backend: str, *, device: str, dtype: str | None, seed
     record.ceiling = max_tokens
     free_memory()
     try:
-        eng = Engine(model, backend=backend, device=device, dtype=dtype, seed=seed,
+        eng = Engine(model, backend=backend, device=device, dtype=dtype, seed=seed, kv_tokens=kv_tokens,
                      chunked_prefill_size=chunked_prefill_size, max_tokens=max_tokens, progress=progress)
     except Exception as e:  # noqa: BLE001 - an unavailable backend is a result to report, not a crash
         record.available, record.error = False, _first_line(e)
@@ -92,6 +95,13 @@ def engine_for(model: str, backend: str, *, device: str, dtype: str | None, seed
         yield None
         return
     describe_build(eng, record)
+    if record.refused_reason is not None:
+        # A refused backend serves every batch eagerly: timing that would report eager under its name.
+        record.available, record.error = False, record.refused_reason
+        del eng
+        free_memory()
+        yield None
+        return
     try:
         yield eng
     finally:

@@ -2,9 +2,13 @@
 
 For each backend one engine is built per model (capture ceiling = the longest input, capped at the chunk size) and
 reused across lengths. Each (backend, length) row holds the median prefill latency over ``runs`` timed runs after
-``warmup``, the speedup over eager and the kernel floor (device busy time of the eager forward, CUDA only). For the
-eager and breakable backends one extra batch per length packs ``batch_requests`` requests of the same total tokens,
-to show whether a many-request batch still replays a graph.
+``warmup`` with its interquartile range, the speedup over eager with the range the two spreads allow, and the
+kernel floor (device busy time of the eager forward, CUDA only). For every backend one extra batch per length packs
+``batch_requests`` requests of the same total tokens, to show whether a many-request batch still replays a graph
+(``full`` bakes in a few request slots, so there it usually runs eagerly, and the row says so).
+
+A backend that cannot be built, or that refuses the model, gets no rows: its build record says why, and nothing it
+would have served eagerly is counted as its speed.
 """
 
 from __future__ import annotations
@@ -16,13 +20,11 @@ import torch
 from tqdm.auto import tqdm
 
 from bcg.bench.amdahl import launch_gap_share
-from bcg.bench.config import BenchConfig
+from bcg.bench.config import BenchConfig, BenchError
 from bcg.bench.engines import BuildRecord, engine_for, make_prompts, split_tokens
 from bcg.bench.timing import gpu_kernel_ms, time_fn
 
 __all__ = ["LatencyResult", "LatencyRow", "fill_speedups", "run_latency"]
-
-BATCH_BACKENDS = ("eager", "breakable")
 
 
 @dataclass
@@ -30,7 +32,9 @@ class LatencyRow:
     """One (backend, input length, requests) measurement; times in milliseconds.
 
     ``graph_used`` is True when every forward of the timed prefill replayed a graph; ``bucket``/``reason`` are
-    those of its first forward. ``kernel_floor_ms`` is the eager forward's device busy time at the same shape.
+    those of its first forward. ``q1_ms``/``q3_ms`` bound the middle half of the runs; ``speedup_low``/``_high``
+    are the speedup over eager that those spreads allow (eager's q1 over this q3, eager's q3 over this q1).
+    ``kernel_floor_ms`` is the eager forward's device busy time at the same shape.
     """
 
     backend: str
@@ -39,6 +43,9 @@ class LatencyRow:
     num_tokens: int
     median_ms: float
     min_ms: float
+    q1_ms: float
+    q3_ms: float
+    max_ms: float
     mean_ms: float
     stdev_ms: float
     runs: int
@@ -46,6 +53,8 @@ class LatencyRow:
     bucket: int | None
     reason: str
     speedup_vs_eager: float | None = None
+    speedup_low: float | None = None
+    speedup_high: float | None = None
     kernel_ms: float | None = None
     kernel_floor_ms: float | None = None
     launch_gap_share: float | None = None
@@ -67,7 +76,8 @@ def _measure(eng: Any, backend: str, input_len: int, prompts: list[Any], cfg: Be
     return LatencyRow(
         backend=backend, input_len=input_len, num_requests=len(prompts),
         num_tokens=sum(int(p.numel()) for p in prompts), median_ms=timing.median_ms, min_ms=timing.min_ms,
-        mean_ms=timing.mean_ms, stdev_ms=timing.stdev_ms, runs=len(timing.samples_ms),
+        q1_ms=timing.q1_ms, q3_ms=timing.q3_ms, max_ms=timing.max_ms, mean_ms=timing.mean_ms,
+        stdev_ms=timing.stdev_ms, runs=len(timing.samples_ms),
         graph_used=all(b.graph_used for b in batches), bucket=first.bucket, reason=first.reason,
     )
 
@@ -76,12 +86,15 @@ def _bench_backend(backend: str, cfg: BenchConfig, result: LatencyResult, bar: A
     """Builds one engine, measures every length, and frees it (the engine lives only in this frame)."""
     record = BuildRecord(backend)
     result.builds.append(record)
+    # The KV pool holds the longest prompt (the many-request batch has the same total), however long it is.
     with engine_for(cfg.model, backend, device=cfg.device, dtype=cfg.dtype, seed=cfg.seed,
                     chunked_prefill_size=cfg.chunked_prefill_size, max_tokens=cfg.ceiling,
-                    progress=cfg.progress, record=record) as eng:
+                    kv_tokens=max(cfg.lengths), progress=cfg.progress, record=record) as eng:
         if eng is None:
-            bar.update(len(cfg.lengths))
-            bar.write(f"bcg bench: backend {backend!r} is unavailable: {record.error}")
+            if backend == "eager":
+                raise BenchError(f"the eager baseline of {cfg.model!r} could not be built ({record.error}); "
+                                 "nothing was measured")
+            bar.update(len(cfg.lengths))  # the report lists it with its reason
             return
         vocab = eng.model.config.vocab_size
         for done, length in enumerate(cfg.lengths):
@@ -89,7 +102,7 @@ def _bench_backend(backend: str, cfg: BenchConfig, result: LatencyResult, bar: A
             try:
                 single = make_prompts([length], vocab, cfg.seed + length)
                 result.rows.append(_measure(eng, backend, length, single, cfg))
-                if backend in BATCH_BACKENDS and cfg.batch_requests > 1:
+                if cfg.batch_requests > 1:
                     many = make_prompts(split_tokens(length, cfg.batch_requests), vocab, cfg.seed + length)
                     result.batch_rows.append(_measure(eng, backend, length, many, cfg))
             except Exception as e:  # noqa: BLE001 - one backend failing must not lose the others' results
@@ -113,7 +126,7 @@ def _kernel_floors(cfg: BenchConfig, result: LatencyResult) -> None:
         return
     with engine_for(cfg.model, "eager", device=cfg.device, dtype=cfg.dtype, seed=cfg.seed,
                     chunked_prefill_size=cfg.chunked_prefill_size, max_tokens=cfg.ceiling,
-                    progress=False) as eng:
+                    kv_tokens=max(cfg.lengths), progress=False) as eng:
         if eng is None:
             return
         for row in rows:
@@ -123,7 +136,8 @@ def _kernel_floors(cfg: BenchConfig, result: LatencyResult) -> None:
 
 
 def fill_speedups(rows: list[LatencyRow]) -> None:
-    """Sets speedup over eager, the kernel floor and the launch-gap share on rows of the same shape.
+    """Sets speedup over eager (and its range from both rows' quartiles), the kernel floor and the launch-gap
+    share on rows of the same shape.
 
     Example::
 
@@ -135,6 +149,8 @@ def fill_speedups(rows: list[LatencyRow]) -> None:
         if base is None:
             continue
         r.speedup_vs_eager = base.median_ms / r.median_ms if r.median_ms > 0 else None
+        if r is not base and r.q1_ms > 0:
+            r.speedup_low, r.speedup_high = base.q1_ms / r.q3_ms, base.q3_ms / r.q1_ms
         r.kernel_floor_ms = base.kernel_ms
         r.launch_gap_share = launch_gap_share(base.kernel_ms, r.median_ms) if r.median_ms > 0 else None
 
@@ -142,7 +158,8 @@ def fill_speedups(rows: list[LatencyRow]) -> None:
 def run_latency(cfg: BenchConfig) -> LatencyResult:
     """Runs the isolated prefill experiment for every backend of a resolved ``cfg``.
 
-    Eager is always measured (first) because every speedup is relative to it.
+    Eager is always measured (first) because every speedup is relative to it; when it cannot be built nothing
+    is, and :class:`~bcg.bench.config.BenchError` says why.
 
     Example::
 

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["plot_analyze", "plot_latency", "plot_memory", "plot_speedup"]
+__all__ = ["analyze_figure", "plot_analyze", "plot_latency", "plot_memory", "plot_speedup"]
 
 
 def _plt() -> Any:
@@ -47,8 +47,15 @@ def _backends(rows: Sequence[dict]) -> list[str]:
     return seen
 
 
+def _legend_below(ax: Any, ncol: int = 2, fontsize: int = 8) -> None:
+    """A legend under the axes, where it cannot hide a bar or a line (only when something carries a label)."""
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=ncol, fontsize=fontsize, frameon=False)
+
+
 def plot_latency(rows: Sequence[dict], path: str | os.PathLike, title: str = "") -> Path:
-    """Median prefill latency vs input length, one line per backend, log2 x axis, kernel floor dashed.
+    """Median prefill latency vs input length, one line per backend (bars: interquartile range), log2 x axis,
+    kernel floor dashed.
 
     Flat lines over a 32x length range are the seed's signature of launch-bound prefill.
 
@@ -59,23 +66,29 @@ def plot_latency(rows: Sequence[dict], path: str | os.PathLike, title: str = "")
     plt = _plt()
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for backend in _backends(rows):
-        pts = sorted((r["input_len"], r["median_ms"]) for r in rows if r["backend"] == backend)
-        ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=backend)
+        pts = sorted((r["input_len"], r["median_ms"], r.get("q1_ms"), r.get("q3_ms")) for r in rows
+                     if r["backend"] == backend)
+        xs, ys = [p[0] for p in pts], [p[1] for p in pts]
+        lo = [y - (q1 if q1 is not None else y) for _, y, q1, _ in pts]
+        hi = [(q3 if q3 is not None else y) - y for _, y, _, q3 in pts]
+        ax.errorbar(xs, ys, yerr=[lo, hi], marker="o", capsize=3, label=backend)
     floor = sorted({(r["input_len"], r["kernel_floor_ms"]) for r in rows if r.get("kernel_floor_ms") is not None})
     if floor:
         ax.plot([x for x, _ in floor], [y for _, y in floor], "k--", label="kernel floor (eager)")
     _log2_axis(ax, sorted({r["input_len"] for r in rows}))
     ax.set_xlabel("input length (tokens, one request)")
-    ax.set_ylabel("prefill latency, median (ms)")
+    ax.set_ylabel("prefill latency (ms): median, bars q1-q3")
     ax.set_ylim(bottom=0)
     ax.set_title(title or "Isolated prefill latency")
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend()
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend()
     return _save(fig, path)
 
 
 def plot_speedup(rows: Sequence[dict], path: str | os.PathLike, title: str = "") -> Path:
-    """Grouped bars of speedup over eager per input length and backend, with a line at 1x.
+    """Grouped bars of speedup over eager per input length and backend, with a line at 1x; the whiskers span the
+    speedups the two rows' interquartile ranges allow.
 
     Example::
 
@@ -87,9 +100,14 @@ def plot_speedup(rows: Sequence[dict], path: str | os.PathLike, title: str = "")
     fig, ax = plt.subplots(figsize=(7, 4.5))
     width = 0.8 / max(len(backends), 1)
     for i, backend in enumerate(backends):
-        by_len = {r["input_len"]: r.get("speedup_vs_eager") for r in rows if r["backend"] == backend}
+        by_len = {r["input_len"]: r for r in rows if r["backend"] == backend}
         xs = [j + i * width for j in range(len(lengths))]
-        ax.bar(xs, [by_len.get(n) or 0.0 for n in lengths], width, label=backend)
+        mid = [(by_len[n].get("speedup_vs_eager") or 0.0) if n in by_len else 0.0 for n in lengths]
+        lo = [max(m - (by_len[n].get("speedup_low") or m), 0.0) if n in by_len else 0.0
+              for n, m in zip(lengths, mid)]
+        hi = [max((by_len[n].get("speedup_high") or m) - m, 0.0) if n in by_len else 0.0
+              for n, m in zip(lengths, mid)]
+        ax.bar(xs, mid, width, yerr=[lo, hi], capsize=3, label=backend)
     ax.axhline(1.0, color="k", lw=0.8)
     ax.set_xticks([j + width * (len(backends) - 1) / 2 for j in range(len(lengths))])
     ax.set_xticklabels([str(n) for n in lengths])
@@ -138,8 +156,15 @@ def plot_analyze(analysis: dict[str, Any], path: str | os.PathLike, title: str =
 
         plot_analyze(analysis_json, "out/analyze/analyze.png")
     """
+    return _save(analyze_figure(analysis, title), path)
+
+
+def analyze_figure(analysis: dict[str, Any], title: str = "") -> Any:
+    """The matplotlib figure of :func:`plot_analyze`, unsaved (legends under the panels, whole-number counts)."""
+    from matplotlib.ticker import MaxNLocator
+
     plt = _plt()
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.5))
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 5.5))
     rep = analysis["replay"]
     eager_ms = analysis["timing"]["eager_forward_ms"]
     ax1.bar([0], [eager_ms], 0.6, color="tab:gray", label="eager forward")
@@ -161,7 +186,7 @@ def plot_analyze(analysis: dict[str, Any], path: str | os.PathLike, title: str =
     ax1.set_xticklabels(["eager", "breakable\n(parts)"])
     ax1.set_ylabel(f"ms per forward ({analysis['timing']['length']} tokens)")
     ax1.set_title(f"Island share p = {rep['p']:.2f}")
-    ax1.legend(fontsize=7)
+    _legend_below(ax1, fontsize=7)
 
     cov = analysis["coverage"]
     sizes, graph = cov["forward_sizes"], cov["forward_graph"]
@@ -175,8 +200,10 @@ def plot_analyze(analysis: dict[str, Any], path: str | os.PathLike, title: str =
     ax2.axvline(cov["max_bucket"], color="k", ls="--", label=f"ceiling {cov['max_bucket']}")
     ax2.set_xlabel("forward size (tokens)")
     ax2.set_ylabel("forwards")
+    ax2.yaxis.set_major_locator(MaxNLocator(integer=True))  # a count of forwards has no fractions
     ax2.set_title(f"Coverage {cov['graph_fraction']:.0%}, padding waste {cov['padding_waste']:.0%}")
-    ax2.legend(fontsize=8)
+    _legend_below(ax2)
     if title:
         fig.suptitle(title)
-    return _save(fig, path)
+    fig.tight_layout()
+    return fig

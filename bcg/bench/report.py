@@ -14,7 +14,36 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["fmt", "fmt_bytes", "jsonable", "summary_line", "table", "write_json"]
+__all__ = ["describe_reason", "fmt", "fmt_bytes", "jsonable", "summary_line", "table", "write_json"]
+
+# The runner's per-batch reason codes, as a reader of the table would say them.
+_REASONS = {
+    "backend_eager": "eager backend",
+    "backend_refused": "backend refused the model",
+    "bucket_disabled": "its bucket is disabled",
+    "exceeds_max_bucket": "more tokens than the largest bucket",
+    "padding_over_limit": "padding over max_padding_factor",
+    "too_many_requests": "more requests than the graph's request slots",
+    "too_many_keys": "more cached keys than prefix_capacity",
+    "replay_failed": "replay failed",
+}
+
+
+def describe_reason(graph_used: bool, reason: str, bucket: int | None = None) -> str:
+    """The graph column of a latency row: which bucket replayed, or in words why the batch ran eagerly.
+
+    Example::
+
+        >>> describe_reason(True, "graph", 16), describe_reason(False, "too_many_requests")
+        ('yes (bucket 16)', "no: more requests than the graph's request slots")
+        >>> describe_reason(False, "backend_eager")
+        '- (eager backend)'
+    """
+    if graph_used:
+        return f"yes (bucket {bucket})" if bucket is not None else "yes"
+    if reason == "backend_eager":
+        return "- (eager backend)"
+    return f"no: {_REASONS.get(reason, reason.replace('_', ' '))}"
 
 
 def fmt(value: Any, digits: int = 2, suffix: str = "") -> str:

@@ -36,8 +36,8 @@ class Timing:
     Example::
 
         >>> t = Timing([3.0, 1.0, 2.0])
-        >>> t.median_ms, t.min_ms
-        (2.0, 1.0)
+        >>> t.median_ms, t.min_ms, t.q1_ms, t.q3_ms
+        (2.0, 1.0, 1.5, 2.5)
     """
 
     samples_ms: list[float] = field(default_factory=list)
@@ -51,6 +51,24 @@ class Timing:
         return min(self.samples_ms)
 
     @property
+    def max_ms(self) -> float:
+        return max(self.samples_ms)
+
+    @property
+    def q1_ms(self) -> float:
+        """First quartile: with ``q3_ms`` the interquartile range, the spread that one stray run cannot move."""
+        return self._quartiles()[0]
+
+    @property
+    def q3_ms(self) -> float:
+        return self._quartiles()[2]
+
+    def _quartiles(self) -> list[float]:
+        if len(self.samples_ms) < 2:
+            return [self.samples_ms[0]] * 3
+        return statistics.quantiles(self.samples_ms, n=4, method="inclusive")
+
+    @property
     def mean_ms(self) -> float:
         return statistics.fmean(self.samples_ms)
 
@@ -59,8 +77,9 @@ class Timing:
         return statistics.stdev(self.samples_ms) if len(self.samples_ms) > 1 else 0.0
 
     def to_dict(self) -> dict[str, Any]:
-        return {"median_ms": self.median_ms, "min_ms": self.min_ms, "mean_ms": self.mean_ms,
-                "stdev_ms": self.stdev_ms, "runs": len(self.samples_ms)}
+        return {"median_ms": self.median_ms, "min_ms": self.min_ms, "q1_ms": self.q1_ms, "q3_ms": self.q3_ms,
+                "max_ms": self.max_ms, "mean_ms": self.mean_ms, "stdev_ms": self.stdev_ms,
+                "runs": len(self.samples_ms)}
 
 
 def time_fn(fn: Callable[[], Any], device: torch.device | str, runs: int = 10, warmup: int = 3) -> Timing:

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import inspect
 import os
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
-from typing import Any
+from dataclasses import MISSING, dataclass, fields
+from typing import Any, get_type_hints
 
 import numpy as np
 import torch
@@ -63,6 +64,8 @@ class Engine:
         model: a preset name (``"tiny-dense"``, ``"llama-dense"``, ...), a Hugging Face checkpoint folder, a
             :class:`ModelConfig` or a built model.
         config: an :class:`EngineConfig`; keyword arguments override or replace it field by field.
+        **options: any field of :class:`EngineConfig` (the signature lists each with its default;
+            ``help(EngineConfig)`` says what each does).
 
     Example::
 
@@ -179,3 +182,23 @@ class Engine:
             raise ValueError(f"the prompts need {total} KV slots but the pool has {capacity} free; raise "
                              "kv_tokens or prefill fewer/shorter prompts")
         return out, lengths
+
+
+def _signature_with_options() -> inspect.Signature:
+    """``Engine.__init__``'s signature with ``**kwargs`` spelled out as EngineConfig's fields and defaults, so
+    ``help(Engine)`` and editors show every option; built from the dataclass, so it cannot drift from it."""
+    init = inspect.signature(Engine.__init__, eval_str=True)
+    head = [p for p in init.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
+    hints = get_type_hints(EngineConfig)
+
+    def default(f: Any) -> Any:
+        if f.default is not MISSING:
+            return f.default
+        return f.default_factory() if f.default_factory is not MISSING else inspect.Parameter.empty
+
+    options = [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=default(f),
+                                 annotation=hints.get(f.name, f.type)) for f in fields(EngineConfig)]
+    return init.replace(parameters=head + options)
+
+
+Engine.__init__.__signature__ = _signature_with_options()  # type: ignore[attr-defined]

@@ -9,13 +9,15 @@ import math
 
 import pytest
 
-from bcg.bench import analyze, report, timing
+from bcg.bench import analyze, bench_report, checks, report, timing
 from bcg.bench.config import AnalyzeConfig, BenchConfig
-from bcg.bench.engines import split_tokens
+from bcg.bench.engines import BuildRecord, split_tokens
+from bcg.bench.latency import LatencyResult, LatencyRow, fill_speedups
 from bcg.bench.memory import ceilings_for, run_memory
 
 
-@pytest.mark.parametrize("name", ["amdahl", "report", "timing", "config", "engines", "memory", "analyze"])
+@pytest.mark.parametrize("name", ["amdahl", "report", "timing", "config", "checks", "engines", "memory",
+                                  "analyze"])
 def test_doctests(name: str) -> None:
     mod = importlib.import_module(f"bcg.bench.{name}")
     result = doctest.testmod(mod, optionflags=doctest.ELLIPSIS)
@@ -73,6 +75,83 @@ def test_configs_fill_cpu_defaults() -> None:
     assert BenchConfig(device="cpu", backends=["disabled", "eager"]).resolved().backends == ["eager"]
     a = AnalyzeConfig(device="cpu").resolved()
     assert a.chunked_prefill_size == 256 and a.max_tokens == 256 and a.length <= 256
+    # One set of machine defaults for both commands, and one thread on the CPU.
+    assert b.chunked_prefill_size == a.chunked_prefill_size and (b.runs, b.warmup) == (a.runs, a.warmup)
+    assert b.threads == a.threads == 1
+    assert AnalyzeConfig(device="cpu", length=8, max_tokens=16).resolved().length == 8
+    with pytest.raises(ValueError, match="--length must be in"):  # 0 is refused, not replaced by a default
+        AnalyzeConfig(device="cpu", length=0).resolved()
+
+
+def test_check_out_dir_creates_and_proves_the_folder(tmp_path) -> None:
+    out = checks.check_out_dir(str(tmp_path / "a" / "b"))
+    assert out.is_dir() and list(out.iterdir()) == []  # the probe file is gone again
+    (tmp_path / "f").write_text("")
+    with pytest.raises(ValueError, match="it is a file, not a folder"):
+        checks.check_out_dir(str(tmp_path / "f"))
+
+
+def _row(backend: str, median: float, q1: float, q3: float, **kw) -> LatencyRow:
+    return LatencyRow(backend=backend, input_len=16, num_requests=1, num_tokens=16, median_ms=median, min_ms=q1,
+                      q1_ms=q1, q3_ms=q3, max_ms=q3, mean_ms=median, stdev_ms=0.0, runs=20,
+                      graph_used=backend != "eager", bucket=16 if backend != "eager" else None,
+                      reason="graph" if backend != "eager" else "backend_eager", **kw)
+
+
+def test_bench_report_labels_cpu_speedups_and_marks_noisy_rows() -> None:
+    rows = [_row("eager", 2.0, 1.9, 2.1), _row("breakable", 1.0, 0.5, 1.5)]
+    fill_speedups(rows)
+    assert rows[1].speedup_vs_eager == 2.0
+    assert rows[1].speedup_low == pytest.approx(1.9 / 1.5) and rows[1].speedup_high == pytest.approx(2.1 / 0.5)
+    assert rows[0].speedup_low is None  # eager against itself has no range
+    assert bench_report.spread(rows[1]) == pytest.approx(1.0)
+    builds = [BuildRecord("eager"), BuildRecord("breakable"),
+              BuildRecord("full", available=False, error="refused: why", refused_reason="refused: why")]
+    lat = LatencyResult(builds=builds, rows=rows)
+    cfg = BenchConfig(device="cpu", backends=["eager", "breakable", "full"], lengths=[16])
+    text = bench_report.format_bench(cfg, lat, None, emulated=True)
+    assert "Latency, one request (CPU emulation)" in text
+    assert "Unavailable (not measured, in no speedup):\n  full: refused: why" in text
+    assert "1 row(s) marked noisy" in text and text.count("noisy") >= 2
+    assert f"breakable 2.00x ({bench_report.CPU_SPEEDUP_NOTE})." in text
+    assert "full" not in bench_report.geomean_speedups(rows, cfg.backends)
+    gpu = bench_report.format_bench(cfg, lat, None, emulated=False)
+    assert "CPU emulation" not in gpu and "kernel floor" in gpu and "breakable 2.00x." in gpu
+
+
+def test_reasons_read_as_words() -> None:
+    assert report.describe_reason(True, "graph", 32) == "yes (bucket 32)"
+    assert report.describe_reason(False, "backend_refused") == "no: backend refused the model"
+    assert report.describe_reason(False, "some_new_code") == "no: some new code"
+
+
+def _analysis_for_plot() -> dict:
+    sizes = [4, 8, 8, 12, 16, 16, 16, 30, 32, 32]
+    return {
+        "replay": {"outside_ms": 0.3, "segments_ms": 1.0, "p": 0.4,
+                   "islands": [{"name": "attention", "ms": 0.5}, {"name": "topk", "ms": 0.2}]},
+        "timing": {"eager_forward_ms": 3.0, "eager_kernel_ms": 1.2, "breakable_forward_ms": 2.1, "length": 16},
+        "coverage": {"forward_sizes": sizes, "forward_graph": [s <= 16 for s in sizes], "max_bucket": 16,
+                     "graph_fraction": 0.7, "padding_waste": 0.1},
+    }
+
+
+def test_analyze_figure_counts_whole_forwards_and_keeps_legends_off_the_bars() -> None:
+    from bcg.bench.plots import analyze_figure
+
+    fig = analyze_figure(_analysis_for_plot(), "tiny-dense on cpu")
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    ax1, ax2 = fig.axes[:2]
+    ticks = [t for t in ax2.get_yticks() if ax2.get_ylim()[0] <= t <= ax2.get_ylim()[1]]
+    assert ticks and all(float(t).is_integer() for t in ticks)
+    for ax in (ax1, ax2):
+        legend = ax.get_legend().get_window_extent(renderer)
+        bars = [p.get_window_extent(renderer) for p in ax.patches if p.get_height() > 0]
+        assert bars and not any(legend.overlaps(b) for b in bars)
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
 
 
 def _analysis(speedup: float, share: float | None, emulated: bool = False) -> dict:

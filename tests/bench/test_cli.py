@@ -25,11 +25,20 @@ def test_bench_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
     rc = main(["bench", *FAST, "--lengths", "8,16", "--batch-requests", "4", "--chunked-prefill-size", "64",
                "--out", str(tmp_path)])
     assert rc == 0
-    out = capsys.readouterr().out
-    assert "CPU timings" in out.splitlines()[0]  # the emulation banner comes first
+    captured = capsys.readouterr()
+    out = captured.out
+    banner = out.splitlines()[0]  # the emulation banner comes first, naming what runs
+    assert banner.startswith("bcg bench: tiny-dense on the CPU") and "1 torch thread" in banner
+    assert "not what graphs save on a GPU" in banner
     summary = last_json(out)
     assert summary["kind"] == "bench" and summary["emulated"] is True
-    assert set(summary["geomean_speedup"]) == {"eager", "breakable"}
+    assert set(summary["geomean_speedup"]) == {"breakable"}  # eager over itself is no speedup
+    assert "not the kernel-launch overhead" in summary["speedup_note"]
+    geomean = next(line for line in out.splitlines() if line.startswith("Geomean speedup"))
+    assert "CPU emulation" in geomean and "not the kernel-launch overhead" in geomean
+    # Internal reason codes stay internal; the graph column says what happened in words.
+    assert "backend_eager" not in out and "- (eager backend)" in out and "yes (bucket 16)" in out
+    assert "\r" not in captured.err and "\x1b" not in captured.err  # no progress bars when stderr is no terminal
 
     data = json.loads((tmp_path / "results.json").read_text())
     assert {"schema", "config", "environment", "builds", "rows", "batch_rows", "memory", "plots"} <= set(data)
@@ -39,6 +48,11 @@ def test_bench_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
         for field in ("median_ms", "speedup_vs_eager", "kernel_floor_ms", "num_tokens", "graph_used", "reason"):
             assert field in r
         assert r["median_ms"] > 0 and r["num_requests"] == 1
+        assert r["min_ms"] <= r["q1_ms"] <= r["median_ms"] <= r["q3_ms"] <= r["max_ms"]
+    for r in data["rows"]:
+        if r["backend"] == "breakable":
+            assert r["speedup_low"] <= r["speedup_vs_eager"] <= r["speedup_high"]
+    assert data["config"]["threads"] == 1 and data["environment"]["torch_threads"] == 1
     assert all(r["graph_used"] for r in data["rows"] if r["backend"] == "breakable")
     assert all(r["speedup_vs_eager"] == 1.0 for r in data["rows"] if r["backend"] == "eager")
     assert {(r["backend"], r["num_requests"]) for r in data["batch_rows"]} == {("eager", 4), ("breakable", 4)}
@@ -66,8 +80,10 @@ def test_bench_reports_unavailable_backend(tmp_path: Path, capsys: pytest.Captur
     rc = main(["bench", *FAST, "--backends", "eager,full", "--lengths", "8", "--batch-requests", "1",
                "--no-memory", "--no-plots", "--out", str(tmp_path)])
     assert rc == 0
-    summary = last_json(capsys.readouterr().out)
+    out = capsys.readouterr().out
+    summary = last_json(out)
     assert "not available" in summary["unavailable"]["full"]
+    assert "Unavailable (not measured, in no speedup):" in out and "  full: ValueError: backend 'full'" in out
     data = json.loads((tmp_path / "results.json").read_text())
     assert [r["backend"] for r in data["rows"]] == ["eager"]
     assert data["memory"] is None and data["plots"] == []
@@ -108,15 +124,29 @@ def test_analyze_lengths_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["bench", "--backends", "eager,warp"], "unknown backend 'warp'"),
-    (["bench", "--lengths", ""], "--lengths is empty"),
-    (["bench", "--lengths", "16,abc"], "'abc' is not an integer"),
-    (["bench", "--lengths", "16,-4"], "must be >= 1"),
-    (["bench", "--model", "no-such-model", "--device", "cpu"], "unknown model 'no-such-model'"),
-    (["analyze", "--model", "no-such-model", "--device", "cpu"], "unknown model 'no-such-model'"),
-    (["analyze", "--lengths-file", "/no/such/file", "--device", "cpu"], "--lengths-file"),
-    (["bench", "--runs", "0", "--device", "cpu"], "--runs must be >= 1"),
-    (["bench", "--device", "tpu"], "--device"),
+    (["bench", "--backends", "eager,warp"], "argument --backends: unknown backend 'warp'"),
+    (["bench", "--backends", ","], "argument --backends: empty; give e.g. eager,breakable"),
+    (["bench", "--lengths", ""], "argument --lengths: empty; give a comma-separated list"),
+    (["bench", "--lengths", "16,abc"], "argument --lengths: 'abc' is not an integer"),
+    (["bench", "--lengths", "16,-4"], "argument --lengths: -4 must be >= 1"),
+    (["bench", "--lengths", "16,1000000", "--device", "cpu"], "--lengths: 1000000 is outside [1, 131072] tokens"),
+    (["bench", "--model", "no-such-model", "--device", "cpu"],
+     "--model 'no-such-model' is neither a preset nor a checkpoint folder (presets: tiny-dense, tiny-moe"),
+    (["analyze", "--model", "no-such-model", "--device", "cpu"], "--model 'no-such-model' is neither a preset"),
+    (["analyze", "--lengths-file", "/no/such/file", "--device", "cpu"], "--lengths-file '/no/such/file': No such"),
+    (["bench", "--runs", "0", "--device", "cpu"], "--runs must be >= 1, got 0"),
+    (["analyze", "--warmup", "-1", "--device", "cpu"], "--warmup must be >= 0, got -1"),
+    (["bench", "--threads", "0", "--device", "cpu"], "--threads must be >= 1, got 0"),
+    (["bench", "--device", "tpu"], "--device 'tpu'"),
+    (["bench", "--device", "cuda:99"], "--device 'cuda:99'"),
+    (["bench", "--chunked-prefill-size", "100000", "--device", "cpu"],
+     "--chunked-prefill-size must be in [1, 16384], got 100000"),
+    (["analyze", "--length", "0", "--device", "cpu"], "--length must be in [1, 256]"),
+    (["analyze", "--length", "300", "--device", "cpu"], "so at most --max-tokens 256), got 300"),
+    (["analyze", "--max-tokens", "100000", "--device", "cpu"],
+     "--max-tokens must be in [1, 256] (no forward is larger than --chunked-prefill-size 256), got 100000"),
+    (["analyze", "--max-tokens", "0", "--device", "cpu"], "--max-tokens must be in [1, 256]"),
+    (["analyze", "--num-prompts", "0", "--device", "cpu"], "--num-prompts must be in [1, 1000000], got 0"),
 ])
 def test_bad_flags_exit_2(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exc:
@@ -124,6 +154,11 @@ def test_bad_flags_exit_2(argv: list[str], message: str, capsys: pytest.CaptureF
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert message in err and "usage: bcg" in err
+    error = next(line for line in err.splitlines() if "error:" in line)
+    body = error.split("error: ", 1)[1]
+    if body.startswith("argument "):  # argparse names the flag; the message must not name it again
+        flag, rest = body[len("argument "):].split(": ", 1)
+        assert flag not in rest, error
 
 
 def test_flags_map_one_to_one_to_config_fields() -> None:
@@ -138,4 +173,127 @@ def test_python_dash_m_runs_the_cli() -> None:
     proc = subprocess.run([sys.executable, "-m", "bcg", "bench", "--model", "nope", "--device", "cpu"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
-    assert "unknown model 'nope'" in proc.stderr
+    assert "--model 'nope' is neither a preset nor a checkpoint folder" in proc.stderr
+
+
+def test_refused_backend_is_unavailable_and_in_no_speedup(tmp_path: Path,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    # A real refusal: Inductor's CPU kernels cannot run under the CPU emulation, so tc_piecewise refuses the model.
+    rc = main(["bench", *FAST, "--model", "tiny-moe", "--backends", "eager,breakable,tc_piecewise",
+               "--lengths", "8", "--batch-requests", "2", "--no-memory", "--no-plots", "--out", str(tmp_path)])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[0].startswith("bcg bench: tiny-moe on the CPU")  # the banner names --model
+    summary = last_json(out)
+    assert "tc_compiler='eager'" in summary["unavailable"]["tc_piecewise"]
+    assert set(summary["geomean_speedup"]) == {"breakable"}
+    data = json.loads((tmp_path / "results.json").read_text())
+    assert all(r["backend"] != "tc_piecewise" for r in data["rows"] + data["batch_rows"])
+    build = {b["backend"]: b for b in data["builds"]}["tc_piecewise"]
+    assert build["available"] is False and build["refused_reason"] == build["error"]
+    assert "tc_piecewise  refused" in out and "  tc_piecewise: backend 'tc_piecewise' cannot capture" in out
+
+
+def test_many_request_rows_of_full_say_why_they_ran_eagerly(tmp_path: Path,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    rc = main(["bench", *FAST, "--backends", "eager,full", "--lengths", "8", "--batch-requests", "4",
+               "--chunked-prefill-size", "64", "--no-memory", "--no-plots", "--out", str(tmp_path)])
+    assert rc == 0
+    out = capsys.readouterr().out
+    data = json.loads((tmp_path / "results.json").read_text())
+    full = [r for r in data["batch_rows"] if r["backend"] == "full"]
+    assert len(full) == 1 and full[0]["num_requests"] == 4  # one request slot at this chunk size
+    assert full[0]["graph_used"] is False and full[0]["reason"] == "too_many_requests"
+    assert "no: more requests than the graph's request slots" in out
+
+
+def _checkpoint(folder: Path, config: dict | None, weights: bytes | None = None) -> Path:
+    folder.mkdir()
+    if config is not None:
+        (folder / "config.json").write_text(json.dumps(config))
+    if weights is not None:
+        (folder / "model.safetensors").write_bytes(weights)
+    return folder
+
+
+LLAMA = {"model_type": "llama", "vocab_size": 256, "hidden_size": 64, "num_hidden_layers": 2,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 128}
+
+
+@pytest.mark.parametrize("command", ["bench", "analyze"])
+@pytest.mark.parametrize("config, weights, message", [
+    (None, None, "has no config.json, so it is not a Hugging Face checkpoint folder"),
+    ({"model_type": "gpt2"}, None, "unsupported model_type 'gpt2'; supported: llama"),
+    (LLAMA, None, "has config.json but no *.safetensors weights"),
+])
+def test_bad_checkpoint_folder_exits_2_with_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                     command: str, config: dict | None, weights: bytes | None,
+                                                     message: str) -> None:
+    folder = _checkpoint(tmp_path / "ckpt", config, weights)
+    with pytest.raises(SystemExit) as exc:
+        main([command, *FAST, "--model", str(folder), "--out", str(tmp_path / "out")])
+    assert exc.value.code == 2
+    captured = capsys.readouterr()
+    errors = [line for line in captured.err.splitlines() if "error:" in line]
+    assert len(errors) == 1 and message in errors[0] and f"--model {str(folder)!r}" in errors[0]
+    assert "Traceback" not in captured.err and captured.out == ""  # nothing ran
+
+
+def test_unloadable_checkpoint_exits_1_with_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # Passes the up-front checks, but its weights file is garbage: the eager baseline cannot be built.
+    folder = _checkpoint(tmp_path / "ckpt", LLAMA, b"not a safetensors file")
+    for command in ("bench", "analyze"):
+        rc = main([command, *FAST, "--model", str(folder), "--no-plots", "--out", str(tmp_path / command)])
+        assert rc == 1
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err[-1].startswith(f"bcg {command}: error: ") and "could not be built" in err[-1]
+        assert "Traceback" not in "\n".join(err)
+        assert not (tmp_path / command / "results.json").exists()
+
+
+def test_unwritable_out_is_refused_before_anything_runs(tmp_path: Path,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    for out, reason in ((blocker, "it is a file, not a folder"), (blocker / "sub", "Not a directory")):
+        with pytest.raises(SystemExit) as exc:
+            main(["bench", *FAST, "--out", str(out)])
+        assert exc.value.code == 2
+        captured = capsys.readouterr()
+        assert f"--out {str(out)!r} is not a writable folder ({reason})" in captured.err
+        assert captured.out == ""  # no banner: nothing was built or measured
+
+
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    import bcg
+
+    with pytest.raises(SystemExit) as exc:
+        main(["--version"])
+    assert exc.value.code == 0
+    assert capsys.readouterr().out.startswith(f"bcg {bcg.__version__} (distribution bcg-prefill; torch ")
+
+
+def test_help_shows_defaults_and_presets(capsys: pytest.CaptureFixture[str]) -> None:
+    from bcg.models.config import PRESETS
+
+    for command in ("bench", "analyze"):
+        with pytest.raises(SystemExit):
+            main([command, "--help"])
+        text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+        for default in ("(default: 20)", "(default: 5)", "(default: 0)", "1 on the CPU",
+                        "2048 on CUDA, 256 on the CPU, for bench and analyze alike", "on when stderr is a terminal"):
+            assert default in text, (command, default)
+        assert all(name in text for name in PRESETS)
+    with pytest.raises(SystemExit):
+        main(["bench", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "(default: 16)" in text and "eager,breakable on the CPU" in text
+
+
+def test_progress_defaults_to_whether_stderr_is_a_terminal(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: False)
+    assert BenchConfig(device="cpu").resolved().progress is False
+    assert AnalyzeConfig(device="cpu", progress=True).resolved().progress is True
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    assert BenchConfig(device="cpu").resolved().progress is True
+    assert BenchConfig(device="cpu", progress=False).resolved().progress is False

@@ -1,0 +1,146 @@
+"""Checks of the ``bcg bench`` / ``bcg analyze`` flags that need more than a type: lists of lengths, the model, the
+device, the dtype and the output folder.
+
+Each check raises ``ValueError`` with one line naming the flag, the bad value and the fix; the CLI prints it as a
+usage error (exit status 2) before anything is built or measured.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+
+import torch
+
+__all__ = ["check_device", "check_dtype", "check_model", "check_out_dir", "parse_int_list", "read_lengths_file"]
+
+DTYPES = ("bfloat16", "float16", "float32")
+
+
+def parse_int_list(text: str) -> list[int]:
+    """Parses ``"64,128, 256"`` into positive ints; raises ValueError naming the bad item (not the flag: the
+    caller or argparse names it).
+
+    Example::
+
+        >>> parse_int_list("64,128")
+        [64, 128]
+    """
+    items = [t.strip() for t in text.split(",") if t.strip()]
+    if not items:
+        raise ValueError("empty; give a comma-separated list such as 64,128,256")
+    out = []
+    for t in items:
+        try:
+            v = int(t)
+        except ValueError:
+            raise ValueError(f"{t!r} is not an integer") from None
+        if v < 1:
+            raise ValueError(f"{v} must be >= 1")
+        out.append(v)
+    return out
+
+
+def read_lengths_file(path: str) -> list[int]:
+    """Prompt lengths from a text file: integers separated by whitespace or commas (``#`` starts a comment).
+
+    Example::
+
+        read_lengths_file("lengths.txt")   # "128\\n512, 2048  # long ones\\n" -> [128, 512, 2048]
+    """
+    try:
+        text = Path(path).read_text()
+    except OSError as e:
+        raise ValueError(f"--lengths-file {path!r}: {e.strerror}") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"--lengths-file {path!r} is not a text file") from None
+    tokens = [t for line in text.splitlines() for t in line.split("#", 1)[0].replace(",", " ").split()]
+    if not tokens:
+        raise ValueError(f"--lengths-file {path!r} holds no lengths")
+    try:
+        return parse_int_list(",".join(tokens))
+    except ValueError as e:
+        raise ValueError(f"--lengths-file {path!r}: {e}") from None
+
+
+def check_model(model: str) -> None:
+    """Accepts a preset name or a loadable checkpoint folder (``config.json`` of a supported ``model_type`` and
+    ``*.safetensors``); raises ValueError saying what is missing and listing the presets.
+
+    Example::
+
+        check_model("tiny-dense")          # fine
+        check_model("/tmp/empty-folder")   # ValueError: --model '/tmp/empty-folder' has no config.json ...
+    """
+    from bcg.models.config import PRESETS
+
+    if model in PRESETS:
+        return
+    presets = f"presets: {', '.join(PRESETS)}"
+    folder = Path(model)
+    if not folder.is_dir():
+        raise ValueError(f"--model {model!r} is neither a preset nor a checkpoint folder ({presets})")
+    config = folder / "config.json"
+    if not config.is_file():
+        raise ValueError(f"--model {model!r} has no config.json, so it is not a Hugging Face checkpoint folder "
+                         f"(give a folder with config.json and *.safetensors, or a preset; {presets})")
+    try:
+        hf = json.loads(config.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"--model {model!r}: config.json cannot be read: {e}") from None
+    if not isinstance(hf, dict):
+        raise ValueError(f"--model {model!r}: config.json is not a JSON object")
+    from bcg.models.loader import config_from_hf
+
+    try:
+        config_from_hf(hf)  # unsupported model_type or feature: the loader's own message
+    except ValueError as e:
+        raise ValueError(f"--model {model!r}: {e}") from None
+    if not any(folder.glob("*.safetensors")):
+        raise ValueError(f"--model {model!r} has config.json but no *.safetensors weights")
+
+
+def check_device(device: str) -> None:
+    """Accepts ``cpu``, ``cuda`` and ``cuda:N`` of a visible GPU; raises ValueError naming the device asked for."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError):
+        raise ValueError(f"--device {device!r} is not a torch device (use cuda, cuda:1 or cpu)") from None
+    if dev.type not in ("cuda", "cpu"):
+        raise ValueError(f"--device {device!r}: only cuda and cpu are supported")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"--device {device!r} was asked for, but no CUDA device is visible "
+                             "(use --device cpu)")
+        count = torch.cuda.device_count()
+        if dev.index is not None and dev.index >= count:
+            raise ValueError(f"--device {device!r}: only {count} CUDA device(s) are visible (cuda:0 to "
+                             f"cuda:{count - 1})")
+
+
+def check_dtype(dtype: str | None) -> None:
+    if dtype is not None and dtype not in DTYPES:
+        raise ValueError(f"--dtype {dtype!r}: choose {', '.join(DTYPES)}")
+
+
+def check_out_dir(out: str) -> Path:
+    """Creates ``out`` if needed and proves it writable by writing a file there; raises ValueError otherwise.
+
+    Called before anything is measured, so an unwritable folder never costs a run's results.
+
+    Example::
+
+        check_out_dir("out/bench")   # Path('out/bench'), created
+    """
+    path = Path(out)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".bcg-write-check-"):
+            pass
+    except OSError as e:
+        reason = e.strerror or type(e).__name__
+        if path.exists() and not path.is_dir():
+            reason = "it is a file, not a folder"
+        raise ValueError(f"--out {out!r} is not a writable folder ({reason}); give one you can write to") from None
+    return path
