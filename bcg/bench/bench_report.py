@@ -99,8 +99,8 @@ def format_bench(cfg: Any, lat: Any, mem: Any, emulated: bool) -> str:
     noisy = sum(1 for r in lat.rows + lat.batch_rows if (spread(r) or 0) > NOISY_SPREAD)
     if noisy:
         out += ["", f"{noisy} row(s) marked noisy: their middle half of runs spans more than "
-                    f"{NOISY_SPREAD:.0%} of the median, so backends within that spread are not told apart; the machine was busy. "
-                    "Rerun, or raise --runs."]
+                    f"{NOISY_SPREAD:.0%} of the median, so backends within that spread are not told apart; the "
+                    "machine was busy. Rerun, or raise --runs."]
     if lat.batch_rows and cfg.batch_requests > 1:
         out += ["", f"The {cfg.batch_requests}-request rows pack requests of the same total tokens; a graph "
                     "backend that cannot replay such a batch runs it eagerly, and its graph column says why."]

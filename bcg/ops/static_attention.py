@@ -52,7 +52,7 @@ class StaticContext(ForwardContext):
 
     Example::
 
-        meta = StaticMetadata(pool, [16], request_slots=4, prefix_capacity=32, positions=static_positions,
+        meta = StaticMetadata(pool, [16], max_requests=4, prefix_capacity=32, positions=static_positions,
                               use_varlen=False)
         ctx = meta.load(batch, 16)          # copies the batch in; same tensors every time
         with forward_context(ctx):

@@ -238,7 +238,7 @@ class Runner:
                 self.static_positions.zero_()
 
     def _refuse(self, e: BaseException) -> None:
-        msg = f"backend {self.config.backend!r} cannot capture this model: {_first_line(e)}"
+        msg = f"backend {self.config.backend!r} cannot capture this model: {_first_line(e).rstrip('. ')}."
         if self.config.backend != "breakable":
             msg += " Use backend='breakable', which runs such ops in eager islands."
         self.table.refuse(msg)

@@ -81,6 +81,7 @@ def test_dsa_is_refused_at_build_and_served_eagerly() -> None:
 def test_inductor_under_emulation_is_refused_with_the_fix() -> None:
     eng = engine("tiny-dense", "tc_piecewise", tc_compiler="inductor")
     assert "tc_compiler='eager'" in eng.telemetry.refused_reason
+    assert "GPU. Use backend='breakable'" in eng.telemetry.refused_reason  # sentences end before the hint
     assert eng.prefill(prompts([5])).batches[0].reason == "backend_refused"
 
 
