@@ -1,0 +1,1 @@
+"""What the models call: attention islands, fused kernels, KV writes, forward context and bridge buffers."""
