@@ -35,8 +35,7 @@ _DEFAULT: str = _checked(os.environ.get("BCG_KERNELS", "fused"))
 
 
 @functools.cache
-def triton_importable() -> bool:
-    """Whether ``triton`` can be imported (it ships with torch's CUDA wheels, not with the CPU ones)."""
+def _probe_triton() -> bool:
     if importlib.util.find_spec("triton") is None:
         return False
     try:
@@ -44,6 +43,12 @@ def triton_importable() -> bool:
     except Exception:  # a broken install counts as absent; the reference path still works
         return False
     return True
+
+
+@torch.compiler.assume_constant_result  # dynamo cannot trace find_spec: it calls this once and bakes the answer
+def triton_importable() -> bool:
+    """Whether ``triton`` can be imported (it ships with torch's CUDA wheels, not with the CPU ones)."""
+    return _probe_triton()
 
 
 def fused_available(device: torch.device | str) -> bool:

@@ -65,14 +65,16 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, *, out: Optional[Tensor] = N
     return out
 
 
-def fused_add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float, *,
-                       impl: Optional[str] = None) -> tuple[Tensor, Tensor]:
-    """In place: ``residual += x`` (rounded to ``residual.dtype``), then ``x[:] = rms_norm(residual) * weight``.
+def fused_add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float, *, out: Optional[Tensor] = None,
+                       residual_out: Optional[Tensor] = None, impl: Optional[str] = None) -> tuple[Tensor, Tensor]:
+    """``residual + x`` (rounded to ``residual.dtype``) and its RMSNorm, in place by default.
 
-    Returns ``(x, residual)``: the normed rows (the next sublayer's input) and the updated residual stream, both
-    the tensors passed in. A decoder layer's ``h = h + attn(n); n = norm(h)`` becomes
-    ``n, h = fused_add_rms_norm(attn_out, h, w, eps)``: one kernel. Both must be ``(..., H)`` with a contiguous
-    last dimension; they must not overlap.
+    In place (no ``out``/``residual_out``): ``residual += x``, then ``x[:] = rms_norm(residual) * weight``; returns
+    ``(x, residual)``, the normed rows (the next sublayer's input) and the updated residual stream. A decoder
+    layer's ``h = h + attn(n); n = norm(h)`` becomes ``n, h = fused_add_rms_norm(attn_out, h, w, eps)``: one kernel.
+    ``out``/``residual_out`` redirect either result instead (e.g. to leave a graph's static input untouched in the
+    first layer); the inputs are then only read. All are ``(..., H)`` with a contiguous last dimension, and no two
+    of them may overlap unless they are the same tensor.
 
     Example:
         >>> x, h = torch.randn(4, 64), torch.randn(4, 64)
@@ -83,17 +85,27 @@ def fused_add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float, 
     """
     if x.shape != residual.shape:
         raise ValueError(f"x {tuple(x.shape)} and residual {tuple(residual.shape)} must have the same shape")
+    out = x if out is None else out
+    residual_out = residual if residual_out is None else residual_out
     if not use_fused(impl, x):
-        return fused_add_rms_norm_reference(x, residual, weight, eps)
-    _check_rows("x", x, weight.shape[0])
-    _check_rows("residual", residual, weight.shape[0])
+        if residual_out is not residual:
+            residual_out.copy_(residual)
+        residual_out.add_(x)
+        return out.copy_(rms_norm_reference(residual_out, weight, eps)), residual_out
+    for name, t in (("x", x), ("residual", residual), ("out", out), ("residual_out", residual_out)):
+        _check_rows(name, t, weight.shape[0])
     if torch.compiler.is_compiling():
-        torch.ops.bcg.fused_add_rms_norm_(x, residual, weight, eps)
-        return x, residual
+        # The op works in place; redirected results are copies first (Inductor folds them into its own kernels).
+        if out is not x:
+            out.copy_(x)
+        if residual_out is not residual:
+            residual_out.copy_(residual)
+        torch.ops.bcg.fused_add_rms_norm_(out, residual_out, weight, eps)
+        return out, residual_out
     from bcg.ops.kernels import triton_norm
 
-    triton_norm.add_rms_norm(x, residual, weight, eps, x, residual)
-    return x, residual
+    triton_norm.add_rms_norm(x, residual, weight, eps, out, residual_out)
+    return out, residual_out
 
 
 # --- torch.library ops: what torch.compile traces when the fused path is on (opaque, with shape functions). ---

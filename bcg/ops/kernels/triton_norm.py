@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from bcg.ops.kernels.triton_utils import launch_rows, row_block, row_warps
+from bcg.ops.kernels.triton_utils import launch_rows, row_block, row_warps, rows_2d
 
 
 @triton.jit
@@ -35,17 +35,9 @@ def _rms_norm_kernel(
     tl.store(out_ptr + row * out_stride + cols, (xf * rstd * w).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _rows(t: Tensor) -> Tensor:
-    return t.reshape(-1, t.shape[-1])  # a view for contiguous and row-strided inputs, else a copy (read only)
-
-
-def _out_rows(t: Tensor) -> Tensor:
-    return t.view(-1, t.shape[-1])  # raises rather than writing into a copy
-
-
 def rms_norm(x: Tensor, weight: Tensor, eps: float, out: Tensor) -> None:
     """``out[:] = rms_norm(x) * weight`` over the last dimension."""
-    x2, out2 = _rows(x), _out_rows(out)
+    x2, out2 = rows_2d(x), rows_2d(out, write=True)
     n_rows, n_cols = x2.shape
     block = row_block(n_cols)
     launch_rows(
@@ -58,7 +50,8 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, out: Tensor) -> None:
 def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float, out: Tensor, residual_out: Tensor) -> None:
     """``residual_out[:] = x + residual``; ``out[:] = rms_norm(residual_out) * weight``. Each row is read whole
     before it is written, so ``out`` may be ``x`` and ``residual_out`` may be ``residual`` (in place)."""
-    x2, r2, out2, ro2 = _rows(x), _out_rows(residual), _out_rows(out), _out_rows(residual_out)
+    x2, r2 = rows_2d(x), rows_2d(residual, write=residual_out is residual)
+    out2, ro2 = rows_2d(out, write=True), rows_2d(residual_out, write=True)
     n_rows, n_cols = x2.shape
     block = row_block(n_cols)
     launch_rows(

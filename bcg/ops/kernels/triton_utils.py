@@ -10,6 +10,7 @@ from typing import Any
 
 import triton
 import triton.language as tl
+from torch import Tensor
 from triton.language.extra import libdevice
 
 # Triton's interpreter (TRITON_INTERPRET=1, the CPU tests) has no libdevice; compiled kernels use it for the
@@ -29,6 +30,14 @@ def row_block(n_cols: int) -> int:
 def row_warps(block: int) -> int:
     """Warps for a program that works on ``block`` elements: about 8-16 elements per thread."""
     return 1 if block <= 256 else 4 if block <= 2048 else 8 if block <= 8192 else 16
+
+
+def rows_2d(t: Tensor, write: bool = False) -> Tensor:
+    """``t`` as ``(rows, last_dim)``: itself when already 2-D (no dispatcher call: launches are host-bound), else a
+    view; an input that cannot be viewed is copied, an output raises rather than being written into a copy."""
+    if t.dim() == 2:
+        return t
+    return t.view(-1, t.shape[-1]) if write else t.reshape(-1, t.shape[-1])
 
 
 def launch_rows(kernel: Any, n_rows: int, *args: Any, **meta: Any) -> None:

@@ -50,8 +50,8 @@ class Interpreted:
     def rms_norm(self, x, w, eps, out):
         self.tk.norm.rms_norm(x, w, eps, out)
 
-    def add_rms_norm(self, x, residual, w, eps):
-        self.tk.norm.add_rms_norm(x, residual, w, eps, x, residual)
+    def add_rms_norm(self, x, residual, w, eps, out, residual_out):
+        self.tk.norm.add_rms_norm(x, residual, w, eps, out, residual_out)
 
     def silu_and_mul(self, x, out):
         self.tk.act.silu_and_mul(x, out)
@@ -96,11 +96,12 @@ def test_rms_norm(run, dtype, rows, hidden):
     cases.check_rms_norm(run, "cpu", dtype, rows, hidden, MIN_EXACT[dtype])
 
 
+@pytest.mark.parametrize("in_place", [True, False])
 @pytest.mark.parametrize("dtype", cases.DTYPES)
 @pytest.mark.parametrize("rows,hidden", [(0, 64), (1, 1000), (4, 1536)])
-def test_fused_add_rms_norm(run, dtype, rows, hidden):
+def test_fused_add_rms_norm(run, dtype, rows, hidden, in_place):
     cases.check_add_rms_norm(run, "cpu", dtype, rows, hidden, MIN_EXACT[dtype],
-                             exact_residual=dtype != torch.bfloat16)
+                             exact_residual=dtype != torch.bfloat16, in_place=in_place)
 
 
 @pytest.mark.parametrize("dtype", cases.DTYPES)

@@ -29,9 +29,14 @@ def test_rms_norm_and_fused_add_match_the_model_layers(dtype, rows, hidden):
                                                                                  device="cpu", seed=4)
     expected_h = h + attn_out  # the decoder layer's residual add
     expected_n = norm(expected_h)
+    x0, h0 = attn_out.clone(), h.clone()
+    n_out, h_out = torch.empty_like(h), torch.empty_like(h)
+    n2, h3 = kernels.fused_add_rms_norm(attn_out, h, norm.weight, 1e-5, out=n_out, residual_out=h_out)
+    assert n2 is n_out and h3 is h_out and torch.equal(attn_out, x0) and torch.equal(h, h0)  # inputs only read
     n, h2 = kernels.fused_add_rms_norm(attn_out, h, norm.weight, 1e-5)
     assert n is attn_out and h2 is h
     assert torch.equal(h, expected_h) and torch.equal(n, expected_n)
+    assert torch.equal(h_out, expected_h) and torch.equal(n_out, expected_n)
 
 
 def test_rms_norm_writes_out_and_checks_shapes():
@@ -161,6 +166,16 @@ def test_fused_on_cuda_without_triton_says_how_to_fix(monkeypatch):
     with pytest.raises(RuntimeError, match="kernels='torch'"):
         dispatch.use_fused("fused", fake_cuda)
     assert not dispatch.use_fused("torch", fake_cuda)
+
+
+def test_dispatch_traces_under_torch_compile():
+    """use_fused runs inside compiled model code; its Triton probe must not break a fullgraph trace."""
+    def fn(x):
+        return x + 1 if dispatch.triton_importable() else x - 1
+
+    torch._dynamo.reset()
+    x = torch.zeros(3)
+    assert torch.equal(torch.compile(fn, backend="eager", fullgraph=True)(x), fn(x))
 
 
 def _op_args() -> dict[str, tuple]:
