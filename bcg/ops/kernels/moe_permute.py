@@ -1,0 +1,150 @@
+# No ``from __future__ import annotations``: torch.library reads the op schemas from real annotations.
+"""The token permutation around the experts: the stable expert order of the (token, choice) pairs with the
+per-expert group ends (one kernel on CUDA), and the un-sort with the weighted sum over the k choices (one kernel).
+
+The grouping is exactly ``topk_ids.flatten().sort(stable=True)``: rows are grouped by expert, and inside a group
+pairs keep their flat order (token-major), so results do not depend on how a batch is packed. Both fused kernels
+are deterministic: integer counting, no atomics, and the combine sums the k choices in order ``j = 0..k-1`` in fp32
+(the reference's ``einsum`` leaves its order to the matmul).
+
+Use in an MoE layer::
+
+    order = expert_order(topk_ids, num_experts)
+    x_sorted = x[order.token_index]                               # (T * k, H)
+    y_sorted = experts(x_sorted, order.group_end)                 # grouped_mm with offs=group_end
+    y = moe_combine(y_sorted, order.slot, topk_weights)           # (T, H)
+"""
+
+from typing import NamedTuple, Optional
+
+import torch
+from torch import Tensor
+
+from bcg.ops.kernels.dispatch import use_fused
+
+__all__ = ["ExpertOrder", "expert_order", "expert_order_reference", "moe_combine", "moe_combine_reference"]
+
+
+class ExpertOrder(NamedTuple):
+    """The stable expert order of ``T * k`` (token, choice) pairs.
+
+    ``token_index (T * k,)`` int64: the token of each sorted row (``x_sorted = x[token_index]``);
+    ``slot (T, k)`` int64: the sorted row of each pair (the inverse permutation, read by :func:`moe_combine`);
+    ``group_end (E,)`` int32: one past each expert's last row (``grouped_mm``'s ``offs``);
+    ``expert (T * k,)`` int64: the expert of each sorted row (the sorted ids).
+    """
+
+    token_index: Tensor
+    slot: Tensor
+    group_end: Tensor
+    expert: Tensor
+
+
+def expert_order_reference(topk_ids: Tensor, num_experts: int) -> ExpertOrder:
+    """Plain torch: a stable sort of the flattened ids, its inverse, and ``searchsorted`` group ends."""
+    num_rows, top_k = topk_ids.shape
+    sorted_ids, order = topk_ids.flatten().sort(stable=True)
+    slot = torch.empty_like(order)
+    slot[order] = torch.arange(order.numel(), device=order.device)
+    experts = torch.arange(num_experts, device=topk_ids.device, dtype=sorted_ids.dtype)
+    group_end = torch.searchsorted(sorted_ids, experts, right=True, out_int32=True)
+    return ExpertOrder(order // top_k, slot.view(num_rows, top_k), group_end, sorted_ids.to(torch.int64))
+
+
+def expert_order(topk_ids: Tensor, num_experts: int, *, impl: Optional[str] = None) -> ExpertOrder:
+    """The stable expert order of the pairs in ``topk_ids (T, k)`` (int32 or int64, values in ``[0, E)``).
+
+    The fused kernel trusts the ids to be in range (a router's always are); an id outside ``[0, E)`` gets no
+    row of its own there, while the reference sorts it past the last group.
+
+    Example:
+        >>> order = expert_order(torch.tensor([[2, 0], [0, 1]]), num_experts=3)
+        >>> order.token_index.tolist(), order.slot.tolist(), order.group_end.tolist()
+        ([0, 1, 1, 0], [[3, 0], [1, 2]], [2, 3, 4])
+    """
+    if topk_ids.dim() != 2:
+        raise ValueError(f"topk_ids must be (T, k), got {tuple(topk_ids.shape)}")
+    if not use_fused(impl, topk_ids):
+        return expert_order_reference(topk_ids, num_experts)
+    if torch.compiler.is_compiling():
+        return ExpertOrder(*torch.ops.bcg.expert_order(topk_ids, num_experts))
+    return ExpertOrder(*_fused_order(topk_ids, num_experts))
+
+
+def _fused_order(topk_ids: Tensor, num_experts: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    from bcg.ops.kernels import triton_moe
+
+    n_pairs = topk_ids.numel()
+    token_index = topk_ids.new_empty(n_pairs, dtype=torch.int64)
+    slot = topk_ids.new_empty(topk_ids.shape, dtype=torch.int64)
+    group_end = topk_ids.new_empty(num_experts, dtype=torch.int32)
+    expert = topk_ids.new_empty(n_pairs, dtype=torch.int64)
+    triton_moe.expert_order(topk_ids.contiguous(), num_experts, token_index, slot, group_end, expert)
+    return token_index, slot, group_end, expert
+
+
+def moe_combine_reference(y_sorted: Tensor, slot: Tensor, weights: Tensor) -> Tensor:
+    """Plain torch: un-sort ``y_sorted (T * k, H)`` and sum the k rows of each token weighted by ``weights``."""
+    num_rows, top_k = slot.shape
+    y = y_sorted[slot.flatten()]
+    return torch.einsum("tkh,tk->th", y.view(num_rows, top_k, y_sorted.shape[1]), weights)
+
+
+def moe_combine(y_sorted: Tensor, slot: Tensor, weights: Tensor, *, out: Optional[Tensor] = None,
+                impl: Optional[str] = None) -> Tensor:
+    """``out[t] = sum_j weights[t, j] * y_sorted[slot[t, j]]``: the experts' outputs back in token order.
+
+    ``y_sorted (T * k, H)`` (rows may be strided), ``slot (T, k)`` from :func:`expert_order`, ``weights (T, k)``
+    from the router. Returns ``(T, H)`` in ``y_sorted``'s dtype (or writes ``out``).
+
+    Example:
+        >>> y = torch.arange(8.0).view(4, 2)
+        >>> moe_combine(y, torch.tensor([[3, 0], [1, 2]]), torch.tensor([[0.5, 0.5], [1.0, 0.0]])).tolist()
+        [[3.0, 4.0], [2.0, 3.0]]
+    """
+    if slot.dim() != 2 or weights.shape != slot.shape or y_sorted.shape[0] != slot.numel():
+        raise ValueError(f"moe_combine needs y_sorted (T*k, H), slot and weights (T, k); got {tuple(y_sorted.shape)}, "
+                         f"{tuple(slot.shape)}, {tuple(weights.shape)}")
+    if not use_fused(impl, y_sorted):
+        y = moe_combine_reference(y_sorted, slot, weights)
+        return y if out is None else out.copy_(y)
+    if y_sorted.stride(-1) != 1:
+        raise ValueError(f"y_sorted must have a contiguous last dimension (strides {y_sorted.stride()})")
+    if torch.compiler.is_compiling():
+        y = torch.ops.bcg.moe_combine(y_sorted, slot, weights)
+        return y if out is None else out.copy_(y)
+    from bcg.ops.kernels import triton_moe
+
+    out = y_sorted.new_empty((slot.shape[0], y_sorted.shape[1])) if out is None else out
+    triton_moe.combine(y_sorted, slot.contiguous(), weights, out)
+    return out
+
+
+@torch.library.custom_op("bcg::expert_order", mutates_args=())
+def _expert_order_op(topk_ids: Tensor, num_experts: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    if topk_ids.is_cuda:
+        return _fused_order(topk_ids, num_experts)
+    return tuple(expert_order_reference(topk_ids, num_experts))
+
+
+@_expert_order_op.register_fake
+def _expert_order_fake(topk_ids: Tensor, num_experts: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    n_pairs = topk_ids.numel()
+    return (topk_ids.new_empty(n_pairs, dtype=torch.int64), topk_ids.new_empty(topk_ids.shape, dtype=torch.int64),
+            topk_ids.new_empty(num_experts, dtype=torch.int32), topk_ids.new_empty(n_pairs, dtype=torch.int64))
+
+
+@torch.library.custom_op("bcg::moe_combine", mutates_args=())
+def _moe_combine_op(y_sorted: Tensor, slot: Tensor, weights: Tensor) -> Tensor:
+    if y_sorted.is_cuda:
+        from bcg.ops.kernels import triton_moe
+
+        out = y_sorted.new_empty((slot.shape[0], y_sorted.shape[1]))
+        triton_moe.combine(y_sorted, slot.contiguous(), weights, out)
+        return out
+    return moe_combine_reference(y_sorted, slot, weights)
+
+
+@_moe_combine_op.register_fake
+def _moe_combine_fake(y_sorted: Tensor, slot: Tensor, weights: Tensor) -> Tensor:
+    return y_sorted.new_empty((slot.shape[0], y_sorted.shape[1]))

@@ -1,0 +1,140 @@
+# No ``from __future__ import annotations``: torch.library reads the op schemas from real annotations.
+"""RMSNorm, and RMSNorm with the residual add fused in (in place), as one kernel each on CUDA.
+
+Numerics (both implementations): the row's mean square is reduced in fp32 and the output is
+``x * rsqrt(mean(x^2) + eps) * weight`` computed in fp32 and rounded once to the output dtype, as
+``torch.nn.functional.rms_norm`` does. The fused add rounds ``x + residual`` to the residual's dtype first (exactly
+what ``hidden = hidden + attn_out`` does in bf16) and normalises that rounded sum, so the residual stream carries the
+same bits as the unfused code.
+"""
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from bcg.ops.kernels.dispatch import use_fused
+
+__all__ = ["fused_add_rms_norm", "fused_add_rms_norm_reference", "rms_norm", "rms_norm_reference"]
+
+
+def rms_norm_reference(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """Plain-torch RMSNorm over the last dimension (the CPU path and the fused kernel's oracle)."""
+    return F.rms_norm(x, weight.shape, weight, eps)
+
+
+def fused_add_rms_norm_reference(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """Plain-torch ``residual += x; x[:] = rms_norm(residual) * weight``; returns ``(x, residual)``."""
+    residual.add_(x)
+    x.copy_(rms_norm_reference(residual, weight, eps))
+    return x, residual
+
+
+def _check_rows(name: str, t: Tensor, hidden: int) -> None:
+    if t.shape[-1] != hidden or t.stride(-1) != 1:
+        raise ValueError(
+            f"{name} must have a contiguous last dimension of size {hidden} (got shape {tuple(t.shape)}, strides "
+            f"{t.stride()}); pass .contiguous() or a row-sliced view"
+        )
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float, *, out: Optional[Tensor] = None,
+             impl: Optional[str] = None) -> Tensor:
+    """RMSNorm over the last dimension of ``x`` (``(..., H)``, rows may be strided), scaled by ``weight`` ``(H,)``.
+
+    Writes ``out`` when given (same shape, any dtype, contiguous last dimension), else returns a new tensor of
+    ``x``'s dtype. ``impl`` picks the kernel (:mod:`bcg.ops.kernels.dispatch`).
+
+    Example:
+        >>> x = torch.randn(3, 1000)
+        >>> torch.allclose(rms_norm(x, torch.ones(1000), 1e-6), F.rms_norm(x, (1000,), None, 1e-6))
+        True
+    """
+    if not use_fused(impl, x):
+        y = rms_norm_reference(x, weight, eps)
+        return y if out is None else out.copy_(y)
+    _check_rows("x", x, weight.shape[0])
+    if torch.compiler.is_compiling():
+        y = torch.ops.bcg.rms_norm(x, weight, eps)
+        return y if out is None else out.copy_(y)
+    from bcg.ops.kernels import triton_norm
+
+    out = torch.empty_like(x) if out is None else out
+    triton_norm.rms_norm(x, weight, eps, out)
+    return out
+
+
+def fused_add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float, *, out: Optional[Tensor] = None,
+                       residual_out: Optional[Tensor] = None, impl: Optional[str] = None) -> tuple[Tensor, Tensor]:
+    """``residual + x`` (rounded to ``residual.dtype``) and its RMSNorm, in place by default.
+
+    In place (no ``out``/``residual_out``): ``residual += x``, then ``x[:] = rms_norm(residual) * weight``; returns
+    ``(x, residual)``, the normed rows (the next sublayer's input) and the updated residual stream. A decoder
+    layer's ``h = h + attn(n); n = norm(h)`` becomes ``n, h = fused_add_rms_norm(attn_out, h, w, eps)``: one kernel.
+    ``out``/``residual_out`` redirect either result instead (e.g. to leave a graph's static input untouched in the
+    first layer); the inputs are then only read. All are ``(..., H)`` with a contiguous last dimension, and no two
+    of them may overlap unless they are the same tensor.
+
+    Example:
+        >>> x, h = torch.randn(4, 64), torch.randn(4, 64)
+        >>> expected = F.rms_norm(x + h, (64,), None, 1e-6)
+        >>> n, h2 = fused_add_rms_norm(x, h, torch.ones(64), 1e-6)
+        >>> n is x and h2 is h and torch.allclose(n, expected)
+        True
+    """
+    if x.shape != residual.shape:
+        raise ValueError(f"x {tuple(x.shape)} and residual {tuple(residual.shape)} must have the same shape")
+    out = x if out is None else out
+    residual_out = residual if residual_out is None else residual_out
+    if not use_fused(impl, x):
+        if residual_out is not residual:
+            residual_out.copy_(residual)
+        residual_out.add_(x)
+        return out.copy_(rms_norm_reference(residual_out, weight, eps)), residual_out
+    for name, t in (("x", x), ("residual", residual), ("out", out), ("residual_out", residual_out)):
+        _check_rows(name, t, weight.shape[0])
+    if torch.compiler.is_compiling():
+        # The op works in place; redirected results are copies first (Inductor folds them into its own kernels).
+        if out is not x:
+            out.copy_(x)
+        if residual_out is not residual:
+            residual_out.copy_(residual)
+        torch.ops.bcg.fused_add_rms_norm_(out, residual_out, weight, eps)
+        return out, residual_out
+    from bcg.ops.kernels import triton_norm
+
+    triton_norm.add_rms_norm(x, residual, weight, eps, out, residual_out)
+    return out, residual_out
+
+
+# --- torch.library ops: what torch.compile traces when the fused path is on (opaque, with shape functions). ---
+@torch.library.custom_op("bcg::rms_norm", mutates_args=())
+def _rms_norm_op(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    if x.is_cuda:
+        from bcg.ops.kernels import triton_norm
+
+        out = torch.empty_like(x)
+        triton_norm.rms_norm(x, weight, eps, out)
+        return out
+    return rms_norm_reference(x, weight, eps)
+
+
+@_rms_norm_op.register_fake
+def _rms_norm_fake(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("bcg::fused_add_rms_norm_", mutates_args=("x", "residual"))
+def _fused_add_rms_norm_op(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> None:
+    if x.is_cuda:
+        from bcg.ops.kernels import triton_norm
+
+        triton_norm.add_rms_norm(x, residual, weight, eps, x, residual)
+    else:
+        fused_add_rms_norm_reference(x, residual, weight, eps)
+
+
+@_fused_add_rms_norm_op.register_fake
+def _fused_add_rms_norm_fake(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> None:
+    return None

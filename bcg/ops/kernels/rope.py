@@ -1,0 +1,130 @@
+# No ``from __future__ import annotations``: torch.library reads the op schemas from real annotations.
+"""Split of the fused qkv projection, optional per-head q/k RMSNorm, RoPE on q and k, and the copy into the
+attention island's input buffers: one kernel per layer on CUDA.
+
+The input is the qkv projection's output ``(T, (H + 2 * KV) * D)``: q heads, then k heads, then v heads. RoPE is
+the non-interleaved "rotate half" form, with angles ``positions * inv_freq`` computed in fp32 from int positions
+(no cos/sin tables). Numerics (both implementations), as :mod:`bcg.models.layers` and ``dense.QKVProjection``:
+
+* without q/k norms: q and k are rotated in fp32 (``x * cos + rotate_half(x) * sin``, products and sum rounded
+  to fp32 one by one) and rounded once into the output dtype;
+* with them: each head is RMS-normed over ``D`` (fp32 reduction, rounded once to the input dtype, as
+  ``F.rms_norm``), then rotated in fp32 and rounded into the output dtype;
+* v is copied (cast to its output's dtype).
+"""
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from bcg.ops.kernels.dispatch import use_fused
+
+__all__ = ["qkv_norm_rope", "qkv_norm_rope_reference"]
+
+
+def _rotate_fp32(x: Tensor, cos: Tensor, sin_signed: Tensor) -> Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((x2, x1), dim=-1) * sin_signed
+
+
+def qkv_norm_rope_reference(
+    qkv: Tensor, positions: Tensor, inv_freq: Tensor, q_weight: Optional[Tensor], k_weight: Optional[Tensor],
+    eps: float, q_out: Tensor, k_out: Tensor, v_out: Tensor,
+) -> None:
+    """Plain-torch split + q/k norm + RoPE + copy into ``q_out (T, H, D)``, ``k_out``, ``v_out (T, KV, D)``."""
+    num_rows, heads, kv_heads, dim = q_out.shape[0], q_out.shape[1], k_out.shape[1], q_out.shape[2]
+    qk = qkv[:, : (heads + kv_heads) * dim].view(num_rows, heads + kv_heads, dim)
+    freqs = positions.to(torch.float32)[:, None] * inv_freq.to(torch.float32)[None, :]
+    angles = torch.cat((freqs, freqs), dim=-1)[:, None, :]
+    cos, sin = angles.cos(), angles.sin()
+    sin[..., : dim // 2].neg_()  # rotate_half's sign folded into sin, as RotaryEmbedding does
+    if q_weight is not None and k_weight is not None:
+        q_out.copy_(_rotate_fp32(F.rms_norm(qk[:, :heads], (dim,), q_weight, eps), cos, sin))
+        k_out.copy_(_rotate_fp32(F.rms_norm(qk[:, heads:], (dim,), k_weight, eps), cos, sin))
+    else:
+        rotated = _rotate_fp32(qk, cos, sin)
+        q_out.copy_(rotated[:, :heads])
+        k_out.copy_(rotated[:, heads:])
+    v_out.copy_(qkv[:, (heads + kv_heads) * dim :].view(num_rows, kv_heads, dim))
+
+
+def _check(qkv: Tensor, positions: Tensor, inv_freq: Tensor, q_weight: Optional[Tensor], k_weight: Optional[Tensor],
+           q_out: Tensor, k_out: Tensor, v_out: Tensor) -> None:
+    num_rows, heads, dim = q_out.shape
+    kv_heads = k_out.shape[1]
+    problems = []
+    if qkv.dim() != 2 or qkv.shape != (num_rows, (heads + 2 * kv_heads) * dim):
+        problems.append(f"qkv {tuple(qkv.shape)} is not (T, (H + 2*KV) * D) = ({num_rows}, {(heads + 2 * kv_heads) * dim})")
+    if k_out.shape != (num_rows, kv_heads, dim) or v_out.shape != (num_rows, kv_heads, dim):
+        problems.append(f"k_out {tuple(k_out.shape)} and v_out {tuple(v_out.shape)} must both be (T, KV, D)")
+    if positions.shape != (num_rows,):
+        problems.append(f"positions {tuple(positions.shape)} is not (T,) = ({num_rows},)")
+    if dim % 2 or inv_freq.shape != (dim // 2,):
+        problems.append(f"inv_freq {tuple(inv_freq.shape)} is not (D / 2,) for an even head_dim D = {dim}")
+    if (q_weight is None) != (k_weight is None):
+        problems.append("q_weight and k_weight go together (Qwen3-style q/k norm): pass both or neither")
+    if any(t.stride(-1) != 1 for t in (qkv, q_out, k_out, v_out)):
+        problems.append("qkv, q_out, k_out and v_out need a contiguous last dimension")
+    if problems:
+        raise ValueError("qkv_norm_rope: " + "; ".join(problems))
+
+
+def qkv_norm_rope(
+    qkv: Tensor, positions: Tensor, inv_freq: Tensor, num_heads: int, num_kv_heads: int, *,
+    q_weight: Optional[Tensor] = None, k_weight: Optional[Tensor] = None, eps: float = 1e-6,
+    out: Optional[tuple[Tensor, Tensor, Tensor]] = None, impl: Optional[str] = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``q (T, H, D), k, v (T, KV, D)`` from the fused projection ``qkv (T, (H + 2 * KV) * D)``.
+
+    q and k are RMS-normed per head when ``q_weight``/``k_weight`` ``(D,)`` are given, then rotated by
+    ``positions (T,)`` (int) times ``inv_freq (D / 2,)`` (fp32). With ``out=(q_out, k_out, v_out)`` the results are
+    written there (any dtype, contiguous last dimension, rows and heads may be strided: the attention island's
+    bridge buffers), else into new tensors of ``qkv``'s dtype. ``qkv`` may be row-strided.
+
+    Example:
+        >>> qkv, inv_freq = torch.randn(5, (4 + 2 * 2) * 8), 1.0 / 10000 ** (torch.arange(0, 8, 2) / 8)
+        >>> q, k, v = qkv_norm_rope(qkv, torch.arange(5), inv_freq, 4, 2)
+        >>> q.shape, k.shape, torch.equal(v.flatten(1), qkv[:, 48:])
+        (torch.Size([5, 4, 8]), torch.Size([5, 2, 8]), True)
+    """
+    num_rows, width = qkv.shape
+    dim = width // (num_heads + 2 * num_kv_heads)
+    if out is None:
+        out = (qkv.new_empty(num_rows, num_heads, dim), qkv.new_empty(num_rows, num_kv_heads, dim),
+               qkv.new_empty(num_rows, num_kv_heads, dim))
+    q_out, k_out, v_out = out
+    if q_out.shape[1:] != (num_heads, dim):
+        raise ValueError(f"q_out {tuple(q_out.shape)} is not (T, {num_heads}, {dim})")
+    _check(qkv, positions, inv_freq, q_weight, k_weight, q_out, k_out, v_out)
+    if not use_fused(impl, qkv):
+        qkv_norm_rope_reference(qkv, positions, inv_freq, q_weight, k_weight, eps, q_out, k_out, v_out)
+    elif torch.compiler.is_compiling():
+        torch.ops.bcg.qkv_norm_rope_(qkv, positions, inv_freq, q_weight, k_weight, eps, q_out, k_out, v_out)
+    else:
+        from bcg.ops.kernels import triton_rope
+
+        triton_rope.qkv_norm_rope(qkv, positions, inv_freq, q_weight, k_weight, eps, q_out, k_out, v_out)
+    return q_out, k_out, v_out
+
+
+@torch.library.custom_op("bcg::qkv_norm_rope_", mutates_args=("q_out", "k_out", "v_out"))
+def _qkv_norm_rope_op(
+    qkv: Tensor, positions: Tensor, inv_freq: Tensor, q_weight: Optional[Tensor], k_weight: Optional[Tensor],
+    eps: float, q_out: Tensor, k_out: Tensor, v_out: Tensor,
+) -> None:
+    if qkv.is_cuda:
+        from bcg.ops.kernels import triton_rope
+
+        triton_rope.qkv_norm_rope(qkv, positions, inv_freq, q_weight, k_weight, eps, q_out, k_out, v_out)
+    else:
+        qkv_norm_rope_reference(qkv, positions, inv_freq, q_weight, k_weight, eps, q_out, k_out, v_out)
+
+
+@_qkv_norm_rope_op.register_fake
+def _qkv_norm_rope_fake(
+    qkv: Tensor, positions: Tensor, inv_freq: Tensor, q_weight: Optional[Tensor], k_weight: Optional[Tensor],
+    eps: float, q_out: Tensor, k_out: Tensor, v_out: Tensor,
+) -> None:
+    return None

@@ -1,0 +1,138 @@
+"""Triton kernels behind :mod:`bcg.ops.kernels.moe_router` and :mod:`bcg.ops.kernels.moe_permute`.
+
+* router: one program per token: softmax over the experts, k rounds of arg-max, renormalisation.
+* expert order: a stable counting sort of the ``T * k`` (token, choice) pairs by expert without atomics. Program
+  ``c`` owns a chunk of pairs; it counts every expert over all pairs and over the pairs before its chunk (integer
+  histograms: order-free, so deterministic), which gives its chunk's first row in each expert group, then ranks its
+  pairs inside the chunk with a prefix sum. Stable by construction: a pair's row is the number of pairs with a
+  smaller expert plus the number of earlier pairs with the same expert, exactly ``sort(stable=True)``.
+* combine: one program per (token, column block): ``sum_j y[slot[t, j]] * w[t, j]`` in fp32, in order j = 0..k-1.
+
+Importing this module needs Triton.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from bcg.ops.kernels.triton_utils import exp_f32, launch, launch_rows
+
+_HIST_ELEMENTS = 4096  # pairs per histogram step
+_RANK_ELEMENTS = 8192  # chunk * padded experts: the one-hot tile a program ranks at once
+
+
+@triton.jit
+def _router_topk_kernel(
+    logits_ptr, logits_stride, w_ptr, ids_ptr, n_experts,
+    TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, E_BLOCK: tl.constexpr, K_BLOCK: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    e = tl.arange(0, E_BLOCK)
+    valid = e < n_experts
+    logits = tl.load(logits_ptr + t * logits_stride + e, mask=valid, other=float("-inf")).to(tl.float32)
+    p = tl.where(valid, exp_f32(logits - tl.max(logits, axis=0)), 0.0)
+    p = tl.div_rn(p, tl.sum(p, axis=0))
+    k = tl.arange(0, K_BLOCK)
+    top_w = tl.zeros([K_BLOCK], dtype=tl.float32)
+    top_i = tl.zeros([K_BLOCK], dtype=tl.int32)
+    candidates = tl.where(valid, p, -1.0)
+    total = tl.sum(top_w, axis=0)
+    for i in tl.static_range(TOP_K):
+        best = tl.max(candidates, axis=0)
+        best_i = tl.min(tl.where(candidates == best, e, E_BLOCK), axis=0)  # ties: the lower expert id
+        top_w = tl.where(k == i, best, top_w)
+        top_i = tl.where(k == i, best_i, top_i)
+        total += best
+        candidates = tl.where(e == best_i, -2.0, candidates)
+    if RENORMALIZE:
+        top_w = tl.div_rn(top_w, total)
+    tl.store(w_ptr + t * TOP_K + k, top_w.to(w_ptr.dtype.element_ty), mask=k < TOP_K)
+    tl.store(ids_ptr + t * TOP_K + k, top_i.to(ids_ptr.dtype.element_ty), mask=k < TOP_K)
+
+
+def router_topk(logits: Tensor, renormalize: bool, weights: Tensor, ids: Tensor) -> None:
+    """Write ``weights (T, k)`` and ``ids (T, k)`` (both contiguous) from ``logits (T, E)``."""
+    num_rows, num_experts = logits.shape
+    top_k = weights.shape[1]
+    e_block = max(2, triton.next_power_of_2(num_experts))
+    launch_rows(
+        _router_topk_kernel, num_rows, logits, logits.stride(0), weights, ids, num_experts,
+        TOP_K=top_k, RENORMALIZE=renormalize, E_BLOCK=e_block, K_BLOCK=max(2, triton.next_power_of_2(top_k)),
+        num_warps=1 if e_block <= 256 else 4,
+    )
+
+
+@triton.jit
+def _expert_order_kernel(
+    ids_ptr, n_pairs, top_k, n_experts, token_ptr, slot_ptr, end_ptr, expert_ptr,
+    CHUNK: tl.constexpr, E_BLOCK: tl.constexpr, HIST_BLOCK: tl.constexpr,
+):
+    chunk_start = tl.program_id(0) * CHUNK
+    e = tl.arange(0, E_BLOCK)
+    total = tl.zeros([E_BLOCK], dtype=tl.int32)
+    before = tl.zeros([E_BLOCK], dtype=tl.int32)
+    for start in range(0, n_pairs, HIST_BLOCK):
+        p = start + tl.arange(0, HIST_BLOCK)
+        ids = tl.load(ids_ptr + p, mask=p < n_pairs, other=0).to(tl.int32)
+        ok = (p < n_pairs) & (ids >= 0) & (ids < n_experts)
+        total += tl.histogram(ids, E_BLOCK, mask=ok)
+        before += tl.histogram(ids, E_BLOCK, mask=ok & (p < chunk_start))
+    ends = tl.cumsum(total, axis=0)
+    if tl.program_id(0) == 0:
+        tl.store(end_ptr + e, ends, mask=e < n_experts)
+    first = ends - total + before  # this chunk's first row in each expert's group
+
+    p = chunk_start + tl.arange(0, CHUNK)
+    in_chunk = p < n_pairs
+    ids = tl.load(ids_ptr + p, mask=in_chunk, other=-1).to(tl.int32)
+    onehot = (ids[:, None] == e[None, :]).to(tl.int32)  # rows past the end match no expert
+    rank = tl.cumsum(onehot, axis=0) - onehot  # earlier pairs of the same expert inside the chunk
+    slot = tl.sum(onehot * (first[None, :] + rank), axis=1)
+    tl.store(slot_ptr + p, slot.to(slot_ptr.dtype.element_ty), mask=in_chunk)
+    tl.store(token_ptr + slot, (p // top_k).to(token_ptr.dtype.element_ty), mask=in_chunk)
+    tl.store(expert_ptr + slot, ids.to(expert_ptr.dtype.element_ty), mask=in_chunk)
+
+
+def expert_order(ids: Tensor, num_experts: int, token_index: Tensor, slot: Tensor, group_end: Tensor,
+                 expert: Tensor) -> None:
+    """Fill the stable expert order of the flattened ``ids (T, k)`` (see :func:`moe_permute.expert_order`)."""
+    n_pairs, top_k = ids.numel(), max(1, ids.shape[-1])
+    e_block = max(2, triton.next_power_of_2(num_experts))
+    chunk = max(16, min(1024, _RANK_ELEMENTS // e_block))
+    # At least one program, so that the group ends are written (all zero) for zero tokens.
+    grid = (max(1, triton.cdiv(n_pairs, chunk)),)
+    _expert_order_kernel[grid](
+        ids.reshape(-1), n_pairs, top_k, num_experts, token_index, slot.view(-1), group_end, expert,
+        CHUNK=chunk, E_BLOCK=e_block, HIST_BLOCK=max(16, min(4096, _HIST_ELEMENTS)),
+        num_warps=4 if chunk * e_block <= 4096 else 8,
+    )
+
+
+@triton.jit
+def _combine_kernel(
+    y_ptr, y_stride, slot_ptr, w_ptr, w_stride, out_ptr, out_stride, n_cols,
+    TOP_K: tl.constexpr, BLOCK: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        row = tl.load(slot_ptr + t * TOP_K + j).to(tl.int64)
+        w = tl.load(w_ptr + t * w_stride + j).to(tl.float32)
+        acc += tl.load(y_ptr + row * y_stride + cols, mask=mask, other=0.0).to(tl.float32) * w
+    tl.store(out_ptr + t * out_stride + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def combine(y_sorted: Tensor, slot: Tensor, weights: Tensor, out: Tensor) -> None:
+    """``out[t] = sum_j weights[t, j] * y_sorted[slot[t, j]]`` for ``out (T, H)``; ``slot`` contiguous."""
+    num_rows, top_k = slot.shape
+    n_cols = out.shape[1]
+    block = min(1024, max(16, triton.next_power_of_2(n_cols)))
+    launch(
+        _combine_kernel, (num_rows, triton.cdiv(n_cols, block)),
+        y_sorted, y_sorted.stride(0), slot, weights, weights.stride(0), out, out.stride(0), n_cols,
+        TOP_K=top_k, BLOCK=block, num_warps=4 if block >= 512 else 1,
+    )

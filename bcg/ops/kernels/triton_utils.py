@@ -1,0 +1,79 @@
+"""Launch helpers shared by the Triton kernels: block sizes, warps, and launches that skip empty grids.
+
+Block sizes are fixed functions of the shapes (no autotuning: a tuner benchmarks, which syncs the host and cannot
+run inside a CUDA graph capture, and its pick could differ between runs). Importing this module needs Triton.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import triton
+import triton.language as tl
+from torch import Tensor
+from triton.language.extra import libdevice
+
+# Triton's interpreter (TRITON_INTERPRET=1, the CPU tests) has no libdevice; compiled kernels use it for the
+# accurate fp32 exp/sin/cos that torch's CUDA kernels use (tl.exp is ex2.approx for fp32). Read when this module
+# is imported, like triton.jit reads the same switch when it decorates.
+INTERPRETING: bool = bool(triton.knobs.runtime.interpret)
+_ACCURATE_MATH = tl.constexpr(not INTERPRETING)
+
+
+def row_block(n_cols: int) -> int:
+    """The power-of-two block that holds a whole row of ``n_cols`` elements (masked past the end)."""
+    if n_cols > 65536:
+        raise ValueError(f"rows of {n_cols} elements exceed the 65536 one program keeps in registers")
+    return max(16, triton.next_power_of_2(n_cols))
+
+
+def row_warps(block: int) -> int:
+    """Warps for a program that works on ``block`` elements: about 8-16 elements per thread."""
+    return 1 if block <= 256 else 4 if block <= 2048 else 8 if block <= 8192 else 16
+
+
+def rows_2d(t: Tensor, write: bool = False) -> Tensor:
+    """``t`` as ``(rows, last_dim)``: itself when already 2-D (no dispatcher call: launches are host-bound), else a
+    view; an input that cannot be viewed is copied, an output raises rather than being written into a copy."""
+    if t.dim() == 2:
+        return t
+    return t.view(-1, t.shape[-1]) if write else t.reshape(-1, t.shape[-1])
+
+
+def launch_rows(kernel: Any, n_rows: int, *args: Any, **meta: Any) -> None:
+    """Launch ``kernel`` with one program per row; nothing is launched for zero rows (an empty grid is an error)."""
+    if n_rows > 0:
+        kernel[(n_rows,)](*args, **meta)
+
+
+def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **meta: Any) -> None:
+    """Launch ``kernel`` on ``grid`` unless the grid is empty."""
+    if all(g > 0 for g in grid):
+        kernel[grid](*args, **meta)
+
+
+@triton.jit
+def exp_f32(x):
+    """``exp`` in fp32, correctly rounded to within CUDA's ``expf`` (libdevice) where compiled."""
+    if _ACCURATE_MATH:
+        return libdevice.exp(x)
+    else:
+        return tl.exp(x)
+
+
+@triton.jit
+def cos_f32(x):
+    """``cos`` in fp32 (libdevice's, as CUDA's ``cosf``, where compiled)."""
+    if _ACCURATE_MATH:
+        return libdevice.cos(x)
+    else:
+        return tl.cos(x)
+
+
+@triton.jit
+def sin_f32(x):
+    """``sin`` in fp32 (libdevice's, as CUDA's ``sinf``, where compiled)."""
+    if _ACCURATE_MATH:
+        return libdevice.sin(x)
+    else:
+        return tl.sin(x)

@@ -1,0 +1,137 @@
+"""The Triton kernels themselves, run by Triton's interpreter on CPU tensors against their references.
+
+Run as ``TRITON_INTERPRET=1 python -m pytest tests/ops/kernels/interpret_kernels.py`` (the file is not named
+``test_*`` because the interpreter must be on before anything imports Triton: ``test_kernel_interpret.py`` runs this
+file that way in a fresh process). Needs ``triton`` importable and no GPU.
+
+The interpreter rounds fp32 -> bf16 by truncation, so bf16 results get a looser tolerance here (their rounding is
+checked by the CUDA tests); its fp16 and fp32 conversions round correctly, so those carry the rounding checks.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from types import SimpleNamespace
+
+import kernel_cases as cases
+import numpy as np
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1 from the start"),
+    pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU the CUDA tests run the compiled kernels"),
+]
+MODULES = ("triton_utils", "triton_norm", "triton_activation", "triton_rope", "triton_moe")
+# Triton 3.6's interpreter turns a loop bound that is a kernel argument into an int with int(ndarray of shape
+# (1,)), which numpy >= 2.4 refuses; only the expert-order kernel loops over a runtime bound.
+NUMPY_RUNTIME_LOOPS = tuple(int(v) for v in np.__version__.split(".")[:2]) < (2, 4)
+
+
+@pytest.fixture(scope="module")
+def tk():
+    import triton
+
+    assert triton.knobs.runtime.interpret
+    utils, norm, act, rope, moe = [importlib.import_module(f"bcg.ops.kernels.{name}") for name in MODULES]
+    assert utils.INTERPRETING
+    return SimpleNamespace(norm=norm, act=act, rope=rope, moe=moe)
+
+
+class Interpreted:
+    """Calls the launchers directly (the entry points would pick the reference for CPU tensors)."""
+
+    ulps = {torch.bfloat16: 2.0}  # fp32 -> bf16 truncates in the interpreter: up to one more unit
+
+    def __init__(self, tk):
+        self.tk = tk
+
+    def rms_norm(self, x, w, eps, out):
+        self.tk.norm.rms_norm(x, w, eps, out)
+
+    def add_rms_norm(self, x, residual, w, eps, out, residual_out):
+        self.tk.norm.add_rms_norm(x, residual, w, eps, out, residual_out)
+
+    def silu_and_mul(self, x, out):
+        self.tk.act.silu_and_mul(x, out)
+
+    def qkv_norm_rope(self, *args):
+        self.tk.rope.qkv_norm_rope(*args)
+
+    def router_topk(self, logits, top_k, renormalize, out_dtype):
+        weights = cases.poisoned(logits.shape[0], top_k, dtype=out_dtype, device="cpu")
+        ids = cases.poisoned(logits.shape[0], top_k, dtype=torch.int64, device="cpu")
+        self.tk.moe.router_topk(logits, renormalize, weights, ids)
+        return weights, ids
+
+    def expert_order(self, ids, experts):
+        from bcg.ops.kernels.moe_permute import ExpertOrder
+
+        n = ids.numel()
+        out = ExpertOrder(cases.poisoned(n, dtype=torch.int64, device="cpu"),
+                          cases.poisoned(*ids.shape, dtype=torch.int64, device="cpu"),
+                          cases.poisoned(experts, dtype=torch.int32, device="cpu"),
+                          cases.poisoned(n, dtype=torch.int64, device="cpu"))
+        self.tk.moe.expert_order(ids, experts, *out)
+        return out
+
+    def moe_combine(self, y, slot, weights, out):
+        self.tk.moe.combine(y, slot, weights, out)
+
+
+@pytest.fixture(scope="module")
+def run(tk):
+    return Interpreted(tk)
+
+
+# Bit-exact fractions the interpreter must reach: fp16 differs from torch only where numpy's and torch's fp32 math
+# (sum order, rsqrt, exp, sin/cos) round differently by enough to move an fp16 result. An fp32 result moves with
+# any such difference (a row's rstd, say), and bf16 is truncated by the interpreter: for those only the tolerance.
+MIN_EXACT = {torch.float16: 0.99, torch.float32: None, torch.bfloat16: None}
+
+@pytest.mark.parametrize("dtype", cases.DTYPES)
+@pytest.mark.parametrize("rows,hidden", [(0, 1000), (1, 1000), (5, 1536), (3, 64)])
+def test_rms_norm(run, dtype, rows, hidden):
+    cases.check_rms_norm(run, "cpu", dtype, rows, hidden, MIN_EXACT[dtype])
+
+
+@pytest.mark.parametrize("in_place", [True, False])
+@pytest.mark.parametrize("dtype", cases.DTYPES)
+@pytest.mark.parametrize("rows,hidden", [(0, 64), (1, 1000), (4, 1536)])
+def test_fused_add_rms_norm(run, dtype, rows, hidden, in_place):
+    cases.check_add_rms_norm(run, "cpu", dtype, rows, hidden, MIN_EXACT[dtype],
+                             exact_residual=dtype != torch.bfloat16, in_place=in_place)
+
+
+@pytest.mark.parametrize("dtype", cases.DTYPES)
+@pytest.mark.parametrize("rows,inter", [(0, 16), (1, 2816), (3, 500)])
+def test_silu_and_mul(run, dtype, rows, inter):
+    cases.check_silu_and_mul(run, "cpu", dtype, rows, inter, MIN_EXACT[dtype])
+
+
+@pytest.mark.parametrize("dtype", cases.DTYPES)
+@pytest.mark.parametrize("qk_norm", [False, True])
+@pytest.mark.parametrize("rows,heads,kv_heads,dim", [(0, 4, 2, 16), (1, 16, 4, 64), (3, 12, 4, 128), (2, 3, 1, 80)])
+def test_qkv_norm_rope(run, dtype, qk_norm, rows, heads, kv_heads, dim):
+    cases.check_qkv_norm_rope(run, "cpu", dtype, rows, heads, kv_heads, dim, qk_norm, MIN_EXACT[dtype])
+
+
+@pytest.mark.parametrize("dtype", cases.DTYPES)
+@pytest.mark.parametrize("rows,experts,top_k,renormalize", [(0, 8, 2, True), (1, 32, 4, True), (9, 6, 3, False),
+                                                            (17, 64, 8, True)])
+def test_router_topk(run, dtype, rows, experts, top_k, renormalize):
+    cases.check_router_topk(run, "cpu", dtype, rows, experts, top_k, renormalize, MIN_EXACT[dtype])
+
+
+@pytest.mark.skipif(not NUMPY_RUNTIME_LOOPS, reason="triton 3.6's interpreter needs numpy < 2.4 for runtime loops")
+@pytest.mark.parametrize("ids_dtype", [torch.int64, torch.int32])
+@pytest.mark.parametrize("rows,experts,top_k", [(0, 8, 2), (1, 32, 4), (37, 32, 4), (70, 64, 8), (5, 6, 3)])
+def test_expert_order(run, rows, experts, top_k, ids_dtype):
+    cases.check_expert_order(run, "cpu", rows, experts, top_k, ids_dtype)
+
+
+@pytest.mark.parametrize("dtype", cases.DTYPES)
+@pytest.mark.parametrize("rows,hidden,top_k", [(0, 64, 2), (1, 1000, 4), (6, 1536, 8)])
+def test_moe_combine(run, dtype, rows, hidden, top_k):
+    cases.check_moe_combine(run, "cpu", dtype, rows, hidden, top_k, MIN_EXACT[dtype])

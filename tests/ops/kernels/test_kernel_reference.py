@@ -1,0 +1,237 @@
+"""Fused-kernel entry points on the reference path (CPU): they compute exactly what the models compute today,
+dispatch as documented, reject bad input by name, and trace under torch.compile with their custom ops."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+import torch.nn.functional as F
+from kernel_cases import DTYPES, gen, inv_freq, randn, row_view
+from torch.library import opcheck
+
+from bcg.models import build_model, get_preset
+from bcg.models.dense import QKVProjection
+from bcg.models.layers import RMSNorm, RotaryEmbedding
+from bcg.ops import kernels
+from bcg.ops.kernels import dispatch
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,hidden", [(0, 64), (1, 1000), (7, 1536)])
+def test_rms_norm_and_fused_add_match_the_model_layers(dtype, rows, hidden):
+    norm = RMSNorm(hidden, 1e-5).to(dtype)
+    norm.weight.data = randn(hidden, dtype=dtype, device="cpu", seed=1)
+    x = row_view(rows, hidden, dtype=dtype, device="cpu", seed=2)
+    assert torch.equal(kernels.rms_norm(x, norm.weight, 1e-5), norm(x))
+    h, attn_out = randn(rows, hidden, dtype=dtype, device="cpu", seed=3), randn(rows, hidden, dtype=dtype,
+                                                                                 device="cpu", seed=4)
+    expected_h = h + attn_out  # the decoder layer's residual add
+    expected_n = norm(expected_h)
+    x0, h0 = attn_out.clone(), h.clone()
+    n_out, h_out = torch.empty_like(h), torch.empty_like(h)
+    n2, h3 = kernels.fused_add_rms_norm(attn_out, h, norm.weight, 1e-5, out=n_out, residual_out=h_out)
+    assert n2 is n_out and h3 is h_out and torch.equal(attn_out, x0) and torch.equal(h, h0)  # inputs only read
+    n, h2 = kernels.fused_add_rms_norm(attn_out, h, norm.weight, 1e-5)
+    assert n is attn_out and h2 is h
+    assert torch.equal(h, expected_h) and torch.equal(n, expected_n)
+    assert torch.equal(h_out, expected_h) and torch.equal(n_out, expected_n)
+
+
+def test_rms_norm_writes_out_and_checks_shapes():
+    x, w = torch.randn(3, 10), torch.rand(10)
+    out = torch.empty(3, 10, dtype=torch.float64)
+    assert kernels.rms_norm(x, w, 1e-6, out=out) is out
+    assert torch.allclose(out, F.rms_norm(x, (10,), w, 1e-6).double())
+    with pytest.raises(ValueError, match="same shape"):
+        kernels.fused_add_rms_norm(x, torch.randn(3, 11), w, 1e-6)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul_matches_swiglu(dtype):
+    x = row_view(5, 2 * 2816, dtype=dtype, device="cpu", seed=0)
+    gate, up = x.chunk(2, dim=-1)
+    assert torch.equal(kernels.silu_and_mul(x), F.silu(gate) * up)
+    with pytest.raises(ValueError, match="even last dimension"):
+        kernels.silu_and_mul(torch.randn(2, 7))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_qkv_norm_rope_matches_the_models_projection(dtype, qk_norm):
+    """The reference reproduces QKVProjection bit for bit: same rotation, same roundings, v copied."""
+    config = replace(get_preset("tiny-dense"), qk_norm=qk_norm, attention_bias=True, rope_theta=150000.0)
+    proj = QKVProjection(config).to(dtype)
+    for i, param in enumerate(proj.parameters()):
+        param.data = randn(*param.shape, dtype=dtype, device="cpu", seed=10 + i, scale=0.5)
+    rope = RotaryEmbedding(config.head_dim, config.rope_theta)
+    x = randn(9, config.hidden_size, dtype=dtype, device="cpu", seed=1)
+    positions = torch.tensor([0, 1, 2, 3, 700, 701, 4000, 5, 6])
+    with torch.no_grad():
+        expected = proj(x, *rope(positions))
+        qkv = proj.qkv_proj(x)
+        weights = {"q_weight": proj.q_norm.weight, "k_weight": proj.k_norm.weight} if qk_norm else {}
+        got = kernels.qkv_norm_rope(qkv, positions, rope.inv_freq, config.num_heads, config.num_kv_heads,
+                                    eps=config.rms_norm_eps, **weights)
+    for g, e in zip(got, expected):
+        assert g.dtype == e.dtype and torch.equal(g, e)
+
+
+def test_qkv_norm_rope_writes_given_strided_buffers_and_rejects_bad_shapes():
+    heads, kv_heads, dim, rows = 4, 2, 16, 6
+    qkv = row_view(rows, (heads + 2 * kv_heads) * dim, dtype=torch.bfloat16, device="cpu", seed=0)
+    positions, freqs = torch.arange(rows), inv_freq(dim)
+    # Bridge-like outputs: views into wider fp32 buffers, written in place and cast.
+    bufs = [torch.zeros(rows + 2, n + 1, dim) for n in (heads, kv_heads, kv_heads)]
+    out = tuple(b[:rows, :-1] for b in bufs)
+    got = kernels.qkv_norm_rope(qkv, positions, freqs, heads, kv_heads, out=out)
+    assert all(g is o for g, o in zip(got, out))
+    plain = kernels.qkv_norm_rope(qkv, positions, freqs, heads, kv_heads)
+    assert all(torch.equal(g.to(torch.bfloat16), p) for g, p in zip(got, plain))
+    assert all(not b[rows:].any() and not b[:, -1].any() for b in bufs)  # nothing outside the views
+    with pytest.raises(ValueError, match="positions"):
+        kernels.qkv_norm_rope(qkv, positions[:-1], freqs, heads, kv_heads)
+    with pytest.raises(ValueError, match="q_weight and k_weight"):
+        kernels.qkv_norm_rope(qkv, positions, freqs, heads, kv_heads, q_weight=torch.ones(dim))
+    with pytest.raises(ValueError, match="inv_freq"):
+        kernels.qkv_norm_rope(qkv, positions, freqs[:-1], heads, kv_heads)
+
+
+def _moe(dtype: torch.dtype, norm_topk_prob: bool):
+    config = replace(get_preset("tiny-moe"), norm_topk_prob=norm_topk_prob)
+    ffn = build_model(config, "cpu", dtype, seed=5).layers[0].mlp
+    ffn.use_grouped_mm = False  # the exact bmm path; grouped_mm's grouping is the same
+    return ffn
+
+
+def _moe_forward_with_kernels(ffn, x: torch.Tensor) -> torch.Tensor:
+    """MoEFFN.forward (bmm path) rewritten on the kernel entry points, as the lead will wire it."""
+    weights, ids = kernels.router_topk(ffn.gate(x), ffn.top_k, renormalize=ffn.norm_topk_prob, out_dtype=x.dtype)
+    order = kernels.expert_order(ids, ffn.num_experts)
+    x_sorted = x[order.token_index]
+    gate_up = torch.bmm(ffn.experts_gate_up[order.expert], x_sorted[:, :, None]).squeeze(-1)
+    y_sorted = torch.bmm(ffn.experts_down[order.expert], kernels.silu_and_mul(gate_up)[:, :, None]).squeeze(-1)
+    return kernels.moe_combine(y_sorted, order.slot, weights)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("norm_topk_prob", [True, False])
+def test_moe_pieces_reproduce_the_moe_layer(dtype, norm_topk_prob):
+    ffn = _moe(dtype, norm_topk_prob)
+    x = randn(13, 64, dtype=dtype, device="cpu", seed=2)
+    with torch.no_grad():
+        weights, ids = kernels.router_topk(ffn.gate(x), ffn.top_k, renormalize=norm_topk_prob, out_dtype=dtype)
+        expected_w, expected_ids = ffn.route(x)
+        assert torch.equal(ids, expected_ids) and torch.equal(weights, expected_w) and weights.dtype == dtype
+        assert torch.equal(_moe_forward_with_kernels(ffn, x), ffn(x))
+
+
+def test_expert_order_is_the_stable_sort_and_its_inverse():
+    ids = torch.randint(0, 6, (40, 3), generator=gen(0))
+    order = kernels.expert_order(ids, 8)  # experts 6 and 7 get no rows
+    flat = ids.flatten()
+    assert torch.equal(order.expert, flat.sort(stable=True).values)
+    assert torch.equal(order.token_index, flat.sort(stable=True).indices // 3)
+    assert torch.equal(order.expert[order.slot.flatten()], flat)  # slot inverts the sort
+    assert order.group_end.dtype == torch.int32 and order.group_end.tolist() == torch.bincount(
+        flat, minlength=8).cumsum(0).tolist()
+    empty = kernels.expert_order(ids[:0], 8)
+    assert empty.group_end.tolist() == [0] * 8 and empty.token_index.numel() == 0
+
+
+def test_router_rejects_bad_top_k():
+    with pytest.raises(ValueError, match="top_k"):
+        kernels.router_topk(torch.randn(2, 4), 5)
+
+
+def test_dispatch_defaults_and_switches():
+    assert not kernels.fused_available("cpu")
+    x = torch.randn(2, 8)
+    with kernels.use_kernels("fused"):
+        assert not dispatch.use_fused(None, x) and not dispatch.use_fused("fused", x)  # CPU runs the reference
+        with kernels.use_kernels("torch"):
+            assert kernels.get_kernels() == "torch"
+        assert kernels.get_kernels() == "fused"
+    with pytest.raises(ValueError, match="fused, torch"):
+        kernels.set_kernels("triton")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="unknown kernels"):
+        kernels.rms_norm(x, torch.ones(8), 1e-6, impl="cuda")
+
+
+def test_fused_on_cuda_without_triton_says_how_to_fix(monkeypatch):
+    monkeypatch.setattr(dispatch, "triton_importable", lambda: False)
+    fake_cuda = torch.empty(2, 8, device="meta")
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: self.device.type == "meta"))
+    with pytest.raises(RuntimeError, match="kernels='torch'"):
+        dispatch.use_fused("fused", fake_cuda)
+    assert not dispatch.use_fused("torch", fake_cuda)
+
+
+def test_dispatch_traces_under_torch_compile():
+    """use_fused runs inside compiled model code; its Triton probe must not break a fullgraph trace."""
+    def fn(x):
+        return x + 1 if dispatch.triton_importable() else x - 1
+
+    torch._dynamo.reset()
+    x = torch.zeros(3)
+    assert torch.equal(torch.compile(fn, backend="eager", fullgraph=True)(x), fn(x))
+
+
+def _op_args() -> dict[str, tuple]:
+    ids = torch.randint(0, 8, (5, 2), generator=gen(1))
+    rope_out = (torch.empty(5, 4, 16), torch.empty(5, 2, 16), torch.empty(5, 2, 16))
+    return {
+        "rms_norm": (torch.randn(5, 1000), torch.rand(1000), 1e-6),
+        "fused_add_rms_norm_": (torch.randn(5, 1000), torch.randn(5, 1000), torch.rand(1000), 1e-6),
+        "silu_and_mul": (torch.randn(5, 20),),
+        "qkv_norm_rope_": (torch.randn(5, 128), torch.arange(5), inv_freq(16), torch.rand(16), torch.rand(16),
+                           1e-6, *rope_out),
+        "router_topk": (torch.randn(5, 8), 2, True, torch.bfloat16),
+        "expert_order": (ids, 8),
+        "moe_combine": (torch.randn(10, 6), kernels.expert_order(ids, 8).slot, torch.rand(5, 2)),
+    }
+
+
+@pytest.mark.parametrize("name", list(_op_args()))
+def test_custom_ops_pass_opcheck(name):
+    """Schemas, mutation annotations and fake kernels agree with the real ones (the CPU impl is the reference)."""
+    opcheck(getattr(torch.ops.bcg, name), _op_args()[name])
+
+
+def _layer(h, attn_out, w, gate_up, qkv, positions, freqs, logits, y_sorted):
+    n, h = kernels.fused_add_rms_norm(attn_out, h, w, 1e-6)
+    q, k, v = kernels.qkv_norm_rope(qkv, positions, freqs, 4, 2, q_weight=w[:16], k_weight=w[16:32])
+    weights, ids = kernels.router_topk(logits, 2)
+    order = kernels.expert_order(ids, 8)
+    return (n, h, kernels.silu_and_mul(gate_up), q, k, v, kernels.moe_combine(y_sorted, order.slot, weights),
+            kernels.rms_norm(h, w, 1e-6))
+
+
+def _ops_layer(h, attn_out, w, gate_up, qkv, positions, freqs, logits, y_sorted):
+    """The same through the registered ops, which is what dynamo traces on CUDA with the fused path on."""
+    torch.ops.bcg.fused_add_rms_norm_(attn_out, h, w, 1e-6)
+    q, k, v = (qkv.new_empty(qkv.shape[0], n, 16) for n in (4, 2, 2))
+    torch.ops.bcg.qkv_norm_rope_(qkv, positions, freqs, w[:16], w[16:32], 1e-6, q, k, v)
+    weights, ids = torch.ops.bcg.router_topk(logits, 2, True, logits.dtype)
+    _, slot, _, _ = torch.ops.bcg.expert_order(ids, 8)
+    return (attn_out, h, torch.ops.bcg.silu_and_mul(gate_up), q, k, v,
+            torch.ops.bcg.moe_combine(y_sorted, slot, weights), torch.ops.bcg.rms_norm(h, w, 1e-6))
+
+
+def _layer_inputs():
+    return (randn(5, 64, dtype=torch.float32, device="cpu", seed=1), randn(5, 64, dtype=torch.float32, device="cpu",
+            seed=2), torch.rand(64, generator=gen(3)) + 0.5, randn(5, 20, dtype=torch.float32, device="cpu", seed=4),
+            randn(5, 128, dtype=torch.float32, device="cpu", seed=5), torch.arange(5), inv_freq(16),
+            randn(5, 8, dtype=torch.float32, device="cpu", seed=6), randn(10, 6, dtype=torch.float32, device="cpu",
+                                                                           seed=7))
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+@pytest.mark.parametrize("fn", [_layer, _ops_layer], ids=["entry_points", "ops"])
+def test_torch_compile_traces_the_kernels(backend, fn):
+    expected = _layer(*_layer_inputs())
+    torch._dynamo.reset()
+    got = torch.compile(fn, backend=backend, fullgraph=True)(*_layer_inputs())
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5)
