@@ -233,7 +233,8 @@ def run(presets: list[str], tokens: list[int], repeats: int, replays: int) -> li
                 row: dict = {"preset": preset, "tokens": t, "op": op}
                 try:
                     exact, diff = agreement(*(checks[op]() if op in checks else (ref_fn(), fused_fn())))
-                    row.update(torch_us=graph_us(ref_fn, repeats, replays), fused_us=graph_us(fused_fn, repeats, replays),
+                    row.update(torch_us=graph_us(ref_fn, repeats, replays),
+                               fused_us=graph_us(fused_fn, repeats, replays),
                                torch_kernels=kernel_count(ref_fn), fused_kernels=kernel_count(fused_fn),
                                torch_host_us=host_us(ref_fn), fused_host_us=host_us(fused_fn),
                                bit_exact=exact, max_abs_diff=diff)
@@ -252,7 +253,8 @@ def format_row(row: dict) -> str:
     exact = "-" if row["bit_exact"] is None else f"{row['bit_exact']:.4f}"
     diff = "-" if row["max_abs_diff"] is None else f"{row['max_abs_diff']:.3g}"
     return (f"{row['preset']:<15} {row['tokens']:>5} {row['op']:<14} {row['torch_us']:>8.2f} {row['fused_us']:>8.2f} "
-            f"{row['speedup']:>6.2f}x {str(row['torch_kernels']):>4} {str(row['fused_kernels']):>4} {exact:>7} {diff:>8} "
+            f"{row['speedup']:>6.2f}x {str(row['torch_kernels']):>4} {str(row['fused_kernels']):>4} "
+            f"{exact:>7} {diff:>8} "
             f"{row['torch_host_us']:>7.1f} {row['fused_host_us']:>7.1f}")
 
 

@@ -27,7 +27,8 @@ INIT_STD = 0.02
 class CausalLM(nn.Module):
     """Base class of the model zoo: embedding, a layer stack, final norm and LM head.
 
-    Subclasses fill ``self.layers`` with modules called as ``layer(hidden, cos, sin)`` or override
+    Subclasses fill ``self.layers`` with modules called as ``layer(hidden, residual, rope)`` (returning the
+    sublayer output and the residual stream, see :class:`bcg.models.dense.DecoderLayer`) or override
     :meth:`forward_layers`. Build instances with :func:`bcg.models.registry.build_model` or
     :func:`bcg.models.loader.load_checkpoint` rather than directly: they materialise the weights
     on the target device and tie the embeddings.
@@ -68,14 +69,32 @@ class CausalLM(nn.Module):
         but the attention islands ignore them and never let them touch the KV pool. Needs a
         :func:`bcg.ops.context.forward_context` around the call.
         """
-        cos, sin = self.rotary(positions)
+        rope = self.rotary.rope(positions)
+        residual = None
         for layer in self.layers:
-            hidden = layer(hidden, cos, sin)
-        return hidden
+            hidden, residual = layer(hidden, residual, rope)
+        return hidden + residual
 
     def compute_logits(self, hidden_last: Tensor) -> Tensor:
         """Final norm + LM head on ``(R, hidden_size)`` rows -> fp32 logits ``(R, vocab_size)``."""
         return self.lm_head(self.norm(hidden_last)).float()
+
+    def set_kernels(self, impl: str) -> None:
+        """Runs the non-matmul ops with ``impl``: ``"torch"`` (plain torch ops) or ``"fused"`` (the fused kernels of
+        :mod:`bcg.ops.kernels`: Triton on CUDA, the same references on a CPU), in every module that has both.
+
+        Example:
+            >>> from bcg.models.config import get_preset
+            >>> from bcg.models.registry import build_model
+            >>> model = build_model(get_preset("tiny-dense"))
+            >>> model.set_kernels("fused"); model.layers[0].mlp.kernels
+            'fused'
+        """
+        if impl not in ("fused", "torch"):
+            raise ValueError(f"kernels must be 'fused' or 'torch', got {impl!r}")
+        for module in self.modules():
+            if hasattr(module, "kernels"):
+                module.kernels = impl
 
     @torch.no_grad()
     def init_weights(self, generator: torch.Generator) -> None:

@@ -12,25 +12,29 @@ from torch import Tensor, nn
 
 from bcg.models.base import CausalLM
 from bcg.models.config import ModelConfig
-from bcg.models.layers import RMSNorm, SwiGLUMLP, apply_rotary, rotate
+from bcg.models.layers import RMSNorm, Rope, SwiGLUMLP, apply_rotary, rotate
+from bcg.ops import bridge
+from bcg.ops import kernels as fused
 from bcg.ops.attention import attention
-from bcg.ops.bridge import carry, output_like
 
 
 class QKVProjection(nn.Module):
     """Fused q/k/v projection, optional per-head q/k RMSNorm, then RoPE.
 
-    Returns ``q (T, num_heads, head_dim)``, ``k, v (T, num_kv_heads, head_dim)``.
+    Returns ``q (T, num_heads, head_dim)``, ``k, v (T, num_kv_heads, head_dim)``. With fused kernels the split,
+    the norms, the rotation and the copies into the island's inputs are one kernel after the projection.
 
     Example:
         >>> from bcg.models.config import get_preset
         >>> from bcg.models.layers import RotaryEmbedding
         >>> cfg = get_preset("tiny-dense")
-        >>> cos, sin = RotaryEmbedding(cfg.head_dim)(torch.arange(3))
-        >>> q, k, v = QKVProjection(cfg)(torch.randn(3, cfg.hidden_size), cos, sin)
+        >>> rope = RotaryEmbedding(cfg.head_dim).rope(torch.arange(3))
+        >>> q, k, v = QKVProjection(cfg)(torch.randn(3, cfg.hidden_size), rope)
         >>> q.shape, k.shape
         (torch.Size([3, 4, 16]), torch.Size([3, 2, 16]))
     """
+
+    kernels: str = "torch"
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -41,9 +45,8 @@ class QKVProjection(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        qk, v = self.rotated(x, cos, sin)
-        return (*qk.to(x.dtype).split([self.num_heads, self.num_kv_heads], dim=1), v)
+    def forward(self, x: Tensor, rope: Rope) -> tuple[Tensor, Tensor, Tensor]:
+        return self.carried(x, rope)
 
     def rotated(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
         """``(qk, v)``: q heads then k heads after norm and RoPE, ``(T, heads + kv_heads, head_dim)``, and ``v`` in
@@ -60,11 +63,21 @@ class QKVProjection(nn.Module):
             return torch.cat((q, apply_rotary(self.k_norm(qk[:, heads:]), cos, sin)), dim=1), v
         return rotate(qk, cos, sin), v
 
-    def carried(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def carried(self, x: Tensor, rope: Rope) -> tuple[Tensor, Tensor, Tensor]:
         """``q, k, v`` in ``x.dtype`` for an attention island: while the runner captures they live in bridge
-        buffers shared by all layers and buckets (:mod:`bcg.ops.bridge`), and the fp32 RoPE result is cast
-        in the copy into them; otherwise they are plain tensors."""
-        qk, v = carry("attn", *self.rotated(x, cos, sin), dtype=x.dtype)
+        buffers shared by all layers and buckets (:mod:`bcg.ops.bridge`), and the fp32 RoPE result is cast in the
+        copy into them (or the fused kernel writes them there directly); otherwise they are plain tensors."""
+        if self.kernels == "fused":
+            rows, dim, kw = x.shape[0], self.head_dim, {"dtype": x.dtype, "device": x.device}
+            out = (bridge.empty("attn.q", (rows, self.num_heads, dim), **kw),
+                   bridge.empty("attn.k", (rows, self.num_kv_heads, dim), **kw),
+                   bridge.empty("attn.v", (rows, self.num_kv_heads, dim), **kw))
+            has_norm = self.q_norm is not None and self.k_norm is not None
+            return fused.qkv_norm_rope(
+                self.qkv_proj(x), rope.positions, rope.inv_freq, self.num_heads, self.num_kv_heads,
+                q_weight=self.q_norm.weight if has_norm else None, k_weight=self.k_norm.weight if has_norm else None,
+                eps=self.q_norm.eps if has_norm else 1e-6, out=out, impl="fused")
+        qk, v = bridge.carry("attn", *self.rotated(x, rope.cos, rope.sin), dtype=x.dtype)
         return (*qk.split([self.num_heads, self.num_kv_heads], dim=1), v)
 
 
@@ -83,15 +96,19 @@ class Attention(nn.Module):
         self.qkv = QKVProjection(config)
         self.o_proj = nn.Linear(config.num_heads * config.head_dim, config.hidden_size, bias=config.attention_bias)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        q, k, v = self.qkv.carried(x, cos, sin)
-        out = output_like("attn", q)  # a shared bridge buffer while the runner captures, else a fresh tensor
+    def forward(self, x: Tensor, rope: Rope) -> Tensor:
+        q, k, v = self.qkv.carried(x, rope)
+        out = bridge.output_like("attn", q)  # a shared bridge buffer while the runner captures, else a fresh tensor
         attention(q, k, v, out, self.layer_id)
         return self.o_proj(out.flatten(1))
 
 
 class DecoderLayer(nn.Module):
     """Pre-norm residual block: ``h += attn(norm(h)); h += ffn(norm(h))``.
+
+    The residual stream is carried beside the sublayer output, so each add and the norm after it are one step
+    (one kernel when fused): ``layer(hidden, residual, rope) -> (ffn_out, residual)``, ``residual=None`` in the
+    first layer, whose input (a graph's static input) is read and never written. The stack adds the two at the end.
 
     Example:
         >>> from bcg.models.config import get_preset
@@ -108,9 +125,14 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = mlp
 
-    def forward(self, hidden: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    def forward(self, hidden: Tensor, residual: Tensor | None, rope: Rope) -> tuple[Tensor, Tensor]:
+        if residual is None:
+            attn_out = self.self_attn(self.input_layernorm(hidden), rope)
+            normed, residual = self.post_attention_layernorm.add(attn_out, hidden, inplace=False)
+        else:
+            normed, residual = self.input_layernorm.add(hidden, residual)
+            normed, residual = self.post_attention_layernorm.add(self.self_attn(normed, rope), residual)
+        return self.mlp(normed), residual
 
 
 class DenseLM(CausalLM):

@@ -12,7 +12,7 @@ from torch import Tensor, nn
 from bcg.models.base import CausalLM
 from bcg.models.config import ModelConfig
 from bcg.models.dense import DecoderLayer, QKVProjection
-from bcg.models.layers import SwiGLUMLP
+from bcg.models.layers import Rope, SwiGLUMLP
 from bcg.models.moe import MoEFFN, prepare_experts
 from bcg.ops.bridge import carry, output_like
 from bcg.ops.dsa import select_topk, sparse_attention
@@ -60,26 +60,31 @@ class SparseAttention(nn.Module):
         is_group_leader = layer_id % config.index_share == 0
         self.indexer = Indexer(config, layer_id // config.index_share) if is_group_leader else None
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, selection: Tensor | None) -> tuple[Tensor, Tensor]:
+    def forward(self, x: Tensor, rope: Rope, selection: Tensor | None) -> tuple[Tensor, Tensor]:
         if self.indexer is not None:
             selection = self.indexer(x)
         if selection is None:
             raise RuntimeError(f"layer {self.layer_id} has no indexer and was given no selection")
-        q, k, v = self.qkv.carried(x, cos, sin)  # shared bridge buffers while capturing
+        q, k, v = self.qkv.carried(x, rope)  # shared bridge buffers while capturing
         out = output_like("attn", q)
         sparse_attention(q, k, v, selection, out, self.layer_id)
         return self.o_proj(out.flatten(1)), selection
 
 
 class SparseDecoderLayer(DecoderLayer):
-    """Pre-norm block around :class:`SparseAttention`; threads the selection through."""
+    """Pre-norm block around :class:`SparseAttention`; threads the residual stream and the selection through."""
 
     def forward(  # type: ignore[override]
-        self, hidden: Tensor, cos: Tensor, sin: Tensor, selection: Tensor | None
-    ) -> tuple[Tensor, Tensor]:
-        attn_out, selection = self.self_attn(self.input_layernorm(hidden), cos, sin, selection)
-        hidden = hidden + attn_out
-        return hidden + self.mlp(self.post_attention_layernorm(hidden)), selection
+        self, hidden: Tensor, residual: Tensor | None, rope: Rope, selection: Tensor | None
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        if residual is None:  # the first layer reads the stack's input and never writes it
+            attn_out, selection = self.self_attn(self.input_layernorm(hidden), rope, selection)
+            normed, residual = self.post_attention_layernorm.add(attn_out, hidden, inplace=False)
+        else:
+            normed, residual = self.input_layernorm.add(hidden, residual)
+            attn_out, selection = self.self_attn(normed, rope, selection)
+            normed, residual = self.post_attention_layernorm.add(attn_out, residual)
+        return self.mlp(normed), residual, selection
 
 
 class DSALM(CausalLM):
@@ -98,11 +103,12 @@ class DSALM(CausalLM):
             self.layers.append(SparseDecoderLayer(config, SparseAttention(config, layer_id), mlp))
 
     def forward_layers(self, hidden: Tensor, positions: Tensor) -> Tensor:
-        cos, sin = self.rotary(positions)
+        rope = self.rotary.rope(positions)
+        residual: Tensor | None = None
         selection: Tensor | None = None
         for layer in self.layers:
-            hidden, selection = layer(hidden, cos, sin, selection)
-        return hidden
+            hidden, residual, selection = layer(hidden, residual, rope, selection)
+        return hidden + residual
 
     def post_init(self) -> None:
         super().post_init()

@@ -1,13 +1,19 @@
 """Building blocks shared by the model zoo: RMSNorm, rotary embedding and the SwiGLU MLP.
 
-Everything here is capturable: fixed shapes, no host reads, no data-dependent control flow.
+Everything here is capturable: fixed shapes, no host reads, no data-dependent control flow. Modules with a
+``kernels`` attribute run either plain torch ops (``"torch"``) or the fused kernels of :mod:`bcg.ops.kernels`
+(``"fused"``: Triton on CUDA, the same references elsewhere); :meth:`bcg.models.base.CausalLM.set_kernels` sets it.
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from bcg.ops import kernels as fused
 
 _HAS_FUSED_RMS_NORM = hasattr(F, "rms_norm")
 
@@ -21,18 +27,48 @@ class RMSNorm(nn.Module):
         torch.Size([3, 4, 16])
     """
 
+    kernels: str = "torch"
+
     def __init__(self, dim: int, eps: float = 1e-6) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.kernels == "fused":
+            return fused.rms_norm(x, self.weight, self.eps, impl="fused")
         if _HAS_FUSED_RMS_NORM:
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        # Fallback mirrors the fused kernel: reduce in fp32, scale in the input dtype.
+        # Fallback as F.rms_norm computes it: reduce and scale in fp32, round once.
         x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight.float()).to(x.dtype)
+
+    def add(self, x: Tensor, residual: Tensor, inplace: bool = True) -> tuple[Tensor, Tensor]:
+        """``(norm(residual + x), residual + x)``, the sum rounded to the residual's dtype: a decoder layer's
+        ``h = h + sublayer(...)`` and the next norm. Fused, it is one kernel, in place on ``x`` (overwritten with the
+        normed rows) and on ``residual`` unless ``inplace=False`` (a graph's static input must not change).
+
+        Example:
+            >>> norm, x, h = RMSNorm(8), torch.randn(2, 8), torch.randn(2, 8)
+            >>> normed, h2 = norm.add(x, h)
+            >>> torch.equal(h2, h + x) and torch.equal(normed, norm(h + x))
+            True
+        """
+        if self.kernels == "fused":
+            out = None if inplace else torch.empty_like(residual)
+            return fused.fused_add_rms_norm(x, residual, self.weight, self.eps, residual_out=out, impl="fused")
+        residual = residual + x
+        return self(residual), residual
+
+
+class Rope(NamedTuple):
+    """One forward's rotary positions: ``positions`` and ``inv_freq`` (what a fused kernel rotates by), and the
+    ``cos``/``sin`` tables the torch path rotates by (None when the kernels compute them on the fly)."""
+
+    positions: Tensor
+    inv_freq: Tensor
+    cos: Tensor | None
+    sin: Tensor | None
 
 
 class RotaryEmbedding(nn.Module):
@@ -50,6 +86,7 @@ class RotaryEmbedding(nn.Module):
     """
 
     inv_freq: Tensor
+    kernels: str = "torch"
 
     def __init__(self, head_dim: int, theta: float = 10000.0) -> None:
         super().__init__()
@@ -77,6 +114,13 @@ class RotaryEmbedding(nn.Module):
         # then swaps the halves with one cat instead of a negation and a cat. Exact: only signs move.
         sin[..., : self.head_dim // 2].neg_()
         return angles.cos(), sin
+
+    def rope(self, positions: Tensor) -> Rope:
+        """The :class:`Rope` of one forward: ``cos``/``sin`` computed here for the torch path, left to the fused
+        q/k kernel (which computes the angles itself) otherwise."""
+        if self.kernels == "fused":
+            return Rope(positions, self.inv_freq, None, None)
+        return Rope(positions, self.inv_freq, *self(positions))
 
 
 def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -119,6 +163,8 @@ class SwiGLUMLP(nn.Module):
         torch.Size([3, 64])
     """
 
+    kernels: str = "torch"
+
     def __init__(self, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
         # One (2I, H) matmul instead of two (I, H) ones: fewer launches in a launch-bound prefill.
@@ -126,5 +172,7 @@ class SwiGLUMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.kernels == "fused":
+            return self.down_proj(fused.silu_and_mul(self.gate_up_proj(x), impl="fused"))
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)

@@ -20,6 +20,7 @@ from torch import Tensor, nn
 
 from bcg.models.config import ModelConfig
 from bcg.models.dense import DenseLM
+from bcg.ops import kernels as fused
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +89,8 @@ class MoEFFN(nn.Module):
         self.use_grouped_mm = False
         self.grouped_mm_traceable = False
 
+    kernels: str = "torch"
+
     def prepare(self) -> None:
         """Choose the expert kernel for the weights' device and dtype (host-side probe)."""
         weight = self.experts_gate_up
@@ -103,7 +106,13 @@ class MoEFFN(nn.Module):
             topk_weights = topk_weights / topk_weights.sum(dim=-1, keepdim=True)
         return topk_weights.to(x.dtype), topk_ids
 
+    def _use_grouped_mm(self) -> bool:
+        # Traced by torch.compile where grouped_mm has no meta kernel for the dtype: the (exact) bmm fallback.
+        return self.use_grouped_mm and (self.grouped_mm_traceable or not torch.compiler.is_compiling())
+
     def forward(self, x: Tensor) -> Tensor:
+        if self.kernels == "fused":
+            return self._forward_fused(x)
         num_rows, hidden = x.shape
         topk_weights, topk_ids = self.route(x)
         # Sort the T*k pairs by expert so each expert's rows are contiguous; stable keeps the
@@ -111,8 +120,7 @@ class MoEFFN(nn.Module):
         flat_ids = topk_ids.flatten()
         sorted_ids, order = flat_ids.sort(stable=True)
         x_sorted = x[order // self.top_k]
-        # Traced by torch.compile where grouped_mm has no meta kernel for the dtype: the (exact) bmm fallback.
-        if self.use_grouped_mm and (self.grouped_mm_traceable or not torch.compiler.is_compiling()):
+        if self._use_grouped_mm():
             experts = torch.arange(self.num_experts, device=x.device, dtype=sorted_ids.dtype)
             # offs[e] = end of expert e's group; always E entries, no host read.
             offs = torch.searchsorted(sorted_ids, experts, right=True, out_int32=True)
@@ -126,6 +134,23 @@ class MoEFFN(nn.Module):
         y = torch.empty_like(y_sorted)
         y[order] = y_sorted
         return torch.einsum("tkh,tk->th", y.view(num_rows, self.top_k, hidden), topk_weights)
+
+    def _forward_fused(self, x: Tensor) -> Tensor:
+        """The same layer on the fused kernels: router softmax/top-k in one kernel, the expert order (the stable
+        sort and the group ends) in one, SiLU-and-multiply in one, and the un-sort with the weighted sum in one."""
+        weights, ids = fused.router_topk(self.gate(x), self.top_k, renormalize=self.norm_topk_prob,
+                                         out_dtype=x.dtype, impl="fused")
+        order = fused.expert_order(ids, self.num_experts, impl="fused")
+        x_sorted = x[order.token_index]
+        if self._use_grouped_mm():
+            gate_up = F.grouped_mm(x_sorted, self.experts_gate_up.transpose(-2, -1), offs=order.group_end)
+            act = fused.silu_and_mul(gate_up, impl="fused")
+            y_sorted = F.grouped_mm(act, self.experts_down.transpose(-2, -1), offs=order.group_end)
+        else:
+            gate_up = torch.bmm(self.experts_gate_up[order.expert], x_sorted[:, :, None]).squeeze(-1)
+            act = fused.silu_and_mul(gate_up, impl="fused")
+            y_sorted = torch.bmm(self.experts_down[order.expert], act[:, :, None]).squeeze(-1)
+        return fused.moe_combine(y_sorted, order.slot, weights, impl="fused")
 
 
 class MoELM(DenseLM):

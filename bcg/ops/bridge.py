@@ -17,7 +17,7 @@ from contextlib import contextmanager
 import torch
 from torch import Tensor
 
-__all__ = ["BridgeBuffers", "bridge_buffers", "carry", "output_like"]
+__all__ = ["BridgeBuffers", "bridge_buffers", "carry", "empty", "output_like"]
 
 
 class BridgeBuffers:
@@ -37,15 +37,18 @@ class BridgeBuffers:
     def view(self, key: str, like: Tensor, dtype: torch.dtype | None = None) -> Tensor:
         """A ``like``-shaped view of the buffer ``key`` (first ``like.shape[0]`` rows), of ``like``'s dtype or
         ``dtype``."""
-        dtype = dtype or like.dtype
-        full_key = (key, tuple(like.shape[1:]), dtype, like.device)
+        return self.take(key, tuple(like.shape), dtype or like.dtype, like.device)
+
+    def take(self, key: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
+        """A ``shape``-d view of the buffer ``key`` (its first ``shape[0]`` rows), allocated on first use."""
+        full_key = (key, tuple(shape[1:]), dtype, device)
         buf = self._buffers.get(full_key)
         if buf is None:
-            if like.shape[0] > self.max_tokens:
-                raise ValueError(f"bridge buffer {key!r} holds {self.max_tokens} rows, got {like.shape[0]}")
-            buf = torch.empty((self.max_tokens, *like.shape[1:]), dtype=dtype, device=like.device)
+            if shape[0] > self.max_tokens:
+                raise ValueError(f"bridge buffer {key!r} holds {self.max_tokens} rows, got {shape[0]}")
+            buf = torch.empty((self.max_tokens, *shape[1:]), dtype=dtype, device=device)
             self._buffers[full_key] = buf
-        return buf[: like.shape[0]]
+        return buf[: shape[0]]
 
     @property
     def nbytes(self) -> int:
@@ -83,3 +86,10 @@ def output_like(name: str, like: Tensor) -> Tensor:
     """An uninitialised output buffer shaped like ``like`` for an island to write into."""
     bridge = None if torch.compiler.is_compiling() else _BRIDGE.get()
     return torch.empty_like(like) if bridge is None else bridge.view(f"{name}.out", like)
+
+
+def empty(name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
+    """An uninitialised ``shape``-d tensor an island will read, for a kernel to write its inputs straight into: a
+    shared view while bridging (no copy needed), else a fresh tensor."""
+    bridge = None if torch.compiler.is_compiling() else _BRIDGE.get()
+    return torch.empty(shape, dtype=dtype, device=device) if bridge is None else bridge.take(name, shape, dtype, device)

@@ -43,6 +43,8 @@ class EngineConfig:
             ``b`` reads ``b + prefix_capacity`` key slots per layer. None means ``chunked_prefill_size``; a batch
             with more keys runs eagerly (reason "too_many_keys").
         tc_compiler: "inductor" or "eager" (no compilation), used by "tc_piecewise".
+        kernels: the models' non-matmul ops: "fused" (the fused kernels of ``bcg.ops.kernels``: Triton on CUDA, their
+            plain-torch references elsewhere) or "torch" (plain torch ops); None picks "fused" on CUDA, "torch" else.
         compile: compile the layer stack once with ``torch.compile`` before capturing it (``bcg.runtime.compile``):
             "inductor" (fused kernels, CUDA) or "eager" (trace only, no code generated: the CPU path); None compiles
             nothing. For "eager", "breakable" and "full" ("tc_piecewise" compiles itself: use ``tc_compiler``).
@@ -65,6 +67,7 @@ class EngineConfig:
     max_requests: int | None = None
     prefix_capacity: int | None = None
     tc_compiler: str = "inductor"
+    kernels: str | None = None
     compile: str | None = None
     debug: bool = False
     verify: bool = False
@@ -79,6 +82,8 @@ class EngineConfig:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if self.tc_compiler not in ("inductor", "eager"):
             raise ValueError(f"tc_compiler must be 'inductor' or 'eager', got {self.tc_compiler!r}")
+        if self.kernels is not None and self.kernels not in ("fused", "torch"):
+            raise ValueError(f"kernels must be 'fused', 'torch' or None (fused on CUDA), got {self.kernels!r}")
         if self.compile is not None and self.compile not in COMPILERS:
             raise ValueError(f"compile must be one of {', '.join(COMPILERS)} or None, got {self.compile!r}")
         if self.compile is not None and self.backend == "tc_piecewise":

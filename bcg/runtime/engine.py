@@ -16,6 +16,7 @@ from bcg.models.base import CausalLM
 from bcg.models.config import ModelConfig, get_preset
 from bcg.models.loader import load_checkpoint
 from bcg.models.registry import build_model
+from bcg.ops.kernels import fused_available
 from bcg.ops.kv_cache import KVPool
 from bcg.runtime.batch import PrefillBatch, PrefillItem
 from bcg.runtime.config import EngineConfig
@@ -87,6 +88,11 @@ class Engine:
         self.model = _load_model(model, self.config).eval()
         self.load_ms = (time.perf_counter() - t0) * 1e3
         cfg = self.config
+        kernels = cfg.kernels or ("fused" if fused_available(self.device) else "torch")
+        if kernels == "fused" and self.device.type == "cuda" and not fused_available(self.device):
+            raise ValueError("kernels='fused' needs Triton on CUDA, which cannot be imported here; install the triton "
+                             "that matches your torch, or pass kernels='torch'")
+        self.model.set_kernels(kernels)
         sizes = cfg.buckets or default_ladder(cfg.max_tokens or cfg.chunked_prefill_size)
         # The pool must hold one largest-bucket dummy batch during capture and the biggest live batch.
         kv_tokens = max(cfg.kv_tokens or 4 * cfg.chunked_prefill_size, max(sizes))

@@ -18,7 +18,8 @@ from bcg.ops.kernels.dispatch import use_fused
 __all__ = ["router_topk", "router_topk_reference"]
 
 
-def router_topk_reference(logits: Tensor, top_k: int, renormalize: bool, out_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+def router_topk_reference(logits: Tensor, top_k: int, renormalize: bool,
+                          out_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """Plain-torch router: ``(T, E)`` logits -> weights ``(T, k)`` in ``out_dtype`` and int64 ids ``(T, k)``."""
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
     weights, ids = probs.topk(top_k, dim=-1)

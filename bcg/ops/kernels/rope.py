@@ -56,7 +56,8 @@ def _check(qkv: Tensor, positions: Tensor, inv_freq: Tensor, q_weight: Optional[
     kv_heads = k_out.shape[1]
     problems = []
     if qkv.dim() != 2 or qkv.shape != (num_rows, (heads + 2 * kv_heads) * dim):
-        problems.append(f"qkv {tuple(qkv.shape)} is not (T, (H + 2*KV) * D) = ({num_rows}, {(heads + 2 * kv_heads) * dim})")
+        width = (heads + 2 * kv_heads) * dim
+        problems.append(f"qkv {tuple(qkv.shape)} is not (T, (H + 2*KV) * D) = ({num_rows}, {width})")
     if k_out.shape != (num_rows, kv_heads, dim) or v_out.shape != (num_rows, kv_heads, dim):
         problems.append(f"k_out {tuple(k_out.shape)} and v_out {tuple(v_out.shape)} must both be (T, KV, D)")
     if positions.shape != (num_rows,):

@@ -42,8 +42,10 @@ def inv_freq(head_dim: int, theta: float = 10000.0, device: str = "cpu") -> Tens
 def assert_matches(got: Tensor, ref: Tensor, *, min_exact: float | None = None, rtol_ulps: float = 1.0,
                    what: str = "") -> float:
     """``got`` equals ``ref`` within the dtype's tolerance (scaled by ``rtol_ulps``), is finite wherever ``ref``
-    is, and (with ``min_exact``) agrees bit for bit on at least about that fraction of elements. Returns the fraction."""
-    assert got.shape == ref.shape and got.dtype == ref.dtype, f"{what}: {got.shape}/{got.dtype} vs {ref.shape}/{ref.dtype}"
+    is, and (with ``min_exact``) agrees bit for bit on at least about that fraction of elements. Returns the
+    fraction."""
+    assert got.shape == ref.shape and got.dtype == ref.dtype, (
+        f"{what}: {got.shape}/{got.dtype} vs {ref.shape}/{ref.dtype}")
     if got.numel() == 0:
         return 1.0
     assert not (got.isnan() & ~ref.isnan()).any(), f"{what}: NaN where the reference has a number (unwritten?)"

@@ -213,7 +213,7 @@ def test_qkv_norm_rope_against_the_models_projection_in_bf16(qk_norm):
     x = cases.randn(512, config.hidden_size, dtype=torch.bfloat16, device=DEV, seed=9)
     positions = torch.arange(512, device=DEV) + 1000
     with torch.no_grad():
-        expected = proj(x, *rope(positions))
+        expected = proj(x, rope.rope(positions))
         weights = {"q_weight": proj.q_norm.weight, "k_weight": proj.k_norm.weight} if qk_norm else {}
         got = kernels.qkv_norm_rope(proj.qkv_proj(x), positions, rope.inv_freq, config.num_heads, config.num_kv_heads,
                                     eps=config.rms_norm_eps, impl="fused", **weights)

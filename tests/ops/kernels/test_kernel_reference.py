@@ -69,7 +69,7 @@ def test_qkv_norm_rope_matches_the_models_projection(dtype, qk_norm):
     x = randn(9, config.hidden_size, dtype=dtype, device="cpu", seed=1)
     positions = torch.tensor([0, 1, 2, 3, 700, 701, 4000, 5, 6])
     with torch.no_grad():
-        expected = proj(x, *rope(positions))
+        expected = proj(x, rope.rope(positions))
         qkv = proj.qkv_proj(x)
         weights = {"q_weight": proj.q_norm.weight, "k_weight": proj.k_norm.weight} if qk_norm else {}
         got = kernels.qkv_norm_rope(qkv, positions, rope.inv_freq, config.num_heads, config.num_kv_heads,
