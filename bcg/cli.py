@@ -33,13 +33,13 @@ def _int_list(flag: str) -> Any:
 
 
 def _backend_list(text: str) -> list[str]:
-    from bcg.runtime.config import resolve_backend
+    from bcg.bench.variants import parse_variant
 
     names = [t.strip() for t in text.split(",") if t.strip()]
     if not names:
         raise argparse.ArgumentTypeError("empty; give e.g. eager,breakable")
     try:
-        return [resolve_backend(n) for n in names]
+        return [parse_variant(n).name for n in names]
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
 
@@ -96,9 +96,11 @@ def build_parser() -> argparse.ArgumentParser:
                            "chunk-sized prefill per capture ceiling).")
     _common(bench, "out/bench")
     bench.add_argument("--backends", type=_backend_list, default=None,
-                       help=f"comma list of eager,breakable,full,tc_piecewise (default: "
-                       f"{_both(','.join(G.backends), ','.join(C.backends))}); eager is always measured as the "
-                       "baseline")
+                       help=f"comma list of variants: a backend (eager, breakable, full, tc_piecewise) with "
+                       "optional +fused (fused kernels, else plain torch ops) and +inductor or +traced (compile the "
+                       "layer stack), e.g. breakable+fused (default: "
+                       f"{_both(','.join(G.backends), ','.join(C.backends))}); plain eager is always measured as "
+                       "the baseline")
     bench.add_argument("--lengths", type=_int_list("lengths"), default=None,
                        help=f"comma list of input lengths (default: "
                        f"{_both(','.join(map(str, G.lengths)), ','.join(map(str, C.lengths)))})")

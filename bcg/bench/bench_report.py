@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from bcg.bench.report import describe_reason, fmt, fmt_bytes, table
+from bcg.bench.variants import parse_variant
 
 __all__ = ["CPU_PLOT_NOTE", "CPU_SPEEDUP_NOTE", "NOISY_SPREAD", "format_bench", "geomean_speedups", "spread"]
 
@@ -51,14 +52,19 @@ def _speedup_range(r: Any) -> str:
 
 
 def _latency_table(title: str, rows: Sequence[Any], cuda: bool) -> str:
-    headers = ["backend", "tokens", "reqs", "median ms", "q1-q3 ms", "spread", "speedup", "speedup range"]
-    headers += ["kernel floor", "launch gap"] if cuda else []
+    headers = ["backend", "kernels", "compile", "tokens", "reqs", "median ms", "q1-q3 ms", "spread", "speedup",
+               "speedup range"]
+    fused_floors = cuda and any(r.fused_floor_ms for r in rows)
+    headers += ["kernel floor"] + (["fused floor"] if fused_floors else []) + ["launch gap"] if cuda else []
     cells = []
     for r in rows:
-        s = spread(r)
-        row = [r.backend, r.num_tokens, r.num_requests, fmt(r.median_ms, 3), f"{r.q1_ms:.3f}-{r.q3_ms:.3f}",
-               "-" if s is None else f"{s:.0%}", fmt(r.speedup_vs_eager, 2, "x"), _speedup_range(r)]
-        row += [fmt(r.kernel_floor_ms, 3), fmt(r.launch_gap_share, 2)] if cuda else []
+        s, v = spread(r), parse_variant(r.backend)
+        row = [v.backend, v.kernels, v.compile_label, r.num_tokens, r.num_requests, fmt(r.median_ms, 3),
+               f"{r.q1_ms:.3f}-{r.q3_ms:.3f}", "-" if s is None else f"{s:.0%}", fmt(r.speedup_vs_eager, 2, "x"),
+               _speedup_range(r)]
+        if cuda:
+            row += [fmt(r.kernel_floor_ms, 3)] + ([fmt(r.fused_floor_ms, 3)] if fused_floors else [])
+            row += [fmt(r.launch_gap_share, 2)]
         cells.append(row + [describe_reason(r.graph_used, r.reason, r.bucket)])
     headers.append("graph")
     if any((spread(r) or 0) > NOISY_SPREAD for r in rows):
@@ -72,9 +78,11 @@ def _build_table(builds: Sequence[Any]) -> str:
     def status(b: Any) -> str:
         return "yes" if b.available else "refused" if b.refused_reason else "no"
 
-    return table(["backend", "available", "build ms", "compile ms", "capture ms", "buckets", "segs/breaks",
-                  "graph mem"],
-                 [[b.backend, status(b), fmt(b.build_ms, 0), fmt(b.compile_ms, 0), fmt(b.capture_ms, 0),
+    return table(["backend", "available", "kernels", "compile", "build ms", "compile ms", "capture ms", "buckets",
+                  "segs/breaks", "graph mem"],
+                 [[parse_variant(b.backend).backend, status(b), parse_variant(b.backend).kernels,
+                   parse_variant(b.backend).compile_label, fmt(b.build_ms, 0), fmt(b.compile_ms, 0),
+                   fmt(b.capture_ms, 0),
                    f"{b.num_captured}/{b.num_buckets}" if b.available else "-",
                    f"{fmt(b.num_segments)}/{fmt(b.num_breaks)}", fmt_bytes(b.graph_memory_bytes)]
                   for b in builds], title="Build")

@@ -38,7 +38,9 @@ class MachineDefaults:
     threads: int | None
 
 
-CUDA_DEFAULTS = MachineDefaults("llama-dense", ("eager", "breakable", "full", "tc_piecewise"),
+# The variants of bcg/bench/variants.py: plain torch ops unless "+fused", uncompiled unless "+inductor".
+CUDA_DEFAULTS = MachineDefaults("llama-dense", ("eager", "breakable", "breakable+fused", "breakable+inductor",
+                                                "full", "tc_piecewise"),
                                 (64, 128, 256, 512, 1024, 2048), 2048, 512, None)
 # One thread: two threads on two shared cores wait on each other whenever a neighbour is busy, and the timings
 # swing by an order of magnitude; one thread is slower but repeatable. A 256-token chunk keeps the emulated ladder
@@ -107,7 +109,7 @@ class BenchConfig:
     """
 
     model: str | None = None
-    backends: list[str] | None = None
+    backends: list[str] | None = None  # variant names (bcg.bench.variants): "breakable", "breakable+fused", ...
     lengths: list[int] | None = None
     runs: int = RUNS
     warmup: int = WARMUP
@@ -130,7 +132,7 @@ class BenchConfig:
 
     def resolved(self) -> BenchConfig:
         """A copy with every ``None`` replaced by this machine's default, validated."""
-        from bcg.runtime.config import resolve_backend
+        from bcg.bench.variants import parse_variant
 
         device, d, model = _resolve_machine(self.device, self.dtype, self.model)
         backends = list(d.backends) if self.backends is None else self.backends
@@ -138,7 +140,7 @@ class BenchConfig:
             raise ValueError("--backends is empty; give e.g. eager,breakable")
         names: list[str] = []
         for b in backends:
-            name = resolve_backend(b)
+            name = parse_variant(b).name
             if name not in names:
                 names.append(name)
         lengths = list(d.lengths) if self.lengths is None else self.lengths

@@ -67,8 +67,9 @@ def _first_line(e: BaseException) -> str:
 def engine_for(model: str, backend: str, *, device: str, dtype: str | None, seed: int, chunked_prefill_size: int,
                max_tokens: int | None, progress: bool, record: BuildRecord | None = None,
                kv_tokens: int | None = None) -> Iterator[Any]:
-    """Builds an Engine for ``backend``; yields it, or ``None`` when it cannot be built or its backend refuses the
-    model (``record`` says why: ``error``, and ``refused_reason`` for a refusal).
+    """Builds an Engine for ``backend`` (a variant name, :mod:`bcg.bench.variants`); yields it, or ``None`` when it
+    cannot be built, its backend refuses the model or its compile fails (``record`` says why: ``error``, and
+    ``refused_reason`` for a refusal).
 
     The engine is freed on exit, so callers must not keep references to it past the ``with`` block.
 
@@ -81,23 +82,28 @@ def engine_for(model: str, backend: str, *, device: str, dtype: str | None, seed
                 eng.prefill([[1, 2, 3]])
         rec.available, rec.error
     """
+    from bcg.bench.variants import parse_variant
     from bcg.runtime import Engine
 
     record = record if record is not None else BuildRecord(backend)
     record.ceiling = max_tokens
+    variant = parse_variant(backend)
     free_memory()
     try:
-        eng = Engine(model, backend=backend, device=device, dtype=dtype, seed=seed, kv_tokens=kv_tokens,
-                     chunked_prefill_size=chunked_prefill_size, max_tokens=max_tokens, progress=progress)
+        eng = Engine(model, backend=variant.backend, kernels=variant.kernels, compile=variant.compile, device=device,
+                     dtype=dtype, seed=seed, kv_tokens=kv_tokens, chunked_prefill_size=chunked_prefill_size,
+                     max_tokens=max_tokens, progress=progress)
     except Exception as e:  # noqa: BLE001 - an unavailable backend is a result to report, not a crash
         record.available, record.error = False, _first_line(e)
         free_memory()
         yield None
         return
     describe_build(eng, record)
-    if record.refused_reason is not None:
-        # A refused backend serves every batch eagerly: timing that would report eager under its name.
-        record.available, record.error = False, record.refused_reason
+    # A refused backend serves every batch eagerly, and a variant whose compile failed runs uncompiled: timing
+    # either would report something else under its name.
+    failure = record.refused_reason or eng.telemetry.compile_error
+    if failure is not None:
+        record.available, record.error = False, failure
         del eng
         free_memory()
         yield None

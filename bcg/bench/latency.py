@@ -23,6 +23,7 @@ from bcg.bench.amdahl import launch_gap_share
 from bcg.bench.config import BenchConfig, BenchError
 from bcg.bench.engines import BuildRecord, engine_for, make_prompts, split_tokens
 from bcg.bench.timing import gpu_kernel_ms, time_fn
+from bcg.bench.variants import parse_variant
 
 __all__ = ["LatencyResult", "LatencyRow", "fill_speedups", "run_latency"]
 
@@ -34,7 +35,9 @@ class LatencyRow:
     ``graph_used`` is True when every forward of the timed prefill replayed a graph; ``bucket``/``reason`` are
     those of its first forward. ``q1_ms``/``q3_ms`` bound the middle half of the runs; ``speedup_low``/``_high``
     are the speedup over eager that those spreads allow (eager's q1 over this q3, eager's q3 over this q1).
-    ``kernel_floor_ms`` is the eager forward's device busy time at the same shape.
+    ``kernel_floor_ms`` is the eager forward's device busy time at the same shape, ``fused_floor_ms`` that of the
+    eager forward on the fused kernels (measured when a variant uses them): the floors no launch path can beat
+    without fusing more.
     """
 
     backend: str
@@ -56,7 +59,9 @@ class LatencyRow:
     speedup_low: float | None = None
     speedup_high: float | None = None
     kernel_ms: float | None = None
+    fused_kernel_ms: float | None = None
     kernel_floor_ms: float | None = None
+    fused_floor_ms: float | None = None
     launch_gap_share: float | None = None
 
 
@@ -114,7 +119,8 @@ def _bench_backend(backend: str, cfg: BenchConfig, result: LatencyResult, bar: A
 
 
 def _kernel_floors(cfg: BenchConfig, result: LatencyResult) -> None:
-    """Profiles the eager forward of every length in a fresh eager engine and stores its device busy time.
+    """Profiles the eager forward of every length in a fresh eager engine and stores its device busy time, on plain
+    torch ops and, when a variant runs the fused kernels, on those too.
 
     Done last, after every graph backend has run: the kernel floor is a property of the eager kernels, and
     keeping the profiler (CUPTI) away from graph captures avoids any interference with them.
@@ -124,15 +130,17 @@ def _kernel_floors(cfg: BenchConfig, result: LatencyResult) -> None:
     rows = [r for r in result.rows + result.batch_rows if r.backend == "eager"]
     if not (cfg.profile and rows and torch.device(cfg.device).type == "cuda"):
         return
-    with engine_for(cfg.model, "eager", device=cfg.device, dtype=cfg.dtype, seed=cfg.seed,
-                    chunked_prefill_size=cfg.chunked_prefill_size, max_tokens=cfg.ceiling,
-                    kv_tokens=max(cfg.lengths), progress=False) as eng:
-        if eng is None:
-            return
-        for row in rows:
-            parts = [row.input_len] if row.num_requests == 1 else split_tokens(row.input_len, row.num_requests)
-            prompts = make_prompts(parts, eng.model.config.vocab_size, cfg.seed + row.input_len)
-            row.kernel_ms = gpu_kernel_ms(lambda p=prompts: eng.prefill(p), cfg.device, warmup=1)
+    fused = any(parse_variant(b).kernels == "fused" for b in cfg.backends)
+    for variant, field_name in (("eager", "kernel_ms"), ("eager+fused", "fused_kernel_ms"))[: 1 + fused]:
+        with engine_for(cfg.model, variant, device=cfg.device, dtype=cfg.dtype, seed=cfg.seed,
+                        chunked_prefill_size=cfg.chunked_prefill_size, max_tokens=cfg.ceiling,
+                        kv_tokens=max(cfg.lengths), progress=False) as eng:
+            if eng is None:
+                continue
+            for row in rows:
+                parts = [row.input_len] if row.num_requests == 1 else split_tokens(row.input_len, row.num_requests)
+                prompts = make_prompts(parts, eng.model.config.vocab_size, cfg.seed + row.input_len)
+                setattr(row, field_name, gpu_kernel_ms(lambda p=prompts: eng.prefill(p), cfg.device, warmup=1))
 
 
 def fill_speedups(rows: list[LatencyRow]) -> None:
@@ -151,7 +159,7 @@ def fill_speedups(rows: list[LatencyRow]) -> None:
         r.speedup_vs_eager = base.median_ms / r.median_ms if r.median_ms > 0 else None
         if r is not base and r.q1_ms > 0:
             r.speedup_low, r.speedup_high = base.q1_ms / r.q3_ms, base.q3_ms / r.q1_ms
-        r.kernel_floor_ms = base.kernel_ms
+        r.kernel_floor_ms, r.fused_floor_ms = base.kernel_ms, base.fused_kernel_ms
         r.launch_gap_share = launch_gap_share(base.kernel_ms, r.median_ms) if r.median_ms > 0 else None
 
 

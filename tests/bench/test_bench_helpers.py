@@ -187,3 +187,17 @@ def test_sample_lengths_is_seeded_and_bounded() -> None:
     assert min(a) >= 16 and max(a) <= 2048
     # log-uniform: about half the prompts fall below the geometric midpoint (181 tokens)
     assert 0.4 < sum(x < 181 for x in a) / len(a) < 0.6
+
+
+def test_variants_parse_to_canonical_names_and_reject_what_cannot_be_built() -> None:
+    from bcg.bench.variants import parse_variant
+
+    v = parse_variant(" breakable + inductor + fused ")
+    assert (v.backend, v.kernels, v.compile, v.name) == ("breakable", "fused", "inductor", "breakable+fused+inductor")
+    assert parse_variant("disabled").name == "eager" and parse_variant("full+traced").compile == "eager"
+    assert parse_variant("eager").kernels == "torch"  # the baseline: plain torch ops, however the engine defaults
+    assert parse_variant("tc_piecewise").compile_label == "inductor (pieces)"
+    for bad, match in (("breakable+cuda", "unknown option"), ("tc_piecewise+inductor", "compiles its pieces"),
+                       ("flash", "unknown backend")):
+        with pytest.raises(ValueError, match=match):
+            parse_variant(bad)

@@ -297,3 +297,17 @@ def test_progress_defaults_to_whether_stderr_is_a_terminal(monkeypatch: pytest.M
     monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
     assert BenchConfig(device="cpu").resolved().progress is True
     assert BenchConfig(device="cpu", progress=False).resolved().progress is False
+
+
+def test_bench_measures_variants_side_by_side(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rc = main(["bench", *FAST, "--backends", "breakable+fused,breakable+traced", "--lengths", "8",
+               "--batch-requests", "1", "--no-memory", "--no-plots", "--out", str(tmp_path)])
+    assert rc == 0
+    out = capsys.readouterr().out
+    data = json.loads((tmp_path / "results.json").read_text())
+    assert [r["backend"] for r in data["rows"]] == ["eager", "breakable+fused", "breakable+traced"]
+    builds = {b["backend"]: b for b in data["builds"]}
+    assert builds["breakable+traced"]["compile_ms"] > 0 and builds["breakable+traced"]["available"]
+    assert all(r["graph_used"] for r in data["rows"] if r["backend"] != "eager")
+    # one table, with the kernels and the compiler of each row
+    assert "kernels" in out and "compile" in out and "traced" in out and "fused" in out

@@ -1,0 +1,73 @@
+"""What ``bcg bench`` compares: a backend with its kernels and its compiler, named like ``breakable+fused``.
+
+A variant name is a backend followed by ``+`` options: ``fused`` (the fused kernels; without it, plain torch ops),
+``inductor`` (the layer stack compiled by Inductor) or ``traced`` (compiled by dynamo alone, no code generated).
+``tc_piecewise`` compiles itself and takes no compile option. The plain ``eager`` variant is the baseline of every
+speedup: the model as a user runs it without bcg.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["Variant", "parse_variant"]
+
+_KERNELS = {"fused": "fused", "torch": "torch"}
+_COMPILERS = {"inductor": "inductor", "traced": "eager"}
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One engine configuration to measure.
+
+    Example::
+
+        >>> v = parse_variant("breakable+fused")
+        >>> (v.backend, v.kernels, v.compile, v.name)
+        ('breakable', 'fused', None, 'breakable+fused')
+    """
+
+    backend: str
+    kernels: str = "torch"
+    compile: str | None = None
+
+    @property
+    def name(self) -> str:
+        parts = [self.backend] + (["fused"] if self.kernels == "fused" else [])
+        return "+".join(parts + ([self._compile_token] if self.compile else []))
+
+    @property
+    def _compile_token(self) -> str:
+        return next(k for k, v in _COMPILERS.items() if v == self.compile)
+
+    @property
+    def compile_label(self) -> str:
+        """What compiles it, for tables: tc_piecewise's Inductor, the compile option, or nothing."""
+        if self.backend == "tc_piecewise":
+            return "inductor (pieces)"
+        return self._compile_token if self.compile else "-"
+
+
+def parse_variant(text: str) -> Variant:
+    """A :class:`Variant` from ``backend[+fused][+inductor|+traced]``; raises ValueError naming what is wrong.
+
+    Example::
+
+        >>> parse_variant("breakable+inductor").compile
+        'inductor'
+    """
+    from bcg.runtime.config import resolve_backend
+
+    backend, *options = [t.strip() for t in text.split("+")]
+    backend = resolve_backend(backend)
+    kernels, compile_ = "torch", None
+    for option in options:
+        if option in _KERNELS:
+            kernels = _KERNELS[option]
+        elif option in _COMPILERS:
+            if backend == "tc_piecewise":
+                raise ValueError(f"{text!r}: tc_piecewise compiles its pieces itself and takes no +{option}")
+            compile_ = _COMPILERS[option]
+        else:
+            raise ValueError(f"{text!r}: unknown option +{option}; use +fused, +inductor or +traced")
+    return Variant(backend, kernels, compile_)
