@@ -1,8 +1,13 @@
 #!/usr/bin/env bash
-# One GPU session: the CUDA test tier, the break-cost and host-path benchmarks, `bcg bench` and `bcg analyze` for
-# every GPU preset. Usage: scripts/gpu_evidence.sh [OUTDIR]   (default $OUT, else out/gpu); everything is bundled
-# into gpu.tgz. STEPS picks steps (default "tests break_cost host_path models"), MODELS and ANALYZE_MODELS the presets.
-# Each step has its own time limit so one slow step cannot starve the others; a failed step does not stop the rest.
+# One GPU session's evidence: the CUDA test tier, `bcg bench` (every variant side by side) and `bcg analyze` per GPU
+# preset, a Qwen3-0.6B-shaped checkpoint loaded by path, the Hugging Face path, a 32k-token prompt, and the same
+# bench on the code before the layering change for a side-by-side check. Usage: scripts/gpu_evidence.sh [OUTDIR]
+# (default $OUT, else out/gpu); every step's log is bundled into gpu.tgz after each step, so a run cut short still
+# returns what it measured.
+#   STEPS    which steps, in order (default: tests models checkpoint hf long baseline)
+#   MODELS   presets for the models step (default: llama-dense llama-dense-2k gptoss-moe glm-dsa)
+#   ANALYZE_MODELS  presets that also get `bcg analyze` (default: llama-dense)
+#   BENCH_ARGS / ANALYZE_ARGS / TEST_ARGS  extra flags; T_* the per-step time limits in seconds.
 set -uo pipefail
 dest=${1:-${OUT:-out/gpu}}
 work=$(mktemp -d)
@@ -14,30 +19,47 @@ step() {  # step NAME SECONDS CMD...
   timeout "$secs" "$@" >"$work/$name.log" 2>&1
   local rc=$?
   echo "== $name rc=$rc $((SECONDS - t0))s" | tee -a "$work/summary.log"
-  tail -n "${TAIL:-25}" "$work/$name.log" | tee -a "$work/summary.log"
-  # Bundle after every step, so a run cut short by its time limit still returns what it measured.
+  tail -n "${TAIL:-12}" "$work/$name.log" | tee -a "$work/summary.log"
   tar czf "$dest/gpu.tgz" -C "$work" . && cp "$work/summary.log" "$dest/summary.log"
 }
-python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, \
-torch.cuda.get_device_name() if torch.cuda.is_available() else 'no cuda')" | tee "$work/summary.log"
-steps=" ${STEPS:-tests break_cost host_path models} "
+python3 -c "import torch, transformers, triton; print('torch', torch.__version__, 'transformers', \
+transformers.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())" | tee "$work/summary.log"
+git_rev=$(cat .commit 2>/dev/null || echo unknown); echo "commit $git_rev" | tee -a "$work/summary.log"
+steps=" ${STEPS:-tests models checkpoint hf long baseline} "
+bench_args=${BENCH_ARGS:---runs 10 --warmup 3 --batch-requests 1 --no-memory}
+bench() {  # bench NAME MODEL [FLAGS...]
+  local name=$1 model=$2; shift 2
+  step "bench-$name" "${T_BENCH:-150}" python3 -m bcg bench --model "$model" --no-progress --out "$work/bench-$name" \
+    $bench_args "$@"
+}
 case $steps in *" tests "*)
-  step cuda_tests "${T_TESTS:-200}" python3 -m pytest -q -m cuda -p no:cacheprovider -rf tests ;; esac
-case $steps in *" break_cost "*)
-  step break_cost 60 python3 benchmarks/break_cost.py --out "$work/break_cost.json" ;; esac
-case $steps in *" host_path "*)
-  for tokens in ${HOST_PATH_TOKENS:-64 512}; do
-    step "host_path-$tokens" 120 python3 benchmarks/host_path.py --model llama-dense --tokens "$tokens" \
-      --out "$work/host_path-$tokens"
+  step cuda_tests "${T_TESTS:-240}" python3 -m pytest -q -m cuda -p no:cacheprovider -rf ${TEST_ARGS:-} tests ;; esac
+case $steps in *" models "*)
+  for model in ${MODELS:-llama-dense llama-dense-2k gptoss-moe glm-dsa}; do
+    bench "$model" "$model"
+    case " ${ANALYZE_MODELS:-llama-dense} " in *" $model "*)
+      step "analyze-$model" "${T_ANALYZE:-90}" python3 -m bcg analyze --model "$model" --no-progress \
+        --out "$work/analyze-$model" ${ANALYZE_ARGS:---runs 10 --warmup 3} ;;
+    esac
   done ;; esac
-models=${MODELS:-llama-dense gptoss-moe glm-dsa}
-case $steps in *" models "*) ;; *) models="" ;; esac
-# Order: what matters most first (a run cut short keeps the earlier steps).
-for model in $models; do
-  step "bench-$model" "${T_BENCH:-150}" python3 -m bcg bench --model "$model" --no-progress --out "$work/bench-$model" \
-    ${BENCH_ARGS:-}
-  case " ${ANALYZE_MODELS:-llama-dense gptoss-moe glm-dsa} " in *" $model "*)
-    step "analyze-$model" "${T_ANALYZE:-90}" python3 -m bcg analyze --model "$model" --no-progress \
-      --out "$work/analyze-$model" ${ANALYZE_ARGS:-} ;;
-  esac
-done
+case $steps in *" checkpoint "*)
+  ckpt=$work/qwen3-0.6b
+  step make-qwen3 120 python3 scripts/make_checkpoint.py qwen3-0.6b "$ckpt"
+  bench qwen3-0.6b "$ckpt" --backends eager,breakable,breakable+fused,breakable+inductor,tc_piecewise
+  rm -rf "$ckpt" ;; esac
+case $steps in *" hf "*)
+  [ -f scripts/hf_evidence.py ] && step hf "${T_HF:-240}" python3 scripts/hf_evidence.py --out "$work/hf" ;; esac
+case $steps in *" long "*)
+  step long_prompt "${T_LONG:-120}" python3 scripts/long_prompt.py --model llama-dense --tokens 32768 \
+    --out "$work/long_prompt.json" ;; esac
+case $steps in *" baseline "*)
+  # The same bench on the code before the layering change (an export of that commit's bcg/ in .baseline/) and on
+  # this code, one after the other on the same machine.
+  if [ -d .baseline/bcg ]; then
+    for side in before after; do
+      root=$PWD; [ $side = before ] && root=$PWD/.baseline
+      step "baseline-$side" 120 env PYTHONPATH="$root" python3 -m bcg bench --model llama-dense \
+        --backends eager,breakable --lengths 64,512,2048 --runs 10 --warmup 3 --batch-requests 1 --no-memory \
+        --no-profile --no-plots --no-progress --out "$work/baseline-$side"
+    done
+  fi ;; esac

@@ -1,0 +1,86 @@
+"""Markdown tables from `bcg bench` results.json files, for BENCHMARKS.md and the README.
+
+Usage: python scripts/summarize.py RESULTS_DIR [RESULTS_DIR ...]   (each holds a results.json; the folder name is
+the title). Per model: one-request median latency of every variant, the kernel floors, each variant's ratio to
+tc_piecewise and to its own kernel floor, and the build table (compile, capture, graph memory).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+
+def _ms(v: float | None) -> str:
+    return "-" if v is None else f"{v:.2f}"
+
+
+def _x(v: float | None) -> str:
+    return "-" if v is None else f"{v:.2f}x"
+
+
+def _bytes(n: int | None) -> str:
+    if n is None:
+        return "-"
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
+
+
+def summarize(folder: Path) -> str:
+    data = json.loads((folder / "results.json").read_text())
+    rows = [r for r in data["rows"] if r["num_requests"] == 1]
+    variants = list(dict.fromkeys(r["backend"] for r in rows))
+    by = {(r["backend"], r["input_len"]): r for r in rows}
+    lengths = sorted({r["input_len"] for r in rows})
+    has_fused_floor = any(r.get("fused_floor_ms") for r in rows)
+    head = ["tokens", *variants, "kernel floor"] + (["fused floor"] if has_fused_floor else [])
+    out = [f"### {folder.name}", "", "| " + " | ".join(head) + " |", "|" + "---:|" * len(head)]
+    for n in lengths:
+        eager = by.get(("eager", n))
+        cells = [str(n)]
+        for v in variants:
+            r = by.get((v, n))
+            cells.append("-" if r is None else _ms(r["median_ms"]) + (
+                "" if v == "eager" or not r.get("speedup_vs_eager") else f" ({r['speedup_vs_eager']:.1f}x)"))
+        cells.append(_ms(eager and eager.get("kernel_ms")))
+        if has_fused_floor:
+            cells.append(_ms(eager and eager.get("fused_kernel_ms")))
+        out.append("| " + " | ".join(cells) + " |")
+    if "tc_piecewise" in variants:
+        others = [v for v in variants if v not in ("eager", "tc_piecewise")]
+        out += ["", "Latency over tc_piecewise's (below 1 is faster):", "",
+                "| tokens | " + " | ".join(others) + " |", "|" + "---:|" * (len(others) + 1)]
+        for n in lengths:
+            tc = by.get(("tc_piecewise", n))
+            out.append(f"| {n} | " + " | ".join(
+                _x(by[(v, n)]["median_ms"] / tc["median_ms"]) if tc and (v, n) in by else "-" for v in others) + " |")
+    floors = [(v, "fused_kernel_ms" if "fused" in v else "kernel_ms") for v in variants if v.startswith("breakable")]
+    if floors:
+        out += ["", "Latency over the kernel floor of the same kernels (plain or fused):", "",
+                "| tokens | " + " | ".join(v for v, _ in floors) + " |", "|" + "---:|" * (len(floors) + 1)]
+        for n in lengths:
+            eager = by.get(("eager", n)) or {}
+            out.append(f"| {n} | " + " | ".join(
+                _x(by[(v, n)]["median_ms"] / eager[f]) if (v, n) in by and eager.get(f) else "-"
+                for v, f in floors) + " |")
+    out += ["", "| variant | available | compile s | capture s | buckets | segments/breaks | graph memory |",
+            "|---|---|---:|---:|---:|---|---:|"]
+    for b in data["builds"]:
+        seg = f"{b.get('num_segments')}/{b.get('num_breaks')}" if b.get("num_segments") is not None else "-"
+        avail = "yes" if b["available"] else f"no: {(b.get('error') or '')[:80]}"
+        buckets = f"{b.get('num_captured')}/{b.get('num_buckets')}"
+        out.append(f"| {b['backend']} | {avail} | {_ms((b.get('compile_ms') or 0) / 1e3)} | "
+                   f"{_ms((b.get('capture_ms') or 0) / 1e3)} | {buckets} | {seg} | {_bytes(b.get('graph_memory_bytes'))} |")
+    return "\n".join(out)
+
+
+def main(argv: list[str]) -> int:
+    if not argv:
+        print(__doc__, file=sys.stderr)
+        return 2
+    print("\n\n".join(summarize(Path(a)) for a in argv))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
