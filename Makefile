@@ -57,14 +57,14 @@ demo: $(VENV)/.demo
 	@echo "bcg: again with other flags: .venv/bin/bcg bench --help, or make demo ARGS='--model tiny-moe --runs 40'"
 
 test: $(VENV)/.test
-	$(BIN)/python -m ruff check bcg tests benchmarks
+	$(BIN)/python -m ruff check bcg tests benchmarks scripts
 	$(BIN)/python -m pytest -q -p no:cacheprovider $(ARGS)
 
 test-cuda: $(VENV)/.test
 	$(BIN)/python -m pytest -q -m cuda $(ARGS)
 
 lint: $(VENV)/.test
-	$(BIN)/python -m ruff check bcg tests benchmarks
+	$(BIN)/python -m ruff check bcg tests benchmarks scripts
 
 clean:
 	rm -rf $(VENV) build *.egg-info

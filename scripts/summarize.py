@@ -70,7 +70,8 @@ def summarize(folder: Path) -> str:
         avail = "yes" if b["available"] else f"no: {(b.get('error') or '')[:80]}"
         buckets = f"{b.get('num_captured')}/{b.get('num_buckets')}"
         out.append(f"| {b['backend']} | {avail} | {_ms((b.get('compile_ms') or 0) / 1e3)} | "
-                   f"{_ms((b.get('capture_ms') or 0) / 1e3)} | {buckets} | {seg} | {_bytes(b.get('graph_memory_bytes'))} |")
+                   f"{_ms((b.get('capture_ms') or 0) / 1e3)} | {buckets} | {seg} | "
+                   f"{_bytes(b.get('graph_memory_bytes'))} |")
     return "\n".join(out)
 
 
