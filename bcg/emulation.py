@@ -9,15 +9,19 @@ re-executes the recorded ops against the same storages and copies fresh results 
 - anything that cannot be captured on CUDA fails here too, with :class:`UncapturableOpError`: host reads
   (``.item()``, ``int(t)``, ``if t:``, ``.tolist()``, ``.numpy()``, ``.cpu()``, printing a tensor),
   data-dependent output shapes (``nonzero``, boolean-mask indexing, ``masked_select``, ``unique``,
-  ``bincount``, ``repeat_interleave`` without ``output_size``), ``torch.equal`` and creating tensors from Python
-  data (a host-to-device copy on CUDA).
+  ``bincount``, ``repeat_interleave`` without ``output_size``), ``torch.equal``, creating tensors from Python
+  data (a host-to-device copy on CUDA) and distributed barriers (the host waits for the other ranks);
+- collectives (``torch.distributed.all_reduce`` and the other ``c10d`` ops, functional collectives) are recorded
+  but not issued at capture, as NCCL records them into a CUDA graph, and replay issues them as real collectives
+  over the same process group (gloo on a CPU) and waits for them before the next op reads their output.
 
 Because every tensor of an emulated capture stands for device memory, host-side metadata must be read outside the
 capture, exactly as it must on a GPU. Emulation is for correctness, not speed.
 
 Known divergence: on CUDA, capture does not execute kernels, so values computed during capture are garbage; the
-emulation executes them. Code that relies on capture-time values (rather than using ``capture_stub``) can therefore
-pass here and fail on a GPU; the CUDA test tier covers that.
+emulation executes them (all but collectives, so ranks are no more coupled during a capture than on CUDA). Code
+that relies on capture-time values (rather than using ``capture_stub``) can therefore pass here and fail on a GPU;
+the CUDA test tier covers that.
 """
 
 from __future__ import annotations
@@ -81,11 +85,17 @@ _ALWAYS = {
     aten.lift_fresh_copy: "creating a tensor from Python data (torch.tensor(...)), a host-to-device copy on CUDA",
 }
 _BOOL_INDEXED = {aten.index, aten.index_put, aten.index_put_, aten._index_put_impl_}
+# Distributed calls that make the host wait for the other ranks: never part of a CUDA graph.
+_HOST_SYNC_COLLECTIVES = {"barrier": "a distributed barrier, which makes the host wait for every rank",
+                          "monitored_barrier_": "a distributed barrier, which makes the host wait for every rank"}
+_C10D, _FUNCTIONAL = "c10d", "_c10d_functional"
 
 
 def _check_capturable(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> None:
     packet = func.overloadpacket
     reason = _ALWAYS.get(packet)
+    if reason is None and func.namespace == _C10D:
+        reason = _HOST_SYNC_COLLECTIVES.get(func._schema.name.split("::")[-1])
     if reason is None and packet in _BOOL_INDEXED:
         indices = args[1] if len(args) > 1 else kwargs.get("indices", ())
         if any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in indices):
@@ -154,10 +164,47 @@ def _storage_key(t: torch.Tensor) -> int:
     return t.untyped_storage().data_ptr()
 
 
+def _wait_works(out: Any) -> None:
+    """Waits for the ``c10d`` Work objects among an op's results (a ``torch.ScriptObject`` each)."""
+    for value in out if isinstance(out, (tuple, list)) else (out,):
+        if isinstance(value, torch.ScriptObject):
+            torch._C._distributed_c10d.Work.unbox(value).wait()
+
+
+def _completed_work() -> Any:
+    """A finished ``c10d`` Work, as a dispatcher value: what a collective not issued at capture returns."""
+    future: torch.futures.Future = torch.futures.Future()
+    future.set_result(None)
+    return torch._C._distributed_c10d._create_work_from_future(future).boxed()
+
+
+def _record_collective(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
+    """The result of a collective at capture, without issuing it: like NCCL under a CUDA graph capture, the
+    collective happens at each replay, not now (values at capture are not reduced, as on CUDA they are garbage).
+
+    ``c10d`` ops write their first argument and return it with a Work (or a Work alone); functional collectives
+    return their input when in place and an output of the right shape (from the op's meta kernel) otherwise.
+    """
+    returns = func._schema.returns
+    if func.namespace == _C10D:
+        if returns and "Work" in str(returns[-1].type):
+            return _completed_work() if len(returns) == 1 else (args[0], _completed_work())
+        return func(*args, **kwargs)
+    name = func._schema.name.split("::")[-1]
+    if name == "wait_tensor" or all(r.alias_info is not None and r.alias_info.is_write for r in returns):
+        return args[0]
+    try:
+        meta = func(*[a.to("meta") if isinstance(a, torch.Tensor) else a for a in args], **kwargs)
+    except (NotImplementedError, RuntimeError):  # no meta kernel: issue it now (it is waited for at replay too)
+        return func(*args, **kwargs)
+    device = next(a.device for a in args if isinstance(a, torch.Tensor))
+    return torch.empty(meta.shape, dtype=meta.dtype, device=device)
+
+
 class _Op:
     """One recorded aten call and which of its outputs need a copy back after re-execution."""
 
-    __slots__ = ("func", "args", "kwargs", "outputs", "copy_back")
+    __slots__ = ("func", "args", "kwargs", "outputs", "copy_back", "collective")
 
     def __init__(self, func: Callable, args: tuple, kwargs: dict, out: Any) -> None:
         self.func, self.args, self.kwargs = func, args, kwargs
@@ -166,9 +213,20 @@ class _Op:
         # Outputs that alias an input (views, in-place and out= ops) already live at the recorded address;
         # freshly allocated outputs must be copied back so later ops read them where they were captured.
         self.copy_back = [_storage_key(t) not in inputs for t in self.outputs]
+        namespace = getattr(func, "namespace", None)
+        self.collective = namespace if namespace in (_C10D, _FUNCTIONAL) else None
 
     def run(self) -> None:
-        fresh = _tensors(self.func(*self.args, **self.kwargs))
+        result = self.func(*self.args, **self.kwargs)
+        if self.collective is not None:
+            # A collective on a CPU process group runs asynchronously: on CUDA the stream orders what follows it,
+            # here it must have finished before the next op reads (or a copy back reads) its output.
+            if self.collective == _C10D:
+                _wait_works(result)
+            elif any(self.copy_back):
+                for t in _tensors(result):
+                    torch.ops._c10d_functional.wait_tensor(t)
+        fresh = _tensors(result)
         for recorded, new, copy in zip(self.outputs, fresh, self.copy_back):
             if copy:
                 recorded.copy_(new)
@@ -207,7 +265,10 @@ class _RecordMode(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         kwargs = kwargs or {}
         _check_capturable(func, args, kwargs)
-        out = func(*args, **kwargs)
+        if func.namespace in (_C10D, _FUNCTIONAL):
+            out = _record_collective(func, args, kwargs)
+        else:
+            out = func(*args, **kwargs)
         op = _Op(func, args, kwargs, out)
         if not _is_noop_on_replay(func, op):
             self.ops.append(op)

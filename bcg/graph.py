@@ -144,6 +144,28 @@ class BreakableCUDAGraph:
         for fn in self._replay_fns:
             fn()
 
+    def replay_draining(self) -> None:
+        """Replays like :meth:`replay`, but if a step raises, the remaining segments are still launched (their eager
+        steps skipped) before the first error propagates.
+
+        For distributed replays: the collectives captured in the remaining segments are still issued, so peer ranks
+        waiting in one of them are released instead of hanging until a timeout. A drained replay's outputs are
+        garbage; the caller reruns the batch (tensor parallel runners rerun it eagerly on every rank).
+        """
+        if not self._is_captured:
+            raise RuntimeError("BreakableCUDAGraph.replay_draining() before a successful capture")
+        error: BaseException | None = None
+        for step, fn in zip(self._steps, self._replay_fns):
+            if error is None:
+                try:
+                    fn()
+                except Exception as e:  # noqa: BLE001 - re-raised once the segments are drained
+                    error = e
+            elif not isinstance(step, EagerStep):
+                fn()
+        if error is not None:
+            raise error
+
     def reset(self) -> None:
         """Drops the captured segments and boundary buffers; the pool handle is kept for reuse."""
         self._steps.clear()

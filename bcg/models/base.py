@@ -15,13 +15,28 @@ Models are built by :func:`bcg.models.registry.build_model` (random weights) or
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor, nn
 
 from bcg.models.config import ModelConfig
 from bcg.models.layers import RMSNorm, RotaryEmbedding
+from bcg.models.parallel_layers import check_tensor_parallel, embedding, lm_head, shard_specs
+from bcg.ops.parallel import SINGLE, TensorParallel, kv_head_range
 
 INIT_STD = 0.02
+
+
+@dataclass(frozen=True)
+class RankKVShape:
+    """The KV pool dimensions of one tensor parallel rank (a :class:`bcg.ops.kv_cache.KVShape`)."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    num_index_groups: int
+    index_head_dim: int
 
 
 class CausalLM(nn.Module):
@@ -31,7 +46,8 @@ class CausalLM(nn.Module):
     sublayer output and the residual stream, see :class:`bcg.models.dense.DecoderLayer`) or override
     :meth:`forward_layers`. Build instances with :func:`bcg.models.registry.build_model` or
     :func:`bcg.models.loader.load_checkpoint` rather than directly: they materialise the weights
-    on the target device and tie the embeddings.
+    on the target device and tie the embeddings. With a parallel ``tp`` every layer holds this rank's shard
+    (:mod:`bcg.models.parallel_layers`) and every rank computes the same hidden states and logits.
 
     Example::
 
@@ -43,15 +59,25 @@ class CausalLM(nn.Module):
         model.compute_logits(hidden[batch.logits_indices]).shape      # (1, 256)
     """
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
-        self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        check_tensor_parallel(config, tp.size)
+        self.config, self.tp = config, tp
+        self.embed_tokens = embedding(config.vocab_size, config.hidden_size, tp)
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta)
         self.layers = nn.ModuleList()
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = lm_head(config.hidden_size, config.vocab_size, tp)
         self.tie_weights()
+
+    @property
+    def kv_shape(self) -> ModelConfig | RankKVShape:
+        """What this rank's KV pool is sized by: the config, with this rank's KV heads under tensor parallel."""
+        if not self.tp.is_parallel:
+            return self.config
+        c = self.config
+        start, stop = kv_head_range(c.num_kv_heads, self.tp)
+        return RankKVShape(c.num_layers, stop - start, c.head_dim, c.num_index_groups, c.index_head_dim)
 
     def tie_weights(self) -> None:
         """Share the embedding matrix with the LM head when the config asks for it."""
@@ -101,15 +127,23 @@ class CausalLM(nn.Module):
         """Deterministic random init: N(0, 0.02) matrices, unit norm scales, zero biases.
 
         Parameters are visited in registration order, so one seed always gives the same weights
-        on a given device type.
+        on a given device type. A sharded parameter draws the full tensor and keeps its slice, so every
+        ``tp_size`` gives the weights of one process.
         """
+        specs = shard_specs(self)
         for name, param in self.named_parameters():
+            spec = specs.get(name)
             if name.endswith("bias"):
                 param.zero_()
             elif param.ndim == 1:
                 param.fill_(1.0)
-            else:
+            elif spec is None:
                 param.normal_(0.0, INIT_STD, generator=generator)
+            else:
+                shape = list(param.shape)
+                shape[spec.dim] = spec.full_size
+                full = torch.empty(shape, dtype=param.dtype, device=param.device)
+                param.copy_(spec.take(full.normal_(0.0, INIT_STD, generator=generator)))
 
     def post_init(self) -> None:
         """Fix-ups after the weights land on their device; subclasses may extend it."""

@@ -13,16 +13,20 @@ from torch import Tensor, nn
 from bcg.models.base import CausalLM
 from bcg.models.config import ModelConfig
 from bcg.models.layers import RMSNorm, Rope, SwiGLUMLP, apply_rotary, rotate
+from bcg.models.parallel_layers import Part, column_linear, even_part, row_linear
 from bcg.ops import bridge
 from bcg.ops import kernels as fused
 from bcg.ops.attention import attention
+from bcg.ops.parallel import SINGLE, TensorParallel, kv_head_range
 
 
 class QKVProjection(nn.Module):
     """Fused q/k/v projection, optional per-head q/k RMSNorm, then RoPE.
 
     Returns ``q (T, num_heads, head_dim)``, ``k, v (T, num_kv_heads, head_dim)``. With fused kernels the split,
-    the norms, the rotation and the copies into the island's inputs are one kernel after the projection.
+    the norms, the rotation and the copies into the island's inputs are one kernel after the projection. Tensor
+    parallel: column-parallel by heads, each rank its share of the query heads and the KV heads they read
+    (``num_heads`` and ``num_kv_heads`` are then this rank's counts).
 
     Example:
         >>> from bcg.models.config import get_preset
@@ -36,12 +40,15 @@ class QKVProjection(nn.Module):
 
     kernels: str = "torch"
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        dim = self.head_dim = config.head_dim
+        q_part = even_part(config.num_heads * dim, tp)
+        kv_start, kv_stop = kv_head_range(config.num_kv_heads, tp)
+        kv_part = Part(config.num_kv_heads * dim, kv_start * dim, kv_stop * dim)
+        self.num_heads, self.num_kv_heads = (q_part.stop - q_part.start) // dim, kv_stop - kv_start
         # One matmul for q, k and v: fewer launches than three separate projections.
-        self.qkv_proj = nn.Linear(config.hidden_size, q_size + 2 * kv_size, bias=config.attention_bias)
+        self.qkv_proj = column_linear(config.hidden_size, [q_part, kv_part, kv_part], config.attention_bias, tp)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
 
@@ -90,11 +97,11 @@ class Attention(nn.Module):
         64
     """
 
-    def __init__(self, config: ModelConfig, layer_id: int) -> None:
+    def __init__(self, config: ModelConfig, layer_id: int, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.layer_id = layer_id
-        self.qkv = QKVProjection(config)
-        self.o_proj = nn.Linear(config.num_heads * config.head_dim, config.hidden_size, bias=config.attention_bias)
+        self.qkv = QKVProjection(config, tp)
+        self.o_proj = row_linear(config.num_heads * config.head_dim, config.hidden_size, config.attention_bias, tp)
 
     def forward(self, x: Tensor, rope: Rope) -> Tensor:
         q, k, v = self.qkv.carried(x, rope)
@@ -144,9 +151,9 @@ class DenseLM(CausalLM):
         2
     """
 
-    def __init__(self, config: ModelConfig, make_mlp: Callable[[ModelConfig], nn.Module] | None = None) -> None:
-        super().__init__(config)
-        make_mlp = make_mlp or (lambda cfg: SwiGLUMLP(cfg.hidden_size, cfg.intermediate_size))
-        self.layers.extend(
-            DecoderLayer(config, Attention(config, layer_id), make_mlp(config)) for layer_id in range(config.num_layers)
-        )
+    def __init__(self, config: ModelConfig, tp: TensorParallel = SINGLE,
+                 make_mlp: Callable[[ModelConfig, TensorParallel], nn.Module] | None = None) -> None:
+        super().__init__(config, tp)
+        make_mlp = make_mlp or (lambda cfg, tp: SwiGLUMLP(cfg.hidden_size, cfg.intermediate_size, tp))
+        self.layers.extend(DecoderLayer(config, Attention(config, layer_id, tp), make_mlp(config, tp))
+                           for layer_id in range(config.num_layers))

@@ -14,8 +14,10 @@ from bcg.models.config import ModelConfig
 from bcg.models.dense import DecoderLayer, QKVProjection
 from bcg.models.layers import Rope, SwiGLUMLP
 from bcg.models.moe import MoEFFN, prepare_experts
+from bcg.models.parallel_layers import row_linear
 from bcg.ops.bridge import carry, output_like
 from bcg.ops.dsa import select_topk, sparse_attention
+from bcg.ops.parallel import SINGLE, TensorParallel
 
 
 class Indexer(nn.Module):
@@ -45,6 +47,9 @@ class Indexer(nn.Module):
 class SparseAttention(nn.Module):
     """GQA attention over indexer-selected keys; layer ``i`` owns an indexer iff ``i % index_share == 0``.
 
+    Tensor parallel shards the heads as dense attention does; the indexer is small and replicated, so every rank
+    selects the same keys.
+
     Example:
         >>> from bcg.models.config import get_preset
         >>> cfg = get_preset("tiny-dsa")
@@ -52,11 +57,11 @@ class SparseAttention(nn.Module):
         (True, True)
     """
 
-    def __init__(self, config: ModelConfig, layer_id: int) -> None:
+    def __init__(self, config: ModelConfig, layer_id: int, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.layer_id = layer_id
-        self.qkv = QKVProjection(config)
-        self.o_proj = nn.Linear(config.num_heads * config.head_dim, config.hidden_size, bias=config.attention_bias)
+        self.qkv = QKVProjection(config, tp)
+        self.o_proj = row_linear(config.num_heads * config.head_dim, config.hidden_size, config.attention_bias, tp)
         is_group_leader = layer_id % config.index_share == 0
         self.indexer = Indexer(config, layer_id // config.index_share) if is_group_leader else None
 
@@ -96,11 +101,11 @@ class DSALM(CausalLM):
         2
     """
 
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__(config)
+    def __init__(self, config: ModelConfig, tp: TensorParallel = SINGLE) -> None:
+        super().__init__(config, tp)
         for layer_id in range(config.num_layers):
-            mlp = MoEFFN(config) if config.is_moe else SwiGLUMLP(config.hidden_size, config.intermediate_size)
-            self.layers.append(SparseDecoderLayer(config, SparseAttention(config, layer_id), mlp))
+            mlp = MoEFFN(config, tp) if config.is_moe else SwiGLUMLP(config.hidden_size, config.intermediate_size, tp)
+            self.layers.append(SparseDecoderLayer(config, SparseAttention(config, layer_id, tp), mlp))
 
     def forward_layers(self, hidden: Tensor, positions: Tensor) -> Tensor:
         rope = self.rotary.rope(positions)

@@ -13,7 +13,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from bcg.models.parallel_layers import column_linear, even_part, row_linear
 from bcg.ops import kernels as fused
+from bcg.ops.parallel import SINGLE, TensorParallel
 
 _HAS_FUSED_RMS_NORM = hasattr(F, "rms_norm")
 
@@ -157,6 +159,9 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 class SwiGLUMLP(nn.Module):
     """``down(silu(gate(x)) * up(x))`` with gate and up fused into one matmul.
 
+    Tensor parallel: gate and up column-parallel (each rank ``intermediate_size / tp.size`` of both), down
+    row-parallel (one all-reduce).
+
     Example:
         >>> mlp = SwiGLUMLP(64, 128)
         >>> mlp(torch.randn(3, 64)).shape
@@ -165,11 +170,12 @@ class SwiGLUMLP(nn.Module):
 
     kernels: str = "torch"
 
-    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         # One (2I, H) matmul instead of two (I, H) ones: fewer launches in a launch-bound prefill.
-        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        part = even_part(intermediate_size, tp)
+        self.gate_up_proj = column_linear(hidden_size, [part, part], bias=False, tp=tp)
+        self.down_proj = row_linear(intermediate_size, hidden_size, bias=False, tp=tp)
 
     def forward(self, x: Tensor) -> Tensor:
         if self.kernels == "fused":

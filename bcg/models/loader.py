@@ -3,7 +3,8 @@
 Supported ``model_type``: ``llama``, ``qwen3`` (q/k norm) and ``qwen3_moe``. Our modules fuse
 q/k/v and gate/up projections and stack the experts, so the loader concatenates the per-projection
 (and per-expert) tensors of the checkpoint; the fused ``experts.gate_up_proj``/``down_proj``
-layout of recent transformers versions is accepted too.
+layout of recent transformers versions is accepted too. Under tensor parallel each rank reads only its
+slices (safetensors ``get_slice``), as its parameters' :class:`~bcg.models.parallel_layers.ShardSpec` say.
 """
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ from torch import Tensor
 
 from bcg.models.base import CausalLM
 from bcg.models.config import ModelConfig
+from bcg.models.parallel_layers import Part, ShardSpec, shard_specs, take_rows
 from bcg.models.registry import materialize
+from bcg.ops.parallel import SINGLE, TensorParallel
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen3", "qwen3_moe")
 # Checkpoint entries that carry no weights we need.
@@ -100,7 +103,7 @@ def _map_config(model_type: str, hf_config: dict[str, Any]) -> ModelConfig:
 
 
 class _CheckpointReader:
-    """Lazy name -> tensor access over one or more safetensors files; remembers what was read."""
+    """Lazy name -> tensor (or slice) access over one or more safetensors files; remembers what was read."""
 
     def __init__(self, folder: Path, stack: ExitStack) -> None:
         index_path = folder / "model.safetensors.index.json"
@@ -120,43 +123,65 @@ class _CheckpointReader:
     def has(self, name: str) -> bool:
         return name in self.handles
 
-    def __call__(self, name: str) -> Tensor:
+    def __call__(self, name: str, dim: int = 0, part: Part | None = None, offset: int = 0) -> Tensor:
+        """The tensor ``name``, or with ``part`` only its rows of that part (starting at ``offset``) along ``dim``."""
         if name not in self.handles:
             raise KeyError(name)
         self.used.add(name)
-        return self.handles[name].get_tensor(name)
+        if part is None:
+            return self.handles[name].get_tensor(name)
+        lazy = self.handles[name].get_slice(name)
+        shape = lazy.get_shape()
+        if dim >= len(shape) or shape[dim] < offset + part.size:
+            raise CheckpointError(f"shape mismatch for {name}: checkpoint {tuple(shape)} has no {part.size} rows "
+                                  f"at {offset} along dim {dim}, which the model shards")
+        start, stop = min(part.start, part.size), min(part.stop, part.size)  # rows past the part are padding
+        rows = lazy[(slice(None),) * dim + (slice(offset + start, offset + stop),)]
+        return take_rows(rows, dim, Part(stop - start, 0, part.stop - part.start))
 
 
-def _hf_tensor(name: str, get: _CheckpointReader, num_experts: int) -> Tensor:
-    """Assemble our parameter ``name`` from the checkpoint tensors it corresponds to."""
+def _hf_tensor(name: str, get: _CheckpointReader, num_experts: int, spec: ShardSpec | None = None) -> Tensor:
+    """Assemble our parameter ``name`` from the checkpoint tensors it corresponds to (this rank's slice of each
+    when ``spec`` says the parameter is sharded)."""
+
+    def part(i: int) -> Part | None:
+        return None if spec is None else spec.parts[i]
+
+    dim = 0 if spec is None else spec.dim
     if not name.startswith("layers."):
-        return get(name if name.startswith("lm_head.") else f"model.{name}")
+        return get(name if name.startswith("lm_head.") else f"model.{name}", dim, part(0))
     layer_id, rest = name.removeprefix("layers.").split(".", 1)
     prefix = f"model.layers.{layer_id}."
     if rest.startswith("self_attn.qkv.qkv_proj."):
         kind = rest.rsplit(".", 1)[1]  # weight or bias
-        return torch.cat([get(f"{prefix}self_attn.{p}_proj.{kind}") for p in "qkv"])
+        return torch.cat([get(f"{prefix}self_attn.{p}_proj.{kind}", 0, part(i)) for i, p in enumerate("qkv")])
     if rest.startswith("self_attn.qkv."):  # q_norm / k_norm
         return get(prefix + "self_attn." + rest.removeprefix("self_attn.qkv."))
     if rest == "mlp.gate_up_proj.weight":
-        return torch.cat([get(f"{prefix}mlp.gate_proj.weight"), get(f"{prefix}mlp.up_proj.weight")])
+        return torch.cat([get(f"{prefix}mlp.gate_proj.weight", 0, part(0)),
+                          get(f"{prefix}mlp.up_proj.weight", 0, part(1))])
     if rest in ("mlp.experts_gate_up", "mlp.experts_down"):
         fused = prefix + ("mlp.experts.gate_up_proj" if rest == "mlp.experts_gate_up" else "mlp.experts.down_proj")
         if get.has(fused):
-            return get(fused)
+            if spec is None:
+                return get(fused)
+            offsets = [sum(q.size for q in spec.parts[:i]) for i in range(len(spec.parts))]
+            return torch.cat([get(fused, dim, p, o) for p, o in zip(spec.parts, offsets)], dim=dim)
         experts = prefix + "mlp.experts."
-        if rest == "mlp.experts_down":
-            return torch.stack([get(f"{experts}{e}.down_proj.weight") for e in range(num_experts)])
-        return torch.stack([torch.cat([get(f"{experts}{e}.gate_proj.weight"), get(f"{experts}{e}.up_proj.weight")])
-                            for e in range(num_experts)])
-    return get(prefix + rest)
+        if rest == "mlp.experts_down":  # per expert (H, I): the stacked dim 2 is its dim 1
+            return torch.stack([get(f"{experts}{e}.down_proj.weight", 1, part(0)) for e in range(num_experts)])
+        return torch.stack([torch.cat([get(f"{experts}{e}.gate_proj.weight", 0, part(0)),
+                                       get(f"{experts}{e}.up_proj.weight", 0, part(1))]) for e in range(num_experts)])
+    return get(prefix + rest, dim, part(0))
 
 
-def load_checkpoint(path: str | Path, device: torch.device | str, dtype: torch.dtype) -> CausalLM:
+def load_checkpoint(path: str | Path, device: torch.device | str, dtype: torch.dtype,
+                    tp: TensorParallel = SINGLE) -> CausalLM:
     """Load a Hugging Face-layout checkpoint folder into a :class:`CausalLM`.
 
     Reads ``config.json`` and ``*.safetensors`` (sharded via ``model.safetensors.index.json`` or
-    not), casting every tensor to ``dtype`` on ``device``.
+    not), casting every tensor to ``dtype`` on ``device``. Under tensor parallel (``tp``) only this rank's
+    slices of sharded weights are read.
 
     Raises:
         CheckpointError: unsupported model type or feature, missing or unexpected tensors,
@@ -171,13 +196,14 @@ def load_checkpoint(path: str | Path, device: torch.device | str, dtype: torch.d
     if not config_path.exists():
         raise CheckpointError(f"{folder} has no config.json")
     config = config_from_hf(json.loads(config_path.read_text()))
-    model = materialize(config, device, dtype)
+    model = materialize(config, device, dtype, tp)
+    specs = shard_specs(model)
     missing: list[str] = []
     with ExitStack() as stack, torch.no_grad():
         reader = _CheckpointReader(folder, stack)
         for name, param in model.named_parameters():
             try:
-                tensor = _hf_tensor(name, reader, config.num_experts)
+                tensor = _hf_tensor(name, reader, config.num_experts, specs.get(name))
             except KeyError as exc:
                 missing.append(str(exc.args[0]))
                 continue

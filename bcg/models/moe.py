@@ -20,7 +20,9 @@ from torch import Tensor, nn
 
 from bcg.models.config import ModelConfig
 from bcg.models.dense import DenseLM
+from bcg.models.parallel_layers import ShardSpec, even_part
 from bcg.ops import kernels as fused
+from bcg.ops.parallel import SINGLE, TensorParallel
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +71,9 @@ def grouped_mm_traceable(dtype: torch.dtype, hidden_size: int, intermediate_size
 class MoEFFN(nn.Module):
     """Top-k routed SwiGLU experts (Qwen3-MoE semantics) with fixed shapes.
 
-    Expert weights are stacked: ``experts_gate_up (E, 2I, H)`` and ``experts_down (E, H, I)``.
+    Expert weights are stacked: ``experts_gate_up (E, 2I, H)`` and ``experts_down (E, H, I)``. Tensor parallel
+    shards inside every expert (each rank ``I / tp.size`` of its gate, up and down features) and all-reduces the
+    combined output once; the router is replicated, and every rank routes the same (replicated) hidden states.
 
     Example:
         >>> from bcg.models.config import get_preset
@@ -78,14 +82,19 @@ class MoEFFN(nn.Module):
         torch.Size([5, 64])
     """
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
-        num_experts, hidden, inter = config.num_experts, config.hidden_size, config.moe_intermediate_size
+        num_experts, hidden = config.num_experts, config.hidden_size
         self.num_experts, self.top_k = num_experts, config.num_experts_per_tok
         self.norm_topk_prob = config.norm_topk_prob
+        self.tp = tp
         self.gate = nn.Linear(hidden, num_experts, bias=False)
+        part = even_part(config.moe_intermediate_size, tp)
+        inter = part.stop - part.start
         self.experts_gate_up = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden))
         self.experts_down = nn.Parameter(torch.empty(num_experts, hidden, inter))
+        if tp.is_parallel:
+            self.shard_specs = {"experts_gate_up": ShardSpec(1, (part, part)), "experts_down": ShardSpec(2, (part,))}
         self.use_grouped_mm = False
         self.grouped_mm_traceable = False
 
@@ -133,7 +142,8 @@ class MoEFFN(nn.Module):
         # whose atomics make the sum order, and so the bits, vary between runs on GPU).
         y = torch.empty_like(y_sorted)
         y[order] = y_sorted
-        return torch.einsum("tkh,tk->th", y.view(num_rows, self.top_k, hidden), topk_weights)
+        out = torch.einsum("tkh,tk->th", y.view(num_rows, self.top_k, hidden), topk_weights)
+        return self.tp.all_reduce(out) if self.tp.is_parallel else out
 
     def _forward_fused(self, x: Tensor) -> Tensor:
         """The same layer on the fused kernels: router softmax/top-k in one kernel, the expert order (the stable
@@ -150,7 +160,8 @@ class MoEFFN(nn.Module):
             gate_up = torch.bmm(self.experts_gate_up[order.expert], x_sorted[:, :, None]).squeeze(-1)
             act = fused.silu_and_mul(gate_up, impl="fused")
             y_sorted = torch.bmm(self.experts_down[order.expert], act[:, :, None]).squeeze(-1)
-        return fused.moe_combine(y_sorted, order.slot, weights, impl="fused")
+        out = fused.moe_combine(y_sorted, order.slot, weights, impl="fused")
+        return self.tp.all_reduce(out) if self.tp.is_parallel else out
 
 
 class MoELM(DenseLM):
@@ -162,8 +173,8 @@ class MoELM(DenseLM):
         'MoEFFN'
     """
 
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__(config, make_mlp=MoEFFN)
+    def __init__(self, config: ModelConfig, tp: TensorParallel = SINGLE) -> None:
+        super().__init__(config, tp, make_mlp=MoEFFN)
 
     def post_init(self) -> None:
         super().post_init()

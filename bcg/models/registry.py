@@ -13,6 +13,7 @@ from bcg.models.config import ModelConfig
 from bcg.models.dense import DenseLM
 from bcg.models.dsa import DSALM
 from bcg.models.moe import MoELM
+from bcg.ops.parallel import SINGLE, TensorParallel
 
 __all__ = ["MODEL_CLASSES", "build_model", "materialize", "model_class"]
 
@@ -24,22 +25,25 @@ def model_class(config: ModelConfig) -> type[CausalLM]:
     return MODEL_CLASSES[config.arch]
 
 
-def materialize(config: ModelConfig, device: torch.device | str, dtype: torch.dtype) -> CausalLM:
-    """Build the model for ``config`` on ``device`` in ``dtype`` with uninitialised weights.
+def materialize(config: ModelConfig, device: torch.device | str, dtype: torch.dtype,
+                tp: TensorParallel = SINGLE) -> CausalLM:
+    """Build the model for ``config`` on ``device`` in ``dtype`` with uninitialised weights (this rank's shards
+    under tensor parallel).
 
     The module is first built on the meta device so no memory is spent on a throwaway init.
     """
     with torch.device("meta"):
-        model = model_class(config)(config)
+        model = model_class(config)(config, tp)
     model = model.to(dtype=dtype).to_empty(device=device)
     model.post_init()
     return model.eval().requires_grad_(False)
 
 
 def build_model(
-    config: ModelConfig, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32, seed: int = 0
+    config: ModelConfig, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32, seed: int = 0,
+    tp: TensorParallel = SINGLE,
 ) -> CausalLM:
-    """Build a randomly initialised model; the same seed gives the same weights.
+    """Build a randomly initialised model; the same seed gives the same weights (sharded: each rank's slice of them).
 
     Example:
         >>> from bcg.models.config import get_preset
@@ -48,7 +52,7 @@ def build_model(
         >>> all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters()))
         True
     """
-    model = materialize(config, device, dtype)
+    model = materialize(config, device, dtype, tp)
     generator = torch.Generator(device=torch.device(device)).manual_seed(seed)
     model.init_weights(generator)
     return model

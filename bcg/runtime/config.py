@@ -53,6 +53,10 @@ class EngineConfig:
             that differ (bcg.runtime.runner.verify); costs one extra forward pair per bucket at startup.
         warmup: forward passes per bucket before its capture.
         progress: show a progress bar while capturing.
+        tp_size: tensor parallel ranks, one process each (launch with ``torchrun --nproc-per-node tp_size``); 1 runs
+            on one device with no process group. It must divide the model's query heads (and FFN sizes).
+        tp_timeout_s: how long a tensor parallel rank waits for the others in any collective or agreement before
+            raising (a rank died or hangs); used for the process groups bcg creates.
     """
 
     backend: str = "breakable"
@@ -73,9 +77,15 @@ class EngineConfig:
     verify: bool = False
     warmup: int = 2
     progress: bool = True
+    tp_size: int = 1
+    tp_timeout_s: float = 600.0
 
     def __post_init__(self) -> None:
         self.backend = resolve_backend(self.backend)
+        if not isinstance(self.tp_size, int) or isinstance(self.tp_size, bool) or self.tp_size < 1:
+            raise ValueError(f"tp_size must be an int >= 1, got {self.tp_size!r}")
+        if not self.tp_timeout_s > 0:
+            raise ValueError(f"tp_timeout_s must be > 0, got {self.tp_timeout_s!r}")
         if self.chunked_prefill_size < 1:
             raise ValueError(f"chunked_prefill_size must be >= 1, got {self.chunked_prefill_size}")
         if self.max_tokens is not None and self.max_tokens < 1:

@@ -18,6 +18,7 @@ from bcg.models.loader import load_checkpoint
 from bcg.models.registry import build_model
 from bcg.ops.kernels import fused_available
 from bcg.ops.kv_cache import KVPool
+from bcg.ops.parallel import TensorParallel, init_tensor_parallel
 from bcg.runtime.batch import PrefillBatch, PrefillItem
 from bcg.runtime.config import EngineConfig
 from bcg.runtime.runner import Runner
@@ -47,15 +48,20 @@ class PrefillResult:
     batches: list[BatchRecord]
 
 
-def _load_model(model: str | os.PathLike | ModelConfig | CausalLM, cfg: EngineConfig) -> CausalLM:
+def _load_model(model: str | os.PathLike | ModelConfig | CausalLM, cfg: EngineConfig,
+                tp: TensorParallel) -> CausalLM:
     device, dtype = cfg.torch_device, cfg.torch_dtype
     if isinstance(model, torch.nn.Module):
+        built = getattr(model, "tp", None)
+        if built is not None and built.size != tp.size:
+            raise ValueError(f"the model was built for tp_size={built.size}, but the engine runs tp_size={tp.size}; "
+                             "pass a preset, config or checkpoint and let the engine shard it")
         return model.to(device=device, dtype=dtype)
     if isinstance(model, ModelConfig):
-        return build_model(model, device, dtype, cfg.seed)
+        return build_model(model, device, dtype, cfg.seed, tp)
     if os.path.isdir(model):
-        return load_checkpoint(model, device, dtype)
-    return build_model(get_preset(str(model)), device, dtype, cfg.seed)
+        return load_checkpoint(model, device, dtype, tp)
+    return build_model(get_preset(str(model)), device, dtype, cfg.seed, tp)
 
 
 class Engine:
@@ -67,6 +73,10 @@ class Engine:
         config: an :class:`EngineConfig`; keyword arguments override or replace it field by field.
         **options: any field of :class:`EngineConfig` (the signature lists each with its default;
             ``help(EngineConfig)`` says what each does).
+
+    With ``tp_size > 1`` every process of a ``torchrun`` group builds the same engine: the process group comes from
+    the environment (NCCL on CUDA, gloo on a CPU), each rank holds its shard of the model, every decision is
+    agreed across ranks, and every rank returns the same :class:`PrefillResult`.
 
     Example::
 
@@ -84,8 +94,9 @@ class Engine:
         base = {f.name: getattr(config, f.name) for f in fields(EngineConfig)} if config else {}
         self.config = EngineConfig(**{**base, **kwargs})
         self.device, self.dtype = self.config.torch_device, self.config.torch_dtype
+        self.tp = init_tensor_parallel(self.config.tp_size, self.device, self.config.tp_timeout_s)
         t0 = time.perf_counter()
-        self.model = _load_model(model, self.config).eval()
+        self.model = _load_model(model, self.config, self.tp).eval()
         self.load_ms = (time.perf_counter() - t0) * 1e3
         cfg = self.config
         kernels = cfg.kernels or ("fused" if fused_available(self.device) else "torch")
@@ -96,13 +107,14 @@ class Engine:
         sizes = cfg.buckets or default_ladder(cfg.max_tokens or cfg.chunked_prefill_size)
         # The pool must hold one largest-bucket dummy batch during capture and the biggest live batch.
         kv_tokens = max(cfg.kv_tokens or 4 * cfg.chunked_prefill_size, max(sizes))
-        self.kv_pool = KVPool.for_model(self.model.config, kv_tokens, self.device, self.dtype)
-        self.runner = Runner(self.model, cfg, self.kv_pool, sizes)
+        self.kv_pool = KVPool.for_model(self.model.kv_shape, kv_tokens, self.device, self.dtype)
+        self.runner = Runner(self.model, cfg, self.kv_pool, sizes, self.tp)
         t0 = time.perf_counter()
         self.runner.build()
         self.build_ms = (time.perf_counter() - t0) * 1e3
         if cfg.verify and self.runner.handles:
             verify_buckets(self.runner)
+            self.runner.agree_buckets("verify")
 
     @property
     def telemetry(self) -> Telemetry:

@@ -44,6 +44,8 @@ class GraphResources:
         is_emulated: graphs are CPU emulations (no CUDA).
         dummy_context: ``dummy_context(n)`` is a context manager that installs a one-request batch of ``n`` tokens
             (with real KV slots) for warmup, capture and compilation.
+        barrier_fn: under tensor parallel, called at capture before each island to align the ranks (breakable
+            graphs); None on one rank.
     """
 
     model: torch.nn.Module
@@ -58,6 +60,7 @@ class GraphResources:
     capture_stream: torch.cuda.Stream | None
     is_emulated: bool
     dummy_context: Callable[[int], AbstractContextManager[Any]]
+    barrier_fn: Callable[[], None] | None = None
 
     @property
     def max_bucket(self) -> int:

@@ -19,25 +19,36 @@ class BreakableBackend(GraphBackend):
 
     Island inputs and outputs go through one set of bridge buffers shared by every layer and bucket
     (:mod:`bcg.ops.bridge`), so the tensors each graph must keep alive do not add up over the ladder.
+
+    Under tensor parallel the ranks are aligned before each island at capture (``barrier_fn``) and a replay whose
+    island raises still launches its remaining segments (:meth:`~bcg.BreakableCUDAGraph.replay_draining`), so the
+    all-reduces captured in them release the other ranks; the runner then reruns the batch eagerly everywhere.
     """
 
     name = "breakable"
 
     def prepare(self) -> None:
-        self.bridge = BridgeBuffers(self.resources.max_bucket)
+        r = self.resources
+        self.bridge = BridgeBuffers(r.max_bucket)
+        if r.config.tp_size > 1:
+            self.replay = self._replay_draining  # type: ignore[method-assign]
 
     def capture(self, num_tokens: int) -> bcg.BreakableCUDAGraph:
         r = self.resources
         pool = r.pool.handle
         graph = bcg.BreakableCUDAGraph(pool=pool, emulate=r.is_emulated)
         layers = bcg.eager_on_graph(r.layers) if r.config.debug else r.layers
-        with bridge_buffers(self.bridge), bcg.breakable_graph(graph, pool=pool, stream=r.capture_stream):
+        with bridge_buffers(self.bridge), bcg.breakable_graph(graph, pool=pool, stream=r.capture_stream,
+                                                              barrier_fn=r.barrier_fn):
             out = layers(*r.inputs(num_tokens))
             r.static_output[:num_tokens].copy_(out)
         return graph
 
     def replay(self, handle: Any, num_tokens: int) -> None:
         handle.replay()
+
+    def _replay_draining(self, handle: Any, num_tokens: int) -> None:
+        handle.replay_draining()
 
     def describe(self, handle: Any) -> tuple[int, int]:
         return (handle.num_segments, handle.num_breaks)

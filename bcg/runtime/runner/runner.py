@@ -6,6 +6,9 @@ requests. A live batch of ``num_tokens`` is padded to the smallest bucket, copie
 zeroed), replayed under the forward context its backend gives (``load_batch``: the live batch for island backends,
 static metadata buffers for a whole-graph backend), and its rows are read back from one max-size output buffer
 sliced per bucket.
+
+Under tensor parallel (``tp.size > 1``) a :class:`~bcg.runtime.runner.agreement.RankAgreement` makes every rank take
+the same decision: each hook below is one call into it, and none runs at ``tp.size == 1``.
 """
 
 from __future__ import annotations
@@ -23,11 +26,13 @@ from tqdm.auto import tqdm
 from bcg.emulation import RECORDS_COMPILED_CODE, UncapturableOpError
 from bcg.ops.context import forward_context
 from bcg.ops.kv_cache import KVPool
+from bcg.ops.parallel import SINGLE, TensorParallel
 from bcg.runtime.backends import BackendRefused, GraphResources, backend_class
 from bcg.runtime.backends.capture import GraphPool
 from bcg.runtime.batch import PrefillBatch, PrefillItem
 from bcg.runtime.compile import compile_layers
 from bcg.runtime.config import EngineConfig
+from bcg.runtime.runner.agreement import RankAgreement
 from bcg.runtime.runner.buckets import BucketTable
 from bcg.runtime.runner.telemetry import BatchRecord, BucketRecord, Telemetry
 
@@ -75,6 +80,7 @@ class Runner:
         config: the engine's options.
         kv_pool: the KV pool batches are allocated in.
         bucket_sizes: the token buckets to capture.
+        tp: this process's tensor parallel rank; with more than one rank every decision is agreed across ranks.
 
     Example::
 
@@ -83,8 +89,10 @@ class Runner:
         hidden = runner.forward(batch)       # (batch.num_tokens, hidden_size)
     """
 
-    def __init__(self, model: torch.nn.Module, config: EngineConfig, kv_pool: KVPool, bucket_sizes: list[int]) -> None:
+    def __init__(self, model: torch.nn.Module, config: EngineConfig, kv_pool: KVPool, bucket_sizes: list[int],
+                 tp: TensorParallel = SINGLE) -> None:
         self.model, self.config, self.kv_pool = model, config, kv_pool
+        self.agreement = RankAgreement(tp) if tp.is_parallel else None  # tensor parallel only
         self.device, self.dtype = config.torch_device, config.torch_dtype
         self.table = BucketTable(list(bucket_sizes), config.max_padding_factor)
         cls = backend_class(config.backend)
@@ -104,7 +112,8 @@ class Runner:
                 static_positions=torch.zeros(max_tokens, dtype=torch.long, device=self.device),
                 static_output=torch.zeros(max_tokens, hidden, **kw),
                 pool=GraphPool(stream), capture_stream=stream, is_emulated=is_emulated,
-                dummy_context=self.dummy_context)
+                dummy_context=self.dummy_context,
+                barrier_fn=self.agreement.capture_barrier if self.agreement is not None else None)
         self.backend = cls(self.resources)
 
     # The static buffers belong to the resources; these read them (tools and tests address them directly).
@@ -132,15 +141,25 @@ class Runner:
         t0 = time.perf_counter()
         try:
             if self.backend.uses_graphs:
+                error: BaseException | None = None
                 try:
                     self.backend.prepare()
                 except Exception as e:  # noqa: BLE001 - any failure here means: serve eagerly, loudly
-                    self._refuse(e)
+                    error = e
+                if self.agreement is not None:  # tensor parallel: refused on one rank, refused on all
+                    error = self.agreement.agree_outcome(error, "the backend's preparation")
+                if error is not None:
+                    self._refuse(error)
             if self.config.compile:  # after prepare: the first compiled call runs under the backend's context
+                compile_error: BaseException | None = None
                 try:
                     self._compile()
                 except Exception as e:  # noqa: BLE001 - run and capture the uncompiled stack instead, loudly
-                    self._uncompile(e)
+                    compile_error = e
+                if self.agreement is not None:  # tensor parallel: compiled on every rank or on none
+                    compile_error = self.agreement.agree_outcome(compile_error, "compiling the layer stack")
+                if compile_error is not None:
+                    self._uncompile(compile_error)
         finally:
             self.telemetry.compile_ms = (time.perf_counter() - t0) * 1e3
         if not self.backend.uses_graphs or self.table.refused_reason is not None:
@@ -168,6 +187,9 @@ class Runner:
         res, record = self.resources, self.table.record(n)
         free0 = _free_memory(self.device)
         t0 = time.perf_counter()
+        handle, error = None, None
+        if self.agreement is not None:
+            self.agreement.begin_capture(n)
         try:
             with self.dummy_context(n):
                 stream = res.capture_stream
@@ -180,15 +202,20 @@ class Runner:
                     torch.cuda.current_stream().wait_stream(stream)
                 handle = self.backend.capture(n)
         except Exception as e:  # noqa: BLE001 - one bucket failing must not take the others down
+            error = e
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
                 # A capture that failed inside CUDA can leave its pool unusable ("already recording"): every
                 # backend captures later buckets into a fresh pool, giving up sharing with the earlier ones.
                 res.pool.renew()
-            if _is_uncapturable(e):
-                self._refuse(e)
+        if self.agreement is not None:  # tensor parallel: kept only if every rank captured the same graph
+            shape = self.backend.describe(handle) if handle is not None else None
+            error = self.agreement.agree_capture(n, error, error is not None and _is_uncapturable(error), shape)
+        if error is not None:
+            if _is_uncapturable(error):
+                self._refuse(error)
             else:
-                self.disable(n, f"capture failed: {_first_line(e)}")
+                self.disable(n, f"capture failed: {_first_line(error)}")
             return record
         record.capture_ms = (time.perf_counter() - t0) * 1e3
         record.memory_bytes = max(free0 - _free_memory(self.device), 0)
@@ -244,6 +271,15 @@ class Runner:
         self.table.refuse(msg)
         logger.warning("bcg: %s; serving every batch eagerly", msg)
 
+    def agree_buckets(self, what: str) -> None:
+        """Tensor parallel: disables on this rank every bucket disabled on another (after ``what``, e.g. verify)."""
+        if self.agreement is None or not self.backend.uses_graphs:
+            return
+        disabled = [self.table.buckets[n].record.disabled_reason is not None for n in self.table.sizes]
+        for n, here, anywhere in zip(self.table.sizes, disabled, self.agreement.agree_buckets(disabled, what)):
+            if anywhere and not here:
+                self.disable(n, f"disabled on another tensor parallel rank after {what} (see its log)")
+
     def disable(self, n: int, reason: str) -> None:
         """Stops replaying bucket ``n`` (batches of its size run eagerly) and records why."""
         self.table.disable(n, reason)
@@ -274,16 +310,23 @@ class Runner:
         n_real = batch.num_tokens
         hidden = self.model.embed(batch.input_ids)
         bucket, reason = self.choose(n_real, batch)
+        if self.agreement is not None:  # tensor parallel: the same bucket (or eager) on every rank
+            bucket, reason = self.agreement.agree_choice(bucket, reason)
         if bucket is not None:
+            error: BaseException | None = None
             try:
                 self._load(hidden, batch.positions, bucket)
                 with forward_context(self.backend.load_batch(batch, bucket)):
                     self.backend.replay(self.table.buckets[bucket].handle, bucket)
+            except Exception as e:  # noqa: BLE001 - a failed replay falls back to eager for this batch
+                error = e
+            if self.agreement is not None:  # tensor parallel: a replay failed anywhere is rerun everywhere
+                error = self.agreement.agree_replay(bucket, error)
+            if error is None:
                 self._record(batch, bucket, True, "graph")
                 return self.static_output[:n_real]
-            except Exception as e:  # noqa: BLE001 - a failed replay falls back to eager for this batch
-                self.disable(bucket, f"replay failed: {_first_line(e)}")
-                reason = "replay_failed"
+            self.disable(bucket, f"replay failed: {_first_line(error)}")
+            reason = "replay_failed"
         if reason != "backend_eager":
             self.telemetry.log_once(reason, f"bcg: running a batch eagerly ({reason}); logged once per reason")
         self._record(batch, None, False, reason)
