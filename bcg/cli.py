@@ -3,12 +3,16 @@ this model use breakable graphs here, and with which ceiling).
 
 Every flag maps 1:1 to a field of :class:`~bcg.bench.config.BenchConfig` or :class:`~bcg.bench.config.AnalyzeConfig`
 (``--no-memory`` sets ``memory=False``). Tables go to stdout, progress bars to stderr, and the last line printed is
-one JSON object summarising the run; the full results are in ``--out``/results.json next to the PNGs.
+one JSON object summarising the run; the full results are in ``--out``/results.json next to the PNGs. Under
+tensor parallel (``torchrun --nproc-per-node N -m bcg bench --tp N``) every rank measures, and only rank 0 prints and
+writes files.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import logging
 import platform
 import sys
@@ -110,6 +114,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--no-memory", dest="memory", action="store_false", help="skip the memory experiment")
     bench.add_argument("--no-profile", dest="profile", action="store_false",
                        help="skip the profiler's kernel floor")
+    bench.add_argument("--tp", type=int, default=1,
+                       help="tensor parallel ranks; launch with torchrun --nproc-per-node TP (default 1)")
     bench.set_defaults(func=_run_bench, parser=bench)
 
     an = sub.add_parser("analyze", help="measure p, launch gap, coverage and graph memory; give a verdict",
@@ -154,6 +160,13 @@ def _environment(device: str, emulated: bool) -> dict[str, Any]:
     return env
 
 
+def _is_main_rank() -> bool:
+    """Rank 0 of a tensor parallel run, or the only process: the one that prints and writes files."""
+    import torch.distributed as dist
+
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+
+
 def _plot(kind: str, fn: Any, *args: Any) -> str | None:
     try:
         return str(fn(*args))
@@ -175,7 +188,7 @@ def _run_bench(cfg: Any) -> dict[str, Any]:
 
     env = _environment(cfg.device, cfg.emulated)
     lat = run_latency(cfg)
-    mem = (run_memory(cfg.model, cfg.device, cfg.dtype, cfg.seed, cfg.chunked_prefill_size, cfg.progress)
+    mem = (run_memory(cfg.model, cfg.device, cfg.dtype, cfg.seed, cfg.chunked_prefill_size, cfg.progress, cfg.tp)
            if cfg.memory else None)
     note = CPU_SPEEDUP_NOTE if cfg.emulated else None
     results: dict[str, Any] = {"schema": "bcg.bench/2", "kind": "bench", "config": vars(cfg), "environment": env,
@@ -184,7 +197,8 @@ def _run_bench(cfg: Any) -> dict[str, Any]:
     data = jsonable(results)
     out = Path(cfg.out)
     pngs: list[str] = []
-    if cfg.plots and data["rows"]:
+    writes = _is_main_rank()  # tensor parallel: only rank 0 writes files
+    if cfg.plots and data["rows"] and writes:
         title = _title(cfg, env)
         pngs += [_plot("latency", plots.plot_latency, data["rows"], out / "latency.png", title),
                  _plot("speedup", plots.plot_speedup, data["rows"], out / "speedup.png",
@@ -192,10 +206,10 @@ def _run_bench(cfg: Any) -> dict[str, Any]:
         if mem is not None and mem.available:
             pngs.append(_plot("memory", plots.plot_memory, data["memory"]["rows"], out / "memory.png", title))
     data["plots"] = [p for p in pngs if p]
-    path = write_json(out / "results.json", data)
+    path = write_json(out / "results.json", data) if writes else None
     print(format_bench(cfg, lat, mem, cfg.emulated))
     return {"kind": "bench", "model": cfg.model, "device": env["device_name"], "emulated": cfg.emulated,
-            "lengths": cfg.lengths, "geomean_speedup": geomean_speedups(lat.rows, cfg.backends),
+            "tp": cfg.tp, "lengths": cfg.lengths, "geomean_speedup": geomean_speedups(lat.rows, cfg.backends),
             "speedup_note": note, "unavailable": {b.backend: b.error for b in lat.builds if not b.available},
             "results": str(path), "plots": data["plots"]}
 
@@ -255,19 +269,36 @@ def main(argv: list[str] | None = None) -> int:
         dev = torch.device(cfg.device)
         if dev.index is not None:
             torch.cuda.set_device(dev)
+    owns_group = False
+    if getattr(cfg, "tp", 1) > 1:  # tensor parallel: join the group now, so every rank knows whether it reports
+        import torch.distributed as dist
+
+        from bcg.ops.parallel import init_tensor_parallel
+
+        owns_group = not dist.is_initialized()
+        init_tensor_parallel(cfg.tp, torch.device(cfg.device))
+    quiet = not _is_main_rank()  # every rank measures; only rank 0 prints
+    if quiet:
+        cfg.progress = False
     threads = torch.get_num_threads()
     try:
-        if cfg.threads is not None:
-            torch.set_num_threads(cfg.threads)
-        if cfg.emulated:
-            print(cpu_banner(ns.command, cfg.model, torch.get_num_threads()))
-        summary = ns.func(cfg)
-    except BenchError as e:
-        print(f"bcg {ns.command}: error: {e}", file=sys.stderr)
-        return 1
+        with contextlib.redirect_stdout(io.StringIO()) if quiet else contextlib.nullcontext():
+            if cfg.threads is not None:
+                torch.set_num_threads(cfg.threads)
+            if cfg.emulated:
+                print(cpu_banner(ns.command, cfg.model, torch.get_num_threads()))
+            try:
+                summary = ns.func(cfg)
+            except BenchError as e:
+                print(f"bcg {ns.command}: error: {e}", file=sys.stderr)
+                return 1
+            print(summary_line(summary))
     finally:
         torch.set_num_threads(threads)  # main() called as a function leaves the process as it found it
-    print(summary_line(summary))
+        if owns_group:
+            from bcg.ops.parallel import shutdown_tensor_parallel
+
+            shutdown_tensor_parallel()
     return 0
 
 

@@ -9,7 +9,7 @@ import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 import bcg
-from bcg.emulation import EmulatedGraph, is_emulated_capturing
+from bcg.emulation import EmulatedGraph, UncapturableOpError, is_emulated_capturing
 
 
 def _uncapturable_ops():
@@ -256,3 +256,64 @@ def test_capturable_cousins_are_allowed():
     torch.testing.assert_close(vals, torch.tensor([4.0, 2.0]))
     assert torch.equal(ids, torch.tensor([3, 1]))
     torch.testing.assert_close(e, x.repeat_interleave(2))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# collectives: recorded at capture as NCCL records them, issued over gloo at every replay (two rank processes)
+
+
+def _collectives_on_rank() -> dict:
+    import torch.distributed as dist
+
+    from bcg.ops.parallel import init_tensor_parallel
+
+    tp = init_tensor_parallel(2, torch.device("cpu"))
+    rank, group_name = tp.rank, dist.group.WORLD.group_name
+    x = torch.zeros(4)
+    g = EmulatedGraph()
+    g.capture_begin()
+    summed = x * 2 + 1
+    dist.all_reduce(summed)  # c10d::allreduce_, in place
+    after = summed * 10  # reads the reduced value at replay
+    fresh = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(x + 1, "sum", group_name))
+    gathered = torch.ops._c10d_functional.wait_tensor(
+        torch.ops._c10d_functional.all_gather_into_tensor(x, 2, group_name))
+    g.capture_end()
+    at_capture = after.tolist()  # not reduced: the collective was not issued at capture (garbage on CUDA)
+    replays = []
+    for value in (1.0, 2.0):
+        x.fill_(value + rank)
+        g.replay()
+        replays.append((after.tolist(), fresh.tolist(), gathered.tolist()))
+    refused = {}
+    for name, fn in (("barrier", dist.barrier), ("monitored_barrier", dist.monitored_barrier),
+                     ("all_gather_object", lambda: dist.all_gather_object([None, None], {"rank": rank}))):
+        g = EmulatedGraph()
+        g.capture_begin()
+        try:
+            fn()
+            refused[name] = None
+        except UncapturableOpError as e:
+            refused[name] = str(e)
+        with pytest.raises(UncapturableOpError):  # the capture stays invalid, as a CUDA capture would
+            g.capture_end()
+        dist.barrier()  # outside the capture: the ranks realign
+    return {"at_capture": at_capture, "replays": replays, "refused": refused}
+
+
+def test_collectives_are_recorded_at_capture_and_replayed_as_real_collectives():
+    from rank_pool import RankPool
+
+    pool = RankPool(2, timeout_s=60)
+    try:
+        results = pool.run(_collectives_on_rank)
+    finally:
+        pool.close()
+    for res in results:
+        assert res["at_capture"] == [10.0] * 4  # 0 * 2 + 1 on this rank only, times 10
+        (after1, fresh1, gathered1), (after2, fresh2, gathered2) = res["replays"]
+        assert after1 == [(3.0 + 5.0) * 10] * 4 and after2 == [(5.0 + 7.0) * 10] * 4  # x = 1, 2 then 2, 3
+        assert fresh1 == [5.0] * 4 and fresh2 == [7.0] * 4
+        assert gathered1 == [1.0] * 4 + [2.0] * 4 and gathered2 == [2.0] * 4 + [3.0] * 4
+        assert all(reason is not None for reason in res["refused"].values()), res["refused"]
+        assert "barrier" in res["refused"]["barrier"] and "barrier" in res["refused"]["monitored_barrier"]

@@ -652,6 +652,37 @@ def test_exception_during_replay_propagates_and_the_next_replay_is_correct():
     assert not bcg.is_capturing()
 
 
+def test_a_draining_replay_launches_the_remaining_segments_and_skips_their_eager_steps():
+    fail = {"on": False}
+
+    @bcg.eager_on_graph
+    def flaky(x):
+        if fail["on"]:
+            raise RuntimeError("replay boom")
+        return x + 1
+
+    g = bcg.BreakableCUDAGraph(emulate=True)
+    x = torch.zeros(3)
+    with bcg.breakable_graph(g):
+        mid = flaky(x * 2)
+        late = x * 5  # the segment after the failing island: a draining replay still runs it
+        out = add_one(mid * 3)
+    g.replay_draining()
+    torch.testing.assert_close(out, torch.full((3,), 4.0))
+    assert CALLS["add_one"] == 2  # capture and one replay
+    fail["on"] = True
+    x.fill_(2.0)
+    with pytest.raises(RuntimeError, match="replay boom"):
+        g.replay_draining()
+    torch.testing.assert_close(late, torch.full((3,), 10.0))  # the segment after the island ran
+    assert CALLS["add_one"] == 2  # the eager step after the failure was skipped
+    with pytest.raises(RuntimeError, match="replay boom"):
+        g.replay()  # a plain replay stops at the failure
+    fail["on"] = False
+    g.replay_draining()
+    torch.testing.assert_close(out, torch.full((3,), 16.0))
+
+
 def test_nested_capture_raises_a_clear_error():
     outer, inner = bcg.BreakableCUDAGraph(emulate=True), bcg.BreakableCUDAGraph(emulate=True)
     x = torch.zeros(2)

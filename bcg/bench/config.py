@@ -124,6 +124,7 @@ class BenchConfig:
     plots: bool = True
     profile: bool = True
     progress: bool | None = None
+    tp: int = 1  # tensor parallel ranks (EngineConfig.tp_size); > 1 runs under `torchrun --nproc-per-node tp`
 
     @property
     def emulated(self) -> bool:
@@ -150,6 +151,8 @@ class BenchConfig:
         _check_threads(self.threads)
         if self.batch_requests < 1:
             raise ValueError(f"--batch-requests must be >= 1, got {self.batch_requests}")
+        if self.tp < 1:
+            raise ValueError(f"--tp must be >= 1, got {self.tp}")
         return replace(self, model=model, backends=names, lengths=sorted(set(lengths)), device=device,
                        chunked_prefill_size=chunk, threads=self.threads or d.threads,
                        progress=_progress(self.progress))

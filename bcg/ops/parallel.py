@@ -26,7 +26,8 @@ from torch import Tensor
 
 from bcg.graph import eager_on_graph
 
-__all__ = ["SINGLE", "TensorParallel", "TensorParallelError", "init_tensor_parallel", "kv_head_range"]
+__all__ = ["SINGLE", "TensorParallel", "TensorParallelError", "init_tensor_parallel", "kv_head_range",
+           "shutdown_tensor_parallel"]
 
 _ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 # Debug switch: run every all-reduce as an eager island (a break) instead of inside the graph segments, for a
@@ -182,3 +183,10 @@ def init_tensor_parallel(size: int, device: torch.device, timeout_s: float = 600
         _host_groups[ranks] = dist.new_group(list(ranks), backend="gloo",
                                              timeout=datetime.timedelta(seconds=timeout_s))
     return TensorParallel(size, dist.get_rank(), dist.group.WORLD, _host_groups[ranks], timeout_s)
+
+
+def shutdown_tensor_parallel() -> None:
+    """Destroys the process groups (the default one included), e.g. at the end of a ``torchrun`` worker."""
+    if dist.is_available() and dist.is_initialized():
+        _host_groups.clear()
+        dist.destroy_process_group()

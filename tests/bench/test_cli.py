@@ -311,3 +311,35 @@ def test_bench_measures_variants_side_by_side(tmp_path: Path, capsys: pytest.Cap
     assert all(r["graph_used"] for r in data["rows"] if r["backend"] != "eager")
     # one table, with the kernels and the compiler of each row
     assert "kernels" in out and "compile" in out and "traced" in out and "fused" in out
+
+
+def _bench_on_rank(out: str) -> dict:
+    import contextlib
+    import io
+    import os
+
+    rank_out = Path(out) / f"rank{os.environ['RANK']}"
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        rc = main(["bench", *FAST, "--tp", "2", "--lengths", "8,16", "--batch-requests", "1", "--no-memory",
+                   "--no-plots", "--chunked-prefill-size", "16", "--out", str(rank_out)])
+    files = sorted(p.name for p in rank_out.iterdir()) if rank_out.exists() else []
+    return {"rc": rc, "stdout": printed.getvalue(), "files": files}
+
+
+def test_bench_under_tensor_parallel_reports_from_rank_zero_only(tmp_path: Path) -> None:
+    from rank_pool import RankPool
+
+    pool = RankPool(2, timeout_s=120)
+    try:
+        zero, one = pool.run(_bench_on_rank, str(tmp_path))
+    finally:
+        pool.close()
+    assert zero["rc"] == one["rc"] == 0
+    assert one["stdout"] == "" and one["files"] == []  # every rank measured; only rank 0 printed and wrote
+    assert zero["files"] == ["results.json"]
+    summary = last_json(zero["stdout"])
+    assert summary["tp"] == 2 and set(summary["geomean_speedup"]) == {"eager", "breakable"}
+    data = json.loads((tmp_path / "rank0" / "results.json").read_text())
+    assert data["config"]["tp"] == 2
+    assert all(r["graph_used"] for r in data["rows"] if r["backend"] == "breakable")
