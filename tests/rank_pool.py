@@ -54,10 +54,12 @@ class RankPool:
         pool.close()
     """
 
-    def __init__(self, world_size: int, timeout_s: float = 120.0) -> None:
-        # Forked from the test process (which holds no process group and no CUDA context): starting a rank costs
-        # nothing, where a spawned one re-imports torch (seconds each on a loaded CI machine).
-        ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
+    def __init__(self, world_size: int, timeout_s: float = 120.0, start_method: str | None = None) -> None:
+        # Forked from the test process (which holds no process group and no CUDA context) by default: starting a
+        # rank costs nothing, where a spawned one re-imports torch (seconds each on a loaded CI machine). CUDA
+        # ranks must be spawned.
+        default = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
+        ctx = mp.get_context(start_method or default)
         self.world_size, self.timeout_s = world_size, timeout_s
         port = free_port()
         self._tasks = [ctx.Queue() for _ in range(world_size)]

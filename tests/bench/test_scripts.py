@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -25,3 +26,36 @@ def test_host_path_smoke(tmp_path: Path) -> None:
     assert set(result["prefill"]) == {"1", "3"}
     assert all(t["wall_ms"] >= t["host_ms"] > 0 for row in result["prefill"].values() for t in row.values())
     assert (out / "host_path.json").exists() and "prefill" in (out / "profile_3req.txt").read_text()
+
+
+def test_tp_tokens_under_torchrun_matches_one_process(tmp_path: Path) -> None:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           str(ROOT / "benchmarks" / "tp_tokens.py"), "--model", "tiny-moe", "--backends", "breakable",
+           "--lengths", "8,16", "--device", "cpu", "--out", str(tmp_path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == {
+        "model": "tiny-moe", "tp": 2, "all_ok": True, "results": str(tmp_path / "tp_tokens.json")}
+    rows = json.loads((tmp_path / "tp_tokens.json").read_text())["rows"]
+    assert [(r["tokens"], r["same_token"], r["graph_used"]) for r in rows] == [(8, True, True), (16, True, True)]
+    assert all(r["rel_logit_diff"] < 1e-5 for r in rows)  # fp32 on the CPU: sharding changes only rounding
+
+
+def test_tp_compare_checks_the_multi_gpu_targets() -> None:
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        from tp_compare import compare
+    finally:
+        sys.path.pop(0)
+
+    def bench(tp: int, breakable_ms: float, capture_ms: float) -> dict:
+        rows = [{"backend": b, "input_len": n, "median_ms": ms, "speedup_vs_eager": 10.0 / ms}
+                for n in (64, 512) for b, ms in (("eager", 10.0), ("breakable", breakable_ms))]
+        return {"config": {"tp": tp}, "rows": rows, "builds": [{"backend": "breakable", "capture_ms": capture_ms}]}
+
+    lines, verdict = compare(bench(1, 4.0, 1000.0), bench(2, 4.2, 1400.0))
+    assert verdict["breakable_speedup_within_10pct"] and verdict["breakable_capture_within_1_5x"]
+    assert any("| breakable | 512 | 4.00 | 2.50x | 4.20 | 2.38x | 0.95 |" == line for line in lines)
+    _, slow = compare(bench(1, 4.0, 1000.0), bench(2, 5.0, 1600.0))
+    assert not slow["breakable_speedup_within_10pct"] and not slow["breakable_capture_within_1_5x"]
