@@ -72,6 +72,18 @@ def test_tp2_logits_equal_one_process_and_every_rank_returns_the_same(pool, pres
             assert reason is None and (breaks == 0 if backend == "full" else breaks >= layers)
 
 
+def _compiled_on_rank() -> dict:
+    eng = Engine("tiny-moe", backend="breakable", tp_size=2, compile="eager", **OPTIONS)
+    return {"compile_error": eng.telemetry.compile_error, **_summary(eng, eng.prefill(PROMPTS))}
+
+
+def test_tp2_with_the_layer_stack_compiled(pool):
+    ref = _reference("tiny-moe")
+    for res in pool.run(_compiled_on_rank):  # dynamo traces the all-reduces; the breakable capture keeps them
+        assert res["compile_error"] is None and res["batches"] == [(16, True, "graph")]
+        assert np.abs(res["logits"] - ref.logits.numpy()).max() <= 1e-5
+
+
 def _capture_fails_on_rank_one(bucket: int, uncapturable: bool) -> dict:
     real = BatchContext.attend
 
