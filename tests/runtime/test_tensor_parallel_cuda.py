@@ -1,5 +1,6 @@
-"""Tensor parallel 2 over NCCL on two GPUs of one host: all-reduces captured inside CUDA graph segments replay
-correctly, and the engine's logits match one GPU. Skipped without two GPUs (the multi-GPU run)."""
+"""Tensor parallel over NCCL: all-reduces captured inside CUDA graph segments replay correctly (one GPU: a group of
+one rank; two GPUs: two ranks), and the engine's logits at TP=2 match one GPU. The two-GPU tests are skipped
+without two GPUs (the multi-GPU run)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import torch
 from engine_cache import random_prompts
 from rank_pool import RankPool
 
-pytestmark = [pytest.mark.cuda, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")]
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
 
 OPTIONS = dict(device="cuda", dtype="float32", buckets=[8, 16, 32], chunked_prefill_size=32, kv_tokens=512,
                max_requests=4, progress=False, seed=0)
@@ -17,12 +19,20 @@ PROMPTS = random_prompts([5, 11, 3], seed=2)
 
 
 def _captured_all_reduce_on_rank() -> dict:
+    import os
+
     import torch.distributed as dist
 
     import bcg
-    from bcg.ops.parallel import init_tensor_parallel
+    from bcg.ops.parallel import TensorParallel, init_tensor_parallel
 
-    tp = init_tensor_parallel(2, torch.device("cuda"))
+    world = int(os.environ["WORLD_SIZE"])
+    if world == 1:  # init_tensor_parallel leaves one rank alone: make the group by hand
+        torch.cuda.set_device(0)
+        dist.init_process_group("nccl")
+        tp = TensorParallel(1, 0, dist.group.WORLD, dist.new_group(backend="gloo"))
+    else:
+        tp = init_tensor_parallel(world, torch.device("cuda"))
     x = torch.zeros(1024, device="cuda")
     out = {}
     stream = torch.cuda.Stream()
@@ -58,17 +68,18 @@ def _captured_all_reduce_on_rank() -> dict:
     return out
 
 
-def test_all_reduces_captured_in_graph_segments_replay_as_collectives():
-    pool = RankPool(2, timeout_s=180, start_method="spawn")
+@pytest.mark.parametrize("world", [1, pytest.param(2, marks=two_gpus)])
+def test_all_reduces_captured_in_graph_segments_replay_as_collectives(world):
+    pool = RankPool(world, timeout_s=180, start_method="spawn")
     try:
-        zero, one = pool.run(_captured_all_reduce_on_rank)
+        results = pool.run(_captured_all_reduce_on_rank)
     finally:
         pool.close()
-    for res in (zero, one):
-        for step in range(3):  # x = step on rank 0, step + 1 on rank 1
-            total = (2 * step + 1) + (2 * (step + 1) + 1)
+    for res in results:
+        for step in range(3):  # x = step + rank on each rank
+            total = sum(2 * (step + rank) + 1 for rank in range(world))
             assert res["cuda_graph"][step] == [3.0 * total] * 2
-            assert res["breakable"][step] == [2 * 3.0 * (total + 1)] * 2
+            assert res["breakable"][step] == [world * 3.0 * (total + 1)] * 2
 
 
 def _engine_on_rank(preset: str, backend: str) -> dict:
@@ -79,6 +90,7 @@ def _engine_on_rank(preset: str, backend: str) -> dict:
     return {"logits": res.logits.cpu().numpy(), "graph": [b.graph_used for b in res.batches]}
 
 
+@two_gpus
 @pytest.mark.parametrize(("preset", "backend"), [("tiny-dense", "breakable"), ("tiny-moe", "breakable"),
                                                  ("tiny-dense", "full"), ("tiny-dsa", "breakable")])
 def test_tp2_engine_matches_one_gpu(preset, backend):
