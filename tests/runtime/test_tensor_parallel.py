@@ -57,6 +57,7 @@ def _prefill_on_rank(preset: str, backends: list[str]) -> dict:
 ])
 def test_tp2_logits_equal_one_process_and_every_rank_returns_the_same(pool, preset, backends):
     ref = _reference(preset)
+    one_process = {b: Engine(preset, backend=b, **OPTIONS).telemetry.buckets[16] for b in backends if b != "eager"}
     ranks = pool.run(_prefill_on_rank, preset, backends)
     for backend in backends:
         zero, one = ranks[0][backend], ranks[1][backend]
@@ -66,10 +67,9 @@ def test_tp2_logits_equal_one_process_and_every_rank_returns_the_same(pool, pres
         assert zero["batches"] == one["batches"] and zero["buckets"] == one["buckets"]
         if backend != "eager":
             assert zero["batches"] == [(16, True, "graph")], (backend, zero["batches"])
-            # All-reduces sit inside the segments: the breaks are the attention islands, as on one process.
-            layers = 5 if preset == "tiny-dsa" else 2
-            segments, breaks, reason = zero["buckets"][16]
-            assert reason is None and (breaks == 0 if backend == "full" else breaks >= layers)
+            # All-reduces sit inside the segments: the graphs have the segments and breaks of one process.
+            record = one_process[backend]
+            assert zero["buckets"][16] == (record.num_segments, record.num_breaks, None)
 
 
 def _compiled_on_rank() -> dict:
@@ -81,6 +81,26 @@ def test_tp2_with_the_layer_stack_compiled(pool):
     ref = _reference("tiny-moe")
     for res in pool.run(_compiled_on_rank):  # dynamo traces the all-reduces; the breakable capture keeps them
         assert res["compile_error"] is None and res["batches"] == [(16, True, "graph")]
+        assert np.abs(res["logits"] - ref.logits.numpy()).max() <= 1e-5
+
+
+def _all_reduce_islands_on_rank() -> dict:
+    import bcg.ops.parallel as parallel
+
+    parallel._AS_ISLAND = True  # what BCG_TP_ALLREDUCE=island sets at import
+    try:
+        eng = Engine("tiny-dense", backend="breakable", tp_size=2, **OPTIONS)
+        return _summary(eng, eng.prefill(PROMPTS))
+    finally:
+        parallel._AS_ISLAND = False
+
+
+def test_the_debug_switch_runs_all_reduces_as_islands(pool):
+    ref = _reference("tiny-dense")
+    for res in pool.run(_all_reduce_islands_on_rank):
+        segments, breaks, reason = res["buckets"][16]
+        assert reason is None and breaks == 2 + 2 * 2  # per layer: attention and its two all-reduces
+        assert res["batches"] == [(16, True, "graph")]
         assert np.abs(res["logits"] - ref.logits.numpy()).max() <= 1e-5
 
 
