@@ -45,20 +45,22 @@ def _reference(preset: str, prompts: list[list[int]] = PROMPTS) -> Any:
     return Engine(preset, backend="eager", **OPTIONS).prefill(prompts)
 
 
-def _prefill_on_rank(preset: str, backends: list[str]) -> dict:
+def _prefill_on_rank(preset: str, backends: list[str], extra: dict) -> dict:
     return {b: _summary(eng, eng.prefill(PROMPTS)) for b in backends
-            for eng in [Engine(preset, backend=b, tp_size=2, **OPTIONS)]}
+            for eng in [Engine(preset, backend=b, tp_size=2, **OPTIONS, **extra)]}
 
 
-@pytest.mark.parametrize(("preset", "backends"), [
-    ("tiny-dense", ["eager", "breakable", "full"]),
-    ("tiny-moe", ["breakable", "tc_piecewise"]),
-    ("tiny-dsa", ["breakable"]),
+@pytest.mark.parametrize(("preset", "backends", "extra"), [
+    ("tiny-dense", ["eager", "breakable", "full"], {}),
+    ("tiny-moe", ["breakable", "tc_piecewise"], {}),
+    ("tiny-moe", ["breakable"], {"kernels": "fused"}),  # the fused kernels' paths (their references on a CPU)
+    ("tiny-dsa", ["breakable"], {}),
 ])
-def test_tp2_logits_equal_one_process_and_every_rank_returns_the_same(pool, preset, backends):
+def test_tp2_logits_equal_one_process_and_every_rank_returns_the_same(pool, preset, backends, extra):
     ref = _reference(preset)
-    one_process = {b: Engine(preset, backend=b, **OPTIONS).telemetry.buckets[16] for b in backends if b != "eager"}
-    ranks = pool.run(_prefill_on_rank, preset, backends)
+    one_process = {b: Engine(preset, backend=b, **OPTIONS, **extra).telemetry.buckets[16]
+                   for b in backends if b != "eager"}
+    ranks = pool.run(_prefill_on_rank, preset, backends, extra)
     for backend in backends:
         zero, one = ranks[0][backend], ranks[1][backend]
         assert np.abs(zero["logits"] - ref.logits.numpy()).max() <= 1e-5, backend
