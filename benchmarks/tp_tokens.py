@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bcg.bench.config import parse_int_list  # noqa: E402
+from bcg.bench.checks import parse_int_list  # noqa: E402
 from bcg.bench.engines import free_memory, make_prompts  # noqa: E402
 from bcg.bench.report import table  # noqa: E402
 from bcg.models.config import get_preset  # noqa: E402
