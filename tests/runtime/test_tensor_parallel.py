@@ -283,3 +283,15 @@ def test_tp_without_a_process_group_says_how_to_launch(monkeypatch):
     assert not torch.distributed.is_initialized()
     with pytest.raises(TensorParallelError, match=r"torchrun --nproc-per-node 2"):
         Engine("tiny-dense", tp_size=2, device="cpu", progress=False)
+
+
+def test_tp1_is_the_single_device_path():
+    from bcg.models.parallel_layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+
+    eng = Engine("tiny-moe", backend="breakable", **OPTIONS)
+    assert eng.tp.size == 1 and eng.runner.agreement is None and eng.runner.resources.barrier_fn is None
+    assert not torch.distributed.is_initialized()  # no process group was needed
+    parallel = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)
+    assert not any(isinstance(m, parallel) for m in eng.model.modules())
+    assert eng.model.kv_shape is eng.model.config
+    assert eng.runner.backend.replay.__func__ is type(eng.runner.backend).replay  # the plain replay, not drained
