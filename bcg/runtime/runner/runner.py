@@ -6,12 +6,17 @@ requests. A live batch of ``num_tokens`` is padded to the smallest bucket, copie
 zeroed), replayed under the forward context its backend gives (``load_batch``: the live batch for island backends,
 static metadata buffers for a whole-graph backend), and its rows are read back from one max-size output buffer
 sliced per bucket.
+
+A runner serialises its forwards with :attr:`Runner.lock`: the static buffers, the backend's metadata and the
+telemetry are shared by every caller, so a forward holds the lock from loading its batch until its output (a view of
+``static_output``) has been consumed; the engine holds it across the LM head too.
 """
 
 from __future__ import annotations
 
 import gc
 import logging
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
@@ -85,7 +90,10 @@ class Runner:
     def __init__(self, model: torch.nn.Module, config: EngineConfig, kv_pool: KVPool, bucket_sizes: list[int]) -> None:
         self.model, self.config, self.kv_pool = model, config, kv_pool
         self.device, self.dtype = config.torch_device, config.torch_dtype
-        self.table = BucketTable(list(bucket_sizes), config.max_padding_factor)
+        self.table = BucketTable(list(bucket_sizes), config.max_padding_factor, config.max_padding_tokens,
+                                 config.max_replay_failures)
+        # Held by one forward at a time (reentrant: the engine holds it around forward and the LM head).
+        self.lock = threading.RLock()
         cls = backend_class(config.backend)
         self.telemetry = Telemetry(backend=config.backend, table=self.table if cls.uses_graphs else None)
         self.last_record: BatchRecord | None = None
@@ -127,6 +135,10 @@ class Runner:
         """Compiles (if the backend does) and captures every bucket, largest first, into one shared pool."""
         if not self.backend.uses_graphs:
             return
+        with self.lock:
+            self._build()
+
+    def _build(self) -> None:
         t0 = time.perf_counter()
         try:
             self.backend.prepare()
@@ -208,13 +220,44 @@ class Runner:
         logger.warning("bcg: %s; serving every batch eagerly", msg)
 
     def disable(self, n: int, reason: str) -> None:
-        """Stops replaying bucket ``n`` (batches of its size run eagerly) and records why."""
+        """Stops replaying bucket ``n`` (its batches move up the ladder or run eagerly) and records why."""
         self.table.disable(n, reason)
         logger.warning("bcg: bucket %d disabled: %s", n, reason)
 
+    def enable_bucket(self, n: int) -> None:
+        """Replays bucket ``n``'s captured graph again after it was disabled (a transient fault).
+
+        Raises:
+            ValueError: no such bucket, or it has no graph (its capture failed): :meth:`recapture` it instead.
+        """
+        with self.lock:
+            self.table.enable(n)
+        logger.info("bcg: bucket %d enabled again", n)
+
+    def recapture(self, n: int) -> BucketRecord:
+        """Drops bucket ``n``'s graph, captures it anew and enables it; returns its record, whose
+        ``disabled_reason`` says why if the new capture failed too.
+
+        Example::
+
+            record = engine.runner.recapture(16)
+            record.disabled_reason is None        # bucket 16 replays again
+        """
+        entry = self.table.entry(n)
+        if not self.backend.uses_graphs:
+            raise ValueError(f"the {self.config.backend} backend captures nothing")
+        if self.table.refused_reason is not None:
+            raise ValueError(f"bucket {n} cannot be recaptured: {self.table.refused_reason}")
+        with self.lock, _frozen_gc(), torch.inference_mode():
+            entry.handle = None  # the old graph goes first, so the new capture can reuse its memory
+            record = self._capture_one(n)
+        if record.disabled_reason is None:
+            logger.info("bcg: bucket %d recaptured in %.0f ms", n, record.capture_ms)
+        return record
+
     # ---------------------------------------------------------------- forward
     def choose(self, num_tokens: int, batch: PrefillBatch | None = None) -> tuple[int | None, str]:
-        """The single replay-or-eager predicate: (bucket, "graph") or (None, reason).
+        """The single replay-or-eager predicate: (bucket, "graph" or "graph_small_padding") or (None, reason).
 
         The bucket table judges the token count and every bucket's state; with ``batch`` the backend also checks
         what its graphs bake in besides the token count (``can_run``: request slots and key capacity of "full").
@@ -231,9 +274,15 @@ class Runner:
     def forward(self, batch: PrefillBatch) -> torch.Tensor:
         """Hidden states of the real tokens of ``batch``: (num_tokens, hidden_size).
 
-        On the graph path this is a view of ``static_output``: consume it before the next forward. The batch's
-        :class:`BatchRecord` is ``self.last_record``.
+        On the graph path this is a view of ``static_output``: consume it before the next forward, and from
+        several threads, inside ``with runner.lock:`` (the engine does). The batch's :class:`BatchRecord` is
+        ``self.last_record``. A replay that raises runs the batch eagerly and counts against its bucket, which is
+        disabled after ``max_replay_failures`` failures in a row.
         """
+        with self.lock:
+            return self._forward(batch)
+
+    def _forward(self, batch: PrefillBatch) -> torch.Tensor:
         n_real = batch.num_tokens
         hidden = self.model.embed(batch.input_ids)
         bucket, reason = self.choose(n_real, batch)
@@ -242,11 +291,17 @@ class Runner:
                 self._load(hidden, batch.positions, bucket)
                 with forward_context(self.backend.load_batch(batch, bucket)):
                     self.backend.replay(self.table.buckets[bucket].handle, bucket)
-                self._record(batch, bucket, True, "graph")
-                return self.static_output[:n_real]
             except Exception as e:  # noqa: BLE001 - a failed replay falls back to eager for this batch
-                self.disable(bucket, f"replay failed: {_first_line(e)}")
+                error = _first_line(e)
+                if self.table.record_failure(bucket, error):
+                    logger.warning("bcg: bucket %d disabled: %s", bucket, self.table.record(bucket).disabled_reason)
+                else:
+                    logger.info("bcg: replay of bucket %d failed (%s); this batch runs eagerly", bucket, error)
                 reason = "replay_failed"
+            else:
+                self.table.record_success(bucket)
+                self._record(batch, bucket, True, reason)
+                return self.static_output[:n_real]
         if reason != "backend_eager":
             self.telemetry.log_once(reason, f"bcg: running a batch eagerly ({reason}); logged once per reason")
         self._record(batch, None, False, reason)
@@ -258,12 +313,13 @@ class Runner:
         """Loads ``batch`` into the static buffers of its bucket and sets its forward context; yields
         ``(bucket, handle)``. For tools that replay or time the steps of a handle themselves (``bcg analyze``).
         Raises ValueError when the batch would not replay a graph."""
-        bucket, reason = self.choose(batch.num_tokens, batch)
-        if bucket is None:
-            raise ValueError(f"a batch of {batch.num_tokens} tokens does not replay a graph ({reason})")
-        self._load(self.model.embed(batch.input_ids), batch.positions, bucket)
-        with forward_context(self.backend.load_batch(batch, bucket)):
-            yield bucket, self.table.buckets[bucket].handle
+        with self.lock:
+            bucket, reason = self.choose(batch.num_tokens, batch)
+            if bucket is None:
+                raise ValueError(f"a batch of {batch.num_tokens} tokens does not replay a graph ({reason})")
+            self._load(self.model.embed(batch.input_ids), batch.positions, bucket)
+            with forward_context(self.backend.load_batch(batch, bucket)):
+                yield bucket, self.table.buckets[bucket].handle
 
     def replay_and_eager(self, batch: PrefillBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """``batch``'s bucket replayed, and the same padded inputs run eagerly under the same forward context:
