@@ -51,8 +51,8 @@ def test_segment_check_finds_no_divergence_in_correct_graphs(preset: str) -> Non
     report = verify_segments(eng.runner, 12)
     segments, islands = _segments(eng.runner.handles[16])
     assert report.ok and report.bucket == 16 and report.first_divergence is None
-    assert [c.kind for c in report.checks].count("segment") == len(segments)
-    assert [c.kind for c in report.checks].count("island") == len(islands)
+    assert {c.index for c in report.checks if c.kind == "segment"} == set(range(len(segments)))
+    assert {c.index for c in report.checks if c.kind == "island"} == set(range(len(islands)))
     assert report.max_diff == 0.0 and "no divergence" in str(report)
     assert eng.kv_pool.num_free == eng.kv_pool.num_slots
 
@@ -67,7 +67,8 @@ def test_segment_check_names_the_segment_that_diverges() -> None:
         real()
         q[:3].add_(0.5)
 
-    seg.replay = faulty
+    handle = eng.runner.handles[16]
+    seg.replay = handle._replay_fns[handle.steps.index(seg)] = faulty  # what replay() and the step-through call
     report = verify_segments(eng.runner, 12)
     bad = report.first_divergence
     assert not report.ok and (bad.kind, bad.index) == ("segment", 1)
