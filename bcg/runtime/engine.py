@@ -107,8 +107,9 @@ class Engine:
             shape, shape.max_position_embeddings, cfg.chunked_prefill_size, max(sizes), self.device, self.dtype,
             cfg.kv_memory_fraction)
         self.kv_pool = KVPool.for_model(shape, kv_tokens, self.device, self.dtype)
-        # Prefills in flight on this engine, and the condition a prefill waits on for their slots.
-        self._num_leases = 0
+        # Prefills in flight (and those holding KV leases), a recapture in progress, and the condition prefills
+        # wait on for slots and recaptures wait on for quiet.
+        self._num_active = self._num_leases = self._num_recaptures = 0
         self._slots_freed = threading.Condition()
         self.runner = Runner(self.model, cfg, self.kv_pool, sizes)
         t0 = time.perf_counter()
@@ -134,12 +135,24 @@ class Engine:
         """Captures bucket ``num_tokens`` anew and replays it from now on; returns its record (``disabled_reason``
         says why if this capture failed as well).
 
+        Prefills in flight finish first and new ones wait: on CUDA another thread's host syncs and allocations
+        during a capture would invalidate it.
+
         Example::
 
             if eng.telemetry.buckets[16].disabled_reason:
                 eng.recapture(16)
         """
-        return self.runner.recapture(num_tokens)
+        with self._slots_freed:
+            self._num_recaptures += 1
+            while self._num_active:
+                self._slots_freed.wait()
+        try:
+            return self.runner.recapture(num_tokens)
+        finally:
+            with self._slots_freed:
+                self._num_recaptures -= 1
+                self._slots_freed.notify_all()
 
     @torch.inference_mode()
     def prefill(self, prompts: Sequence[Prompt]) -> PrefillResult:
@@ -150,6 +163,18 @@ class Engine:
         into chunks; chunks of several prompts are packed per forward, and a prompt's KV slots are reused as soon as
         its last chunk ran. Safe to call from several threads.
         """
+        with self._slots_freed:
+            while self._num_recaptures:
+                self._slots_freed.wait()
+            self._num_active += 1
+        try:
+            return self._prefill(prompts)
+        finally:
+            with self._slots_freed:
+                self._num_active -= 1
+                self._slots_freed.notify_all()
+
+    def _prefill(self, prompts: Sequence[Prompt]) -> PrefillResult:
         config = self.model.config
         ids, lengths = validate_prompts(prompts, config.vocab_size, config.max_position_embeddings, self.device)
         plan = plan_batches(lengths, self.config.chunked_prefill_size)
