@@ -9,6 +9,7 @@ and copied into those buffers in place.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import torch
@@ -55,16 +56,18 @@ def flatten(value: Any, device_type: str, leaves: list[torch.Tensor]) -> Spec:
 
 
 def _same_value(a: Any, b: Any) -> bool:
+    """Equality of baked values, with NaN equal to NaN: a function that returns a NaN statistic returns the same
+    value on every replay, and NaN != NaN would fail each one with a spurious mismatch."""
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return (
-            isinstance(a, torch.Tensor)
-            and isinstance(b, torch.Tensor)
-            and a.shape == b.shape
-            and a.dtype == b.dtype
-            and bool(torch.equal(a, b.to(a.device)))
-        )
+        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
+                and a.shape == b.shape and a.dtype == b.dtype):
+            return False
+        b = b.to(a.device)
+        return bool(torch.equal(a, b)) or bool(((a == b) | (a.isnan() & b.isnan())).all())
     try:
-        return bool(a == b) and type(a) is type(b)
+        if type(a) is not type(b):
+            return False
+        return bool(a == b) or (isinstance(a, float) and math.isnan(a) and math.isnan(b))
     except Exception:  # values whose == is not a bool (e.g. numpy arrays) compare by identity
         return a is b
 

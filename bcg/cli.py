@@ -1,5 +1,6 @@
-"""The ``bcg`` command: ``bcg bench`` (latency, build and memory of every backend) and ``bcg analyze`` (should
-this model use breakable graphs here, and with which ceiling).
+"""The ``bcg`` command: ``bcg bench`` (latency, build and memory of every backend), ``bcg analyze`` (should
+this model use breakable graphs here, and with which ceiling) and ``bcg verify`` (where a graph departs from eager,
+:mod:`bcg.cli_verify`).
 
 Every flag maps 1:1 to a field of :class:`~bcg.bench.config.BenchConfig` or :class:`~bcg.bench.config.AnalyzeConfig`
 (``--no-memory`` sets ``memory=False``). Tables go to stdout, progress bars to stderr, and the last line printed is
@@ -84,7 +85,7 @@ def _common(p: argparse.ArgumentParser, out: str) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The argparse parser of ``bcg`` (subcommands ``bench`` and ``analyze``, and ``--version``)."""
+    """The argparse parser of ``bcg`` (subcommands ``bench``, ``analyze`` and ``verify``, and ``--version``)."""
     from bcg import __version__
     from bcg.bench.config import CPU_DEFAULTS as C
     from bcg.bench.config import CUDA_DEFAULTS as G
@@ -93,7 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
                                      "and judge. Without a GPU every graph runs under the CPU emulation; its "
                                      "timings show no kernel-launch overhead.")
     parser.add_argument("--version", action="version", version=_version_line(__version__))
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{bench,analyze}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{bench,analyze,verify}")
     bench = sub.add_parser("bench", help="isolated prefill latency, build time and memory of every backend",
                            description="One request at a time, fixed input lengths, every backend; plus a "
                            "many-request batch, build times and the peak-memory experiment (CUDA only; one "
@@ -136,6 +137,9 @@ def build_parser() -> argparse.ArgumentParser:
     an.add_argument("--max-tokens", type=int, default=None,
                     help="capture ceiling, at most the chunk size (default: the chunk size)")
     an.set_defaults(func=_run_analyze, parser=an)
+    from bcg.cli_verify import add_parser as add_verify
+
+    add_verify(sub, _int_list)
     return parser
 
 
@@ -255,6 +259,11 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = build_parser()
     ns = parser.parse_args(argv)
+    if ns.command == "verify":
+        from bcg.cli_verify import run as run_verify
+
+        logging.basicConfig(level=logging.WARNING, format="%(message)s")
+        return run_verify(ns)
     cls = BenchConfig if ns.command == "bench" else AnalyzeConfig
     try:
         cfg = _config(cls, ns).resolved()

@@ -21,15 +21,18 @@ from typing import Any, TypeVar
 
 import torch
 
-from bcg import streams
+from bcg import leaks, streams
 from bcg.boundary import Boundary, BoundaryMismatchError
 from bcg.emulation import EmulatedGraph, emulated_pool_handle
+from bcg.leaks import LeakError, LeakWarning
 
 __all__ = [
     "BoundaryMismatchError",
     "BreakableCUDAGraph",
     "CaptureError",
     "EagerStep",
+    "LeakError",
+    "LeakWarning",
     "break_graph",
     "breakable_graph",
     "eager_on_graph",
@@ -217,18 +220,25 @@ def pool_anchor(pool: Any, capture_error_mode: str = "global") -> torch.cuda.CUD
 
 def is_capturing() -> bool:
     """True while a breakable capture is running in this context (also inside its eager functions)."""
-    return _CAPTURE.get() is not None
+    state = _CAPTURE.get()
+    return state is not None and state.is_capture
 
 
 is_in_breakable_graph = is_capturing
 
 
 class _CaptureState:
-    """Bookkeeping of one running capture: the open segment, side streams and the first error."""
+    """Bookkeeping of one running capture: the open segment, side streams and the first error.
+
+    What ``eager_on_graph`` finds in the context variable: anything with ``in_eager`` and ``run_break`` (a
+    recorder of eager calls, :mod:`bcg.recording`, stands in for a capture there with ``is_capture`` False).
+    """
+
+    is_capture = True
 
     def __init__(self, graph: BreakableCUDAGraph, pool: Any, mode: str, barrier_fn: Callable[[], Any] | None,
-                 auto_join: bool, stream: torch.cuda.Stream | None) -> None:
-        self.graph, self.pool, self.mode = graph, pool, mode
+                 auto_join: bool, stream: torch.cuda.Stream | None, leak_check: str = "off") -> None:
+        self.graph, self.pool, self.mode, self.leak_check = graph, pool, mode, leak_check
         self.barrier_fn, self.auto_join, self.stream = barrier_fn, auto_join, stream
         self.tracker = streams.StreamTracker(stream.cuda_stream) if stream is not None else None
         self.open: Any = None
@@ -307,8 +317,12 @@ class _CaptureState:
             if self.barrier_fn is not None:
                 self.barrier_fn()
             self.in_eager = True
+            call = stub if stub is not None else fn
             try:
-                out = (stub if stub is not None else fn)(*args, **kwargs)
+                if self.leak_check == "off":
+                    out = call(*args, **kwargs)
+                else:
+                    out = leaks.checked_call(call, name, args, kwargs, self.leak_check)
             finally:
                 self.in_eager = False
             self.graph._append(EagerStep(name, fn, args, kwargs, Boundary(name, out, self.graph.device_type)))
@@ -330,6 +344,9 @@ class breakable_graph:
         barrier_fn: zero-argument callable run at capture right before each eager function, after the segment
             has ended (to re-align distributed ranks).
         auto_join_streams: join side streams that are still forked at a break instead of raising.
+        leak_check: "warn" or "raise" when an eager function allocates a tensor at capture that outlives it but is
+            neither returned nor written into an argument (:mod:`bcg.leaks`); "off" runs it bare. None reads the
+            ``BCG_LEAK_CHECK`` environment variable (default "off"). Replay never checks.
 
     Example::
 
@@ -346,10 +363,16 @@ class breakable_graph:
 
     def __init__(self, cuda_graph: BreakableCUDAGraph, pool: Any = None, stream: torch.cuda.Stream | None = None,
                  capture_error_mode: str = "global", barrier_fn: Callable[[], Any] | None = None,
-                 auto_join_streams: bool = False) -> None:
+                 auto_join_streams: bool = False, leak_check: str | None = None) -> None:
         if capture_error_mode not in ("global", "thread_local", "relaxed"):
             raise ValueError(f"capture_error_mode must be 'global', 'thread_local' or 'relaxed', "
                              f"not {capture_error_mode!r}")
+        source = "leak_check"
+        if leak_check is None:
+            leak_check, source = os.environ.get("BCG_LEAK_CHECK", "") or "off", "BCG_LEAK_CHECK"
+        if leak_check not in leaks.LEAK_CHECK_MODES:
+            raise ValueError(f"{source} must be 'off', 'warn' or 'raise', not {leak_check!r}")
+        self.leak_check = leak_check
         self.graph = cuda_graph
         self.pool = pool if pool is not None else cuda_graph.pool()
         self.stream, self.mode = stream, capture_error_mode
@@ -362,7 +385,7 @@ class breakable_graph:
 
     def __enter__(self) -> BreakableCUDAGraph:
         active = _CAPTURE.get()
-        if active is not None:
+        if active is not None and active.is_capture:
             raise CaptureError("a breakable capture is already running in this context; nested captures are "
                                "not supported. Capture the graphs one after another.")
         if self.graph.is_captured:
@@ -370,7 +393,8 @@ class breakable_graph:
                                "capturing it again")
         try:
             stream = self._enter_cuda() if not self.graph.is_emulated else None
-            self._state = _CaptureState(self.graph, self.pool, self.mode, self.barrier_fn, self.auto_join, stream)
+            self._state = _CaptureState(self.graph, self.pool, self.mode, self.barrier_fn, self.auto_join, stream,
+                                        self.leak_check)
             self._token = _CAPTURE.set(self._state)
             if stream is not None:
                 streams.active_tracker().set(self._state.tracker)

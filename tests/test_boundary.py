@@ -314,3 +314,19 @@ def test_baked_host_tensor_mismatch_names_its_signature_not_all_its_data():
     small = Boundary("lens", torch.tensor([1, 2]), device_type="cuda")
     with pytest.raises(bcg.BoundaryMismatchError, match=r"= \[1, 2\](.|\n)*= \[1, 3\]"):
         small.refresh(torch.tensor([1, 3]))
+
+
+@bcg.eager_on_graph
+def with_nan_stat(x):
+    return x * 2, float("nan"), torch.tensor([float("nan"), 1.0])  # e.g. an unused statistic
+
+
+def test_a_nan_leaf_matches_itself_at_replay():
+    x = torch.ones(4)
+    g, (out, stat, host) = _capture(with_nan_stat, x)
+    for v in (3.0, -1.0):
+        x.fill_(v)
+        g.replay()  # NaN != NaN in Python; the baked NaN must still match the replay's NaN
+        assert torch.equal(out, torch.full((4,), 2 * v))
+    assert same_spec(flatten(float("nan"), "cpu", []), flatten(float("nan"), "cpu", []))
+    assert not same_spec(flatten(float("nan"), "cpu", []), flatten(1.0, "cpu", []))

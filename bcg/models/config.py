@@ -106,9 +106,10 @@ PRESETS: dict[str, ModelConfig] = {
     ),
     # GPU presets: small enough that prefill of a few hundred tokens is launch-bound on an H200 (eager wall time
     # well above the summed kernel time); hidden 1024-2048 and 24-28 layers, like the small models they mimic.
+    # A 32k context (RoPE is computed on the fly): long-prompt chunked prefill is measured on it too.
     "llama-dense": ModelConfig(
         arch="dense", vocab_size=32000, hidden_size=1024, num_layers=28, num_heads=16, num_kv_heads=4,
-        head_dim=64, intermediate_size=2816, rms_norm_eps=1e-5,
+        head_dim=64, intermediate_size=2816, rms_norm_eps=1e-5, max_position_embeddings=32768,
     ),
     # The same architecture at TinyLlama width: at 512 tokens its kernels alone take about half of eager's wall
     # time on a fast host, so no graph method can be 3x faster there (BENCHMARKS.md shows both).

@@ -71,6 +71,7 @@ def _map_config(model_type: str, hf_config: dict[str, Any]) -> ModelConfig:
     if hf_config.get("use_sliding_window") or any(t != "full_attention" for t in hf_config.get("layer_types") or []):
         raise unsupported("sliding-window attention")
 
+    _check_types(hf_config)
     hidden_size, num_heads = hf_config["hidden_size"], hf_config["num_attention_heads"]
     fields: dict[str, Any] = dict(
         arch="dense",
@@ -102,22 +103,61 @@ def _map_config(model_type: str, hf_config: dict[str, Any]) -> ModelConfig:
     return ModelConfig(**fields)
 
 
+# config.json keys that must be positive ints (when present and not null), and keys that must be numbers.
+_INT_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+             "head_dim", "intermediate_size", "max_position_embeddings", "num_experts", "num_local_experts",
+             "num_experts_per_tok", "moe_intermediate_size")
+_FLOAT_KEYS = ("rms_norm_eps", "rope_theta")
+
+
+def _check_types(hf_config: dict[str, Any]) -> None:
+    for key in _INT_KEYS:
+        value = hf_config.get(key)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise CheckpointError(f"{key} must be a positive int, got {value!r}")
+    for key in _FLOAT_KEYS:
+        value = hf_config.get(key)
+        if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool)):
+            raise CheckpointError(f"{key} must be a number, got {value!r}")
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path} is not valid JSON ({e.msg} at line {e.lineno}, column {e.colno})") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path} cannot be read: {e}") from None
+
+
+def _open_safetensors(path: Path, stack: ExitStack) -> Any:
+    try:
+        return stack.enter_context(safe_open(str(path), framework="pt", device="cpu"))
+    except Exception as e:  # noqa: BLE001 - safetensors raises its own error types; name the file instead
+        raise CheckpointError(f"{path} cannot be read as safetensors (truncated or corrupt?): "
+                              f"{type(e).__name__}: {e}") from None
+
+
 class _CheckpointReader:
     """Lazy name -> tensor (or slice) access over one or more safetensors files; remembers what was read."""
 
     def __init__(self, folder: Path, stack: ExitStack) -> None:
         index_path = folder / "model.safetensors.index.json"
         if index_path.exists():
-            weight_map: dict[str, str] = json.loads(index_path.read_text())["weight_map"]
-            files = sorted(set(weight_map.values()))
+            index = _read_json(index_path)
+            if not isinstance(index, dict) or not isinstance(index.get("weight_map"), dict):
+                raise CheckpointError(f"{index_path} has no weight_map object")
+            files = sorted(set(index["weight_map"].values()))
         else:
             files = sorted(p.name for p in folder.glob("*.safetensors"))
         if not files:
             raise CheckpointError(f"no *.safetensors files in {folder}")
         self.handles: dict[str, Any] = {}
+        self.paths: dict[str, Path] = {}
         for file in files:
-            handle = stack.enter_context(safe_open(str(folder / file), framework="pt", device="cpu"))
+            handle = _open_safetensors(folder / file, stack)
             self.handles.update(dict.fromkeys(handle.keys(), handle))
+            self.paths.update(dict.fromkeys(handle.keys(), folder / file))
         self.used: set[str] = set()
 
     def has(self, name: str) -> bool:
@@ -128,10 +168,14 @@ class _CheckpointReader:
         if name not in self.handles:
             raise KeyError(name)
         self.used.add(name)
-        if part is None:
-            return self.handles[name].get_tensor(name)
-        lazy = self.handles[name].get_slice(name)
-        shape = lazy.get_shape()
+        try:
+            if part is None:
+                return self.handles[name].get_tensor(name)
+            lazy = self.handles[name].get_slice(name)
+            shape = lazy.get_shape()
+        except Exception as e:  # noqa: BLE001 - name the file and the tensor
+            raise CheckpointError(f"{self.paths[name]} cannot be read as safetensors (truncated or corrupt?): tensor "
+                                  f"{name}: {type(e).__name__}: {e}") from None
         if dim >= len(shape) or shape[dim] < offset + part.size:
             raise CheckpointError(f"shape mismatch for {name}: checkpoint {tuple(shape)} has no {part.size} rows "
                                   f"at {offset} along dim {dim}, which the model shards")
@@ -195,7 +239,13 @@ def load_checkpoint(path: str | Path, device: torch.device | str, dtype: torch.d
     config_path = folder / "config.json"
     if not config_path.exists():
         raise CheckpointError(f"{folder} has no config.json")
-    config = config_from_hf(json.loads(config_path.read_text()))
+    raw = _read_json(config_path)
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{config_path} must hold a JSON object, not a {type(raw).__name__}")
+    try:
+        config = config_from_hf(raw)
+    except CheckpointError as e:
+        raise CheckpointError(f"{config_path}: {e}") from None
     model = materialize(config, device, dtype, tp)
     specs = shard_specs(model)
     missing: list[str] = []

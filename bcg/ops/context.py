@@ -3,7 +3,8 @@
 The captured part of a forward sees only fixed-shape tensors; everything that changes from batch to batch (the
 real token count, request boundaries, KV slots) lives in a context that the runner installs with
 :func:`forward_context` around each replay, and that the islands fetch with :func:`get_forward_context`. A
-``ContextVar`` (not a global) keeps concurrent forwards on different threads apart.
+``ContextVar`` (not a global) keeps the contexts of different threads apart; the static buffers a graph replays are
+shared, though, so the runner serialises its forwards (``Runner.lock``).
 
 Two kinds of context exist, and the attention path is whatever the installed one says: the live
 :class:`~bcg.ops.attention.BatchContext` of one packed batch (its ``attend`` runs FlashAttention or SDPA over the

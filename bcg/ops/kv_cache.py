@@ -8,6 +8,7 @@ padded rows at all.
 
 from __future__ import annotations
 
+import threading
 from typing import Protocol
 
 import numpy as np
@@ -37,7 +38,7 @@ class KVPool:
 
     Slot bookkeeping stays on the host: :meth:`alloc` returns a CPU ``int64`` tensor and
     :meth:`free` takes one; :class:`bcg.runtime.batch.PrefillBatch` ships slots to the device in
-    one copy per batch.
+    one copy per batch. Both are thread-safe (one lock around the bookkeeping).
 
     Example:
         >>> pool = KVPool(num_slots=4, num_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.float32)
@@ -75,6 +76,7 @@ class KVPool:
         self._free_stack = np.arange(num_slots - 1, -1, -1, dtype=np.int64)
         self._num_free = num_slots
         self._is_free = np.ones(num_slots, dtype=bool)
+        self._lock = threading.Lock()
 
     @classmethod
     def for_model(
@@ -112,15 +114,16 @@ class KVPool:
         """
         if n < 0:
             raise ValueError(f"cannot allocate a negative number of slots ({n})")
-        if n > self._num_free:
-            raise KVPoolFullError(
-                f"KV pool out of slots: requested {n}, only {self._num_free} of {self.num_slots} free "
-                f"(short by {n - self._num_free})"
-            )
-        start = self._num_free - n
-        slots = self._free_stack[start : self._num_free][::-1].copy()
-        self._num_free = start
-        self._is_free[slots] = False
+        with self._lock:
+            if n > self._num_free:
+                raise KVPoolFullError(
+                    f"KV pool out of slots: requested {n}, only {self._num_free} of {self.num_slots} free "
+                    f"(short by {n - self._num_free})"
+                )
+            start = self._num_free - n
+            slots = self._free_stack[start : self._num_free][::-1].copy()
+            self._num_free = start
+            self._is_free[slots] = False
         return torch.from_numpy(slots)
 
     def free(self, slots: Tensor) -> None:
@@ -135,9 +138,12 @@ class KVPool:
         idx = slots.numpy()
         if int(idx.min()) < 0 or int(idx.max()) >= self.num_slots:
             raise ValueError(f"slot out of range [0, {self.num_slots}) in free()")
-        if np.unique(idx).size != idx.size or bool(self._is_free[idx].any()):
+        if np.unique(idx).size != idx.size:
             raise ValueError("free() got a duplicated slot or one that is not allocated")
-        self._is_free[idx] = True
-        end = self._num_free + idx.size
-        self._free_stack[self._num_free : end] = idx[::-1]
-        self._num_free = end
+        with self._lock:
+            if bool(self._is_free[idx].any()):
+                raise ValueError("free() got a duplicated slot or one that is not allocated")
+            self._is_free[idx] = True
+            end = self._num_free + idx.size
+            self._free_stack[self._num_free : end] = idx[::-1]
+            self._num_free = end

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -17,10 +19,71 @@ _ALIASES = {"disabled": "eager"}
 
 def resolve_backend(name: str) -> str:
     """Canonical backend name; raises ValueError naming the valid choices."""
+    if not isinstance(name, str):
+        raise TypeError(f"backend must be a string, one of {', '.join(BACKENDS)}; got {name!r}")
     name = _ALIASES.get(name, name)
     if name not in BACKENDS:
         raise ValueError(f"unknown backend {name!r}; choose one of {', '.join(BACKENDS)} (or 'disabled')")
     return name
+
+
+def _int(name: str, value: Any, minimum: int | None, optional: bool = False) -> None:
+    if value is None and optional:
+        return
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+
+
+def _number(name: str, value: Any, low: float, high: float = math.inf, low_open: bool = False) -> None:
+    bounds = f"in ({low}, {high}]" if low_open else f">= {low}"
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise TypeError(f"{name} must be a number {bounds}, got {value!r} ({type(value).__name__})")
+    if math.isnan(value) or value > high or value < low or (low_open and value == low):
+        raise ValueError(f"{name} must be a number {bounds}, got {value!r}")
+
+
+def _device_name(device: Any) -> str | None:
+    if device is None:
+        return None
+    if not isinstance(device, (str, torch.device)):
+        raise TypeError(f"device must be 'cpu', 'cuda', 'cuda:N' or a torch.device, got {device!r}")
+    try:
+        parsed = torch.device(device)
+    except RuntimeError:
+        raise ValueError(f"device {device!r} is not a device; use 'cpu', 'cuda' or 'cuda:N'") from None
+    if parsed.type not in ("cpu", "cuda"):
+        raise ValueError(f"device {str(parsed)!r} is not supported: bcg runs on 'cpu' or 'cuda' (graphs and the KV "
+                         "pool need real memory; graphs are emulated on the CPU)")
+    return str(parsed)
+
+
+def _dtype_name(dtype: Any) -> str | None:
+    if dtype is None:
+        return None
+    if isinstance(dtype, torch.dtype):
+        name = str(dtype).removeprefix("torch.")
+    elif isinstance(dtype, str):
+        name = dtype.removeprefix("torch.")
+    else:
+        raise TypeError(f"dtype must be a name such as 'bfloat16' or a torch.dtype, got {dtype!r}")
+    resolved = getattr(torch, name, None)
+    if not isinstance(resolved, torch.dtype) or not resolved.is_floating_point:
+        raise ValueError(f"dtype must be a floating torch dtype such as 'bfloat16' (or torch.bfloat16), "
+                         f"got {dtype!r}")
+    return name
+
+
+def _buckets(buckets: Any) -> list[int] | None:
+    if buckets is None:
+        return None
+    message = f"buckets must be a list of positive ints (token counts), got {buckets!r}"
+    if not isinstance(buckets, (list, tuple)) or any(not isinstance(b, int) or isinstance(b, bool) for b in buckets):
+        raise TypeError(message)
+    if not buckets or min(buckets) < 1:
+        raise ValueError(message + (" (empty; leave buckets=None for the default ladder)" if not buckets else ""))
+    return list(buckets)
 
 
 @dataclass
@@ -29,14 +92,23 @@ class EngineConfig:
 
     Attributes:
         backend: "eager" ("disabled"), "breakable", "full" or "tc_piecewise".
-        device: "cuda", "cpu" or a torch device string; None picks CUDA when available.
-        dtype: "bfloat16", "float16" or "float32"; None picks bfloat16 on CUDA and float32 on CPU.
+        device: "cuda", "cuda:N", "cpu" or a torch.device; None picks CUDA when available.
+        dtype: "bfloat16", "float16", "float32" or a torch dtype; None picks bfloat16 on CUDA and float32 on CPU.
         seed: seed of the random weights (same seed, same weights, whatever the backend).
         chunked_prefill_size: most tokens one forward processes; longer prompts are split into chunks.
         max_tokens: capture ceiling in tokens (the largest bucket); None means ``chunked_prefill_size``.
         buckets: explicit bucket list (token counts); None means the default ladder up to ``max_tokens``.
-        max_padding_factor: run eagerly when the bucket would be more than this many times the real tokens.
-        kv_tokens: KV pool capacity in tokens; None means ``4 * chunked_prefill_size``.
+        max_padding_factor: the padding bound for large buckets: a batch of ``n`` tokens replays bucket ``b`` when
+            ``b <= max_padding_factor * n``, or when ``max_padding_tokens`` allows it.
+        max_padding_tokens: padded rows always worth replaying: a batch replays a bucket at most this many rows
+            larger whatever the ratio (a few padded rows cost nothing next to eager's launch cost).
+        max_replay_failures: consecutive replay failures of one bucket that disable it (a good replay resets the
+            count); each failed batch runs eagerly. ``Engine.enable_bucket`` / ``Engine.recapture`` bring it back.
+        kv_tokens: KV pool capacity in tokens; None sizes it automatically: ``kv_memory_fraction`` of the free
+            device memory on CUDA, the model's context length plus one chunk on the CPU (at most a quarter of the
+            available RAM), and never less than the largest bucket.
+        kv_memory_fraction: share of the free CUDA memory (after the model is loaded, before capture) the KV pool
+            takes when ``kv_tokens`` is None.
         max_requests: request slots of the "full" backend (the most requests one of its graphs packs); None means
             ``max(chunked_prefill_size // 512, 1)``.
         prefix_capacity: cached-prefix keys (summed over a batch's requests) a "full" graph can attend to: bucket
@@ -67,7 +139,10 @@ class EngineConfig:
     max_tokens: int | None = None
     buckets: list[int] | None = None
     max_padding_factor: float = 2.0
+    max_padding_tokens: int = 64
+    max_replay_failures: int = 3
     kv_tokens: int | None = None
+    kv_memory_fraction: float = 0.5
     max_requests: int | None = None
     prefix_capacity: int | None = None
     tc_compiler: str = "inductor"
@@ -82,16 +157,24 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         self.backend = resolve_backend(self.backend)
-        if not isinstance(self.tp_size, int) or isinstance(self.tp_size, bool) or self.tp_size < 1:
-            raise ValueError(f"tp_size must be an int >= 1, got {self.tp_size!r}")
-        if not self.tp_timeout_s > 0:
-            raise ValueError(f"tp_timeout_s must be > 0, got {self.tp_timeout_s!r}")
-        if self.chunked_prefill_size < 1:
-            raise ValueError(f"chunked_prefill_size must be >= 1, got {self.chunked_prefill_size}")
-        if self.max_tokens is not None and self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        self.device = _device_name(self.device)
+        self.dtype = _dtype_name(self.dtype)
+        _int("seed", self.seed, None)
+        _int("chunked_prefill_size", self.chunked_prefill_size, 1)
+        _int("max_tokens", self.max_tokens, 1, optional=True)
+        self.buckets = _buckets(self.buckets)
+        _number("max_padding_factor", self.max_padding_factor, 1.0)
+        _int("max_padding_tokens", self.max_padding_tokens, 0)
+        _int("max_replay_failures", self.max_replay_failures, 1)
+        _int("kv_tokens", self.kv_tokens, 1, optional=True)
+        _number("kv_memory_fraction", self.kv_memory_fraction, 0.0, 1.0, low_open=True)
+        _int("max_requests", self.max_requests, 1, optional=True)
+        _int("prefix_capacity", self.prefix_capacity, 0, optional=True)
+        _int("warmup", self.warmup, 0)
         if self.tc_compiler not in ("inductor", "eager"):
             raise ValueError(f"tc_compiler must be 'inductor' or 'eager', got {self.tc_compiler!r}")
+        _int("tp_size", self.tp_size, 1)
+        _number("tp_timeout_s", self.tp_timeout_s, 0.0, low_open=True)
         if self.kernels is not None and self.kernels not in ("fused", "torch"):
             raise ValueError(f"kernels must be 'fused', 'torch' or None (fused on CUDA), got {self.kernels!r}")
         if self.compile is not None and self.compile not in COMPILERS:
@@ -99,12 +182,6 @@ class EngineConfig:
         if self.compile is not None and self.backend == "tc_piecewise":
             raise ValueError("compile= does not apply to backend='tc_piecewise', which compiles its pieces itself; "
                              "choose its compiler with tc_compiler='inductor' or 'eager'")
-        if self.max_requests is not None and self.max_requests < 1:
-            raise ValueError(f"max_requests must be >= 1, got {self.max_requests}")
-        if self.prefix_capacity is not None and self.prefix_capacity < 0:
-            raise ValueError(f"prefix_capacity must be >= 0, got {self.prefix_capacity}")
-        if self.max_padding_factor < 1.0:
-            raise ValueError(f"max_padding_factor must be >= 1.0, got {self.max_padding_factor}")
 
     @property
     def torch_device(self) -> torch.device:
@@ -116,10 +193,4 @@ class EngineConfig:
     def torch_dtype(self) -> torch.dtype:
         if self.dtype is None:
             return torch.bfloat16 if self.torch_device.type == "cuda" else torch.float32
-        try:
-            dtype = getattr(torch, self.dtype)
-        except AttributeError:
-            dtype = None
-        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-            raise ValueError(f"dtype must be a floating torch dtype name such as 'bfloat16', got {self.dtype!r}")
-        return dtype
+        return getattr(torch, self.dtype)

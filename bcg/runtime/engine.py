@@ -1,28 +1,33 @@
-"""The prefill engine: validate prompts, schedule chunks, run them through the runner, sample greedily."""
+"""The prefill engine: validate prompts, schedule chunks, lease KV slots, run the chunks through the runner, sample
+greedily. An engine can be called from several threads: its runner serialises the forwards (from loading the static
+buffers to the LM head) and each prefill leases its KV slots from a thread-safe pool."""
 
 from __future__ import annotations
 
 import inspect
 import os
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import MISSING, dataclass, fields
 from typing import Any, get_type_hints
 
-import numpy as np
 import torch
+import torch.distributed as dist
 
 from bcg.models.base import CausalLM
-from bcg.models.config import ModelConfig, get_preset
+from bcg.models.config import PRESETS, ModelConfig, get_preset
 from bcg.models.loader import load_checkpoint
 from bcg.models.registry import build_model
 from bcg.ops.kernels import fused_available
-from bcg.ops.kv_cache import KVPool
+from bcg.ops.kv_cache import KVPool, KVPoolFullError
 from bcg.ops.parallel import TensorParallel, init_tensor_parallel
 from bcg.runtime.batch import PrefillBatch, PrefillItem
 from bcg.runtime.config import EngineConfig
+from bcg.runtime.kv_slots import SlotLease, default_kv_tokens
+from bcg.runtime.prompts import validate_prompts
 from bcg.runtime.runner import Runner
-from bcg.runtime.runner.buckets import default_ladder
+from bcg.runtime.runner.buckets import BucketRecord, default_ladder
 from bcg.runtime.runner.telemetry import BatchRecord, Telemetry
 from bcg.runtime.runner.verify import verify_buckets
 from bcg.runtime.scheduler import Chunk, plan_batches
@@ -30,7 +35,6 @@ from bcg.runtime.scheduler import Chunk, plan_batches
 __all__ = ["Engine", "PrefillResult"]
 
 Prompt = Sequence[int] | torch.Tensor
-_NO_SLOTS = torch.empty(0, dtype=torch.long)
 
 
 @dataclass
@@ -59,9 +63,20 @@ def _load_model(model: str | os.PathLike | ModelConfig | CausalLM, cfg: EngineCo
         return model.to(device=device, dtype=dtype)
     if isinstance(model, ModelConfig):
         return build_model(model, device, dtype, cfg.seed, tp)
-    if os.path.isdir(model):
-        return load_checkpoint(model, device, dtype, tp)
-    return build_model(get_preset(str(model)), device, dtype, cfg.seed, tp)
+    if not isinstance(model, (str, os.PathLike)):
+        raise TypeError("model must be a preset name, a checkpoint folder, a ModelConfig or a built model "
+                        f"(torch.nn.Module), got {model!r} ({type(model).__name__})")
+    name = os.fspath(model)
+    if name in PRESETS:
+        return build_model(get_preset(name), device, dtype, cfg.seed, tp)
+    if os.path.isdir(name):
+        return load_checkpoint(name, device, dtype, tp)
+    if os.path.exists(name):
+        raise ValueError(f"model {name} is a file; pass the checkpoint folder that holds its config.json and "
+                         "*.safetensors")
+    if os.sep in name or (os.altsep and os.altsep in name) or name.startswith((".", "~")):
+        raise FileNotFoundError(f"checkpoint folder {name} does not exist (presets: {', '.join(PRESETS)})")
+    return build_model(get_preset(name), device, dtype, cfg.seed, tp)
 
 
 class Engine:
@@ -94,20 +109,33 @@ class Engine:
         base = {f.name: getattr(config, f.name) for f in fields(EngineConfig)} if config else {}
         self.config = EngineConfig(**{**base, **kwargs})
         self.device, self.dtype = self.config.torch_device, self.config.torch_dtype
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device={self.config.device!r} needs CUDA, which is not available here; use "
+                             "device='cpu' (graphs are emulated there)")
         self.tp = init_tensor_parallel(self.config.tp_size, self.device, self.config.tp_timeout_s)
         t0 = time.perf_counter()
         self.model = _load_model(model, self.config, self.tp).eval()
         self.load_ms = (time.perf_counter() - t0) * 1e3
-        cfg = self.config
+        cfg, shape = self.config, self.model.kv_shape
         kernels = cfg.kernels or ("fused" if fused_available(self.device) else "torch")
         if kernels == "fused" and self.device.type == "cuda" and not fused_available(self.device):
             raise ValueError("kernels='fused' needs Triton on CUDA, which cannot be imported here; install the triton "
                              "that matches your torch, or pass kernels='torch'")
         self.model.set_kernels(kernels)
         sizes = cfg.buckets or default_ladder(cfg.max_tokens or cfg.chunked_prefill_size)
-        # The pool must hold one largest-bucket dummy batch during capture and the biggest live batch.
-        kv_tokens = max(cfg.kv_tokens or 4 * cfg.chunked_prefill_size, max(sizes))
-        self.kv_pool = KVPool.for_model(self.model.kv_shape, kv_tokens, self.device, self.dtype)
+        # The pool must hold one largest-bucket dummy batch during capture; a prefill holds at most its peak.
+        kv_tokens = max(cfg.kv_tokens, max(sizes)) if cfg.kv_tokens else default_kv_tokens(
+            shape, self.model.config.max_position_embeddings, cfg.chunked_prefill_size, max(sizes), self.device,
+            self.dtype, cfg.kv_memory_fraction)
+        if self.tp.is_parallel:  # every rank allocates the same slots, so every pool has the size of the smallest
+            agreed = torch.tensor([kv_tokens])
+            dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=self.tp.host_group)
+            kv_tokens = int(agreed)
+        self.kv_pool = KVPool.for_model(shape, kv_tokens, self.device, self.dtype)
+        # Prefills in flight (and those holding KV leases), a recapture in progress, and the condition prefills
+        # wait on for slots and recaptures wait on for quiet.
+        self._num_active = self._num_leases = self._num_recaptures = 0
+        self._slots_freed = threading.Condition()
         self.runner = Runner(self.model, cfg, self.kv_pool, sizes, self.tp)
         t0 = time.perf_counter()
         self.runner.build()
@@ -121,85 +149,117 @@ class Engine:
         """Per-bucket build records and per-batch replay records."""
         return self.runner.telemetry
 
+    def enable_bucket(self, num_tokens: int) -> None:
+        """Replays bucket ``num_tokens`` again after replay failures disabled it (see ``max_replay_failures``).
+
+        Raises:
+            ValueError: no such bucket, or its capture failed (no graph to replay): :meth:`recapture` it.
+        """
+        self.runner.enable_bucket(num_tokens)
+
+    def recapture(self, num_tokens: int) -> BucketRecord:
+        """Captures bucket ``num_tokens`` anew and replays it from now on; returns its record (``disabled_reason``
+        says why if this capture failed as well).
+
+        Prefills in flight finish first and new ones wait: on CUDA another thread's host syncs and allocations
+        during a capture would invalidate it.
+
+        Example::
+
+            if eng.telemetry.buckets[16].disabled_reason:
+                eng.recapture(16)
+        """
+        with self._slots_freed:
+            self._num_recaptures += 1
+            while self._num_active:
+                self._slots_freed.wait()
+        try:
+            return self.runner.recapture(num_tokens)
+        finally:
+            with self._slots_freed:
+                self._num_recaptures -= 1
+                self._slots_freed.notify_all()
+
     @torch.inference_mode()
     def prefill(self, prompts: Sequence[Prompt]) -> PrefillResult:
         """Prefills every prompt and returns last-token logits and greedy next tokens.
 
-        Prompts are lists of token ids or 1-D integer tensors (on the CPU or the engine's device). Prompts longer
-        than ``chunked_prefill_size`` are split into chunks; chunks of several prompts are packed per forward.
+        Prompts are lists of token ids or 1-D integer tensors (on the CPU or the engine's device), each at most the
+        model's context length (``max_position_embeddings``). Prompts longer than ``chunked_prefill_size`` are split
+        into chunks; chunks of several prompts are packed per forward, and a prompt's KV slots are reused as soon as
+        its last chunk ran. Safe to call from several threads.
         """
-        ids, lengths = self._validate(prompts)
-        all_slots = self.kv_pool.alloc(sum(lengths))  # all or nothing: a failure leaves the pool untouched
-        slots = all_slots.split(lengths)
-        records: list[BatchRecord] = []
-        logits = torch.empty(len(ids), self.model.config.vocab_size, dtype=torch.float32, device=self.device)
+        with self._slots_freed:
+            while self._num_recaptures:
+                self._slots_freed.wait()
+            self._num_active += 1
         try:
-            for plan in plan_batches(lengths, self.config.chunked_prefill_size):
-                items = [self._item(ids[c.request], slots[c.request], c) for c in plan]
-                batch = PrefillBatch(items, self.kv_pool)
-                hidden = self.runner.forward(batch)
-                records.append(self.runner.last_record)
-                last = [i for i, c in enumerate(plan) if c.is_last]
-                if last:
-                    # Common case, every request ends here in order: slices, no index tensors copied to the device.
-                    rows = batch.logits_indices if len(last) == len(plan) else batch.logits_indices[last]
-                    reqs = [plan[i].request for i in last]
-                    dest = slice(reqs[0], reqs[-1] + 1) if reqs[-1] - reqs[0] == len(reqs) - 1 else reqs
-                    logits[dest] = self.model.compute_logits(hidden[rows]).float()
+            return self._prefill(prompts)
         finally:
-            self.kv_pool.free(all_slots)
+            with self._slots_freed:
+                self._num_active -= 1
+                self._slots_freed.notify_all()
+
+    def _prefill(self, prompts: Sequence[Prompt]) -> PrefillResult:
+        config = self.model.config
+        ids, lengths = validate_prompts(prompts, config.vocab_size, config.max_position_embeddings, self.device)
+        plan = plan_batches(lengths, self.config.chunked_prefill_size)
+        lease = SlotLease(self.kv_pool, plan, on_free=self._notify_slots_freed)
+        try:  # all or nothing: every exit path, KeyboardInterrupt included, returns the lease
+            self._reserve(lease)
+            records: list[BatchRecord] = []
+            logits = torch.empty(len(ids), config.vocab_size, dtype=torch.float32, device=self.device)
+            for index, chunks in enumerate(plan):
+                batch = PrefillBatch([self._item(ids[c.request], lease, c) for c in chunks], self.kv_pool)
+                last = [i for i, c in enumerate(chunks) if c.is_last]
+                with self.runner.lock:  # the forward's output is a view of the runner's static buffers
+                    hidden = self.runner.forward(batch)
+                    records.append(self.runner.last_record)
+                    if last:
+                        # Common case, every request ends here in order: slices, no index tensors copied.
+                        rows = batch.logits_indices if len(last) == len(chunks) else batch.logits_indices[last]
+                        reqs = [chunks[i].request for i in last]
+                        dest = slice(reqs[0], reqs[-1] + 1) if reqs[-1] - reqs[0] == len(reqs) - 1 else reqs
+                        logits[dest] = self.model.compute_logits(hidden[rows]).float()
+                lease.finish(index)
+        finally:
+            if lease.release():
+                with self._slots_freed:
+                    self._num_leases -= 1
+                    self._slots_freed.notify_all()
         return PrefillResult(logits, logits.argmax(dim=-1), records)
 
-    @staticmethod
-    def _item(ids: torch.Tensor, slots: torch.Tensor, chunk: Chunk) -> PrefillItem:
-        # ids were validated and slots come from the pool, all CPU int64: no per-item normalisation needed.
-        start, end = chunk.start, chunk.end
-        if start == 0 and chunk.is_last:  # a whole prompt: no slicing ops on the host's per-request path
-            return PrefillItem.unchecked(ids, slots, 0, _NO_SLOTS)
-        return PrefillItem.unchecked(ids[start:end], slots[start:end], start, slots[:start])
-
-    def _validate(self, prompts: Sequence[Prompt]) -> tuple[list[torch.Tensor], list[int]]:
-        """CPU int64 tensors of the prompts and their lengths, or a clear error naming the bad prompt."""
-        if isinstance(prompts, torch.Tensor) or not isinstance(prompts, Sequence) or isinstance(prompts, str):
-            raise TypeError("prefill() takes a list of prompts (lists of token ids or 1-D integer tensors), "
-                            f"got {type(prompts).__name__}")
-        if len(prompts) == 0:
-            raise ValueError("prefill() needs at least one prompt; got an empty list")
-        vocab, out, lengths = self.model.config.vocab_size, [], []
-        for i, p in enumerate(prompts):
-            if isinstance(p, torch.Tensor):
-                if p.dtype == torch.long and p.device.type == "cpu" and p.dim() == 1:  # already what we need
-                    t = p
-                elif p.dtype.is_floating_point or p.dtype.is_complex or p.dtype == torch.bool:
-                    raise TypeError(f"prompt {i} is a {p.dtype} tensor; token ids must be an integer tensor "
-                                    "(e.g. torch.long)")
-                elif p.device.type != "cpu" and p.device != self.device:
-                    raise ValueError(f"prompt {i} is on {p.device}, but the engine runs on {self.device}; "
-                                     f"pass it on the CPU or on {self.device}")
-                elif p.dim() != 1:
-                    raise ValueError(f"prompt {i} has shape {tuple(p.shape)}; a prompt is a 1-D tensor of ids")
+    def _reserve(self, lease: SlotLease) -> None:
+        """Reserves the lease's peak, waiting while other prefills of this engine hold the slots it needs."""
+        pool, need = self.kv_pool, lease.peak
+        if need > pool.num_slots:
+            raise ValueError(f"the prompts need {need} KV slots at once but the pool holds {pool.num_slots}; raise "
+                             "kv_tokens (or kv_memory_fraction on CUDA) or prefill fewer/shorter prompts")
+        with self._slots_freed:
+            while True:
+                try:
+                    lease.reserve()
+                except KVPoolFullError:
+                    if self._num_leases == 0:  # nothing of this engine will free them: held by someone else
+                        raise ValueError(f"the prompts need {need} KV slots but the pool has {pool.num_free} of "
+                                         f"{pool.num_slots} free (the rest are allocated outside prefill); free "
+                                         "them or raise kv_tokens") from None
+                    self._slots_freed.wait()
                 else:
-                    t = p.to(device="cpu", dtype=torch.long)
-            else:
-                if not all(isinstance(x, int) and not isinstance(x, bool) for x in p):
-                    raise TypeError(f"prompt {i} must contain Python ints (token ids)")
-                t = torch.tensor(list(p), dtype=torch.long)
-            n = t.shape[0]
-            if n == 0:
-                raise ValueError(f"prompt {i} is empty; every prompt needs at least one token")
-            out.append(t)
-            lengths.append(n)
-        # One range check for the whole batch (numpy: cheaper per call); find the culprit only on error.
-        every = np.concatenate([t.numpy() for t in out])
-        if every.min() < 0 or every.max() >= vocab:
-            i = next(i for i, t in enumerate(out) if t.min() < 0 or t.max() >= vocab)
-            bad = int(out[i].min()) if out[i].min() < 0 else int(out[i].max())
-            raise ValueError(f"prompt {i} has token id {bad} outside the vocabulary [0, {vocab})")
-        total, capacity = sum(lengths), self.kv_pool.num_free
-        if total > capacity:
-            raise ValueError(f"the prompts need {total} KV slots but the pool has {capacity} free; raise "
-                             "kv_tokens or prefill fewer/shorter prompts")
-        return out, lengths
+                    self._num_leases += 1
+                    return
+
+    def _notify_slots_freed(self) -> None:
+        with self._slots_freed:
+            self._slots_freed.notify_all()
+
+    @staticmethod
+    def _item(ids: torch.Tensor, lease: SlotLease, chunk: Chunk) -> PrefillItem:
+        # ids were validated and slots come from the pool, all CPU int64: no per-item normalisation needed.
+        new_slots, prefix_slots = lease.take(chunk)
+        if chunk.start == 0 and chunk.is_last:  # a whole prompt: no slicing ops on the host's per-request path
+            return PrefillItem.unchecked(ids, new_slots, 0, prefix_slots)
+        return PrefillItem.unchecked(ids[chunk.start : chunk.end], new_slots, chunk.start, prefix_slots)
 
 
 def _signature_with_options() -> inspect.Signature:

@@ -1,13 +1,14 @@
 """Token buckets: the ladder of captured sizes, the state of each bucket, and the replay-or-eager predicate.
 
-The :class:`BucketTable` is the one owner of every bucket's state: its captured handle, why it is disabled, and its
-build record (the :class:`BucketRecord` telemetry reports), and whether
-the whole backend was refused. :meth:`BucketTable.choose` reads only that.
+The :class:`BucketTable` is the one owner of every bucket's state: its captured handle, why it is disabled, its build
+record and replay failures (the :class:`BucketRecord` telemetry reports), and whether the whole backend was refused.
+:meth:`BucketTable.choose` reads only that.
 """
 
 from __future__ import annotations
 
 import bisect
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,7 +40,8 @@ def default_ladder(max_tokens: int) -> list[int]:
 
 @dataclass
 class BucketRecord:
-    """How one bucket was built: capture time, resident memory it added, its shape, or why it is disabled."""
+    """How one bucket was built and how its replays went: capture time, resident memory it added, its shape, why
+    it is disabled, and its replay failures (consecutive ones decide the disable, see :class:`BucketTable`)."""
 
     num_tokens: int
     capture_ms: float = 0.0
@@ -48,21 +50,28 @@ class BucketRecord:
     num_breaks: int = 0
     disabled_reason: str | None = None
     verify_diff: float | None = None  # max |replay - eager| / max |eager| when the engine verified this bucket
+    consecutive_failures: int = 0  # replay failures since its last good replay
+    num_replay_failures: int = 0  # replay failures over the engine's life
+    last_failure: str | None = None  # the latest replay error, first line
 
 
 @dataclass(frozen=True)
 class BucketChoice:
-    """The outcome of :meth:`BucketTable.choose`: a bucket to replay, or ``None`` and why not."""
+    """The outcome of :meth:`BucketTable.choose`: a bucket to replay, or ``None`` and why not.
+
+    ``reason`` is "graph" for a bucket within ``max_padding_factor`` and "graph_small_padding" for one beyond the
+    ratio but within ``max_padding_tokens`` padded rows; otherwise the reason the batch runs eagerly.
+    """
 
     bucket: int | None
-    reason: str  # "graph" when a bucket is chosen
+    reason: str
 
 
 @dataclass
 class Bucket:
     """One bucket's state: its build record (``record.disabled_reason`` says why it does not replay) and the
-    handle its backend captured (None until captured, and again once disabled). After a build every bucket has
-    one or the other."""
+    handle its backend captured (None until captured, or when its capture failed). A bucket disabled after it was
+    captured keeps its handle, so it can be re-enabled (:meth:`BucketTable.enable`) without a new capture."""
 
     record: BucketRecord
     handle: Any = None
@@ -73,9 +82,22 @@ class Bucket:
         return self.handle is not None and self.record.disabled_reason is None
 
 
+def _check_policy(name: str, value: Any, minimum: float, integer: bool) -> None:
+    ok_type = isinstance(value, int) if integer else isinstance(value, (int, float))
+    if not ok_type or isinstance(value, bool) or math.isnan(value) or value < minimum:
+        kind = "an int" if integer else "a number"
+        raise ValueError(f"{name} must be {kind} >= {minimum}, got {value!r}")
+
+
 @dataclass
 class BucketTable:
     """Bucket sizes, each bucket's state, and the replay-or-eager predicate.
+
+    A batch of ``n`` tokens may replay bucket ``b >= n`` when the padding costs little: ``b - n <=
+    max_padding_tokens`` (a few padded rows cost nothing next to eager's launches), or else ``b <=
+    max_padding_factor * n`` (the ratio bounds the waste on large buckets). The table's defaults are the ratio alone;
+    the engine passes its configured allowance. A replay failure counts against its bucket; ``max_replay_failures``
+    in a row disable it, and a good replay resets the count.
 
     Example::
 
@@ -87,6 +109,8 @@ class BucketTable:
 
     sizes: list[int]
     max_padding_factor: float = 2.0
+    max_padding_tokens: int = 0
+    max_replay_failures: int = 3
     refused_reason: str | None = None  # the backend cannot capture this model: every batch runs eagerly
     buckets: dict[int, Bucket] = field(init=False)
 
@@ -96,6 +120,9 @@ class BucketTable:
         bad = [s for s in self.sizes if not isinstance(s, int) or isinstance(s, bool) or s < 1]
         if bad:
             raise ValueError(f"bucket sizes must be positive ints, got {bad}")
+        _check_policy("max_padding_factor", self.max_padding_factor, 1.0, integer=False)
+        _check_policy("max_padding_tokens", self.max_padding_tokens, 0, integer=True)
+        _check_policy("max_replay_failures", self.max_replay_failures, 1, integer=True)
         self.sizes = sorted(set(self.sizes))
         self.buckets = {n: Bucket(BucketRecord(num_tokens=n)) for n in self.sizes}
 
@@ -112,31 +139,85 @@ class BucketTable:
         """The build record of ``bucket``."""
         return self.buckets[bucket].record
 
+    def entry(self, bucket: int) -> Bucket:
+        """The state of ``bucket``; a ValueError naming the sizes if there is no such bucket."""
+        entry = self.buckets.get(bucket)
+        if entry is None:
+            raise ValueError(f"no bucket {bucket!r}; the buckets are {self.sizes}")
+        return entry
+
     def set_handle(self, bucket: int, handle: Any) -> None:
         """Bucket ``bucket`` was captured: batches of its size replay ``handle`` from now on."""
         entry = self.buckets[bucket]
         entry.handle, entry.record.disabled_reason = handle, None
+        entry.record.consecutive_failures = 0
 
     def disable(self, bucket: int, reason: str) -> None:
-        """Stops replaying ``bucket`` (its batches run eagerly) and records why; its handle is dropped."""
-        entry = self.buckets[bucket]
-        entry.handle, entry.record.disabled_reason = None, reason
+        """Stops replaying ``bucket`` (its batches run eagerly or move up the ladder) and records why."""
+        self.buckets[bucket].record.disabled_reason = reason
+
+    def enable(self, bucket: int) -> None:
+        """Replays ``bucket``'s captured graph again (after a transient fault); its failure count starts over.
+
+        Raises:
+            ValueError: no such bucket, the backend was refused, or the bucket has no graph (its capture failed).
+        """
+        entry = self.entry(bucket)
+        if self.refused_reason is not None:
+            raise ValueError(f"bucket {bucket} cannot be enabled: {self.refused_reason}")
+        if entry.handle is None:
+            raise ValueError(f"bucket {bucket} has no captured graph ({entry.record.disabled_reason}); "
+                             "recapture it instead (Engine.recapture / Runner.recapture)")
+        entry.record.disabled_reason = None
+        entry.record.consecutive_failures = 0
 
     def refuse(self, reason: str) -> None:
-        """The backend cannot capture this model: every bucket is disabled with ``reason``."""
+        """The backend cannot capture this model: every bucket is disabled with ``reason`` and its handle dropped."""
         self.refused_reason = reason
-        for n in self.sizes:
-            self.disable(n, reason)
+        for entry in self.buckets.values():
+            entry.handle, entry.record.disabled_reason = None, reason
+
+    def record_failure(self, bucket: int, error: str) -> bool:
+        """Counts a failed replay of ``bucket``; returns True when this failure disabled it (the
+        ``max_replay_failures``-th in a row)."""
+        record = self.buckets[bucket].record
+        record.consecutive_failures += 1
+        record.num_replay_failures += 1
+        record.last_failure = error
+        if record.consecutive_failures < self.max_replay_failures or record.disabled_reason is not None:
+            return False
+        runs = f" ({record.consecutive_failures} replays in a row)" if record.consecutive_failures > 1 else ""
+        self.disable(bucket, f"replay failed{runs}: {error}")
+        return True
+
+    def record_success(self, bucket: int) -> None:
+        """A good replay of ``bucket``: its consecutive failures start over."""
+        record = self.buckets[bucket].record
+        if record.consecutive_failures:
+            record.consecutive_failures = 0
+
+    def padding_reason(self, bucket: int, num_tokens: int) -> str | None:
+        """"graph" or "graph_small_padding" when ``num_tokens`` may be padded to ``bucket``, else None."""
+        if bucket <= self.max_padding_factor * num_tokens:
+            return "graph"
+        if bucket - num_tokens <= self.max_padding_tokens:
+            return "graph_small_padding"
+        return None
 
     def choose(self, num_tokens: int) -> BucketChoice:
-        """Smallest bucket >= ``num_tokens``, unless the batch must run eagerly (the only such predicate)."""
+        """The smallest healthy bucket that fits ``num_tokens`` within the padding rule, or why the batch must run
+        eagerly (the only such predicate). A disabled bucket is skipped for the next one up that still fits."""
         if self.refused_reason is not None:
             return BucketChoice(None, "backend_refused")
         if num_tokens > self.max_bucket:
             return BucketChoice(None, "exceeds_max_bucket")
-        bucket = self.sizes[bisect.bisect_left(self.sizes, num_tokens)]
-        if bucket > self.max_padding_factor * num_tokens:
-            return BucketChoice(None, "padding_over_limit")
-        if self.buckets[bucket].record.disabled_reason is not None:
-            return BucketChoice(None, "bucket_disabled")
-        return BucketChoice(bucket, "graph")
+        sizes = self.sizes
+        for i in range(bisect.bisect_left(sizes, num_tokens), len(sizes)):
+            bucket = sizes[i]
+            reason = self.padding_reason(bucket, num_tokens)
+            if reason is None:  # larger buckets pad more: none fits
+                first = sizes[bisect.bisect_left(sizes, num_tokens)]
+                return BucketChoice(None, "padding_over_limit" if bucket == first else "bucket_disabled")
+            if self.buckets[bucket].record.disabled_reason is None:
+                return BucketChoice(bucket, reason)
+        return BucketChoice(None, "bucket_disabled")

@@ -7,6 +7,10 @@ zeroed), replayed under the forward context its backend gives (``load_batch``: t
 static metadata buffers for a whole-graph backend), and its rows are read back from one max-size output buffer
 sliced per bucket.
 
+A runner serialises its forwards with :attr:`Runner.lock`: the static buffers, the backend's metadata and the
+telemetry are shared by every caller, so a forward holds the lock from loading its batch until its output (a view of
+``static_output``) has been consumed; the engine holds it across the LM head too.
+
 Under tensor parallel (``tp.size > 1``) a :class:`~bcg.runtime.runner.agreement.RankAgreement` makes every rank take
 the same decision: each hook below is one call into it, and none runs at ``tp.size == 1``.
 """
@@ -15,6 +19,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
@@ -94,7 +99,10 @@ class Runner:
         self.model, self.config, self.kv_pool = model, config, kv_pool
         self.agreement = RankAgreement(tp) if tp.is_parallel else None  # tensor parallel only
         self.device, self.dtype = config.torch_device, config.torch_dtype
-        self.table = BucketTable(list(bucket_sizes), config.max_padding_factor)
+        self.table = BucketTable(list(bucket_sizes), config.max_padding_factor, config.max_padding_tokens,
+                                 config.max_replay_failures)
+        # Held by one forward at a time (reentrant: the engine holds it around forward and the LM head).
+        self.lock = threading.RLock()
         cls = backend_class(config.backend)
         self.telemetry = Telemetry(backend=config.backend, table=self.table if cls.uses_graphs else None)
         self.last_record: BatchRecord | None = None
@@ -138,6 +146,10 @@ class Runner:
     def build(self) -> None:
         """Compiles (the layer stack, if asked, and whatever the backend compiles) and captures every bucket,
         largest first, into one shared pool."""
+        with self.lock:
+            self._build()
+
+    def _build(self) -> None:
         t0 = time.perf_counter()
         try:
             if self.backend.uses_graphs:
@@ -281,13 +293,44 @@ class Runner:
                 self.disable(n, f"disabled on another tensor parallel rank after {what} (see its log)")
 
     def disable(self, n: int, reason: str) -> None:
-        """Stops replaying bucket ``n`` (batches of its size run eagerly) and records why."""
+        """Stops replaying bucket ``n`` (its batches move up the ladder or run eagerly) and records why."""
         self.table.disable(n, reason)
         logger.warning("bcg: bucket %d disabled: %s", n, reason)
 
+    def enable_bucket(self, n: int) -> None:
+        """Replays bucket ``n``'s captured graph again after it was disabled (a transient fault).
+
+        Raises:
+            ValueError: no such bucket, or it has no graph (its capture failed): :meth:`recapture` it instead.
+        """
+        with self.lock:
+            self.table.enable(n)
+        logger.info("bcg: bucket %d enabled again", n)
+
+    def recapture(self, n: int) -> BucketRecord:
+        """Drops bucket ``n``'s graph, captures it anew and enables it; returns its record, whose
+        ``disabled_reason`` says why if the new capture failed too.
+
+        Example::
+
+            record = engine.runner.recapture(16)
+            record.disabled_reason is None        # bucket 16 replays again
+        """
+        entry = self.table.entry(n)
+        if not self.backend.uses_graphs:
+            raise ValueError(f"the {self.config.backend} backend captures nothing")
+        if self.table.refused_reason is not None:
+            raise ValueError(f"bucket {n} cannot be recaptured: {self.table.refused_reason}")
+        with self.lock, _frozen_gc(), torch.inference_mode():
+            entry.handle = None  # the old graph goes first, so the new capture can reuse its memory
+            record = self._capture_one(n)
+        if record.disabled_reason is None:
+            logger.info("bcg: bucket %d recaptured in %.0f ms", n, record.capture_ms)
+        return record
+
     # ---------------------------------------------------------------- forward
     def choose(self, num_tokens: int, batch: PrefillBatch | None = None) -> tuple[int | None, str]:
-        """The single replay-or-eager predicate: (bucket, "graph") or (None, reason).
+        """The single replay-or-eager predicate: (bucket, "graph" or "graph_small_padding") or (None, reason).
 
         The bucket table judges the token count and every bucket's state; with ``batch`` the backend also checks
         what its graphs bake in besides the token count (``can_run``: request slots and key capacity of "full").
@@ -304,9 +347,15 @@ class Runner:
     def forward(self, batch: PrefillBatch) -> torch.Tensor:
         """Hidden states of the real tokens of ``batch``: (num_tokens, hidden_size).
 
-        On the graph path this is a view of ``static_output``: consume it before the next forward. The batch's
-        :class:`BatchRecord` is ``self.last_record``.
+        On the graph path this is a view of ``static_output``: consume it before the next forward, and from
+        several threads, inside ``with runner.lock:`` (the engine does). The batch's :class:`BatchRecord` is
+        ``self.last_record``. A replay that raises runs the batch eagerly and counts against its bucket, which is
+        disabled after ``max_replay_failures`` failures in a row.
         """
+        with self.lock:
+            return self._forward(batch)
+
+    def _forward(self, batch: PrefillBatch) -> torch.Tensor:
         n_real = batch.num_tokens
         hidden = self.model.embed(batch.input_ids)
         bucket, reason = self.choose(n_real, batch)
@@ -323,9 +372,14 @@ class Runner:
             if self.agreement is not None:  # tensor parallel: a replay failed anywhere is rerun everywhere
                 error = self.agreement.agree_replay(bucket, error)
             if error is None:
-                self._record(batch, bucket, True, "graph")
+                self.table.record_success(bucket)
+                self._record(batch, bucket, True, reason)
                 return self.static_output[:n_real]
-            self.disable(bucket, f"replay failed: {_first_line(error)}")
+            message = _first_line(error)
+            if self.table.record_failure(bucket, message):
+                logger.warning("bcg: bucket %d disabled: %s", bucket, self.table.record(bucket).disabled_reason)
+            else:
+                logger.info("bcg: replay of bucket %d failed (%s); this batch runs eagerly", bucket, message)
             reason = "replay_failed"
         if reason != "backend_eager":
             self.telemetry.log_once(reason, f"bcg: running a batch eagerly ({reason}); logged once per reason")
@@ -338,12 +392,13 @@ class Runner:
         """Loads ``batch`` into the static buffers of its bucket and sets its forward context; yields
         ``(bucket, handle)``. For tools that replay or time the steps of a handle themselves (``bcg analyze``).
         Raises ValueError when the batch would not replay a graph."""
-        bucket, reason = self.choose(batch.num_tokens, batch)
-        if bucket is None:
-            raise ValueError(f"a batch of {batch.num_tokens} tokens does not replay a graph ({reason})")
-        self._load(self.model.embed(batch.input_ids), batch.positions, bucket)
-        with forward_context(self.backend.load_batch(batch, bucket)):
-            yield bucket, self.table.buckets[bucket].handle
+        with self.lock:
+            bucket, reason = self.choose(batch.num_tokens, batch)
+            if bucket is None:
+                raise ValueError(f"a batch of {batch.num_tokens} tokens does not replay a graph ({reason})")
+            self._load(self.model.embed(batch.input_ids), batch.positions, bucket)
+            with forward_context(self.backend.load_batch(batch, bucket)):
+                yield bucket, self.table.buckets[bucket].handle
 
     def replay_and_eager(self, batch: PrefillBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """``batch``'s bucket replayed, and the same padded inputs run eagerly under the same forward context:

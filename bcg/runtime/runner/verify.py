@@ -1,10 +1,12 @@
-"""Differential check of captured buckets: replay each graph and compare it with eager at the same padded shape.
+"""Differential checks of captured buckets: replay a graph and compare it with eager at the same padded shape.
 
 A graph that replays wrong is the failure users fear most, because nothing crashes. ``verify_buckets`` runs a
 seeded two-request batch through every captured bucket twice, once by replaying the handle and once eagerly on the
 same static inputs under the same forward context, and compares the real rows. A bucket that differs by more than
 the tolerance is disabled with the difference as its reason, so the engine serves those sizes eagerly instead.
 Breakable graphs replay the very kernels eager runs, so their default tolerance is zero.
+
+``verify_segments`` says *where* a breakable graph goes wrong (:mod:`bcg.runtime.runner.segments`).
 """
 
 from __future__ import annotations
@@ -15,11 +17,12 @@ from typing import TYPE_CHECKING
 import torch
 
 from bcg.runtime.batch import PrefillBatch, PrefillItem
+from bcg.runtime.runner.segments import SegmentCheck, SegmentReport, compare_segments
 
 if TYPE_CHECKING:
     from bcg.runtime.runner.runner import Runner
 
-__all__ = ["default_tolerance", "verify_buckets"]
+__all__ = ["SegmentCheck", "SegmentReport", "default_tolerance", "probe_batch", "verify_buckets", "verify_segments"]
 
 logger = logging.getLogger("bcg")
 
@@ -52,10 +55,7 @@ def verify_buckets(runner: Runner, tolerance: float | None = None, seed: int = 0
     for n in sorted(runner.handles):
         slots = runner.kv_pool.alloc(n)
         try:
-            ids = torch.randint(0, vocab, (n,), generator=gen)
-            cut = max(n // 3, 1) if n > 1 else n  # two requests when possible: request boundaries matter
-            items = [PrefillItem(ids[:cut], slots[:cut])] + ([PrefillItem(ids[cut:], slots[cut:])] if cut < n else [])
-            batch = PrefillBatch(items, runner.kv_pool)
+            batch = probe_batch(runner, slots, vocab, gen)
             if runner.choose(n, batch)[0] != n:
                 continue  # the backend would not replay this batch (e.g. request slots); nothing to compare
             graph_out, eager_out = runner.replay_and_eager(batch)
@@ -70,3 +70,44 @@ def verify_buckets(runner: Runner, tolerance: float | None = None, seed: int = 0
     logger.info("bcg: verified %d buckets of %s, worst relative difference %.3g", len(diffs),
                 runner.config.backend, max(diffs.values(), default=0.0))
     return diffs
+
+
+def probe_batch(runner: Runner, slots: torch.Tensor, vocab: int, gen: torch.Generator) -> PrefillBatch:
+    """A seeded batch of ``len(slots)`` tokens in the given slots: two requests when possible (request boundaries
+    matter), no cached prefix."""
+    n = slots.numel()
+    ids = torch.randint(0, vocab, (n,), generator=gen)
+    cut = max(n // 3, 1) if n > 1 else n
+    items = [PrefillItem(ids[:cut], slots[:cut])] + ([PrefillItem(ids[cut:], slots[cut:])] if cut < n else [])
+    return PrefillBatch(items, runner.kv_pool)
+
+
+@torch.inference_mode()
+def verify_segments(runner: Runner, num_tokens: int, tolerance: float | None = None, seed: int = 0
+                    ) -> SegmentReport:
+    """Replays the bucket a batch of ``num_tokens`` tokens uses, step by step, against an eager run at the same
+    padded shape, and names the first segment (or island) whose outputs diverge.
+
+    Each island's inputs after the segment before it ran, its outputs after it ran, and the final output are
+    compared with the eager run's, which records the same islands (:func:`bcg.recording.record_eager_calls`).
+    Handles other than breakable graphs (full, tc_piecewise) are compared on their output only.
+
+    Raises:
+        ValueError: a batch of ``num_tokens`` tokens does not replay a graph (the reason is named).
+
+    Example::
+
+        report = verify_segments(engine.runner, 100)
+        report.ok, report.first_divergence, report.island_before
+        print(report)                         # one line, plus the checks up to the first divergence
+    """
+    tol = default_tolerance(runner.config.backend, runner.dtype) if tolerance is None else tolerance
+    gen = torch.Generator().manual_seed(seed)
+    slots = runner.kv_pool.alloc(num_tokens)
+    try:
+        batch = probe_batch(runner, slots, runner.model.config.vocab_size, gen)
+        with runner.replay_context(batch) as (bucket, handle):
+            report = compare_segments(runner, handle, bucket, num_tokens, tol)
+    finally:
+        runner.kv_pool.free(slots)
+    return report

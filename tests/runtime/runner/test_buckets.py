@@ -1,6 +1,6 @@
 import pytest
 
-from bcg.runtime.runner.buckets import BucketTable, default_ladder
+from bcg.runtime.runner.buckets import BucketChoice, BucketTable, default_ladder
 
 
 def test_ladder_matches_the_documented_rungs() -> None:
@@ -44,3 +44,43 @@ def test_padding_factor_is_configurable() -> None:
 def test_bad_bucket_lists_are_rejected(sizes: list) -> None:
     with pytest.raises(ValueError):
         BucketTable(sizes)
+
+
+def test_a_small_absolute_padding_replays_even_past_the_ratio() -> None:
+    table = BucketTable([4, 8, 16, 64, 256], max_padding_factor=2.0, max_padding_tokens=8)
+    assert table.choose(1) == BucketChoice(4, "graph_small_padding")  # 3 padded rows: cheaper than eager
+    assert table.choose(3) == BucketChoice(4, "graph")  # within the ratio
+    assert table.choose(9) == BucketChoice(16, "graph")
+    assert table.choose(17) == BucketChoice(None, "padding_over_limit")  # 47 rows and 3.8x: the ratio bounds it
+    assert table.choose(100) == BucketChoice(None, "padding_over_limit")
+    assert table.choose(200) == BucketChoice(256, "graph")
+
+
+def test_choose_moves_up_past_a_disabled_bucket_within_the_padding_rule() -> None:
+    table = BucketTable([8, 16, 32, 64])
+    table.disable(16, "replay failed")
+    assert table.choose(12) == BucketChoice(None, "bucket_disabled")  # 32 > 2 * 12
+    assert table.choose(16) == BucketChoice(32, "graph")  # the next healthy bucket that fits
+    table.disable(32, "replay failed")
+    assert table.choose(16) == BucketChoice(None, "bucket_disabled")
+    assert BucketTable([8, 16, 32], max_padding_tokens=64).choose(5) == BucketChoice(8, "graph")
+
+
+def test_replay_failures_disable_a_bucket_only_when_consecutive() -> None:
+    table = BucketTable([8, 16], max_replay_failures=3)
+    assert table.record_failure(16, "RuntimeError: flaky") is False
+    assert table.record_failure(16, "RuntimeError: flaky") is False
+    table.record_success(16)  # a good replay resets the count
+    assert table.record(16).consecutive_failures == 0 and table.record(16).num_replay_failures == 2
+    assert [table.record_failure(16, "RuntimeError: flaky") for _ in range(3)] == [False, False, True]
+    rec = table.record(16)
+    assert rec.disabled_reason is not None and "3 replays in a row" in rec.disabled_reason
+    assert rec.num_replay_failures == 5 and rec.last_failure == "RuntimeError: flaky"
+    assert table.choose(16) == BucketChoice(None, "bucket_disabled")
+
+
+@pytest.mark.parametrize("kwargs", [{"max_padding_tokens": -1}, {"max_replay_failures": 0},
+                                    {"max_padding_factor": float("nan")}])
+def test_bad_table_policies_are_rejected(kwargs: dict) -> None:
+    with pytest.raises(ValueError, match=next(iter(kwargs))):
+        BucketTable([8], **kwargs)

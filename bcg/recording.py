@@ -1,0 +1,85 @@
+"""Recording the eager functions an uncaptured run calls, to compare that run with a graph's eager steps.
+
+Inside :func:`record_eager_calls` every call of an ``@eager_on_graph`` function (outside a capture) is recorded in
+order with copies of its tensor arguments before and after the call and of what it returned, so a differential
+check can line the calls up with a :class:`~bcg.graph.BreakableCUDAGraph`'s :class:`~bcg.graph.EagerStep`\\ s. It
+stands in for a capture in the context variable the decorator reads, so runs outside it pay nothing; an eager
+function called inside another one is not recorded (it is part of the outer call), as at capture.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+from bcg.graph import _CAPTURE
+
+__all__ = ["EagerCall", "record_eager_calls", "snapshot", "tensor_leaves"]
+
+
+def tensor_leaves(value: Any) -> list[torch.Tensor]:
+    """The tensors in ``value`` (tensors, tuples, lists, dicts and dataclasses of them), in traversal order."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in tensor_leaves(v)]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in tensor_leaves(v)]
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return [t for f in dataclasses.fields(value) for t in tensor_leaves(getattr(value, f.name))]
+    return []
+
+
+def snapshot(value: Any) -> list[torch.Tensor]:
+    """Copies of the tensors in ``value`` (see :func:`tensor_leaves`)."""
+    return [t.detach().clone() for t in tensor_leaves(value)]
+
+
+@dataclasses.dataclass
+class EagerCall:
+    """One recorded call: the function's name, its tensor arguments before and after it ran, and its results."""
+
+    name: str
+    before: list[torch.Tensor]
+    after: list[torch.Tensor]
+    results: list[torch.Tensor]
+
+
+class _Recorder:
+    is_capture = False  # is_capturing() stays False: models must run as they do outside a capture
+
+    def __init__(self) -> None:
+        self.in_eager = False
+        self.calls: list[EagerCall] = []
+
+    def run_break(self, fn: Callable, name: str, stub: Callable | None, args: tuple, kwargs: dict) -> Any:
+        before = snapshot((args, kwargs))
+        self.in_eager = True
+        try:
+            out = fn(*args, **kwargs)
+        finally:
+            self.in_eager = False
+        self.calls.append(EagerCall(name, before, snapshot((args, kwargs)), snapshot(out)))
+        return out
+
+
+@contextmanager
+def record_eager_calls() -> Iterator[list[EagerCall]]:
+    """Records every eager-function call of the block; yields the list the calls are appended to.
+
+    Example::
+
+        with record_eager_calls() as calls:
+            model.forward_layers(hidden, positions)
+        [c.name for c in calls]             # ['attention', 'attention', ...]
+    """
+    recorder = _Recorder()
+    token = _CAPTURE.set(recorder)
+    try:
+        yield recorder.calls
+    finally:
+        _CAPTURE.reset(token)
