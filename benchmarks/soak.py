@@ -4,8 +4,12 @@ checked against eager, memory watched.
 For each preset one graph engine and one eager engine are built; then ``--prefills`` prefills (spread over the
 presets) of 1..``--max-prompts`` prompts of 1..``--max-len`` tokens each (log-uniform, so both single tokens and
 chunked prompts occur) run through the graph engine and the eager engine, and their logits and greedy tokens are
-compared. With ``--failure-rate p`` each island call of a breakable replay (each replay for the other backends)
-raises with probability ``p``: the runner must run that batch eagerly, keep the bucket unless it failed
+compared. A graph pads a batch to its bucket, and rounding at the padded shape can differ from the unpadded eager
+run's in the last bits; the DSA indexer's top-k can then pick another key on a near-tie. So an answer beyond the
+tolerance is checked again against eager *at the same padded shapes* (a breakable engine in debug mode, which runs
+the whole layer stack eagerly through the same runner path): if it matches that exactly, it is counted as a padding
+flip, not a mismatch. With ``--failure-rate p`` each island call of a breakable replay (each replay for the other
+backends) raises with probability ``p``: the runner must run that batch eagerly, keep the bucket unless it failed
 ``max_replay_failures`` times in a row, and answer exactly as before; a bucket disabled anyway is re-enabled (as an
 operator would) and counted. After every prefill the KV pool must be whole again. Resident memory (RSS; on CUDA also
 ``torch.cuda.memory_allocated``) is sampled every ``--sample-every`` prefills after a warm-up, and its growth is
@@ -92,6 +96,19 @@ def rss_bytes() -> int:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+def matches(res: Any, ref: Any, dtype: torch.dtype, tolerance: float | None = None) -> bool:
+    """Logits within the tolerance and the same greedy tokens (in half precision: where eager's choice is clear)."""
+    half = dtype in (torch.bfloat16, torch.float16)
+    tol = (tolerance if tolerance is not None else 2e-2 if half else 1e-4) * max(1.0, ref.logits.abs().max().item())
+    if (res.logits - ref.logits).abs().max().item() > tol:
+        return False
+    if not half:
+        return torch.equal(res.next_tokens, ref.next_tokens)
+    top2 = ref.logits.topk(2, dim=-1).values
+    clear = (top2[:, 0] - top2[:, 1]) > 2 * tol
+    return torch.equal(res.next_tokens[clear], ref.next_tokens[clear])
+
+
 def random_prefill(rng: random.Random, vocab: int, max_prompts: int, max_len: int) -> list[list[int]]:
     lengths = [max(1, int(math.exp(rng.uniform(0, math.log(max_len))))) for _ in range(rng.randint(1, max_prompts))]
     return [[rng.randrange(vocab) for _ in range(n)] for n in lengths]
@@ -110,7 +127,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--threads", type=int, default=1, help="threads sharing each engine")
     p.add_argument("--sample-every", type=int, default=500)
     p.add_argument("--warmup", type=int, default=300, help="prefills before the first memory sample")
-    p.add_argument("--tolerance", type=float, default=1e-4, help="max |logits - eager| accepted (fp32)")
+    p.add_argument("--tolerance", type=float, default=None,
+                   help="max |logits - eager| accepted, relative to max(1, max |eager|) (default 1e-4 in fp32, "
+                   "2e-2 in bf16/fp16, whose tokens are compared only where eager's top-2 margin clears it)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     device = torch.device(args.device)
@@ -129,7 +148,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     build_s = time.perf_counter() - t_build
 
     stats = {name: dict(prefills=0, prompts=0, tokens=0, batches=0, graph_batches=0, failed_replays=0,
-                        reenabled=0, mismatches=0, max_diff=0.0, pool_leaks=0) for name in presets}
+                        reenabled=0, mismatches=0, padding_flips=0, max_diff=0.0, pool_leaks=0) for name in presets}
+    # Eager at the graph's padded shapes (built now, so its memory is not counted as growth), asked on a mismatch.
+    padded_refs = {name: Engine(name, backend="breakable", debug=True, **common) for name in presets}
     samples: list[dict[str, Any]] = []
     lock, done = threading.Lock(), [0]
 
@@ -147,6 +168,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             prompts = random_prefill(rng, eng.model.config.vocab_size, args.max_prompts, args.max_len)
             res, expected = eng.prefill(prompts), ref.prefill(prompts)
             diff = (res.logits - expected.logits).abs().max().item()
+            same = matches(res, expected, eng.dtype, args.tolerance)
+            flip = False
+            if not same and all(b.graph_used for b in res.batches):  # is it the padded shapes' rounding?
+                with lock:
+                    padded = padded_refs[name].prefill(prompts)
+                flip = torch.equal(padded.logits, res.logits)
             with lock:
                 s = stats[name]
                 s["prefills"] += 1
@@ -156,8 +183,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 s["graph_batches"] += sum(b.graph_used for b in res.batches)
                 s["failed_replays"] += sum(b.reason == "replay_failed" for b in res.batches)
                 s["max_diff"] = max(s["max_diff"], diff)
-                s["mismatches"] += not (diff <= args.tolerance and torch.equal(res.next_tokens,
-                                                                                expected.next_tokens))
+                s["padding_flips"] += flip
+                s["mismatches"] += not (same or flip)
                 if args.threads == 1 and eng.kv_pool.num_free != eng.kv_pool.num_slots:
                     s["pool_leaks"] += 1
                 for n, record in eng.telemetry.buckets.items():
@@ -189,10 +216,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     growth = {k: last[k] - first[k] for k in first if k != "prefills"}
     per_1k = {k: v / max(last["prefills"] - first["prefills"], 1) * 1000 for k, v in growth.items()}
     print(table(["preset", "prefills", "prompts", "tokens", "batches", "graph %", "injected", "failed replays",
-                 "re-enabled", "mismatches", "max |diff|", "pool leaks"],
+                 "re-enabled", "mismatches", "padding flips", "max |diff|", "pool leaks"],
                 [[n, s["prefills"], s["prompts"], s["tokens"], s["batches"],
                   f"{100 * s['graph_batches'] / max(s['batches'], 1):.1f}", s["injected"], s["failed_replays"],
-                  s["reenabled"], s["mismatches"], f"{s['max_diff']:.2e}", s["pool_leaks"]]
+                  s["reenabled"], s["mismatches"], s["padding_flips"], f"{s['max_diff']:.2e}", s["pool_leaks"]]
                  for n, s in stats.items()], title=f"Soak: {args.backend} vs eager on {args.device}, "
                 f"{args.threads} thread(s), failure rate {args.failure_rate}"))
     print()
