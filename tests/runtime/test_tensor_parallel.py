@@ -143,7 +143,8 @@ def test_an_uncapturable_op_on_one_rank_refuses_the_backend_on_every_rank(pool):
 
 
 def _replay_fails_on_rank_one() -> dict:
-    eng = Engine("tiny-moe", backend="breakable", tp_size=2, **OPTIONS)
+    # One failure disables the bucket (the retry policy itself is tested on one process).
+    eng = Engine("tiny-moe", backend="breakable", tp_size=2, max_replay_failures=1, **OPTIONS)
     real, calls = BatchContext.attend, []
 
     def attend(self, q, k, v, out, layer_id):
