@@ -16,7 +16,8 @@ import logging
 import os
 import threading
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any, TypeVar
 
 import torch
@@ -37,6 +38,7 @@ __all__ = [
     "is_capturing",
     "is_in_breakable_graph",
     "no_graph",
+    "observing_islands",
 ]
 
 logger = logging.getLogger("bcg")
@@ -195,7 +197,53 @@ def pool_anchor(pool: Any, capture_error_mode: str = "global") -> torch.cuda.CUD
 
 def is_capturing() -> bool:
     """True while a breakable capture is running in this context (also inside its eager functions)."""
-    return _CAPTURE.get() is not None
+    return isinstance(_CAPTURE.get(), _CaptureState)
+
+
+class _ObservedIslands:
+    """Stands in for a capture state while :func:`observing_islands` is active: an eager function runs plainly,
+    inside the observer's context, and nothing is captured."""
+
+    in_eager = False
+
+    def __init__(self, observer: Callable[[str], AbstractContextManager[Any]]) -> None:
+        self.observer = observer
+
+    def run_break(self, fn: Callable, name: str, stub: Callable | None, args: tuple, kwargs: dict) -> Any:
+        self.in_eager = True
+        try:
+            with self.observer(name):
+                return fn(*args, **kwargs)
+        finally:
+            self.in_eager = False
+
+
+@contextmanager
+def observing_islands(observer: Callable[[str], AbstractContextManager[Any]]) -> Iterator[None]:
+    """Outside any capture, runs every ``@eager_on_graph`` call of the block inside ``observer(name)``.
+
+    For probes that watch what a forward would capture (:mod:`bcg.probe`): an island's own ops run at replay,
+    never in a segment, so the probe pauses while one runs. Islands called from an island run plainly, as in a
+    capture. Nothing is captured and :func:`is_capturing` stays False.
+
+    Example:
+        >>> import contextlib, torch
+        >>> seen = []
+        >>> @eager_on_graph
+        ... def island(x):
+        ...     return x + 1
+        >>> with observing_islands(lambda name: contextlib.nullcontext(seen.append(name))):
+        ...     _ = island(torch.zeros(1))
+        >>> seen
+        ['island']
+    """
+    if _CAPTURE.get() is not None:
+        raise CaptureError("observing_islands() cannot run inside a breakable capture or another observer")
+    token = _CAPTURE.set(_ObservedIslands(observer))
+    try:
+        yield
+    finally:
+        _CAPTURE.reset(token)
 
 
 is_in_breakable_graph = is_capturing

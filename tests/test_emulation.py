@@ -256,3 +256,32 @@ def test_capturable_cousins_are_allowed():
     torch.testing.assert_close(vals, torch.tensor([4.0, 2.0]))
     assert torch.equal(ids, torch.tensor([3, 1]))
     torch.testing.assert_close(e, x.repeat_interleave(2))
+
+
+@pytest.mark.parametrize("inference", [False, True], ids=["autograd", "inference_mode"])
+def test_repeat_interleave_with_int_repeats_captures(inference):
+    # Regression: under inference mode the int-repeats overload reaches the dispatcher undecomposed
+    # (aten.repeat_interleave.self_int); it is an expand and a copy, so a CUDA graph captures it.
+    x = torch.tensor([[1.0, 2.0], [3.0, 4.0]])
+    g = EmulatedGraph()
+    with torch.inference_mode(inference):
+        g.capture_begin()
+        y = x.repeat_interleave(3, dim=0)
+        g.capture_end()
+        x.copy_(torch.tensor([[5.0, 6.0], [7.0, 8.0]]))
+        g.replay()
+    torch.testing.assert_close(y, torch.tensor([[5.0, 6.0]] * 3 + [[7.0, 8.0]] * 3))
+
+
+@pytest.mark.parametrize("inference", [False, True], ids=["autograd", "inference_mode"])
+@pytest.mark.parametrize("call", [lambda x, r: torch.repeat_interleave(r), lambda x, r: x.repeat_interleave(r, dim=0)],
+                         ids=["repeats-only", "self-and-repeats"])
+def test_repeat_interleave_with_tensor_repeats_is_still_refused(inference, call):
+    x, repeats = torch.tensor([1.0, 2.0, 3.0]), torch.tensor([1, 0, 2])
+    g = EmulatedGraph()
+    with torch.inference_mode(inference):
+        g.capture_begin()
+        with pytest.raises(bcg.UncapturableOpError, match="repeat_interleave with tensor repeats"):
+            call(x, repeats)
+        with pytest.raises(bcg.UncapturableOpError, match="invalidated"):
+            g.capture_end()
