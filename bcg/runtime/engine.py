@@ -6,7 +6,7 @@ import inspect
 import os
 import time
 from collections.abc import Sequence
-from dataclasses import MISSING, dataclass, fields
+from dataclasses import MISSING, dataclass, fields, replace
 from typing import Any, get_type_hints
 
 import numpy as np
@@ -14,10 +14,10 @@ import torch
 
 from bcg.models.base import CausalLM
 from bcg.models.config import ModelConfig, get_preset
-from bcg.models.loader import load_checkpoint
+from bcg.models.hf import is_transformers_model
+from bcg.models.model_impl import load_model_folder
 from bcg.models.registry import build_model
 from bcg.ops.kernels import fused_available
-from bcg.ops.kv_cache import KVPool
 from bcg.runtime.batch import PrefillBatch, PrefillItem
 from bcg.runtime.config import EngineConfig
 from bcg.runtime.runner import Runner
@@ -47,15 +47,29 @@ class PrefillResult:
     batches: list[BatchRecord]
 
 
-def _load_model(model: str | os.PathLike | ModelConfig | CausalLM, cfg: EngineConfig) -> CausalLM:
+def _load_model(model: Any, cfg: EngineConfig) -> tuple[CausalLM, EngineConfig]:
+    """The model to serve and the config with its device and dtype settled (a transformers model keeps its own)."""
+    if is_transformers_model(model):
+        if cfg.model_impl == "native":
+            raise ValueError("model_impl='native' needs a checkpoint folder, a preset or a ModelConfig; a transformers "
+                             "model object runs as written (model_impl='auto' or 'transformers')")
+        from bcg.models.hf.load import place
+        from bcg.models.hf.model import HFCausalLM
+
+        device, dtype = place(model, cfg.device, cfg.dtype)
+        cfg = replace(cfg, device=str(device), dtype=str(dtype).removeprefix("torch."))
+        return HFCausalLM(model, auto_islands=cfg.auto_islands), cfg
     device, dtype = cfg.torch_device, cfg.torch_dtype
+    if isinstance(model, (str, os.PathLike)) and os.path.isdir(model):
+        return load_model_folder(model, cfg.model_impl, device, dtype, cfg.auto_islands), cfg
+    if cfg.model_impl == "transformers":
+        raise ValueError(f"model_impl='transformers' needs a checkpoint folder or a transformers model, not "
+                         f"{model!r} (presets, ModelConfigs and built models are bcg's own)")
     if isinstance(model, torch.nn.Module):
-        return model.to(device=device, dtype=dtype)
+        return model.to(device=device, dtype=dtype), cfg
     if isinstance(model, ModelConfig):
-        return build_model(model, device, dtype, cfg.seed)
-    if os.path.isdir(model):
-        return load_checkpoint(model, device, dtype)
-    return build_model(get_preset(str(model)), device, dtype, cfg.seed)
+        return build_model(model, device, dtype, cfg.seed), cfg
+    return build_model(get_preset(str(model)), device, dtype, cfg.seed), cfg
 
 
 class Engine:
@@ -63,7 +77,7 @@ class Engine:
 
     Args:
         model: a preset name (``"tiny-dense"``, ``"llama-dense"``, ...), a Hugging Face checkpoint folder, a
-            :class:`ModelConfig` or a built model.
+            :class:`ModelConfig`, a built model, or a transformers ``*ForCausalLM`` (run as written, see below).
         config: an :class:`EngineConfig`; keyword arguments override or replace it field by field.
         **options: any field of :class:`EngineConfig` (the signature lists each with its default;
             ``help(EngineConfig)`` says what each does).
@@ -74,6 +88,13 @@ class Engine:
         eng = Engine("tiny-dense", backend="breakable", device="cpu", seed=0)
         res = eng.prefill([[1, 2, 3], [4, 5, 6, 7, 8]])
         res.logits.shape, res.next_tokens      # (2, vocab), greedy next tokens
+
+    A transformers model (``AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda()``) runs with
+    its own modules and weights through :class:`~bcg.models.hf.model.HFCausalLM`. The engine never casts it: with
+    ``dtype`` unset the model's dtype is the engine's, and another dtype is an error saying how to load it; with
+    ``device`` unset it stays where it is, and another device moves it (``.to``, dtypes kept). Its attention
+    implementation is switched to bcg's and uncapturable modules become islands, in place
+    (``engine.model.restore()`` undoes both).
     """
 
     def __init__(self, model: Any = "tiny-dense", config: EngineConfig | None = None, **kwargs: Any) -> None:
@@ -82,13 +103,15 @@ class Engine:
         if unknown:
             raise TypeError(f"unknown Engine option(s) {unknown}; valid options: {sorted(names)}")
         base = {f.name: getattr(config, f.name) for f in fields(EngineConfig)} if config else {}
-        self.config = EngineConfig(**{**base, **kwargs})
-        self.device, self.dtype = self.config.torch_device, self.config.torch_dtype
         t0 = time.perf_counter()
-        self.model = _load_model(model, self.config).eval()
+        model, self.config = _load_model(model, EngineConfig(**{**base, **kwargs}))
+        self.model = model.eval()
         self.load_ms = (time.perf_counter() - t0) * 1e3
+        self.device, self.dtype = self.config.torch_device, self.config.torch_dtype
         cfg = self.config
-        kernels = cfg.kernels or ("fused" if fused_available(self.device) else "torch")
+        # The fused kernels are the native models' (a transformers model's modules run as written).
+        is_native = isinstance(self.model, CausalLM)
+        kernels = cfg.kernels or ("fused" if fused_available(self.device) and is_native else "torch")
         if kernels == "fused" and self.device.type == "cuda" and not fused_available(self.device):
             raise ValueError("kernels='fused' needs Triton on CUDA, which cannot be imported here; install the triton "
                              "that matches your torch, or pass kernels='torch'")
@@ -96,8 +119,10 @@ class Engine:
         sizes = cfg.buckets or default_ladder(cfg.max_tokens or cfg.chunked_prefill_size)
         # The pool must hold one largest-bucket dummy batch during capture and the biggest live batch.
         kv_tokens = max(cfg.kv_tokens or 4 * cfg.chunked_prefill_size, max(sizes))
-        self.kv_pool = KVPool.for_model(self.model.config, kv_tokens, self.device, self.dtype)
+        self.kv_pool = self.model.make_kv_pool(kv_tokens, self.device, self.dtype)
         self.runner = Runner(self.model, cfg, self.kv_pool, sizes)
+        self.runner.telemetry.auto_islands = list(getattr(self.model, "auto_islands", ()))
+        self.runner.telemetry.notes = list(getattr(self.model, "notes", ()))
         t0 = time.perf_counter()
         self.runner.build()
         self.build_ms = (time.perf_counter() - t0) * 1e3
