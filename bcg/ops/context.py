@@ -54,7 +54,7 @@ class ForwardContext(ABC):
         """
         raise UncapturableOpError(
             f"attention layer {layer_id} uses {features.describe()}, which {type(self).__name__} does not implement "
-            "(only plain causal attention is captured whole); the live batch's island honours it")
+            "(a whole-layer-stack graph captures plain causal attention only)")
 
     @abstractmethod
     def live(self, island: str, why: str) -> ForwardContext:

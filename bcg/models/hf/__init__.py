@@ -9,7 +9,6 @@ graph cannot capture into islands or refuses it by name. transformers is an opti
 
 from __future__ import annotations
 
-import importlib.util
 from typing import Any
 
 __all__ = ["MIN_TRANSFORMERS", "UnsupportedModelError", "is_transformers_model", "require_transformers"]
@@ -36,10 +35,11 @@ def is_transformers_model(obj: Any) -> bool:
 
 def require_transformers(why: str) -> Any:
     """The ``transformers`` module, or an ImportError saying ``why`` it is needed and how to install it."""
-    if importlib.util.find_spec("transformers") is None:
+    try:
+        import transformers
+    except ImportError:
         raise ImportError(f"{why} needs the transformers package, which is not installed: pip install "
-                          "'transformers>=5.17' (or pip install -e '.[hf]' in a clone of bcg)")
-    import transformers
+                          "'transformers>=5.17' (or pip install -e '.[hf]' in a clone of bcg)") from None
 
     version = tuple(int(p) for p in transformers.__version__.split(".")[:2] if p.isdigit())
     if version < MIN_TRANSFORMERS:

@@ -97,7 +97,11 @@ class HFCausalLM(nn.Module):
             raise UnsupportedModelError(f"{name} is not a *ForCausalLM with a decoder body, an input embedding and an "
                                         "LM head; load it with AutoModelForCausalLM")
         self._parts = {"body": body, "embed": embed, "head": head}  # not registered twice: they live in self.hf
-        self.previous_attn_implementation = cfg._attn_implementation
+        # A model adapted before (another engine) starts clean: no islands, and the attention it had originally.
+        restore_islands(body)
+        if cfg._attn_implementation != NAME:
+            hf_model.bcg_previous_attn_implementation = cfg._attn_implementation
+        self.previous_attn_implementation = getattr(hf_model, "bcg_previous_attn_implementation", "sdpa")
         hf_model.set_attn_implementation(NAME)
         if cfg._attn_implementation != NAME:
             raise UnsupportedModelError(f"{name} cannot switch its attention to {NAME!r} (it does not dispatch "
