@@ -69,8 +69,11 @@ def _uncapturable(message: str) -> UncapturableOpError:
 _FIX = "Move it into an @eager_on_graph function, or keep shapes fixed and the values on the device."
 _ALWAYS = {
     aten._local_scalar_dense: "a host read of a tensor value (.item(), int(t), float(t), bool(t), `if t:`)",
-    aten.item: "a host read of a tensor value (.item())",
+    aten.item: "a host read of a tensor value (.item(), int(t) or float(t) under inference mode)",
+    # Under inference mode bool(t) reaches the dispatcher as is_nonzero, not _local_scalar_dense.
+    aten.is_nonzero: "a host read of a tensor value (bool(t), `if t:`)",
     aten.equal: "torch.equal, which returns a Python bool (a host sync)",
+    aten.allclose: "torch.allclose, which returns a Python bool (a host sync)",
     aten.nonzero: "nonzero (or torch.where(cond) / argwhere), whose output shape depends on the data",
     aten.masked_select: "masked_select, whose output shape depends on the data",
     aten._unique: "unique, whose output shape depends on the data",
@@ -108,6 +111,9 @@ def uncapturable_reason(func: torch._ops.OpOverload, args: tuple, kwargs: dict) 
         # overload (self_int) arrives undecomposed; it is an expand and a copy, capturable.
         if func._overloadname in ("Tensor", "self_Tensor") and kwargs.get("output_size") is None:
             reason = "repeat_interleave with tensor repeats and no output_size"
+    elif reason is None and packet is aten.where and func._overloadname == "default":
+        # torch.where(cond) with one argument (nonzero's tuple form; it arrives undecomposed under inference mode)
+        reason = "torch.where(cond) with one argument (nonzero), whose output shape depends on the data"
     elif reason is None and packet is aten.one_hot:
         num_classes = args[1] if len(args) > 1 else kwargs.get("num_classes", -1)
         if num_classes == -1:
