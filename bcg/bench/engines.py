@@ -66,7 +66,7 @@ def _first_line(e: BaseException) -> str:
 @contextlib.contextmanager
 def engine_for(model: str, backend: str, *, device: str, dtype: str | None, seed: int, chunked_prefill_size: int,
                max_tokens: int | None, progress: bool, record: BuildRecord | None = None,
-               kv_tokens: int | None = None) -> Iterator[Any]:
+               kv_tokens: int | None = None, model_impl: str = "auto") -> Iterator[Any]:
     """Builds an Engine for ``backend``; yields it, or ``None`` when it cannot be built or its backend refuses the
     model (``record`` says why: ``error``, and ``refused_reason`` for a refusal).
 
@@ -88,7 +88,8 @@ def engine_for(model: str, backend: str, *, device: str, dtype: str | None, seed
     free_memory()
     try:
         eng = Engine(model, backend=backend, device=device, dtype=dtype, seed=seed, kv_tokens=kv_tokens,
-                     chunked_prefill_size=chunked_prefill_size, max_tokens=max_tokens, progress=progress)
+                     chunked_prefill_size=chunked_prefill_size, max_tokens=max_tokens, progress=progress,
+                     model_impl=model_impl)
     except Exception as e:  # noqa: BLE001 - an unavailable backend is a result to report, not a crash
         record.available, record.error = False, _first_line(e)
         free_memory()

@@ -89,7 +89,8 @@ def _bench_backend(backend: str, cfg: BenchConfig, result: LatencyResult, bar: A
     # The KV pool holds the longest prompt (the many-request batch has the same total), however long it is.
     with engine_for(cfg.model, backend, device=cfg.device, dtype=cfg.dtype, seed=cfg.seed,
                     chunked_prefill_size=cfg.chunked_prefill_size, max_tokens=cfg.ceiling,
-                    kv_tokens=max(cfg.lengths), progress=cfg.progress, record=record) as eng:
+                    kv_tokens=max(cfg.lengths), progress=cfg.progress, record=record,
+                    model_impl=cfg.model_impl) as eng:
         if eng is None:
             if backend == "eager":
                 raise BenchError(f"the eager baseline of {cfg.model!r} could not be built ({record.error}); "
@@ -126,7 +127,7 @@ def _kernel_floors(cfg: BenchConfig, result: LatencyResult) -> None:
         return
     with engine_for(cfg.model, "eager", device=cfg.device, dtype=cfg.dtype, seed=cfg.seed,
                     chunked_prefill_size=cfg.chunked_prefill_size, max_tokens=cfg.ceiling,
-                    kv_tokens=max(cfg.lengths), progress=False) as eng:
+                    kv_tokens=max(cfg.lengths), progress=False, model_impl=cfg.model_impl) as eng:
         if eng is None:
             return
         for row in rows:

@@ -108,14 +108,15 @@ def _sample(eng: Any, prompt: torch.Tensor, start: tuple[int, int, int]) -> _Sam
 
 
 def _measure_config(label: str, backend: str, ceiling: int | None, model: str, device: str, dtype: str | None,
-                    seed: int, chunk: int, progress: bool) -> tuple[MemoryRow, _Sample | None]:
+                    seed: int, chunk: int, progress: bool, model_impl: str) -> tuple[MemoryRow, _Sample | None]:
     row = MemoryRow(label=label, backend=backend, ceiling=ceiling)
     free_memory()
     dev = torch.device(device)
     start = (torch.cuda.memory_allocated(dev), torch.cuda.memory_reserved(dev), _used(dev))
     record = BuildRecord(backend)
     with engine_for(model, backend, device=device, dtype=dtype, seed=seed, chunked_prefill_size=chunk,
-                    max_tokens=ceiling if ceiling is not None else chunk, progress=progress, record=record) as eng:
+                    max_tokens=ceiling if ceiling is not None else chunk, progress=progress, record=record,
+                    model_impl=model_impl) as eng:
         if eng is None:
             row.available, row.error = False, record.error
             return row, None
@@ -129,7 +130,7 @@ def _measure_config(label: str, backend: str, ceiling: int | None, model: str, d
 
 
 def run_memory(model: str, device: str, dtype: str | None, seed: int, chunk: int,
-               progress: bool = True) -> MemoryResult:
+               progress: bool = True, model_impl: str = "auto") -> MemoryResult:
     """Runs the peak-memory experiment; on a CPU returns rows of ``None`` with a note.
 
     Example::
@@ -145,7 +146,8 @@ def run_memory(model: str, device: str, dtype: str | None, seed: int, chunk: int
     result = MemoryResult(True, chunk)
     baseline: _Sample | None = None
     for label, backend, ceiling in tqdm(configs, desc="bcg memory", unit="config", disable=not progress):
-        row, sample = _measure_config(label, backend, ceiling, model, device, dtype, seed, chunk, progress)
+        row, sample = _measure_config(label, backend, ceiling, model, device, dtype, seed, chunk, progress,
+                                      model_impl)
         result.rows.append(row)
         if sample is None:
             continue
