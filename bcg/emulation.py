@@ -9,8 +9,8 @@ re-executes the recorded ops against the same storages and copies fresh results 
 - anything that cannot be captured on CUDA fails here too, with :class:`UncapturableOpError`: host reads
   (``.item()``, ``int(t)``, ``if t:``, ``.tolist()``, ``.numpy()``, ``.cpu()``, printing a tensor),
   data-dependent output shapes (``nonzero``, boolean-mask indexing, ``masked_select``, ``unique``,
-  ``bincount``, ``repeat_interleave`` with tensor repeats and no ``output_size``), ``torch.equal`` and creating tensors from Python
-  data (a host-to-device copy on CUDA).
+  ``bincount``, ``repeat_interleave`` with tensor repeats and no ``output_size``), ``torch.equal``,
+  ``torch.allclose`` and creating tensors from Python data (a host-to-device copy on CUDA).
 
 Because every tensor of an emulated capture stands for device memory, host-side metadata must be read outside the
 capture, exactly as it must on a GPU. Emulation is for correctness, not speed.

@@ -22,7 +22,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch import nn
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -153,6 +152,7 @@ def find_uncapturable(root: nn.Module) -> Iterator[ProbeReport]:
     the probe's input does not take are not seen.
 
     Example:
+        >>> import torch
         >>> class Picky(nn.Module):
         ...     def forward(self, x):
         ...         return x[x > 0].sum()

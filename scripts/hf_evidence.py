@@ -20,6 +20,7 @@ then one JSON object (also written to ``--out``).
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import importlib.util
 import json
@@ -49,13 +50,16 @@ SMOKE_SHAPES = {  # the same config classes at CPU test size
 NATIVE = {"qwen3-0.6b"}  # shapes bcg's native loader maps
 
 
-def _shapes(smoke: bool) -> dict[str, tuple[str, dict]]:
-    if smoke:
-        return SMOKE_SHAPES
+def _make_checkpoint() -> Any:
+    """scripts/make_checkpoint.py as a module (its SHAPES and main)."""
     spec = importlib.util.spec_from_file_location("make_checkpoint", ROOT / "scripts" / "make_checkpoint.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module.SHAPES
+    return module
+
+
+def _shapes(smoke: bool) -> dict[str, tuple[str, dict]]:
+    return SMOKE_SHAPES if smoke else _make_checkpoint().SHAPES
 
 
 class Run:
@@ -96,10 +100,7 @@ def _build_hf(shape: str, cls: str, fields: dict, folder: Path | None, device: s
             if smoke:  # the same thing at test size
                 _in_memory(transformers, cls, fields, "cpu").save_pretrained(folder)
             else:
-                make = importlib.util.spec_from_file_location("make_checkpoint", ROOT / "scripts" / "make_checkpoint.py")
-                module = importlib.util.module_from_spec(make)
-                make.loader.exec_module(module)
-                module.main([shape, str(folder)])
+                _make_checkpoint().main([shape, str(folder)])
         return transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).to(device).eval()
     return _in_memory(transformers, cls, fields, device)
 
@@ -142,7 +143,7 @@ def _engine_rows(make: Any, label: str, prompts: dict[int, torch.Tensor], ref: d
     result = {"build_ms": eng.build_ms, "auto_islands": eng.telemetry.auto_islands,
               "refused": eng.telemetry.refused_reason, "notes": eng.telemetry.notes, "by_length": rows}
 
-    def measure(p: torch.Tensor) -> dict:
+    def measure(eng: Engine, p: torch.Tensor) -> dict:
         res = eng.prefill([p])
         timing = time_fn(lambda: eng.prefill([p]), eng.device, args.runs, args.warmup)
         row = {"ms": timing.median_ms, "graph_used": all(b.graph_used for b in res.batches),
@@ -155,7 +156,7 @@ def _engine_rows(make: Any, label: str, prompts: dict[int, torch.Tensor], ref: d
         return row
 
     for n, p in prompts.items():
-        rows[n] = run.step(f"{label} {n}", measure, p) or {}
+        rows[n] = run.step(f"{label} {n}", measure, eng, p) or {}
     del eng
     _free()
     return result
@@ -179,7 +180,7 @@ def run_shape(shape: str, spec: tuple[str, dict], args: argparse.Namespace, run:
                               "attn_implementation": hf.config._attn_implementation}
     ref = _hf_forward(hf, prompts, args, run)  # before the engine switches the model's attention to bcg's
     result["hf"] = {n: {"ms": r.get("ms")} for n, r in ref.items()}
-    result["tf_breakable"] = _engine_rows(lambda: Engine(hf, **_opts(args)), f"{shape}: transformers path",
+    result["tf_breakable"] = _engine_rows(functools.partial(Engine, hf, **_opts(args)), f"{shape}: transformers path",
                                           prompts, ref, args, run)
     del hf
     _free()
@@ -194,8 +195,8 @@ def run_shape(shape: str, spec: tuple[str, dict], args: argparse.Namespace, run:
 
 
 def _table(results: dict, lengths: list[int]) -> str:
-    head = ("| shape | tokens | transformers forward ms | transformers path, breakable ms | speedup | native, breakable "
-            "ms | tf path / native | token = transformers' |")
+    head = ("| shape | tokens | transformers forward ms | transformers path, breakable ms | speedup | "
+            "native, breakable ms | tf path / native | token = transformers' |")
     lines = [head, "|---|---:|---:|---:|---:|---:|---:|---|"]
 
     def ms(v: Any) -> str:

@@ -134,7 +134,8 @@ import sys
 sys.modules["transformers"] = None  # import transformers now raises ImportError
 import bcg, bcg.runtime, bcg.models.hf
 from bcg.runtime import Engine
-print(Engine("tiny-dense", device="cpu", buckets=[4], chunked_prefill_size=4, progress=False).prefill([[1, 2]]).next_tokens)
+eng = Engine("tiny-dense", device="cpu", buckets=[4], chunked_prefill_size=4, progress=False)
+print(eng.prefill([[1, 2]]).next_tokens)
 try:
     Engine({str(tmp_path)!r}, device="cpu", progress=False)
 except ImportError as e:
