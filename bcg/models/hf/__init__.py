@@ -13,8 +13,8 @@ from typing import Any
 
 __all__ = ["MIN_TRANSFORMERS", "UnsupportedModelError", "is_transformers_model", "require_transformers"]
 
-# Oldest transformers whose attention registry, set_attn_implementation and dtype= loading the adapter uses.
-MIN_TRANSFORMERS = (5, 0)
+# Oldest transformers the adapter is tested with (5.17 and 5.24 are); 5.x has the registry and APIs it uses.
+MIN_TRANSFORMERS = (5, 17)
 
 
 class UnsupportedModelError(ValueError):
@@ -43,6 +43,6 @@ def require_transformers(why: str) -> Any:
 
     version = tuple(int(p) for p in transformers.__version__.split(".")[:2] if p.isdigit())
     if version < MIN_TRANSFORMERS:
-        raise ImportError(f"{why} needs transformers >= {'.'.join(map(str, MIN_TRANSFORMERS))} (its attention "
-                          f"registry and set_attn_implementation); found {transformers.__version__}")
+        raise ImportError(f"{why} needs transformers >= {'.'.join(map(str, MIN_TRANSFORMERS))} (the versions it is "
+                          f"tested with); found {transformers.__version__}")
     return transformers

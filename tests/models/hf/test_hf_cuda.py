@@ -12,7 +12,6 @@ from bcg.runtime import Engine
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 OPTS = dict(device="cuda", buckets=[16, 32], chunked_prefill_size=32, kv_tokens=256, progress=False)
 REL_TOL = 3e-2  # bf16, relative to the largest logit
-TIE = 0.05  # transformers' top-2 logits this close: either token is a legitimate greedy pick in bf16
 
 
 def _models(arch: str, experts: str | None = None):
@@ -23,10 +22,12 @@ def _models(arch: str, experts: str | None = None):
 
 
 def _compare(res, want: torch.Tensor) -> None:
-    rel = ((res.logits - want).abs().max() / want.abs().max()).item()
-    assert rel <= REL_TOL, rel
+    """Logits within bf16 tolerance; the same greedy token wherever transformers' top-2 margin clears it (closer
+    logits are a tie in bf16: either token is a legitimate pick)."""
+    tol = REL_TOL * max(1.0, want.abs().max().item())
+    assert (res.logits - want).abs().max().item() <= tol
     top2 = want.topk(2, dim=-1).values
-    clear = (top2[:, 0] - top2[:, 1]) > TIE
+    clear = (top2[:, 0] - top2[:, 1]) > 2 * tol
     assert torch.equal(res.next_tokens[clear], want.argmax(-1)[clear])
 
 

@@ -16,7 +16,7 @@ from bcg.models.hf import UnsupportedModelError
 from bcg.models.hf.attention import bcg_attention
 from bcg.models.hf.model import HFCausalLM
 from bcg.models.loader import CheckpointError
-from bcg.models.registry import CausalLM
+from bcg.models.base import CausalLM
 from bcg.runtime import Engine
 
 SMALL = dict(device="cpu", buckets=[16], chunked_prefill_size=16, kv_tokens=64, progress=False)
