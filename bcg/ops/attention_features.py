@@ -91,16 +91,14 @@ def _use_flash(q: Tensor, values: Tensor, ctx: BatchContext, features: Attention
 def _flash(q: Tensor, keys: Tensor, values: Tensor, ctx: BatchContext, features: AttentionFeatures,
            out: Tensor) -> None:
     window_left = None if features.window is None else features.window - 1
-    result = flash_varlen_lse(q, keys, values, ctx.cu_seqlens_q, ctx.cu_seqlens_k, ctx.max_seqlen_q,
-                              ctx.max_seqlen_k, scale=features.scale, window_left=window_left)
-    if result is None:  # cannot happen after the probe passed; never compute something else silently
+    lse = flash_varlen_lse(q, keys, values, ctx.cu_seqlens_q, ctx.cu_seqlens_k, ctx.max_seqlen_q, ctx.max_seqlen_k,
+                           out, scale=features.scale, window_left=window_left)
+    if lse is None:  # cannot happen after the probe passed; never compute something else silently
         raise RuntimeError("FlashAttention varlen with a window / log-sum-exp became unavailable")
-    o, lse = result
-    if features.sinks is None:
-        out.copy_(o)
-        return
-    gate = torch.sigmoid(lse - features.sinks.float())  # (rows, heads)
-    torch.mul(o, gate[..., None].to(o.dtype), out=out)
+    if features.sinks is not None:
+        # softmax over [logits, sink] without the sink column = softmax(logits) @ V * sigmoid(lse - sink)
+        gate = torch.sigmoid(lse - features.sinks.float())  # (rows, heads)
+        torch.mul(out, gate[..., None], out=out)
 
 
 def reference_attention(q: Tensor, keys: Tensor, values: Tensor, ctx: BatchContext, features: AttentionFeatures,

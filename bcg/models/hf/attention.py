@@ -131,6 +131,8 @@ def bcg_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, 
     q, k, v = bridge.carry("hf_attn", query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1))
     out = bridge.empty("hf_attn.out", (rows, heads, v_dim), query.dtype, query.device)
     scale = None if scaling == query.shape[-1] ** -0.5 else float(scaling)
+    if sinks is not None:
+        sinks = sinks.float()  # cast inside the graph segment, not at every replay of the island
     attention(q, k, v, out, module.layer_idx, scale, window, softcap, sinks)
     return out[None], None
 

@@ -12,11 +12,11 @@ import torch
 from engine_cache import max_diff
 from hf_cases import expected, make_model, one_thread, prompts, reference_copy, reference_logits
 
+from bcg.models.base import CausalLM
 from bcg.models.hf import UnsupportedModelError
 from bcg.models.hf.attention import bcg_attention
 from bcg.models.hf.model import HFCausalLM
 from bcg.models.loader import CheckpointError
-from bcg.models.base import CausalLM
 from bcg.runtime import Engine
 
 SMALL = dict(device="cpu", buckets=[16], chunked_prefill_size=16, kv_tokens=64, progress=False)
