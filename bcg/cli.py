@@ -58,10 +58,15 @@ def _common(p: argparse.ArgumentParser, out: str) -> None:
     from bcg.bench.config import CUDA_DEFAULTS as G
     from bcg.bench.config import MAX_CHUNK, RUNS, WARMUP
     from bcg.models.config import PRESETS
+    from bcg.models.model_impl import MODEL_IMPLS
 
     p.add_argument("--model", default=None,
                    help=f"a preset ({', '.join(PRESETS)}) or a Hugging Face checkpoint folder (config.json and "
-                   f"*.safetensors of a llama, qwen3 or qwen3_moe model); default: {_both(G.model, C.model)}")
+                   f"*.safetensors); default: {_both(G.model, C.model)}")
+    p.add_argument("--model-impl", default="auto", choices=list(MODEL_IMPLS),
+                   help="what runs a checkpoint folder: bcg's own model classes (native: llama, qwen3, qwen3_moe), "
+                   "its transformers code as written (transformers), or native where bcg has the architecture "
+                   "(auto, the default)")
     p.add_argument("--runs", type=int, default=RUNS,
                    help="timed runs per measurement; the median is reported with its interquartile range "
                    "(default: %(default)s)")
@@ -192,8 +197,8 @@ def _run_bench(cfg: Any) -> dict[str, Any]:
 
     env = _environment(cfg.device, cfg.emulated)
     lat = run_latency(cfg)
-    mem = (run_memory(cfg.model, cfg.device, cfg.dtype, cfg.seed, cfg.chunked_prefill_size, cfg.progress, cfg.tp)
-           if cfg.memory else None)
+    mem = (run_memory(cfg.model, cfg.device, cfg.dtype, cfg.seed, cfg.chunked_prefill_size, cfg.progress, cfg.tp,
+                      cfg.model_impl) if cfg.memory else None)
     note = CPU_SPEEDUP_NOTE if cfg.emulated else None
     results: dict[str, Any] = {"schema": "bcg.bench/2", "kind": "bench", "config": vars(cfg), "environment": env,
                                "speedup_note": note, "builds": lat.builds, "rows": lat.rows,

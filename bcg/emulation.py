@@ -9,8 +9,9 @@ re-executes the recorded ops against the same storages and copies fresh results 
 - anything that cannot be captured on CUDA fails here too, with :class:`UncapturableOpError`: host reads
   (``.item()``, ``int(t)``, ``if t:``, ``.tolist()``, ``.numpy()``, ``.cpu()``, printing a tensor),
   data-dependent output shapes (``nonzero``, boolean-mask indexing, ``masked_select``, ``unique``,
-  ``bincount``, ``repeat_interleave`` without ``output_size``), ``torch.equal``, creating tensors from Python
-  data (a host-to-device copy on CUDA) and distributed barriers (the host waits for the other ranks);
+  ``bincount``, ``repeat_interleave`` with tensor repeats and no ``output_size``), ``torch.equal``,
+  ``torch.allclose``, creating tensors from Python data (a host-to-device copy on CUDA) and distributed barriers
+  (the host waits for the other ranks);
 - collectives (``torch.distributed.all_reduce`` and the other ``c10d`` ops, functional collectives) are recorded
   but not issued at capture, as NCCL records them into a CUDA graph, and replay issues them as real collectives
   over the same process group (gloo on a CPU) and waits for them before the next op reads their output.
@@ -29,14 +30,15 @@ from __future__ import annotations
 import contextvars
 import itertools
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["RECORDS_COMPILED_CODE", "EmulatedGraph", "UncapturableOpError", "emulated_pool_handle",
-           "is_emulated_capturing"]
+__all__ = ["HOST_READ_METHODS", "RECORDS_COMPILED_CODE", "EmulatedGraph", "UncapturableOpError",
+           "emulated_pool_handle", "is_emulated_capturing", "reporting_host_reads", "uncapturable_reason"]
 
 aten = torch.ops.aten
 
@@ -72,8 +74,11 @@ def _uncapturable(message: str) -> UncapturableOpError:
 _FIX = "Move it into an @eager_on_graph function, or keep shapes fixed and the values on the device."
 _ALWAYS = {
     aten._local_scalar_dense: "a host read of a tensor value (.item(), int(t), float(t), bool(t), `if t:`)",
-    aten.item: "a host read of a tensor value (.item())",
+    aten.item: "a host read of a tensor value (.item(), int(t) or float(t) under inference mode)",
+    # Under inference mode bool(t) reaches the dispatcher as is_nonzero, not _local_scalar_dense.
+    aten.is_nonzero: "a host read of a tensor value (bool(t), `if t:`)",
     aten.equal: "torch.equal, which returns a Python bool (a host sync)",
+    aten.allclose: "torch.allclose, which returns a Python bool (a host sync)",
     aten.nonzero: "nonzero (or torch.where(cond) / argwhere), whose output shape depends on the data",
     aten.masked_select: "masked_select, whose output shape depends on the data",
     aten._unique: "unique, whose output shape depends on the data",
@@ -91,7 +96,19 @@ _HOST_SYNC_COLLECTIVES = {"barrier": "a distributed barrier, which makes the hos
 _C10D, _FUNCTIONAL = "c10d", "_c10d_functional"
 
 
-def _check_capturable(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> None:
+def uncapturable_reason(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> str | None:
+    """Why a CUDA graph cannot capture this aten call (a short phrase), or None when it can.
+
+    The rules every emulated capture applies; :mod:`bcg.probe` applies the same ones to find offenders without
+    capturing.
+
+    Example:
+        >>> x = torch.ones(3)
+        >>> uncapturable_reason(aten.nonzero.default, (x,), {})
+        'nonzero (or torch.where(cond) / argwhere), whose output shape depends on the data'
+        >>> uncapturable_reason(aten.repeat_interleave.self_int, (x, 2), {}) is None
+        True
+    """
     packet = func.overloadpacket
     reason = _ALWAYS.get(packet)
     if reason is None and func.namespace == _C10D:
@@ -101,14 +118,29 @@ def _check_capturable(func: torch._ops.OpOverload, args: tuple, kwargs: dict) ->
         if any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in indices):
             reason = "boolean-mask indexing, whose output shape depends on the data"
     elif reason is None and packet is aten.repeat_interleave:
-        if isinstance(args[0], torch.Tensor) and kwargs.get("output_size") is None:
+        # Only tensor repeats size the output by their sum (a host read). Under inference mode the int-repeats
+        # overload (self_int) arrives undecomposed; it is an expand and a copy, capturable.
+        if func._overloadname in ("Tensor", "self_Tensor") and kwargs.get("output_size") is None:
             reason = "repeat_interleave with tensor repeats and no output_size"
+    elif reason is None and packet is aten.where and func._overloadname == "default":
+        # torch.where(cond) with one argument (nonzero's tuple form; it arrives undecomposed under inference mode)
+        reason = "torch.where(cond) with one argument (nonzero), whose output shape depends on the data"
     elif reason is None and packet is aten.one_hot:
         num_classes = args[1] if len(args) > 1 else kwargs.get("num_classes", -1)
         if num_classes == -1:
             reason = "one_hot without num_classes, which reads the maximum back to the host"
+    return reason
+
+
+def _check_capturable(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> None:
+    reason = uncapturable_reason(func, args, kwargs)
     if reason is not None:
         raise _uncapturable(f"{func} cannot be captured in a CUDA graph: {reason}. {_FIX}")
+
+
+# Called with the method's name on a host read outside a capture, while :func:`reporting_host_reads` is active.
+_HOST_READ_HOOK: contextvars.ContextVar[Callable[[str], None] | None] = contextvars.ContextVar("bcg_host_read_hook",
+                                                                                              default=None)
 
 
 def _host_read_guard(name: str, original: Callable) -> Callable:
@@ -118,6 +150,13 @@ def _host_read_guard(name: str, original: Callable) -> Callable:
                 f"Tensor.{name}() cannot be captured in a CUDA graph: it copies device memory to the host "
                 f"and synchronizes. {_FIX}"
             )
+        hook = _HOST_READ_HOOK.get()
+        if hook is not None:
+            token = _HOST_READ_HOOK.set(None)  # what the hook itself does is not reported
+            try:
+                hook(name)
+            finally:
+                _HOST_READ_HOOK.reset(token)
         return original(self, *args, **kwargs)
 
     guarded.__name__ = name
@@ -126,7 +165,7 @@ def _host_read_guard(name: str, original: Callable) -> Callable:
 
 
 # Host reads that do not reach the dispatcher for CPU tensors, so the dispatch mode cannot see them.
-_GUARDED_METHODS = ("tolist", "numpy", "__array__", "cpu", "__repr__", "__format__")
+HOST_READ_METHODS = ("tolist", "numpy", "__array__", "cpu", "__repr__", "__format__")
 _guard_lock = threading.Lock()
 _guard_users = 0
 _originals: dict[str, Callable] = {}
@@ -136,7 +175,7 @@ def _install_guards() -> None:
     global _guard_users
     with _guard_lock:
         if _guard_users == 0:
-            for name in _GUARDED_METHODS:
+            for name in HOST_READ_METHODS:
                 _originals[name] = getattr(torch.Tensor, name)
                 setattr(torch.Tensor, name, _host_read_guard(name, _originals[name]))
         _guard_users += 1
@@ -150,6 +189,27 @@ def _remove_guards() -> None:
             for name, fn in _originals.items():
                 setattr(torch.Tensor, name, fn)
             _originals.clear()
+
+
+@contextmanager
+def reporting_host_reads(report: Callable[[str], None]) -> Iterator[None]:
+    """Inside the block, each host read that never reaches the dispatcher on a CPU (:data:`HOST_READ_METHODS`:
+    ``tolist``, ``numpy``, ``cpu``, printing...) calls ``report(method_name)`` first; used by :mod:`bcg.probe`.
+
+    Example:
+        >>> seen = []
+        >>> with reporting_host_reads(seen.append):
+        ...     _ = torch.ones(2).tolist()
+        >>> seen
+        ['tolist']
+    """
+    _install_guards()
+    token = _HOST_READ_HOOK.set(report)
+    try:
+        yield
+    finally:
+        _HOST_READ_HOOK.reset(token)
+        _remove_guards()
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:

@@ -16,7 +16,8 @@ import logging
 import os
 import threading
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any, TypeVar
 
 import torch
@@ -40,6 +41,7 @@ __all__ = [
     "is_capturing",
     "is_in_breakable_graph",
     "no_graph",
+    "observing_islands",
 ]
 
 logger = logging.getLogger("bcg")
@@ -222,6 +224,53 @@ def is_capturing() -> bool:
     """True while a breakable capture is running in this context (also inside its eager functions)."""
     state = _CAPTURE.get()
     return state is not None and state.is_capture
+
+
+class _IslandObserver:
+    """Stands in for a capture state while :func:`observing_islands` is active: every eager function called (outside
+    another one) goes to the observer's ``call`` instead, and nothing is captured."""
+
+    is_capture = False  # is_capturing() stays False: models run as they do outside a capture
+
+    def __init__(self, call: Callable[[Callable, str, tuple, dict], Any]) -> None:
+        self.call, self.in_eager = call, False
+
+    def run_break(self, fn: Callable, name: str, stub: Callable | None, args: tuple, kwargs: dict) -> Any:
+        self.in_eager = True
+        try:
+            return self.call(fn, name, args, kwargs)
+        finally:
+            self.in_eager = False
+
+
+@contextmanager
+def observing_islands(call: Callable[[Callable, str, tuple, dict], Any]) -> Iterator[None]:
+    """Outside any capture, routes every ``@eager_on_graph`` call of the block to ``call(fn, name, args, kwargs)``,
+    which runs it (``fn(*args, **kwargs)``) and returns its result.
+
+    For tools that watch what a forward would capture or break at: the capturability probe (:mod:`bcg.probe`) pauses
+    inside islands, whose ops run at replay and never in a segment; the segment check (:mod:`bcg.recording`) records
+    each island's inputs and outputs. Islands called from an island run plainly, as in a capture. Nothing is
+    captured and :func:`is_capturing` stays False.
+
+    Example:
+        >>> import torch
+        >>> seen = []
+        >>> @eager_on_graph
+        ... def island(x):
+        ...     return x + 1
+        >>> with observing_islands(lambda fn, name, args, kwargs: seen.append(name) or fn(*args, **kwargs)):
+        ...     _ = island(torch.zeros(1))
+        >>> seen
+        ['island']
+    """
+    if _CAPTURE.get() is not None:
+        raise CaptureError("observing_islands() cannot run inside a breakable capture or another observer")
+    token = _CAPTURE.set(_IslandObserver(call))
+    try:
+        yield
+    finally:
+        _CAPTURE.reset(token)
 
 
 is_in_breakable_graph = is_capturing

@@ -3,8 +3,8 @@
 Inside :func:`record_eager_calls` every call of an ``@eager_on_graph`` function (outside a capture) is recorded in
 order with copies of its tensor arguments before and after the call and of what it returned, so a differential
 check can line the calls up with a :class:`~bcg.graph.BreakableCUDAGraph`'s :class:`~bcg.graph.EagerStep`\\ s. It
-stands in for a capture in the context variable the decorator reads, so runs outside it pay nothing; an eager
-function called inside another one is not recorded (it is part of the outer call), as at capture.
+observes the islands through :func:`bcg.graph.observing_islands`, so runs outside it pay nothing; an eager function
+called inside another one is not recorded (it is part of the outer call), as at capture.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from bcg.graph import _CAPTURE
+from bcg.graph import observing_islands
 
 __all__ = ["EagerCall", "record_eager_calls", "snapshot", "tensor_leaves"]
 
@@ -49,22 +49,14 @@ class EagerCall:
     results: list[torch.Tensor]
 
 
-class _Recorder:
-    is_capture = False  # is_capturing() stays False: models must run as they do outside a capture
-
-    def __init__(self) -> None:
-        self.in_eager = False
-        self.calls: list[EagerCall] = []
-
-    def run_break(self, fn: Callable, name: str, stub: Callable | None, args: tuple, kwargs: dict) -> Any:
+def _recorder(calls: list[EagerCall]) -> Callable[[Callable, str, tuple, dict], Any]:
+    def record(fn: Callable, name: str, args: tuple, kwargs: dict) -> Any:
         before = snapshot((args, kwargs))
-        self.in_eager = True
-        try:
-            out = fn(*args, **kwargs)
-        finally:
-            self.in_eager = False
-        self.calls.append(EagerCall(name, before, snapshot((args, kwargs)), snapshot(out)))
+        out = fn(*args, **kwargs)
+        calls.append(EagerCall(name, before, snapshot((args, kwargs)), snapshot(out)))
         return out
+
+    return record
 
 
 @contextmanager
@@ -77,9 +69,6 @@ def record_eager_calls() -> Iterator[list[EagerCall]]:
             model.forward_layers(hidden, positions)
         [c.name for c in calls]             # ['attention', 'attention', ...]
     """
-    recorder = _Recorder()
-    token = _CAPTURE.set(recorder)
-    try:
-        yield recorder.calls
-    finally:
-        _CAPTURE.reset(token)
+    calls: list[EagerCall] = []
+    with observing_islands(_recorder(calls)):
+        yield calls

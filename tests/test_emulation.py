@@ -38,6 +38,7 @@ def _uncapturable_ops():
         ("unique_consecutive", lambda t: torch.unique_consecutive(t)),
         ("bincount", lambda t: torch.bincount(t.long())),
         ("equal", lambda t: torch.equal(t, t)),
+        ("allclose", lambda t: torch.allclose(t, t)),
         ("torch.tensor", lambda t: torch.tensor([1.0, 2.0])),
         ("one_hot-no-classes", lambda t: torch.nn.functional.one_hot(t.long())),
         ("repeat_interleave", lambda t: torch.repeat_interleave(t, t.long())),
@@ -169,17 +170,21 @@ def test_inference_mode_capture_replays_in_inference_mode():
 # uncapturable operations
 
 
+@pytest.mark.parametrize("inference", [False, True], ids=["autograd", "inference_mode"])
 @pytest.mark.parametrize("op", UNCAPTURABLE)
-def test_uncapturable_op_raises_in_an_emulated_capture(op):
+def test_uncapturable_op_raises_in_an_emulated_capture(op, inference):
+    # Inference mode (how the runner captures) routes some host reads to other ops: bool(t) -> is_nonzero,
+    # torch.where(cond) -> where.default, int(t) -> item.
     x = _input()
     g = EmulatedGraph()
-    g.capture_begin()
-    try:
-        with pytest.raises(bcg.UncapturableOpError, match="cannot be captured in a CUDA graph"):
-            op(x)
-    finally:
-        with pytest.raises(bcg.UncapturableOpError, match="invalidated"):
-            g.capture_end()
+    with torch.inference_mode(inference):
+        g.capture_begin()
+        try:
+            with pytest.raises(bcg.UncapturableOpError, match="cannot be captured in a CUDA graph"):
+                op(x)
+        finally:
+            with pytest.raises(bcg.UncapturableOpError, match="invalidated"):
+                g.capture_end()
 
 
 @pytest.mark.parametrize("op", UNCAPTURABLE)
@@ -317,3 +322,32 @@ def test_collectives_are_recorded_at_capture_and_replayed_as_real_collectives():
         assert gathered1 == [1.0] * 4 + [2.0] * 4 and gathered2 == [2.0] * 4 + [3.0] * 4
         assert all(reason is not None for reason in res["refused"].values()), res["refused"]
         assert "barrier" in res["refused"]["barrier"] and "barrier" in res["refused"]["monitored_barrier"]
+
+
+@pytest.mark.parametrize("inference", [False, True], ids=["autograd", "inference_mode"])
+def test_repeat_interleave_with_int_repeats_captures(inference):
+    # Regression: under inference mode the int-repeats overload reaches the dispatcher undecomposed
+    # (aten.repeat_interleave.self_int); it is an expand and a copy, so a CUDA graph captures it.
+    x = torch.tensor([[1.0, 2.0], [3.0, 4.0]])
+    g = EmulatedGraph()
+    with torch.inference_mode(inference):
+        g.capture_begin()
+        y = x.repeat_interleave(3, dim=0)
+        g.capture_end()
+        x.copy_(torch.tensor([[5.0, 6.0], [7.0, 8.0]]))
+        g.replay()
+    torch.testing.assert_close(y, torch.tensor([[5.0, 6.0]] * 3 + [[7.0, 8.0]] * 3))
+
+
+@pytest.mark.parametrize("inference", [False, True], ids=["autograd", "inference_mode"])
+@pytest.mark.parametrize("call", [lambda x, r: torch.repeat_interleave(r), lambda x, r: x.repeat_interleave(r, dim=0)],
+                         ids=["repeats-only", "self-and-repeats"])
+def test_repeat_interleave_with_tensor_repeats_is_still_refused(inference, call):
+    x, repeats = torch.tensor([1.0, 2.0, 3.0]), torch.tensor([1, 0, 2])
+    g = EmulatedGraph()
+    with torch.inference_mode(inference):
+        g.capture_begin()
+        with pytest.raises(bcg.UncapturableOpError, match="repeat_interleave with tensor repeats"):
+            call(x, repeats)
+        with pytest.raises(bcg.UncapturableOpError, match="invalidated"):
+            g.capture_end()

@@ -169,7 +169,7 @@ def run_analyze(cfg: AnalyzeConfig, environment: dict[str, Any]) -> dict[str, An
     chunk, length = cfg.chunked_prefill_size, cfg.length
     lengths = cfg.lengths or sample_lengths(cfg.num_prompts, 16, chunk, cfg.seed)
     common = dict(device=cfg.device, dtype=cfg.dtype, seed=cfg.seed, chunked_prefill_size=chunk,
-                  progress=cfg.progress)
+                  progress=cfg.progress, model_impl=cfg.model_impl)
     a: dict[str, Any] = {"schema": "bcg.analyze/1", "kind": "analyze", "environment": environment}
     timing: dict[str, Any] = {"length": length}
     record = BuildRecord("breakable")

@@ -64,9 +64,9 @@ def read_lengths_file(path: str) -> list[int]:
         raise ValueError(f"--lengths-file {path!r}: {e}") from None
 
 
-def check_model(model: str) -> None:
-    """Accepts a preset name or a loadable checkpoint folder (``config.json`` of a supported ``model_type`` and
-    ``*.safetensors``); raises ValueError saying what is missing and listing the presets.
+def check_model(model: str, model_impl: str = "auto") -> None:
+    """Accepts a preset name or a loadable checkpoint folder (``config.json`` and ``*.safetensors`` of a model the
+    implementation ``model_impl`` picks can run); raises ValueError saying what is missing and listing the presets.
 
     Example::
 
@@ -76,6 +76,9 @@ def check_model(model: str) -> None:
     from bcg.models.config import PRESETS
 
     if model in PRESETS:
+        if model_impl == "transformers":
+            raise ValueError(f"--model {model!r} is a preset (one of bcg's own models); --model-impl transformers "
+                             "needs a checkpoint folder")
         return
     presets = f"presets: {', '.join(PRESETS)}"
     folder = Path(model)
@@ -91,12 +94,19 @@ def check_model(model: str) -> None:
         raise ValueError(f"--model {model!r}: config.json cannot be read: {e}") from None
     if not isinstance(hf, dict):
         raise ValueError(f"--model {model!r}: config.json is not a JSON object")
-    from bcg.models.loader import config_from_hf
+    from bcg.models.model_impl import resolve_model_impl
 
     try:
-        config_from_hf(hf)  # unsupported model_type or feature: the loader's own message
-    except ValueError as e:
+        impl = resolve_model_impl(folder, model_impl)  # unsupported natively, or no transformers: its own message
+    except (ValueError, ImportError) as e:
         raise ValueError(f"--model {model!r}: {e}") from None
+    if impl == "transformers":
+        import transformers
+
+        if hf.get("model_type") not in transformers.CONFIG_MAPPING:
+            native = "" if model_impl == "transformers" else "neither one bcg implements natively nor "
+            raise ValueError(f"--model {model!r}: model_type {hf.get('model_type')!r} is {native}one transformers "
+                             f"{transformers.__version__} knows")
     if not any(folder.glob("*.safetensors")):
         raise ValueError(f"--model {model!r} has config.json but no *.safetensors weights")
 

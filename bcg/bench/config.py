@@ -109,6 +109,7 @@ class BenchConfig:
     """
 
     model: str | None = None
+    model_impl: str = "auto"
     backends: list[str] | None = None  # variant names (bcg.bench.variants): "breakable", "breakable+fused", ...
     lengths: list[int] | None = None
     runs: int = RUNS
@@ -135,7 +136,7 @@ class BenchConfig:
         """A copy with every ``None`` replaced by this machine's default, validated."""
         from bcg.bench.variants import parse_variant
 
-        device, d, model = _resolve_machine(self.device, self.dtype, self.model)
+        device, d, model = _resolve_machine(self.device, self.dtype, self.model, self.model_impl)
         backends = list(d.backends) if self.backends is None else self.backends
         if not backends:
             raise ValueError("--backends is empty; give e.g. eager,breakable")
@@ -179,6 +180,7 @@ class AnalyzeConfig:
     """
 
     model: str | None = None
+    model_impl: str = "auto"
     lengths: list[int] | None = None
     lengths_file: str | None = None
     num_prompts: int = 256
@@ -201,7 +203,7 @@ class AnalyzeConfig:
 
     def resolved(self) -> AnalyzeConfig:
         """A copy with every ``None`` replaced by this machine's default, validated."""
-        device, d, model = _resolve_machine(self.device, self.dtype, self.model)
+        device, d, model = _resolve_machine(self.device, self.dtype, self.model, self.model_impl)
         chunk = self.chunked_prefill_size if self.chunked_prefill_size is not None else d.chunked_prefill_size
         _check_counts(self.runs, self.warmup, chunk)
         _check_threads(self.threads)
@@ -230,12 +232,13 @@ def _progress(progress: bool | None) -> bool:
     return sys.stderr.isatty() if progress is None else progress
 
 
-def _resolve_machine(device: str | None, dtype: str | None, model: str | None) -> tuple[str, MachineDefaults, str]:
+def _resolve_machine(device: str | None, dtype: str | None, model: str | None,
+                     model_impl: str = "auto") -> tuple[str, MachineDefaults, str]:
     """(device, this machine's defaults, model) with the defaults filled in and each checked."""
     device = device or default_device()
     check_device(device)
     check_dtype(dtype)
     d = machine_defaults(torch.device(device).type == "cuda")
     model = model or d.model
-    check_model(model)
+    check_model(model, model_impl)
     return device, d, model

@@ -66,7 +66,7 @@ def _first_line(e: BaseException) -> str:
 @contextlib.contextmanager
 def engine_for(model: str, backend: str, *, device: str, dtype: str | None, seed: int, chunked_prefill_size: int,
                max_tokens: int | None, progress: bool, record: BuildRecord | None = None,
-               kv_tokens: int | None = None, tp_size: int = 1) -> Iterator[Any]:
+               kv_tokens: int | None = None, tp_size: int = 1, model_impl: str = "auto") -> Iterator[Any]:
     """Builds an Engine for ``backend`` (a variant name, :mod:`bcg.bench.variants`); yields it, or ``None`` when it
     cannot be built, its backend refuses the model or its compile fails (``record`` says why: ``error``, and
     ``refused_reason`` for a refusal).
@@ -92,7 +92,7 @@ def engine_for(model: str, backend: str, *, device: str, dtype: str | None, seed
     try:
         eng = Engine(model, backend=variant.backend, kernels=variant.kernels, compile=variant.compile, device=device,
                      dtype=dtype, seed=seed, kv_tokens=kv_tokens, chunked_prefill_size=chunked_prefill_size,
-                     max_tokens=max_tokens, progress=progress, tp_size=tp_size)
+                     max_tokens=max_tokens, progress=progress, tp_size=tp_size, model_impl=model_impl)
     except Exception as e:  # noqa: BLE001 - an unavailable backend is a result to report, not a crash
         record.available, record.error = False, _first_line(e)
         free_memory()

@@ -95,7 +95,7 @@ def _bench_backend(backend: str, cfg: BenchConfig, result: LatencyResult, bar: A
     with engine_for(cfg.model, backend, device=cfg.device, dtype=cfg.dtype, seed=cfg.seed,
                     chunked_prefill_size=cfg.chunked_prefill_size, max_tokens=cfg.ceiling,
                     kv_tokens=max(cfg.lengths), progress=cfg.progress, record=record,
-                    tp_size=cfg.tp) as eng:
+                    tp_size=cfg.tp, model_impl=cfg.model_impl) as eng:
         if eng is None:
             if backend == "eager":
                 raise BenchError(f"the eager baseline of {cfg.model!r} could not be built ({record.error}); "
@@ -135,7 +135,8 @@ def _kernel_floors(cfg: BenchConfig, result: LatencyResult) -> None:
     for variant, field_name in (("eager", "kernel_ms"), ("eager+fused", "fused_kernel_ms"))[: 1 + fused]:
         with engine_for(cfg.model, variant, device=cfg.device, dtype=cfg.dtype, seed=cfg.seed,
                         chunked_prefill_size=cfg.chunked_prefill_size, max_tokens=cfg.ceiling,
-                        kv_tokens=max(cfg.lengths), progress=False, tp_size=cfg.tp) as eng:
+                        kv_tokens=max(cfg.lengths), progress=False, tp_size=cfg.tp,
+                        model_impl=cfg.model_impl) as eng:
             if eng is None:
                 continue
             for row in rows:

@@ -108,7 +108,8 @@ def _sample(eng: Any, prompt: torch.Tensor, start: tuple[int, int, int]) -> _Sam
 
 
 def _measure_config(label: str, backend: str, ceiling: int | None, model: str, device: str, dtype: str | None,
-                    seed: int, chunk: int, progress: bool, tp_size: int) -> tuple[MemoryRow, _Sample | None]:
+                    seed: int, chunk: int, progress: bool, tp_size: int,
+                    model_impl: str) -> tuple[MemoryRow, _Sample | None]:
     row = MemoryRow(label=label, backend=backend, ceiling=ceiling)
     free_memory()
     dev = torch.device(device)
@@ -116,7 +117,7 @@ def _measure_config(label: str, backend: str, ceiling: int | None, model: str, d
     record = BuildRecord(backend)
     with engine_for(model, backend, device=device, dtype=dtype, seed=seed, chunked_prefill_size=chunk,
                     max_tokens=ceiling if ceiling is not None else chunk, progress=progress, record=record,
-                    tp_size=tp_size) as eng:
+                    tp_size=tp_size, model_impl=model_impl) as eng:
         if eng is None:
             row.available, row.error = False, record.error
             return row, None
@@ -130,7 +131,7 @@ def _measure_config(label: str, backend: str, ceiling: int | None, model: str, d
 
 
 def run_memory(model: str, device: str, dtype: str | None, seed: int, chunk: int,
-               progress: bool = True, tp_size: int = 1) -> MemoryResult:
+               progress: bool = True, tp_size: int = 1, model_impl: str = "auto") -> MemoryResult:
     """Runs the peak-memory experiment (per rank under tensor parallel); on a CPU returns rows of ``None`` with a
     note.
 
@@ -147,7 +148,8 @@ def run_memory(model: str, device: str, dtype: str | None, seed: int, chunk: int
     result = MemoryResult(True, chunk)
     baseline: _Sample | None = None
     for label, backend, ceiling in tqdm(configs, desc="bcg memory", unit="config", disable=not progress):
-        row, sample = _measure_config(label, backend, ceiling, model, device, dtype, seed, chunk, progress, tp_size)
+        row, sample = _measure_config(label, backend, ceiling, model, device, dtype, seed, chunk, progress, tp_size,
+                                      model_impl)
         result.rows.append(row)
         if sample is None:
             continue

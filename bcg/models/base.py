@@ -23,6 +23,7 @@ from torch import Tensor, nn
 from bcg.models.config import ModelConfig
 from bcg.models.layers import RMSNorm, RotaryEmbedding
 from bcg.models.parallel_layers import check_tensor_parallel, embedding, lm_head, shard_specs
+from bcg.ops.kv_cache import KVPool
 from bcg.ops.parallel import SINGLE, TensorParallel, kv_head_range
 
 INIT_STD = 0.02
@@ -104,6 +105,17 @@ class CausalLM(nn.Module):
     def compute_logits(self, hidden_last: Tensor) -> Tensor:
         """Final norm + LM head on ``(R, hidden_size)`` rows -> fp32 logits ``(R, vocab_size)``."""
         return self.lm_head(self.norm(hidden_last)).float()
+
+    def make_kv_pool(self, num_slots: int, device: torch.device | str, dtype: torch.dtype) -> KVPool:
+        """The KV pool this model's islands read and write, for ``num_slots`` cached tokens.
+
+        Example:
+            >>> from bcg.models.config import get_preset
+            >>> from bcg.models.registry import build_model
+            >>> build_model(get_preset("tiny-dense")).make_kv_pool(16, "cpu", torch.float32).k[0].shape
+            torch.Size([17, 2, 16])
+        """
+        return KVPool.for_model(self.kv_shape, num_slots, device, dtype)
 
     def set_kernels(self, impl: str) -> None:
         """Runs the non-matmul ops with ``impl``: ``"torch"`` (plain torch ops) or ``"fused"`` (the fused kernels of

@@ -28,36 +28,46 @@ from torch import Tensor
 from torch.nn.attention.bias import causal_lower_right
 
 from bcg import eager_on_graph
+from bcg.ops.attention_features import AttentionFeatures, feature_attention
 from bcg.ops.context import ForwardContext, get_forward_context
 from bcg.ops.flash import flash_varlen, is_varlen_usable, varlen_causal_is_bottom_right
 from bcg.ops.kv_cache import KVPool
 from bcg.ops.sdpa import gqa_sdpa
 
-__all__ = ["BatchContext", "attention", "causal_attention", "sdpa_attention", "varlen_attention",
-           "write_and_gather_kv"]
+__all__ = ["AttentionFeatures", "BatchContext", "attention", "causal_attention", "sdpa_attention",
+           "varlen_attention", "write_and_gather_kv"]
 
 logger = logging.getLogger(__name__)
 
 
 @eager_on_graph
-def attention(q: Tensor, k: Tensor, v: Tensor, out: Tensor, layer_id: int) -> None:
+def attention(q: Tensor, k: Tensor, v: Tensor, out: Tensor, layer_id: int, scale: float | None = None,
+              window: int | None = None, softcap: float | None = None, sinks: Tensor | None = None) -> None:
     """Causal self-attention of the current batch, written into ``out``: the island every attention layer calls.
 
     Args:
         q: ``(T_pad, num_heads, head_dim)`` queries (RoPE applied).
-        k, v: ``(T_pad, num_kv_heads, head_dim)`` keys/values of the new tokens.
-        out: ``(T_pad, num_heads, head_dim)`` output buffer: rows ``[:num_tokens]`` get the attention result,
+        k, v: ``(T_pad, num_kv_heads, head_dim)`` keys/values of the new tokens (``v`` may have its own head dim).
+        out: ``(T_pad, num_heads, v_head_dim)`` output buffer: rows ``[:num_tokens]`` get the attention result,
             padded rows are zeroed.
         layer_id: which layer's KV cache to use.
+        scale, window, softcap, sinks: the layer's :class:`~bcg.ops.attention_features.AttentionFeatures` (softmax
+            scale, sliding window, logit soft-cap, per-head sink logits); all None for plain causal attention.
 
-    The current forward context decides how (:meth:`BatchContext.attend` for a live batch).
+    The current forward context decides how (:meth:`BatchContext.attend` for a live batch, or
+    :meth:`BatchContext.attend_with` when the layer has features).
 
     Example::
 
         with forward_context(batch.to_context(num_padded_tokens=16)):
             attention(q, k, v, out, layer_id=0)
+            attention(q, k, v, out, layer_id=1, window=128, sinks=sinks)     # gpt-oss's sliding layers
     """
-    get_forward_context().attend(q, k, v, out, layer_id)
+    ctx = get_forward_context()
+    if scale is None and window is None and softcap is None and sinks is None:
+        ctx.attend(q, k, v, out, layer_id)
+    else:
+        ctx.attend_with(q, k, v, out, layer_id, AttentionFeatures(scale, window, softcap, sinks))
 
 
 @dataclass(frozen=True)
@@ -144,6 +154,16 @@ class BatchContext(ForwardContext):
             return
         causal_attention(q[:num_tokens], keys, values, self, out=out[:num_tokens])
         out[num_tokens:].zero_()
+
+    def attend_with(self, q: Tensor, k: Tensor, v: Tensor, out: Tensor, layer_id: int,
+                    features: AttentionFeatures) -> None:
+        """:meth:`attend` with a sliding window, sinks, a soft-cap or a scale (:mod:`bcg.ops.attention_features`),
+        or a V head dim other than Q's."""
+        num_tokens = self.num_tokens
+        keys, values = write_and_gather_kv(self, layer_id, k, v)
+        feature_attention(q[:num_tokens], keys, values, self, features, out[:num_tokens])
+        if num_tokens < self.num_padded_tokens:
+            out[num_tokens:].zero_()
 
 
 def write_and_gather_kv(ctx: BatchContext, layer_id: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:

@@ -22,7 +22,10 @@ from typing import TYPE_CHECKING
 
 from torch import Tensor
 
+from bcg.emulation import UncapturableOpError
+
 if TYPE_CHECKING:
+    from bcg.ops.attention_features import AttentionFeatures
     from bcg.ops.kv_cache import KVPool
 
 __all__ = ["ForwardContext", "forward_context", "get_forward_context"]
@@ -42,6 +45,17 @@ class ForwardContext(ABC):
     @abstractmethod
     def attend(self, q: Tensor, k: Tensor, v: Tensor, out: Tensor, layer_id: int) -> None:
         """Writes this batch's K/V of layer ``layer_id`` and its causal attention into ``out`` (padded rows 0)."""
+
+    def attend_with(self, q: Tensor, k: Tensor, v: Tensor, out: Tensor, layer_id: int,
+                    features: AttentionFeatures) -> None:
+        """:meth:`attend` with a sliding window, sinks, a logit soft-cap or a softmax scale (``features``).
+
+        A context without such a path (a whole-graph capture's) raises :class:`~bcg.emulation.UncapturableOpError`
+        naming the features, so the backend is refused by name rather than computing plain attention.
+        """
+        raise UncapturableOpError(
+            f"attention layer {layer_id} uses {features.describe()}, which {type(self).__name__} does not implement "
+            "(a whole-layer-stack graph captures plain causal attention only)")
 
     @abstractmethod
     def live(self, island: str, why: str) -> ForwardContext:

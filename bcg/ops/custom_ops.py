@@ -20,7 +20,7 @@ Importing this module registers everything (the compiling backends do, when they
 
 # No ``from __future__ import annotations``: torch.library reads the op schemas from real annotations.
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch import Tensor
@@ -32,20 +32,27 @@ __all__ = ["ISLAND_OPS", "SPLIT_OPS", "UNSPLITTABLE", "is_island_node", "is_spli
            "register_split_op", "unsplittable_islands"]
 
 
+# The attention features (scale, window, softcap, sinks) are part of the op's schema, so a compiled graph keeps them.
 @torch.library.custom_op("bcg::attention", mutates_args=("out",))
-def attention_op(q: Tensor, k: Tensor, v: Tensor, out: Tensor, layer_id: int) -> None:
+def attention_op(q: Tensor, k: Tensor, v: Tensor, out: Tensor, layer_id: int, scale: Optional[float] = None,
+                 window: Optional[int] = None, softcap: Optional[float] = None,
+                 sinks: Optional[Tensor] = None) -> None:
     """The attention island as an opaque op: reads the current forward context, writes ``out``."""
-    attention(q, k, v, out, layer_id)
+    attention(q, k, v, out, layer_id, scale, window, softcap, sinks)
 
 
 @attention_op.register_fake
-def _attention_fake(q: Tensor, k: Tensor, v: Tensor, out: Tensor, layer_id: int) -> None:
+def _attention_fake(q: Tensor, k: Tensor, v: Tensor, out: Tensor, layer_id: int, scale: Optional[float] = None,
+                    window: Optional[int] = None, softcap: Optional[float] = None,
+                    sinks: Optional[Tensor] = None) -> None:
     return None
 
 
 @torch.compiler.substitute_in_graph(attention)
-def _trace_attention(q: Tensor, k: Tensor, v: Tensor, out: Tensor, layer_id: int) -> None:
-    torch.ops.bcg.attention(q, k, v, out, layer_id)
+def _trace_attention(q: Tensor, k: Tensor, v: Tensor, out: Tensor, layer_id: int, scale: Optional[float] = None,
+                     window: Optional[int] = None, softcap: Optional[float] = None,
+                     sinks: Optional[Tensor] = None) -> None:
+    torch.ops.bcg.attention(q, k, v, out, layer_id, scale, window, softcap, sinks)
 
 
 @torch.library.custom_op("bcg::select_topk", mutates_args=())

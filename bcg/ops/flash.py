@@ -29,13 +29,18 @@ try:
 except ImportError:  # torch without the varlen API
     varlen_attn = None
 
-__all__ = ["flash_varlen", "is_varlen_usable", "varlen_attn", "varlen_causal_is_bottom_right", "uses_aten_flash"]
+__all__ = ["flash_varlen", "flash_varlen_lse", "is_varlen_usable", "varlen_attn", "varlen_causal_is_bottom_right",
+           "uses_aten_flash"]
 
 logger = logging.getLogger(__name__)
 
 _VARLEN_PARAMS = inspect.signature(varlen_attn).parameters if varlen_attn is not None else {}
 _FLASH = getattr(torch.ops.aten, "_flash_attention_forward", None)
 _FLASH_INPLACE = getattr(torch.ops.aten, "_flash_attention_forward_no_dropout_inplace", None)
+# Keyword arguments of the aten op in this torch build (scale and the window sizes are keyword-only in 2.5+).
+_FLASH_KWARGS = frozenset(a.name for a in _FLASH.default._schema.arguments if a.kwarg_only) if _FLASH else frozenset()
+_FLASH_INPLACE_KWARGS = (frozenset(a.name for a in _FLASH_INPLACE.default._schema.arguments if a.kwarg_only)
+                         if _FLASH_INPLACE else frozenset())
 
 
 def is_varlen_usable(q: Tensor) -> bool:
@@ -75,6 +80,54 @@ def flash_varlen(
         return result
     out.copy_(result)
     return out
+
+
+def flash_varlen_lse(
+    q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int,
+    max_seqlen_k: int, out: Tensor, *, scale: float | None = None, window_left: int | None = None,
+) -> Tensor | None:
+    """Causal varlen FlashAttention written into ``out`` (contiguous, like ``q``), with an optional scale and left
+    window; returns the log-sum-exp, fp32 ``(total_q, num_heads)`` (natural log of each row's softmax denominator).
+
+    ``window_left`` ``w`` lets query ``i`` see keys ``i - w .. i`` (bottom-right aligned, as the kernel's causal mask
+    is where :func:`varlen_causal_is_bottom_right`). Returns None, writing nothing, when this torch build's aten op
+    lacks an argument asked for or returns the log-sum-exp in a layout not known here (the caller takes another
+    path).
+
+    Example::
+
+        lse = flash_varlen_lse(q, k, v, cu_q, cu_k, 64, 64, out, window_left=127)     # CUDA, bf16
+    """
+    needed = {"window_size_left", "window_size_right"} if window_left is not None else set()
+    if scale is not None:
+        needed.add("scale")
+    if _FLASH is None or not needed <= _FLASH_KWARGS:
+        return None
+    kwargs: dict[str, object] = {}
+    if scale is not None:
+        kwargs["scale"] = scale
+    if window_left is not None:
+        kwargs.update(window_size_left=window_left, window_size_right=0)
+    args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 0.0, True, False)
+    if _FLASH_INPLACE is not None and needed <= _FLASH_INPLACE_KWARGS:
+        lse = _FLASH_INPLACE(out, *args, **kwargs)
+        copy_out = None
+    else:
+        copy_out, lse = _FLASH(*args, **kwargs)[:2]
+    num_heads, total_q = q.shape[1], q.shape[0]
+    if lse.dim() == 2 and tuple(lse.shape) == (num_heads, total_q):
+        lse = lse.t()
+    elif lse.dim() == 3 and lse.shape[1] == num_heads:  # padded per sequence: (num_seqs, heads, max_seqlen_q)
+        lens = cu_seqlens_q.diff().long()
+        starts = torch.repeat_interleave(cu_seqlens_q[:-1].long(), lens, output_size=total_q)
+        seq = torch.repeat_interleave(torch.arange(lens.shape[0], device=q.device), lens, output_size=total_q)
+        rows = seq * lse.shape[2] + torch.arange(total_q, device=q.device) - starts
+        lse = lse.transpose(1, 2).reshape(-1, num_heads)[rows]
+    else:
+        return None
+    if copy_out is not None:
+        out.copy_(copy_out)
+    return lse
 
 
 def _wrapper(

@@ -9,6 +9,7 @@ padded rows at all.
 from __future__ import annotations
 
 import threading
+from collections.abc import Mapping, Sequence
 from typing import Protocol
 
 import numpy as np
@@ -34,7 +35,9 @@ class KVPool:
     """Per-layer K/V caches (plus per-group index-key caches for DSA) and a slot allocator.
 
     Shapes: ``k[layer]`` and ``v[layer]`` are ``(num_slots + 1, num_kv_heads, head_dim)``;
-    ``index_k[group]`` is ``(num_slots + 1, index_head_dim)``. All start zeroed.
+    ``index_k[group]`` is ``(num_slots + 1, index_head_dim)``. All start zeroed. ``buffers[layer]`` names every
+    per-layer cache of a layer (``{"k": k[layer], "v": v[layer]}`` here; any names and per-token shapes in a pool
+    made by :meth:`for_layers`).
 
     Slot bookkeeping stays on the host: :meth:`alloc` returns a CPU ``int64`` tensor and
     :meth:`free` takes one; :class:`bcg.runtime.batch.PrefillBatch` ships slots to the device in
@@ -70,6 +73,7 @@ class KVPool:
         self.index_k = [
             torch.zeros(num_slots + 1, index_head_dim, dtype=dtype, device=self.device) for _ in range(num_index_groups)
         ]
+        self.buffers: list[dict[str, Tensor]] = [{"k": k, "v": v} for k, v in zip(self.k, self.v)]
         # Host bookkeeping in numpy: cheap per call on the prefill's critical path, and untouched by inference mode
         # (a pool built under torch.inference_mode() must still free slots outside it). Free slots form a stack,
         # reversed so allocations come out in ascending order.
@@ -95,6 +99,39 @@ class KVPool:
             num_slots, config.num_layers, config.num_kv_heads, config.head_dim, dtype, device,
             num_index_groups=config.num_index_groups, index_head_dim=config.index_head_dim,
         )
+
+    @classmethod
+    def for_layers(
+        cls, layer_shapes: Sequence[Mapping[str, tuple[int, ...]]], num_slots: int, device: torch.device | str,
+        dtype: torch.dtype,
+    ) -> KVPool:
+        """Pool whose layer ``l`` holds one ``(num_slots + 1, *shape)`` buffer per entry ``name: shape`` of
+        ``layer_shapes[l]``, for models whose layers cache different things (MLA latents, an indexer's keys);
+        ``k``/``v`` are the buffers named so (None in a layer without one).
+
+        Example:
+            >>> pool = KVPool.for_layers([{"k": (2, 16), "v": (2, 12)}, {"k": (1, 8), "index": (4,)}], 8, "cpu",
+            ...                          torch.float32)
+            >>> pool.v[0].shape, pool.v[1], pool.buffers[1]["index"].shape
+            (torch.Size([9, 2, 12]), None, torch.Size([9, 4]))
+        """
+        pool = cls(num_slots, 0, 1, 1, dtype, device)
+        pool.buffers = [{name: torch.zeros((num_slots + 1, *shape), dtype=dtype, device=pool.device)
+                         for name, shape in spec.items()} for spec in layer_shapes]
+        pool.k = [b.get("k") for b in pool.buffers]
+        pool.v = [b.get("v") for b in pool.buffers]
+        return pool
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Bytes one cached token takes across every layer's buffers and the index-key caches.
+
+        Example:
+            >>> KVPool(4, num_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.float32).bytes_per_token
+            256
+        """
+        tensors = [t for spec in self.buffers for t in spec.values()] + list(self.index_k)
+        return sum(t[0].numel() * t.element_size() for t in tensors)
 
     @property
     def scratch_slot(self) -> int:

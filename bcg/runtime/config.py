@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from bcg.models.model_impl import check_model_impl
 from bcg.runtime.compile import COMPILERS
 
 __all__ = ["BACKENDS", "EngineConfig", "resolve_backend"]
@@ -120,6 +121,13 @@ class EngineConfig:
         compile: compile the layer stack once with ``torch.compile`` before capturing it (``bcg.runtime.compile``):
             "inductor" (fused kernels, CUDA) or "eager" (trace only, no code generated: the CPU path); None compiles
             nothing. For "eager", "breakable" and "full" ("tc_piecewise" compiles itself: use ``tc_compiler``).
+        model_impl: which implementation runs a checkpoint folder (vLLM's flag): "auto" (bcg's own model classes
+            when they cover the architecture, else the checkpoint's transformers code), "native" or "transformers"
+            (``AutoModelForCausalLM`` run as written, ``bcg.models.hf``). A transformers model object always runs as
+            written; presets and ModelConfigs are native.
+        auto_islands: run the modules of a transformers model that a CUDA graph cannot capture (host reads,
+            data-dependent shapes) as eager islands, named in ``telemetry.auto_islands``; False refuses graph capture
+            instead, naming module, op and fix.
         debug: run the whole layer stack as one eager break through the same runner path (bisects graph bugs).
         verify: after capture, replay every bucket against eager at the same padded shape and disable buckets
             that differ (bcg.runtime.runner.verify); costs one extra forward pair per bucket at startup.
@@ -148,6 +156,8 @@ class EngineConfig:
     tc_compiler: str = "inductor"
     kernels: str | None = None
     compile: str | None = None
+    model_impl: str = "auto"
+    auto_islands: bool = True
     debug: bool = False
     verify: bool = False
     warmup: int = 2
@@ -182,6 +192,7 @@ class EngineConfig:
         if self.compile is not None and self.backend == "tc_piecewise":
             raise ValueError("compile= does not apply to backend='tc_piecewise', which compiles its pieces itself; "
                              "choose its compiler with tc_compiler='inductor' or 'eager'")
+        check_model_impl(self.model_impl)
 
     @property
     def torch_device(self) -> torch.device:

@@ -9,7 +9,7 @@ import os
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import MISSING, dataclass, fields
+from dataclasses import MISSING, dataclass, fields, replace
 from typing import Any, get_type_hints
 
 import torch
@@ -17,10 +17,11 @@ import torch.distributed as dist
 
 from bcg.models.base import CausalLM
 from bcg.models.config import PRESETS, ModelConfig, get_preset
-from bcg.models.loader import load_checkpoint
+from bcg.models.hf import is_transformers_model
+from bcg.models.model_impl import load_model_folder
 from bcg.models.registry import build_model
 from bcg.ops.kernels import fused_available
-from bcg.ops.kv_cache import KVPool, KVPoolFullError
+from bcg.ops.kv_cache import KVPoolFullError
 from bcg.ops.parallel import TensorParallel, init_tensor_parallel
 from bcg.runtime.batch import PrefillBatch, PrefillItem
 from bcg.runtime.config import EngineConfig
@@ -52,31 +53,47 @@ class PrefillResult:
     batches: list[BatchRecord]
 
 
-def _load_model(model: str | os.PathLike | ModelConfig | CausalLM, cfg: EngineConfig,
-                tp: TensorParallel) -> CausalLM:
+def _load_model(model: Any, cfg: EngineConfig, tp: TensorParallel) -> tuple[torch.nn.Module, EngineConfig]:
+    """The model to serve and the config with its device and dtype settled (a transformers model keeps its own)."""
+    if is_transformers_model(model):
+        if cfg.model_impl == "native":
+            raise ValueError("model_impl='native' needs a checkpoint folder, a preset or a ModelConfig; a transformers "
+                             "model object runs as written (model_impl='auto' or 'transformers')")
+        if tp.is_parallel:
+            raise ValueError("tensor parallel runs bcg's own models only: load the checkpoint folder with "
+                             "model_impl='native', or use tp_size=1 for a transformers model")
+        from bcg.models.hf.load import place
+        from bcg.models.hf.model import HFCausalLM
+
+        device, dtype = place(model, cfg.device, cfg.dtype)
+        cfg = replace(cfg, device=str(device), dtype=str(dtype).removeprefix("torch."))
+        return HFCausalLM(model, auto_islands=cfg.auto_islands), cfg
     device, dtype = cfg.torch_device, cfg.torch_dtype
+    if isinstance(model, (str, os.PathLike)) and os.path.isdir(model):
+        return load_model_folder(model, cfg.model_impl, device, dtype, cfg.auto_islands, tp), cfg
+    if cfg.model_impl == "transformers":
+        raise ValueError(f"model_impl='transformers' needs a checkpoint folder or a transformers model, not "
+                         f"{model!r} (presets, ModelConfigs and built models are bcg's own)")
     if isinstance(model, torch.nn.Module):
         built = getattr(model, "tp", None)
         if built is not None and built.size != tp.size:
             raise ValueError(f"the model was built for tp_size={built.size}, but the engine runs tp_size={tp.size}; "
                              "pass a preset, config or checkpoint and let the engine shard it")
-        return model.to(device=device, dtype=dtype)
+        return model.to(device=device, dtype=dtype), cfg
     if isinstance(model, ModelConfig):
-        return build_model(model, device, dtype, cfg.seed, tp)
+        return build_model(model, device, dtype, cfg.seed, tp), cfg
     if not isinstance(model, (str, os.PathLike)):
-        raise TypeError("model must be a preset name, a checkpoint folder, a ModelConfig or a built model "
-                        f"(torch.nn.Module), got {model!r} ({type(model).__name__})")
+        raise TypeError("model must be a preset name, a checkpoint folder, a ModelConfig, a built model "
+                        f"(torch.nn.Module) or a transformers model, got {model!r} ({type(model).__name__})")
     name = os.fspath(model)
     if name in PRESETS:
-        return build_model(get_preset(name), device, dtype, cfg.seed, tp)
-    if os.path.isdir(name):
-        return load_checkpoint(name, device, dtype, tp)
+        return build_model(get_preset(name), device, dtype, cfg.seed, tp), cfg
     if os.path.exists(name):
         raise ValueError(f"model {name} is a file; pass the checkpoint folder that holds its config.json and "
                          "*.safetensors")
     if os.sep in name or (os.altsep and os.altsep in name) or name.startswith((".", "~")):
         raise FileNotFoundError(f"checkpoint folder {name} does not exist (presets: {', '.join(PRESETS)})")
-    return build_model(get_preset(name), device, dtype, cfg.seed, tp)
+    return build_model(get_preset(name), device, dtype, cfg.seed, tp), cfg
 
 
 class Engine:
@@ -84,7 +101,7 @@ class Engine:
 
     Args:
         model: a preset name (``"tiny-dense"``, ``"llama-dense"``, ...), a Hugging Face checkpoint folder, a
-            :class:`ModelConfig` or a built model.
+            :class:`ModelConfig`, a built model, or a transformers ``*ForCausalLM`` (run as written, see below).
         config: an :class:`EngineConfig`; keyword arguments override or replace it field by field.
         **options: any field of :class:`EngineConfig` (the signature lists each with its default;
             ``help(EngineConfig)`` says what each does).
@@ -99,6 +116,13 @@ class Engine:
         eng = Engine("tiny-dense", backend="breakable", device="cpu", seed=0)
         res = eng.prefill([[1, 2, 3], [4, 5, 6, 7, 8]])
         res.logits.shape, res.next_tokens      # (2, vocab), greedy next tokens
+
+    A transformers model (``AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda()``) runs with
+    its own modules and weights through :class:`~bcg.models.hf.model.HFCausalLM`. The engine never casts it: with
+    ``dtype`` unset the model's dtype is the engine's, and another dtype is an error saying how to load it; with
+    ``device`` unset it stays where it is, and another device moves it (``.to``, dtypes kept). Its attention
+    implementation is switched to bcg's and uncapturable modules become islands, in place
+    (``engine.model.restore()`` undoes both).
     """
 
     def __init__(self, model: Any = "tiny-dense", config: EngineConfig | None = None, **kwargs: Any) -> None:
@@ -107,36 +131,43 @@ class Engine:
         if unknown:
             raise TypeError(f"unknown Engine option(s) {unknown}; valid options: {sorted(names)}")
         base = {f.name: getattr(config, f.name) for f in fields(EngineConfig)} if config else {}
-        self.config = EngineConfig(**{**base, **kwargs})
-        self.device, self.dtype = self.config.torch_device, self.config.torch_dtype
-        if self.device.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError(f"device={self.config.device!r} needs CUDA, which is not available here; use "
+        requested = EngineConfig(**{**base, **kwargs})
+        if requested.torch_device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device={requested.device!r} needs CUDA, which is not available here; use "
                              "device='cpu' (graphs are emulated there)")
-        self.tp = init_tensor_parallel(self.config.tp_size, self.device, self.config.tp_timeout_s)
+        self.tp = init_tensor_parallel(requested.tp_size, requested.torch_device, requested.tp_timeout_s)
         t0 = time.perf_counter()
-        self.model = _load_model(model, self.config, self.tp).eval()
+        model, self.config = _load_model(model, requested, self.tp)
+        self.model = model.eval()
         self.load_ms = (time.perf_counter() - t0) * 1e3
-        cfg, shape = self.config, self.model.kv_shape
-        kernels = cfg.kernels or ("fused" if fused_available(self.device) else "torch")
+        self.device, self.dtype = self.config.torch_device, self.config.torch_dtype
+        cfg = self.config
+        # The fused kernels are the native models' (a transformers model's modules run as written).
+        is_native = isinstance(self.model, CausalLM)
+        kernels = cfg.kernels or ("fused" if fused_available(self.device) and is_native else "torch")
         if kernels == "fused" and self.device.type == "cuda" and not fused_available(self.device):
             raise ValueError("kernels='fused' needs Triton on CUDA, which cannot be imported here; install the triton "
                              "that matches your torch, or pass kernels='torch'")
         self.model.set_kernels(kernels)
         sizes = cfg.buckets or default_ladder(cfg.max_tokens or cfg.chunked_prefill_size)
-        # The pool must hold one largest-bucket dummy batch during capture; a prefill holds at most its peak.
+        # The pool must hold one largest-bucket dummy batch during capture; a prefill holds at most its peak. Its
+        # bytes per token are read off the model's own pool layout, built on the meta device (no memory).
+        per_token = self.model.make_kv_pool(1, "meta", self.dtype).bytes_per_token
         kv_tokens = max(cfg.kv_tokens, max(sizes)) if cfg.kv_tokens else default_kv_tokens(
-            shape, self.model.config.max_position_embeddings, cfg.chunked_prefill_size, max(sizes), self.device,
-            self.dtype, cfg.kv_memory_fraction)
+            per_token, self.model.config.max_position_embeddings, cfg.chunked_prefill_size, max(sizes), self.device,
+            cfg.kv_memory_fraction)
         if self.tp.is_parallel:  # every rank allocates the same slots, so every pool has the size of the smallest
             agreed = torch.tensor([kv_tokens])
             dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=self.tp.host_group)
             kv_tokens = int(agreed)
-        self.kv_pool = KVPool.for_model(shape, kv_tokens, self.device, self.dtype)
+        self.kv_pool = self.model.make_kv_pool(kv_tokens, self.device, self.dtype)
         # Prefills in flight (and those holding KV leases), a recapture in progress, and the condition prefills
         # wait on for slots and recaptures wait on for quiet.
         self._num_active = self._num_leases = self._num_recaptures = 0
         self._slots_freed = threading.Condition()
         self.runner = Runner(self.model, cfg, self.kv_pool, sizes, self.tp)
+        self.runner.telemetry.auto_islands = list(getattr(self.model, "auto_islands", ()))
+        self.runner.telemetry.notes = list(getattr(self.model, "notes", ()))
         t0 = time.perf_counter()
         self.runner.build()
         self.build_ms = (time.perf_counter() - t0) * 1e3

@@ -18,17 +18,10 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from bcg.ops.kv_cache import KVPool, KVShape
+from bcg.ops.kv_cache import KVPool
 from bcg.runtime.scheduler import Chunk
 
-__all__ = ["SlotLease", "bytes_per_token", "default_kv_tokens", "slots_held"]
-
-
-def bytes_per_token(shape: KVShape, dtype: torch.dtype) -> int:
-    """Bytes of KV cache one token takes in every layer (K and V, plus DSA's index keys)."""
-    per_slot = (2 * shape.num_layers * shape.num_kv_heads * shape.head_dim
-                + shape.num_index_groups * shape.index_head_dim)
-    return per_slot * torch.empty((), dtype=dtype).element_size()
+__all__ = ["SlotLease", "default_kv_tokens", "slots_held"]
 
 
 def _available_host_bytes() -> int | None:
@@ -38,9 +31,10 @@ def _available_host_bytes() -> int | None:
         return None
 
 
-def default_kv_tokens(shape: KVShape, context_length: int, chunked_prefill_size: int, min_tokens: int,
-                      device: torch.device, dtype: torch.dtype, memory_fraction: float) -> int:
-    """The pool size when the user gives no ``kv_tokens``.
+def default_kv_tokens(per_token: int, context_length: int, chunked_prefill_size: int, min_tokens: int,
+                      device: torch.device, memory_fraction: float) -> int:
+    """The pool size when the user gives no ``kv_tokens``, for a pool that takes ``per_token`` bytes a token
+    (:attr:`bcg.ops.kv_cache.KVPool.bytes_per_token`).
 
     CUDA: ``memory_fraction`` of the free device memory (measured now: after the model is loaded, before capture),
     as serving engines size theirs. CPU: one prompt of ``context_length`` tokens plus one chunk of others in flight,
@@ -48,15 +42,13 @@ def default_kv_tokens(shape: KVShape, context_length: int, chunked_prefill_size:
 
     Example::
 
-        >>> from bcg.models import get_preset
-        >>> default_kv_tokens(get_preset("tiny-dense"), 4096, 2048, 2048, torch.device("cpu"), torch.float32, 0.5)
+        >>> default_kv_tokens(1024, 4096, 2048, 2048, torch.device("cpu"), 0.5)
         6144
     """
-    per_token = bytes_per_token(shape, dtype)
     if device.type == "cuda":
         tokens = int(memory_fraction * torch.cuda.mem_get_info(device)[0]) // per_token
     else:
-        tokens = context_length + chunked_prefill_size
+        tokens = (context_length or chunked_prefill_size) + chunked_prefill_size
         available = _available_host_bytes()
         if available is not None:
             tokens = min(tokens, available // 4 // per_token)

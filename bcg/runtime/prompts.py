@@ -87,7 +87,7 @@ def validate_prompts(prompts: Any, vocab_size: int, max_length: int, device: tor
         n = t.shape[0]
         if n == 0:
             raise ValueError(f"prompt {i} is empty; every prompt needs at least one token")
-        if n > max_length:
+        if 0 < max_length < n:  # 0: the model states no context length
             raise ValueError(f"prompt {i} has {n} tokens, more than the model's context length "
                              f"(max_position_embeddings={max_length}); shorten it")
         out.append(t)

@@ -223,7 +223,8 @@ LLAMA = {"model_type": "llama", "vocab_size": 256, "hidden_size": 64, "num_hidde
 @pytest.mark.parametrize("command", ["bench", "analyze"])
 @pytest.mark.parametrize("config, weights, message", [
     (None, None, "has no config.json, so it is not a Hugging Face checkpoint folder"),
-    ({"model_type": "gpt2"}, None, "unsupported model_type 'gpt2'; supported: llama"),
+    ({"model_type": "no-such-arch"}, None,
+     "model_type 'no-such-arch' is neither one bcg implements natively nor one transformers"),
     (LLAMA, None, "has config.json but no *.safetensors weights"),
 ])
 def test_bad_checkpoint_folder_exits_2_with_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str],
@@ -237,6 +238,20 @@ def test_bad_checkpoint_folder_exits_2_with_one_line(tmp_path: Path, capsys: pyt
     errors = [line for line in captured.err.splitlines() if "error:" in line]
     assert len(errors) == 1 and message in errors[0] and f"--model {str(folder)!r}" in errors[0]
     assert "Traceback" not in captured.err and captured.out == ""  # nothing ran
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--model-impl", "native"], "unsupported model_type 'gpt2'; supported: llama, qwen3, qwen3_moe; "
+                                 "model_impl='transformers' runs"),
+    (["--model-impl", "transformers", "--model", "tiny-dense"],
+     "--model 'tiny-dense' is a preset (one of bcg's own models); --model-impl transformers needs a checkpoint"),
+])
+def test_model_impl_is_checked_up_front(tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str],
+                                        message: str) -> None:
+    folder = _checkpoint(tmp_path / "ckpt", {"model_type": "gpt2"}, b"weights")
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", *FAST, "--model", str(folder), *argv, "--out", str(tmp_path / "out")])
+    assert exc.value.code == 2 and message in capsys.readouterr().err
 
 
 def test_unloadable_checkpoint_exits_1_with_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
