@@ -33,6 +33,11 @@ class CheckpointError(ValueError):
     """The checkpoint is unsupported, inconsistent with its config, or incomplete."""
 
 
+class UnsupportedCheckpoint(CheckpointError):
+    """A well-formed checkpoint of a model type or feature the native loader does not implement (transformers may
+    run it); malformed ones raise :class:`CheckpointError` itself."""
+
+
 def config_from_hf(hf_config: dict[str, Any]) -> ModelConfig:
     """Map a Hugging Face ``config.json`` dict to a :class:`ModelConfig`.
 
@@ -48,7 +53,8 @@ def config_from_hf(hf_config: dict[str, Any]) -> ModelConfig:
     """
     model_type = hf_config.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
-        raise CheckpointError(f"unsupported model_type {model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+        raise UnsupportedCheckpoint(f"unsupported model_type {model_type!r}; supported: "
+                                    f"{', '.join(SUPPORTED_MODEL_TYPES)}")
     try:
         return _map_config(model_type, hf_config)
     except KeyError as exc:
@@ -57,7 +63,7 @@ def config_from_hf(hf_config: dict[str, Any]) -> ModelConfig:
 
 def _map_config(model_type: str, hf_config: dict[str, Any]) -> ModelConfig:
     def unsupported(what: str) -> CheckpointError:
-        return CheckpointError(f"{model_type} checkpoint uses {what}, which bcg does not implement")
+        return UnsupportedCheckpoint(f"{model_type} checkpoint uses {what}, which bcg does not implement")
 
     if hf_config.get("hidden_act", "silu") != "silu":
         raise unsupported(f"hidden_act={hf_config['hidden_act']!r}")
@@ -121,7 +127,7 @@ def _check_types(hf_config: dict[str, Any]) -> None:
             raise CheckpointError(f"{key} must be a number, got {value!r}")
 
 
-def _read_json(path: Path) -> Any:
+def read_json(path: Path) -> Any:
     try:
         return json.loads(path.read_text())
     except json.JSONDecodeError as e:
@@ -144,7 +150,7 @@ class _CheckpointReader:
     def __init__(self, folder: Path, stack: ExitStack) -> None:
         index_path = folder / "model.safetensors.index.json"
         if index_path.exists():
-            index = _read_json(index_path)
+            index = read_json(index_path)
             if not isinstance(index, dict) or not isinstance(index.get("weight_map"), dict):
                 raise CheckpointError(f"{index_path} has no weight_map object")
             files = sorted(set(index["weight_map"].values()))
@@ -239,7 +245,7 @@ def load_checkpoint(path: str | Path, device: torch.device | str, dtype: torch.d
     config_path = folder / "config.json"
     if not config_path.exists():
         raise CheckpointError(f"{folder} has no config.json")
-    raw = _read_json(config_path)
+    raw = read_json(config_path)
     if not isinstance(raw, dict):
         raise CheckpointError(f"{config_path} must hold a JSON object, not a {type(raw).__name__}")
     try:

@@ -13,7 +13,6 @@ that says how to install it.
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
@@ -21,7 +20,7 @@ import torch
 from torch import nn
 
 from bcg.models.hf import require_transformers
-from bcg.models.loader import CheckpointError, config_from_hf, load_checkpoint
+from bcg.models.loader import CheckpointError, UnsupportedCheckpoint, config_from_hf, load_checkpoint, read_json
 from bcg.ops.parallel import SINGLE, TensorParallel
 
 __all__ = ["MODEL_IMPLS", "check_model_impl", "load_model_folder", "resolve_model_impl"]
@@ -51,22 +50,23 @@ def resolve_model_impl(path: str | os.PathLike, model_impl: str) -> str:
     """
     check_model_impl(model_impl)
     config_path = Path(path) / "config.json"
-    try:
-        hf_config = json.loads(config_path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{config_path} cannot be read: {e}") from None
+    hf_config = read_json(config_path)
+    if not isinstance(hf_config, dict):
+        raise CheckpointError(f"{config_path} must hold a JSON object, not a {type(hf_config).__name__}")
     if model_impl == "transformers":
         require_transformers(f"model_impl='transformers' for {os.fspath(path)!r}")
         return "transformers"
     try:
         config_from_hf(hf_config)
-    except CheckpointError as e:
+    except UnsupportedCheckpoint as e:
         if model_impl == "native":
-            raise CheckpointError(f"{e}; model_impl='transformers' runs the checkpoint's transformers code as "
-                                  "written") from None
+            raise CheckpointError(f"{config_path}: {e}; model_impl='transformers' runs the checkpoint's "
+                                  "transformers code as written") from None
         require_transformers(f"{os.fspath(path)!r} is not a model bcg implements natively ({e}), and running it "
                              "with transformers")
         return "transformers"
+    except CheckpointError as e:  # malformed, not merely unsupported: transformers would fail on it too
+        raise CheckpointError(f"{config_path}: {e}") from None
     return "native"
 
 
