@@ -28,8 +28,8 @@ from torch import Tensor
 from torch.nn.attention.bias import causal_lower_right
 
 from bcg import eager_on_graph
-from bcg.ops.attention_features import AttentionFeatures, feature_attention
-from bcg.ops.context import ForwardContext, get_forward_context
+from bcg.ops.attention_features import feature_attention
+from bcg.ops.context import AttentionFeatures, ForwardContext, get_forward_context
 from bcg.ops.flash import flash_varlen, is_varlen_usable, varlen_causal_is_bottom_right
 from bcg.ops.kv_cache import KVPool
 from bcg.ops.sdpa import gqa_sdpa

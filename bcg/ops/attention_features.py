@@ -22,53 +22,22 @@ from __future__ import annotations
 import functools
 import logging
 import math
-from dataclasses import dataclass
 from itertools import accumulate
-from typing import TYPE_CHECKING
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from bcg.ops.context import AttentionFeatures, ForwardContext
 from bcg.ops.flash import flash_varlen_lse, is_varlen_usable, varlen_causal_is_bottom_right
-
-if TYPE_CHECKING:
-    from bcg.ops.attention import BatchContext
 
 __all__ = ["AttentionFeatures", "feature_attention", "request_attention", "visible_keys"]
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True, eq=False)
-class AttentionFeatures:
-    """What one layer's attention adds to plain causal attention (each ``None`` when absent).
-
-    Attributes:
-        scale: softmax scale; None means ``head_dim ** -0.5``.
-        window: sliding window ``W`` (a query sees itself and the ``W - 1`` keys before it).
-        softcap: logits become ``softcap * tanh(logits / softcap)`` before the softmax.
-        sinks: ``(num_heads,)`` sink logit per head.
-
-    Example:
-        >>> AttentionFeatures(window=4, sinks=torch.zeros(2)).describe()
-        'sliding window 4, attention sinks'
-    """
-
-    scale: float | None = None
-    window: int | None = None
-    softcap: float | None = None
-    sinks: Tensor | None = None
-
-    def describe(self) -> str:
-        parts = [f"sliding window {self.window}" if self.window is not None else "",
-                 "attention sinks" if self.sinks is not None else "",
-                 f"logit soft-cap {self.softcap}" if self.softcap is not None else "",
-                 f"scale {self.scale:.4g}" if self.scale is not None else ""]
-        return ", ".join(p for p in parts if p) or "plain causal attention"
-
-
-def feature_attention(q: Tensor, keys: Tensor, values: Tensor, ctx: BatchContext, features: AttentionFeatures,
+def feature_attention(q: Tensor, keys: Tensor, values: Tensor, ctx: ForwardContext, features: AttentionFeatures,
                       out: Tensor) -> None:
     """Causal attention with ``features`` of the real queries ``q`` over every request's packed ``keys``/``values``
     (ordered like ``ctx.read_slots``), written into ``out`` (``(len(q), num_heads, v_head_dim)``)."""
@@ -80,7 +49,7 @@ def feature_attention(q: Tensor, keys: Tensor, values: Tensor, ctx: BatchContext
     reference_attention(q, keys, values, ctx, features, out)
 
 
-def _use_flash(q: Tensor, values: Tensor, ctx: BatchContext, features: AttentionFeatures) -> bool:
+def _use_flash(q: Tensor, values: Tensor, ctx: ForwardContext, features: AttentionFeatures) -> bool:
     if features.softcap is not None or values.shape[-1] != q.shape[-1] or not is_varlen_usable(q):
         return False
     if ctx.has_prefix and not varlen_causal_is_bottom_right(q.device):
@@ -88,7 +57,7 @@ def _use_flash(q: Tensor, values: Tensor, ctx: BatchContext, features: Attention
     return flash_features_usable(q.device)
 
 
-def _flash(q: Tensor, keys: Tensor, values: Tensor, ctx: BatchContext, features: AttentionFeatures,
+def _flash(q: Tensor, keys: Tensor, values: Tensor, ctx: ForwardContext, features: AttentionFeatures,
            out: Tensor) -> None:
     window_left = None if features.window is None else features.window - 1
     lse = flash_varlen_lse(q, keys, values, ctx.cu_seqlens_q, ctx.cu_seqlens_k, ctx.max_seqlen_q, ctx.max_seqlen_k,
@@ -101,7 +70,7 @@ def _flash(q: Tensor, keys: Tensor, values: Tensor, ctx: BatchContext, features:
         torch.mul(out, gate[..., None], out=out)
 
 
-def reference_attention(q: Tensor, keys: Tensor, values: Tensor, ctx: BatchContext, features: AttentionFeatures,
+def reference_attention(q: Tensor, keys: Tensor, values: Tensor, ctx: ForwardContext, features: AttentionFeatures,
                         out: Tensor) -> None:
     """Per request: SDPA, or fp32 math for soft-capping and sinks (the exact reference, any device)."""
     scale = features.scale if features.scale is not None else q.shape[-1] ** -0.5
@@ -175,9 +144,6 @@ def flash_features_usable(device: torch.device) -> bool:
 
 def _probe(device: torch.device) -> bool:
     """A packed batch with a prefix and a one-token request, window 3, sinks and a scale, both ways."""
-    from bcg.ops.attention import BatchContext  # noqa: PLC0415 - the context type; attention.py imports this module
-    from bcg.ops.kv_cache import KVPool  # noqa: PLC0415
-
     gen = torch.Generator(device=device).manual_seed(0)
     lens_q, prefixes = [3, 1, 4], [2, 0, 5]
     total_q, total_k = sum(lens_q), sum(lens_q) + sum(prefixes)
@@ -186,9 +152,10 @@ def _probe(device: torch.device) -> bool:
     k, v = (torch.randn(total_k, 2, 64, device=device, dtype=dt, generator=gen) for _ in range(2))
     cu_q = torch.tensor([0, 3, 4, 8], device=device, dtype=torch.int32)
     cu_k = torch.tensor([0, 5, 6, 15], device=device, dtype=torch.int32)
-    pool = KVPool(1, 0, 1, 1, dt, device)
-    slots = torch.arange(total_k, device=device)
-    ctx = BatchContext(total_q, total_q, lens_q, prefixes, cu_q, cu_k, 4, 9, slots[:total_q], slots, pool)
+    # The live metadata these paths read (a BatchContext has more; this module sits below it).
+    ctx = SimpleNamespace(num_tokens=total_q, seq_lens_q=lens_q, prefix_lens=prefixes, cu_seqlens_q=cu_q,
+                          cu_seqlens_k=cu_k, max_seqlen_q=4, max_seqlen_k=9,
+                          seq_lens_k=[p + n for p, n in zip(prefixes, lens_q)], has_prefix=True)
     features = AttentionFeatures(scale=0.1, window=3, sinks=torch.randn(4, device=device, generator=gen))
     try:
         got, want = torch.empty_like(q), torch.empty_like(q)

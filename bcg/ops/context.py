@@ -18,17 +18,46 @@ import contextvars
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import torch  # noqa: F401 - the doctest below uses it
 from torch import Tensor
 
 from bcg.emulation import UncapturableOpError
 
 if TYPE_CHECKING:
-    from bcg.ops.attention_features import AttentionFeatures
     from bcg.ops.kv_cache import KVPool
 
-__all__ = ["ForwardContext", "forward_context", "get_forward_context"]
+__all__ = ["AttentionFeatures", "ForwardContext", "forward_context", "get_forward_context"]
+
+
+@dataclass(frozen=True, eq=False)
+class AttentionFeatures:
+    """What one layer's attention adds to plain causal attention (each ``None`` when absent).
+
+    Attributes:
+        scale: softmax scale; None means ``head_dim ** -0.5``.
+        window: sliding window ``W`` (a query sees itself and the ``W - 1`` keys before it).
+        softcap: logits become ``softcap * tanh(logits / softcap)`` before the softmax.
+        sinks: ``(num_heads,)`` sink logit per head.
+
+    Example:
+        >>> AttentionFeatures(window=4, sinks=torch.zeros(2)).describe()
+        'sliding window 4, attention sinks'
+    """
+
+    scale: float | None = None
+    window: int | None = None
+    softcap: float | None = None
+    sinks: Tensor | None = None
+
+    def describe(self) -> str:
+        parts = [f"sliding window {self.window}" if self.window is not None else "",
+                 "attention sinks" if self.sinks is not None else "",
+                 f"logit soft-cap {self.softcap}" if self.softcap is not None else "",
+                 f"scale {self.scale:.4g}" if self.scale is not None else ""]
+        return ", ".join(p for p in parts if p) or "plain causal attention"
 
 
 class ForwardContext(ABC):
