@@ -4,7 +4,7 @@
 # bench on the code before the layering change for a side-by-side check. Usage: scripts/gpu_evidence.sh [OUTDIR]
 # (default $OUT, else out/gpu); every step's log is bundled into gpu.tgz after each step, so a run cut short still
 # returns what it measured.
-#   STEPS    which steps, in order (default: tests models checkpoint hf long baseline)
+#   STEPS    which steps, in order (default: tests models checkpoint hf baseline kernel_tests)
 #   MODELS   presets for the models step (default: llama-dense llama-dense-2k gptoss-moe glm-dsa)
 #   ANALYZE_MODELS  presets that also get `bcg analyze` (default: llama-dense)
 #   BENCH_ARGS / ANALYZE_ARGS / TEST_ARGS  extra flags; T_* the per-step time limits in seconds.
@@ -25,15 +25,16 @@ step() {  # step NAME SECONDS CMD...
 python3 -c "import torch, transformers, triton; print('torch', torch.__version__, 'transformers', \
 transformers.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())" | tee "$work/summary.log"
 git_rev=$(cat .commit 2>/dev/null || echo unknown); echo "commit $git_rev" | tee -a "$work/summary.log"
-steps=" ${STEPS:-tests models checkpoint hf long baseline} "
+steps=" ${STEPS:-tests models checkpoint hf baseline kernel_tests} "
 bench_args=${BENCH_ARGS:---runs 10 --warmup 3 --batch-requests 1 --no-memory}
 bench() {  # bench NAME MODEL [FLAGS...]
   local name=$1 model=$2; shift 2
   step "bench-$name" "${T_BENCH:-150}" python3 -m bcg bench --model "$model" --no-progress --out "$work/bench-$name" \
     $bench_args "$@"
 }
-case $steps in *" tests "*)
-  step cuda_tests "${T_TESTS:-240}" python3 -m pytest -q -m cuda -p no:cacheprovider -rf ${TEST_ARGS:-} tests ;; esac
+case $steps in *" tests "*)  # the fused kernels' own 583 cases are the kernel_tests step
+  step cuda_tests "${T_TESTS:-300}" python3 -m pytest -q -m cuda -p no:cacheprovider -rf --durations=15 \
+    --ignore=tests/ops/kernels ${TEST_ARGS:-} tests ;; esac
 case $steps in *" models "*)
   for model in ${MODELS:-llama-dense llama-dense-2k gptoss-moe glm-dsa}; do
     bench "$model" "$model"
@@ -48,10 +49,7 @@ case $steps in *" checkpoint "*)
   bench qwen3-0.6b "$ckpt" --backends eager,breakable,breakable+fused,breakable+inductor,tc_piecewise
   rm -rf "$ckpt" ;; esac
 case $steps in *" hf "*)
-  [ -f scripts/hf_evidence.py ] && step hf "${T_HF:-240}" python3 scripts/hf_evidence.py --out "$work/hf" ;; esac
-case $steps in *" long "*)
-  step long_prompt "${T_LONG:-120}" python3 scripts/long_prompt.py --model llama-dense --tokens 32768 \
-    --out "$work/long_prompt.json" ;; esac
+  step hf "${T_HF:-220}" python3 scripts/hf_evidence.py --out "$work/hf.json" ${HF_ARGS:-} ;; esac
 case $steps in *" baseline "*)
   # The same bench on the code before the layering change (an export of that commit's bcg/ in .baseline/) and on
   # this code, one after the other on the same machine.
@@ -63,3 +61,5 @@ case $steps in *" baseline "*)
         --no-profile --no-plots --no-progress --out "$work/baseline-$side"
     done
   fi ;; esac
+case $steps in *" kernel_tests "*)
+  step kernel_tests "${T_KERNELS:-150}" python3 -m pytest -q -m cuda -p no:cacheprovider -rf tests/ops/kernels ;; esac

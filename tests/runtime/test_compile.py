@@ -78,15 +78,13 @@ def test_bad_compile_options_are_rejected(kwargs: dict, match: str) -> None:
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("preset", ["tiny-dense", "tiny-moe", "tiny-dsa"])
-@pytest.mark.parametrize("backend", ["breakable", "full"])
+@pytest.mark.parametrize(("preset", "backend"), [("tiny-dense", "breakable"), ("tiny-moe", "breakable"),
+                                               ("tiny-dsa", "breakable"), ("tiny-dense", "full")])
 def test_inductor_compiled_graphs_match_eager_in_bf16(preset: str, backend: str) -> None:
     from dataclasses import replace
 
     from bcg.models import get_preset
 
-    if backend == "full" and preset == "tiny-dsa":
-        pytest.skip("full refuses the sparse-indexer model (its own test covers that)")
     config = replace(get_preset(preset), hidden_size=256, head_dim=64, intermediate_size=512, moe_intermediate_size=64)
     kw = dict(buckets=[16, 32, 64], chunked_prefill_size=64, kv_tokens=1024, dtype="bfloat16", device="cuda",
               seed=0, progress=False)
