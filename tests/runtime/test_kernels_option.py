@@ -46,7 +46,7 @@ def test_default_is_torch_on_a_cpu_and_bad_values_are_rejected() -> None:
 def test_fused_kernels_on_cuda_match_torch_in_bf16(preset: str, backend: str) -> None:
     config = replace(CONFIGS[preset], hidden_size=256, head_dim=64, intermediate_size=512, moe_intermediate_size=64)
     kw = dict(buckets=[16, 32, 64], chunked_prefill_size=64, kv_tokens=1024, dtype="bfloat16", device="cuda", seed=0,
-              progress=False, **({"max_requests": 6} if backend == "full" else {}))
+              progress=False, **({"max_requests": 6, "prefix_capacity": 192} if backend == "full" else {}))
     fused = Engine(config, backend=backend, kernels="fused", **kw)
     plain = Engine(config, backend="eager", kernels="torch", **kw)
     assert fused.model.layers[0].mlp.kernels == "fused" and fused.telemetry.num_captured == 3
