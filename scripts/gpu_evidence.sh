@@ -13,15 +13,8 @@ dest=${1:-${OUT:-out/gpu}}
 work=$(mktemp -d)
 mkdir -p "$dest"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-step() {  # step NAME SECONDS CMD...
-  local name=$1 secs=$2; shift 2
-  local t0=$SECONDS
-  timeout "$secs" "$@" >"$work/$name.log" 2>&1
-  local rc=$?
-  echo "== $name rc=$rc $((SECONDS - t0))s" | tee -a "$work/summary.log"
-  tail -n "${TAIL:-12}" "$work/$name.log" | tee -a "$work/summary.log"
-  tar czf "$dest/gpu.tgz" -C "$work" . && cp "$work/summary.log" "$dest/summary.log"
-}
+bundle=gpu.tgz
+source "$(dirname "$0")/steps.sh"
 python3 -c "import torch, transformers, triton; print('torch', torch.__version__, 'transformers', \
 transformers.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())" | tee "$work/summary.log"
 git_rev=$(cat .commit 2>/dev/null || echo unknown); echo "commit $git_rev" | tee -a "$work/summary.log"
@@ -44,7 +37,7 @@ case $steps in *" models "*)
     esac
   done ;; esac
 case $steps in *" checkpoint "*)
-  ckpt=$work/qwen3-0.6b
+  ckpt=$(mktemp -d)/qwen3-0.6b  # outside $work: 1.2 GB must not go into the bundle
   step make-qwen3 120 python3 scripts/make_checkpoint.py qwen3-0.6b "$ckpt"
   bench qwen3-0.6b "$ckpt" --backends eager,breakable,breakable+fused,breakable+inductor,tc_piecewise
   rm -rf "$ckpt" ;; esac

@@ -11,15 +11,8 @@ dest=${1:-${OUT:-out/tp}}
 work=$(mktemp -d)
 mkdir -p "$dest"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-step() {  # step NAME SECONDS CMD...
-  local name=$1 secs=$2; shift 2
-  local t0=$SECONDS
-  timeout "$secs" "$@" >"$work/$name.log" 2>&1
-  local rc=$?
-  echo "== $name rc=$rc $((SECONDS - t0))s" | tee -a "$work/summary.log"
-  tail -n "${TAIL:-25}" "$work/$name.log" | tee -a "$work/summary.log"
-  tar czf "$dest/tp.tgz" -C "$work" . && cp "$work/summary.log" "$dest/summary.log"
-}
+bundle=tp.tgz
+source "$(dirname "$0")/steps.sh"
 gpus=${GPUS:-$(python3 -c "import torch; print(torch.cuda.device_count())")}
 python3 -c "import torch; print('torch', torch.__version__, 'nccl', torch.cuda.nccl.version(), \
 [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())])" | tee "$work/summary.log"

@@ -59,3 +59,13 @@ def test_tp_compare_checks_the_multi_gpu_targets() -> None:
     assert any("| breakable | 512 | 4.00 | 2.50x | 4.20 | 2.38x | 0.95 |" == line for line in lines)
     _, slow = compare(bench(1, 4.0, 1000.0), bench(2, 5.0, 1600.0))
     assert not slow["breakable_speedup_within_10pct"] and not slow["breakable_capture_within_1_5x"]
+
+
+def test_soak_smoke() -> None:
+    result = run_script("soak.py", "--prefills", "40", "--presets", "tiny-dense", "--failure-rate", "0.2",
+                        "--warmup", "10", "--sample-every", "10", "--threads", "2")
+    stats = result["stats"]["tiny-dense"]
+    assert result["ok"] and stats["prefills"] == 40 and stats["mismatches"] == 0 and stats["pool_leaks"] == 0
+    assert stats["injected"] > 0 and stats["failed_replays"] > 0  # faults happened, and were survived
+    assert stats["replay_failures_recorded"] == stats["failed_replays"]
+    assert len(result["memory"]) >= 2
