@@ -17,7 +17,8 @@ re-executes the recorded ops against the same storages and copies fresh results 
   over the same process group (gloo on a CPU) and waits for them before the next op reads their output.
 
 Because every tensor of an emulated capture stands for device memory, host-side metadata must be read outside the
-capture, exactly as it must on a GPU. Emulation is for correctness, not speed.
+capture, exactly as it must on a GPU. Emulation is for correctness, not speed. What a capture refuses is decided by
+:mod:`bcg.capture_rules`, which the capturability probe applies too; this file records and replays.
 
 Known divergence: on CUDA, capture does not execute kernels, so values computed during capture are garbage; the
 emulation executes them (all but collectives, so ranks are no more coupled during a capture than on CUDA). Code
@@ -29,187 +30,30 @@ from __future__ import annotations
 
 import contextvars
 import itertools
-import threading
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["HOST_READ_METHODS", "RECORDS_COMPILED_CODE", "EmulatedGraph", "UncapturableOpError",
-           "emulated_pool_handle", "is_emulated_capturing", "reporting_host_reads", "uncapturable_reason"]
+from bcg.capture_rules import (
+    _C10D,
+    UncapturableOpError,
+    begin_segment_capture,
+    check_capturable,
+    end_segment_capture,
+)
+
+__all__ = ["RECORDS_COMPILED_CODE", "EmulatedGraph", "emulated_pool_handle"]
 
 aten = torch.ops.aten
-
-
-class UncapturableOpError(RuntimeError):
-    """An operation that a CUDA graph cannot capture was called during an (emulated) capture."""
-
-
-# The EmulatedGraph being captured in this context (None outside a capture).
-_CAPTURING: contextvars.ContextVar[EmulatedGraph | None] = contextvars.ContextVar("bcg_emulated_capturing",
-                                                                                  default=None)
+_FUNCTIONAL = "_c10d_functional"
 _pool_ids = itertools.count(1)
 
 
 def emulated_pool_handle() -> tuple[int, int]:
     """A fresh pool id, shaped like ``torch.cuda.graph_pool_handle()``; the emulation has no memory reuse."""
     return (0, next(_pool_ids))
-
-
-def is_emulated_capturing() -> bool:
-    """True while an emulated segment is being captured in the current context."""
-    return _CAPTURING.get() is not None
-
-
-def _uncapturable(message: str) -> UncapturableOpError:
-    """The error for an uncapturable op; like a CUDA capture, the segment stays invalid even if it is caught."""
-    graph = _CAPTURING.get()
-    if graph is not None and graph._invalid is None:
-        graph._invalid = message
-    return UncapturableOpError(message)
-
-
-_FIX = "Move it into an @eager_on_graph function, or keep shapes fixed and the values on the device."
-_ALWAYS = {
-    aten._local_scalar_dense: "a host read of a tensor value (.item(), int(t), float(t), bool(t), `if t:`)",
-    aten.item: "a host read of a tensor value (.item(), int(t) or float(t) under inference mode)",
-    # Under inference mode bool(t) reaches the dispatcher as is_nonzero, not _local_scalar_dense.
-    aten.is_nonzero: "a host read of a tensor value (bool(t), `if t:`)",
-    aten.equal: "torch.equal, which returns a Python bool (a host sync)",
-    aten.allclose: "torch.allclose, which returns a Python bool (a host sync)",
-    aten.nonzero: "nonzero (or torch.where(cond) / argwhere), whose output shape depends on the data",
-    aten.masked_select: "masked_select, whose output shape depends on the data",
-    aten._unique: "unique, whose output shape depends on the data",
-    aten._unique2: "unique, whose output shape depends on the data",
-    aten.unique_dim: "unique, whose output shape depends on the data",
-    aten.unique_consecutive: "unique_consecutive, whose output shape depends on the data",
-    aten.bincount: "bincount, which reads the maximum back to the host",
-    aten.lift_fresh: "creating a tensor from Python data (torch.tensor(...)), a host-to-device copy on CUDA",
-    aten.lift_fresh_copy: "creating a tensor from Python data (torch.tensor(...)), a host-to-device copy on CUDA",
-}
-_BOOL_INDEXED = {aten.index, aten.index_put, aten.index_put_, aten._index_put_impl_}
-# Distributed calls that make the host wait for the other ranks: never part of a CUDA graph.
-_HOST_SYNC_COLLECTIVES = {"barrier": "a distributed barrier, which makes the host wait for every rank",
-                          "monitored_barrier_": "a distributed barrier, which makes the host wait for every rank"}
-_C10D, _FUNCTIONAL = "c10d", "_c10d_functional"
-
-
-def uncapturable_reason(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> str | None:
-    """Why a CUDA graph cannot capture this aten call (a short phrase), or None when it can.
-
-    The rules every emulated capture applies; :mod:`bcg.probe` applies the same ones to find offenders without
-    capturing.
-
-    Example:
-        >>> x = torch.ones(3)
-        >>> uncapturable_reason(aten.nonzero.default, (x,), {})
-        'nonzero (or torch.where(cond) / argwhere), whose output shape depends on the data'
-        >>> uncapturable_reason(aten.repeat_interleave.self_int, (x, 2), {}) is None
-        True
-    """
-    packet = func.overloadpacket
-    reason = _ALWAYS.get(packet)
-    if reason is None and func.namespace == _C10D:
-        reason = _HOST_SYNC_COLLECTIVES.get(func._schema.name.split("::")[-1])
-    if reason is None and packet in _BOOL_INDEXED:
-        indices = args[1] if len(args) > 1 else kwargs.get("indices", ())
-        if any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in indices):
-            reason = "boolean-mask indexing, whose output shape depends on the data"
-    elif reason is None and packet is aten.repeat_interleave:
-        # Only tensor repeats size the output by their sum (a host read). Under inference mode the int-repeats
-        # overload (self_int) arrives undecomposed; it is an expand and a copy, capturable.
-        if func._overloadname in ("Tensor", "self_Tensor") and kwargs.get("output_size") is None:
-            reason = "repeat_interleave with tensor repeats and no output_size"
-    elif reason is None and packet is aten.where and func._overloadname == "default":
-        # torch.where(cond) with one argument (nonzero's tuple form; it arrives undecomposed under inference mode)
-        reason = "torch.where(cond) with one argument (nonzero), whose output shape depends on the data"
-    elif reason is None and packet is aten.one_hot:
-        num_classes = args[1] if len(args) > 1 else kwargs.get("num_classes", -1)
-        if num_classes == -1:
-            reason = "one_hot without num_classes, which reads the maximum back to the host"
-    return reason
-
-
-def _check_capturable(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> None:
-    reason = uncapturable_reason(func, args, kwargs)
-    if reason is not None:
-        raise _uncapturable(f"{func} cannot be captured in a CUDA graph: {reason}. {_FIX}")
-
-
-# Called with the method's name on a host read outside a capture, while :func:`reporting_host_reads` is active.
-_HOST_READ_HOOK: contextvars.ContextVar[Callable[[str], None] | None] = contextvars.ContextVar("bcg_host_read_hook",
-                                                                                              default=None)
-
-
-def _host_read_guard(name: str, original: Callable) -> Callable:
-    def guarded(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        if _CAPTURING.get() is not None:
-            raise _uncapturable(
-                f"Tensor.{name}() cannot be captured in a CUDA graph: it copies device memory to the host "
-                f"and synchronizes. {_FIX}"
-            )
-        hook = _HOST_READ_HOOK.get()
-        if hook is not None:
-            token = _HOST_READ_HOOK.set(None)  # what the hook itself does is not reported
-            try:
-                hook(name)
-            finally:
-                _HOST_READ_HOOK.reset(token)
-        return original(self, *args, **kwargs)
-
-    guarded.__name__ = name
-    guarded.__doc__ = original.__doc__
-    return guarded
-
-
-# Host reads that do not reach the dispatcher for CPU tensors, so the dispatch mode cannot see them.
-HOST_READ_METHODS = ("tolist", "numpy", "__array__", "cpu", "__repr__", "__format__")
-_guard_lock = threading.Lock()
-_guard_users = 0
-_originals: dict[str, Callable] = {}
-
-
-def _install_guards() -> None:
-    global _guard_users
-    with _guard_lock:
-        if _guard_users == 0:
-            for name in HOST_READ_METHODS:
-                _originals[name] = getattr(torch.Tensor, name)
-                setattr(torch.Tensor, name, _host_read_guard(name, _originals[name]))
-        _guard_users += 1
-
-
-def _remove_guards() -> None:
-    global _guard_users
-    with _guard_lock:
-        _guard_users -= 1
-        if _guard_users == 0:
-            for name, fn in _originals.items():
-                setattr(torch.Tensor, name, fn)
-            _originals.clear()
-
-
-@contextmanager
-def reporting_host_reads(report: Callable[[str], None]) -> Iterator[None]:
-    """Inside the block, each host read that never reaches the dispatcher on a CPU (:data:`HOST_READ_METHODS`:
-    ``tolist``, ``numpy``, ``cpu``, printing...) calls ``report(method_name)`` first; used by :mod:`bcg.probe`.
-
-    Example:
-        >>> seen = []
-        >>> with reporting_host_reads(seen.append):
-        ...     _ = torch.ones(2).tolist()
-        >>> seen
-        ['tolist']
-    """
-    _install_guards()
-    token = _HOST_READ_HOOK.set(report)
-    try:
-        yield
-    finally:
-        _HOST_READ_HOOK.reset(token)
-        _remove_guards()
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:
@@ -324,7 +168,7 @@ class _RecordMode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         kwargs = kwargs or {}
-        _check_capturable(func, args, kwargs)
+        check_capturable(func, args, kwargs)
         if func.namespace in (_C10D, _FUNCTIONAL):
             out = _record_collective(func, args, kwargs)
         else:
@@ -362,8 +206,7 @@ class EmulatedGraph:
             raise RuntimeError("this EmulatedGraph was already captured; create a new one")
         self._inference = torch.is_inference_mode_enabled()
         self._mode = _RecordMode(self._ops)
-        _install_guards()
-        self._token = _CAPTURING.set(self)
+        self._token = begin_segment_capture(self)
         self._mode.__enter__()
 
     def capture_end(self) -> None:
@@ -373,9 +216,8 @@ class EmulatedGraph:
         try:
             mode.__exit__(None, None, None)
         finally:
-            _CAPTURING.reset(self._token)
+            end_segment_capture(self._token)
             self._token = None
-            _remove_guards()
             self._captured = True
         if self._invalid is not None:
             # cudaStreamEndCapture fails once an illegal call invalidated the capture, even if it was caught.

@@ -1,7 +1,7 @@
 """Finding what a CUDA graph could not capture in a module's forward, and where, without capturing it.
 
 :func:`find_uncapturable` runs a forward eagerly under a dispatch mode that applies the emulation's capture rules
-(:func:`bcg.emulation.uncapturable_reason`) to every aten op, and reports the host reads that never reach the
+(:func:`bcg.capture_rules.uncapturable_reason`) to every aten op, and reports the host reads that never reach the
 dispatcher on a CPU (``tolist``, ``cpu``, printing). Global module hooks keep the stack of modules running, so
 each violation is charged to the innermost module of the probed tree, with the op, the reason and the line of
 model code that called it; the forward then carries on, so one pass finds every offender. ``@eager_on_graph``
@@ -26,13 +26,14 @@ from torch import nn
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from bcg.emulation import reporting_host_reads, uncapturable_reason
-from bcg.graph import observing_islands
+from bcg.capture_rules import reporting_host_reads, uncapturable_reason
+from bcg.islands import observing_islands
 
 __all__ = ["Finding", "ProbeReport", "find_uncapturable"]
 
 # Frames of the probe's own machinery, skipped when naming the model code that ran an op.
-_OWN_FILES = tuple(str(Path(__file__).resolve().parent / f) for f in ("probe.py", "emulation.py", "graph.py"))
+_OWN_FILES = tuple(str(Path(__file__).resolve().parent / f)
+                   for f in ("probe.py", "capture_rules.py", "emulation.py", "graph.py", "islands.py", "capture.py"))
 _lock = threading.Lock()  # the module hooks are process-wide: one probe at a time
 
 

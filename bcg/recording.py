@@ -3,7 +3,7 @@
 Inside :func:`record_eager_calls` every call of an ``@eager_on_graph`` function (outside a capture) is recorded in
 order with copies of its tensor arguments before and after the call and of what it returned, so a differential
 check can line the calls up with a :class:`~bcg.graph.BreakableCUDAGraph`'s :class:`~bcg.graph.EagerStep`\\ s. It
-observes the islands through :func:`bcg.graph.observing_islands`, so runs outside it pay nothing; an eager function
+observes the islands through :func:`bcg.islands.observing_islands`, so runs outside it pay nothing; an eager function
 called inside another one is not recorded (it is part of the outer call), as at capture.
 """
 
@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from bcg.graph import observing_islands
+from bcg.islands import observing_islands
 
 __all__ = ["EagerCall", "record_eager_calls", "snapshot", "tensor_leaves"]
 

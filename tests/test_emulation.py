@@ -9,7 +9,8 @@ import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 import bcg
-from bcg.emulation import EmulatedGraph, UncapturableOpError, is_emulated_capturing
+from bcg.capture_rules import UncapturableOpError, is_emulated_capturing
+from bcg.emulation import EmulatedGraph
 
 
 def _uncapturable_ops():

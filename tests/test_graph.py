@@ -15,7 +15,7 @@ import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 import bcg
-from bcg.emulation import is_emulated_capturing
+from bcg.capture_rules import is_emulated_capturing
 from bcg.graph import EagerStep
 
 # ----------------------------------------------------------------------------------------------------------------

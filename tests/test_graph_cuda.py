@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import bcg
-from bcg import graph as bcg_graph
+from bcg import capture as bcg_capture
 from bcg.graph import EagerStep
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -26,7 +26,7 @@ def _no_stream_left_capturing():
     yield
     assert not bcg.is_capturing()
     assert not torch.cuda.is_current_stream_capturing()
-    for s in bcg_graph._default_streams.values():
+    for s in bcg_capture._default_streams.values():
         with torch.cuda.stream(s):
             assert not torch.cuda.is_current_stream_capturing()
     torch.cuda.synchronize()
@@ -326,7 +326,7 @@ def _side_stream_capture(g, x, side, **kwargs):
 
 def _assert_nothing_capturing(*extra_streams):
     assert not torch.cuda.is_current_stream_capturing()
-    for s in (*bcg_graph._default_streams.values(), *extra_streams):
+    for s in (*bcg_capture._default_streams.values(), *extra_streams):
         with torch.cuda.stream(s):
             assert not torch.cuda.is_current_stream_capturing()
 

@@ -7,7 +7,7 @@ import torch
 
 import bcg
 from bcg import streams
-from bcg.graph import _CaptureState
+from bcg.capture import _CaptureState
 from bcg.streams import StreamTracker
 
 CAP = "capture"

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 import torch  # noqa: F401 - the doctest below uses it
 from torch import Tensor
 
-from bcg.emulation import UncapturableOpError
+from bcg.capture_rules import UncapturableOpError
 
 if TYPE_CHECKING:
     from bcg.ops.kv_cache import KVPool
@@ -79,7 +79,7 @@ class ForwardContext(ABC):
                     features: AttentionFeatures) -> None:
         """:meth:`attend` with a sliding window, sinks, a logit soft-cap or a softmax scale (``features``).
 
-        A context without such a path (a whole-graph capture's) raises :class:`~bcg.emulation.UncapturableOpError`
+        A context without such a path (a whole-graph capture's) raises :class:`~bcg.capture_rules.UncapturableOpError`
         naming the features, so the backend is refused by name rather than computing plain attention.
         """
         raise UncapturableOpError(
@@ -91,7 +91,7 @@ class ForwardContext(ABC):
         """The live batch metadata (a :class:`~bcg.ops.attention.BatchContext`), for islands that read it on the
         host or have data-dependent shapes.
 
-        A context that has none (a whole-graph capture) raises :class:`~bcg.emulation.UncapturableOpError` naming
+        A context that has none (a whole-graph capture) raises :class:`~bcg.capture_rules.UncapturableOpError` naming
         ``island`` and ``why``, so the backend is refused by name instead of failing on an attribute.
         """
 

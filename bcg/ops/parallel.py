@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from bcg.graph import eager_on_graph
+from bcg.islands import eager_on_graph
 
 __all__ = ["SINGLE", "TensorParallel", "TensorParallelError", "init_tensor_parallel", "kv_head_range",
            "shutdown_tensor_parallel"]

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from bcg.emulation import UncapturableOpError
+from bcg.capture_rules import UncapturableOpError
 from bcg.ops.context import ForwardContext
 from bcg.ops.flash import flash_varlen, is_varlen_usable, varlen_causal_is_bottom_right
 from bcg.ops.kv_cache import KVPool

@@ -26,8 +26,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from bcg.emulation import UncapturableOpError
-from bcg.graph import is_capturing
+from bcg.capture_rules import UncapturableOpError
+from bcg.islands import is_capturing
 from bcg.models.hf import UnsupportedModelError, require_transformers
 from bcg.models.hf.attention import NAME, AttentionCall, recording_calls, register
 from bcg.models.hf.dsa import install_dsa_islands
