@@ -6,7 +6,7 @@ Every flag maps 1:1 to a field of :class:`~bcg.bench.config.BenchConfig` or :cla
 (``--no-memory`` sets ``memory=False``). Tables go to stdout, progress bars to stderr, and the last line printed is
 one JSON object summarising the run; the full results are in ``--out``/results.json next to the PNGs. Under
 tensor parallel (``torchrun --nproc-per-node N -m bcg bench --tp N``) every rank measures, and only rank 0 prints and
-writes files.
+writes files. This file parses the flags and sets the process up; the runs themselves are :mod:`bcg.cli_run`'s.
 """
 
 from __future__ import annotations
@@ -15,11 +15,11 @@ import argparse
 import contextlib
 import io
 import logging
-import platform
 import sys
 from dataclasses import fields
-from pathlib import Path
 from typing import Any
+
+from bcg.cli_run import is_main_rank, run_analyze, run_bench
 
 __all__ = ["build_parser", "main"]
 
@@ -122,7 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="skip the profiler's kernel floor")
     bench.add_argument("--tp", type=int, default=1,
                        help="tensor parallel ranks; launch with torchrun --nproc-per-node TP (default 1)")
-    bench.set_defaults(func=_run_bench, parser=bench)
+    bench.set_defaults(func=run_bench, parser=bench)
 
     an = sub.add_parser("analyze", help="measure p, launch gap, coverage and graph memory; give a verdict",
                         description="Measures the launch-gap share, the island share p of a breakable replay, "
@@ -141,7 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
                     f"{_both(G.length, C.length)})")
     an.add_argument("--max-tokens", type=int, default=None,
                     help="capture ceiling, at most the chunk size (default: the chunk size)")
-    an.set_defaults(func=_run_analyze, parser=an)
+    an.set_defaults(func=run_analyze, parser=an)
     from bcg.cli_verify import add_parser as add_verify
 
     add_verify(sub, _int_list)
@@ -156,96 +156,6 @@ def _version_line(version: str) -> str:
 
 def _config(cls: type, ns: argparse.Namespace) -> Any:
     return cls(**{f.name: getattr(ns, f.name) for f in fields(cls)})
-
-
-def _environment(device: str, emulated: bool) -> dict[str, Any]:
-    import torch
-
-    env = {"torch": torch.__version__, "python": platform.python_version(), "platform": platform.platform(),
-           "cuda": torch.version.cuda, "device": device, "emulated": emulated, "device_name": "cpu",
-           "torch_threads": torch.get_num_threads()}
-    if not emulated:
-        env["device_name"] = torch.cuda.get_device_name(torch.device(device))
-    return env
-
-
-def _is_main_rank() -> bool:
-    """Rank 0 of a tensor parallel run, or the only process: the one that prints and writes files."""
-    import torch.distributed as dist
-
-    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
-
-
-def _plot(kind: str, fn: Any, *args: Any) -> str | None:
-    try:
-        return str(fn(*args))
-    except Exception as e:  # noqa: BLE001 - a failed figure must not lose the measurements
-        print(f"bcg: could not draw the {kind} plot: {type(e).__name__}: {e}", file=sys.stderr)
-        return None
-
-
-def _title(cfg: Any, env: dict[str, Any]) -> str:
-    return f"{cfg.model} on {env['device_name']}" + (" (CPU emulation)" if cfg.emulated else "")
-
-
-def _run_bench(cfg: Any) -> dict[str, Any]:
-    from bcg.bench import plots
-    from bcg.bench.bench_report import CPU_PLOT_NOTE, CPU_SPEEDUP_NOTE, format_bench, geomean_speedups
-    from bcg.bench.latency import run_latency
-    from bcg.bench.memory import run_memory
-    from bcg.bench.report import jsonable, write_json
-
-    env = _environment(cfg.device, cfg.emulated)
-    lat = run_latency(cfg)
-    mem = (run_memory(cfg.model, cfg.device, cfg.dtype, cfg.seed, cfg.chunked_prefill_size, cfg.progress, cfg.tp,
-                      cfg.model_impl) if cfg.memory else None)
-    note = CPU_SPEEDUP_NOTE if cfg.emulated else None
-    results: dict[str, Any] = {"schema": "bcg.bench/2", "kind": "bench", "config": vars(cfg), "environment": env,
-                               "speedup_note": note, "builds": lat.builds, "rows": lat.rows,
-                               "batch_rows": lat.batch_rows, "memory": mem}
-    data = jsonable(results)
-    out = Path(cfg.out)
-    pngs: list[str] = []
-    writes = _is_main_rank()  # tensor parallel: only rank 0 writes files
-    if cfg.plots and data["rows"] and writes:
-        title = _title(cfg, env)
-        pngs += [_plot("latency", plots.plot_latency, data["rows"], out / "latency.png", title),
-                 _plot("speedup", plots.plot_speedup, data["rows"], out / "speedup.png",
-                       title + (f"\n{CPU_PLOT_NOTE}" if cfg.emulated else ""))]
-        if mem is not None and mem.available:
-            pngs.append(_plot("memory", plots.plot_memory, data["memory"]["rows"], out / "memory.png", title))
-    data["plots"] = [p for p in pngs if p]
-    path = write_json(out / "results.json", data) if writes else None
-    print(format_bench(cfg, lat, mem, cfg.emulated))
-    return {"kind": "bench", "model": cfg.model, "device": env["device_name"], "emulated": cfg.emulated,
-            "tp": cfg.tp, "lengths": cfg.lengths, "geomean_speedup": geomean_speedups(lat.rows, cfg.backends),
-            "speedup_note": note, "unavailable": {b.backend: b.error for b in lat.builds if not b.available},
-            "results": str(path), "plots": data["plots"]}
-
-
-def _run_analyze(cfg: Any) -> dict[str, Any]:
-    from bcg.bench import plots
-    from bcg.bench.analyze import format_analysis, run_analyze
-    from bcg.bench.report import jsonable, write_json
-
-    env = _environment(cfg.device, cfg.emulated)
-    a = run_analyze(cfg, env)
-    a["config"] = vars(cfg)
-    data = jsonable(a)
-    out = Path(cfg.out)
-    pngs = []
-    if cfg.plots and a["replay"].get("bucket") is not None:
-        pngs.append(_plot("analyze", plots.plot_analyze, data, out / "analyze.png", _title(cfg, env)))
-    data["plots"] = [p for p in pngs if p]
-    path = write_json(out / "results.json", data)
-    print(format_analysis(a))
-    am, t = a["amdahl"], a["timing"]
-    return {"kind": "analyze", "model": cfg.model, "device": env["device_name"], "emulated": cfg.emulated,
-            "p": am.get("p"), "s_max": am.get("s_max"), "launch_gap_share": t["launch_gap_share"],
-            "predicted_speedup": am.get("predicted_speedup"), "measured_speedup": t["measured_speedup"],
-            "prediction_error": am.get("prediction_error"), "coverage": a["coverage"]["graph_fraction"],
-            "recommended_ceiling": a["verdict"]["recommended_ceiling"], "pays": a["verdict"]["pays"],
-            "verdict": a["verdict"]["sentence"], "results": str(path), "plots": data["plots"]}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -291,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
 
         owns_group = not dist.is_initialized()
         init_tensor_parallel(cfg.tp, torch.device(cfg.device))
-    quiet = not _is_main_rank()  # every rank measures; only rank 0 prints
+    quiet = not is_main_rank()  # every rank measures; only rank 0 prints
     if quiet:
         cfg.progress = False
     threads = torch.get_num_threads()

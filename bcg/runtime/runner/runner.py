@@ -12,69 +12,37 @@ telemetry are shared by every caller, so a forward holds the lock from loading i
 ``static_output``) has been consumed; the engine holds it across the LM head too.
 
 Under tensor parallel (``tp.size > 1``) a :class:`~bcg.runtime.runner.agreement.RankAgreement` makes every rank take
-the same decision: each hook below is one call into it, and none runs at ``tp.size == 1``.
+the same decision: each hook below is one call into it, and none runs at ``tp.size == 1``. Building (the backend's
+preparation, compiling, capturing every bucket) is the :class:`~bcg.runtime.runner.build.GraphBuilder`'s, which
+writes into the same bucket table and telemetry.
 """
 
 from __future__ import annotations
 
-import gc
 import logging
 import threading
-import time
 from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from typing import Any
 
 import torch
-from tqdm.auto import tqdm
 
-from bcg.emulation import RECORDS_COMPILED_CODE, UncapturableOpError
 from bcg.ops.context import forward_context
 from bcg.ops.kv_cache import KVPool
 from bcg.ops.parallel import SINGLE, TensorParallel
-from bcg.runtime.backends import BackendRefused, GraphResources, backend_class
+from bcg.runtime.backends import GraphResources, backend_class
 from bcg.runtime.backends.capture import GraphPool
 from bcg.runtime.batch import PrefillBatch, PrefillItem
 from bcg.runtime.compile import compile_layers
 from bcg.runtime.config import EngineConfig
 from bcg.runtime.runner.agreement import RankAgreement
 from bcg.runtime.runner.buckets import BucketTable
+from bcg.runtime.runner.build import GraphBuilder, first_line, frozen_gc
 from bcg.runtime.runner.telemetry import BatchRecord, BucketRecord, Telemetry
 
 __all__ = ["Runner"]
 
 logger = logging.getLogger("bcg")
-
-
-def _is_uncapturable(e: BaseException) -> bool:
-    """Errors that say the *model* cannot be captured, as opposed to one bucket failing (e.g. out of memory)."""
-    if isinstance(e, (UncapturableOpError, BackendRefused)):
-        return True
-    text = str(e)
-    return "operation not permitted when stream is capturing" in text or "cudaErrorStreamCapture" in text
-
-
-@contextmanager
-def _frozen_gc() -> Iterator[None]:
-    # A collection during capture could free tensors mid-segment; freezing also keeps capture fast.
-    gc.collect()
-    gc.freeze()
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()
-        gc.unfreeze()
-
-
-def _free_memory(device: torch.device) -> int:
-    return torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else 0
-
-
-def _first_line(e: BaseException) -> str:
-    return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
 
 
 class Runner:
@@ -123,6 +91,8 @@ class Runner:
                 dummy_context=self.dummy_context,
                 barrier_fn=self.agreement.capture_barrier if self.agreement is not None else None)
         self.backend = cls(self.resources)
+        self.builder = GraphBuilder(model, self.backend, self.resources, self.table, self.telemetry, config,
+                                    self.dummy_context, self.agreement)
 
     # The static buffers belong to the resources; these read them (tools and tests address them directly).
     @property
@@ -147,118 +117,8 @@ class Runner:
         """Compiles (the layer stack, if asked, and whatever the backend compiles) and captures every bucket,
         largest first, into one shared pool."""
         with self.lock:
-            self._build()
-
-    def _build(self) -> None:
-        t0 = time.perf_counter()
-        try:
-            if self.backend.uses_graphs:
-                error: BaseException | None = None
-                try:
-                    self.backend.prepare()
-                except Exception as e:  # noqa: BLE001 - any failure here means: serve eagerly, loudly
-                    error = e
-                if self.agreement is not None:  # tensor parallel: refused on one rank, refused on all
-                    error = self.agreement.agree_outcome(error, "the backend's preparation")
-                if error is not None:
-                    self._refuse(error)
-            if self.config.compile:  # after prepare: the first compiled call runs under the backend's context
-                compile_error: BaseException | None = None
-                try:
-                    self._compile()
-                except Exception as e:  # noqa: BLE001 - run and capture the uncompiled stack instead, loudly
-                    compile_error = e
-                if self.agreement is not None:  # tensor parallel: compiled on every rank or on none
-                    compile_error = self.agreement.agree_outcome(compile_error, "compiling the layer stack")
-                if compile_error is not None:
-                    self._uncompile(compile_error)
-        finally:
-            self.telemetry.compile_ms = (time.perf_counter() - t0) * 1e3
-        if not self.backend.uses_graphs or self.table.refused_reason is not None:
-            return
-        sizes = sorted(self.table.sizes, reverse=True)
-        bar = tqdm(sizes, desc=f"Capturing {self.config.backend}", disable=not self.config.progress,
-                   unit="bucket", leave=False)
-        start_free = _free_memory(self.device)
-        t_all = time.perf_counter()
-        with _frozen_gc(), torch.inference_mode():
-            for n in bar:
-                record = self._capture_one(n)
-                free = f"{_free_memory(self.device) / 2**30:.1f}" if self.device.type == "cuda" else "-"
-                bar.set_postfix(num_tokens=n, capture_ms=f"{record.capture_ms:.1f}", free_gib=free)
-                if self.table.refused_reason is not None:
-                    break
-        bar.close()
-        self.telemetry.capture_ms = (time.perf_counter() - t_all) * 1e3
-        self.telemetry.graph_memory_bytes = max(start_free - _free_memory(self.device), 0)
-        logger.info("bcg: %s captured %d/%d buckets in %.0f ms (compile %.0f ms), graph memory %.1f MiB",
-                    self.config.backend, self.telemetry.num_captured, len(sizes), self.telemetry.capture_ms,
-                    self.telemetry.compile_ms, self.telemetry.graph_memory_bytes / 2**20)
-
-    def _capture_one(self, n: int) -> BucketRecord:
-        res, record = self.resources, self.table.record(n)
-        free0 = _free_memory(self.device)
-        t0 = time.perf_counter()
-        handle, error = None, None
-        if self.agreement is not None:
-            self.agreement.begin_capture(n)
-        try:
-            with self.dummy_context(n):
-                stream = res.capture_stream
-                if stream is not None:  # the static buffers were just filled on the current stream
-                    stream.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(stream) if stream is not None else nullcontext():
-                    for _ in range(self.config.warmup):
-                        self.backend.warmup(n)
-                if stream is not None:
-                    torch.cuda.current_stream().wait_stream(stream)
-                handle = self.backend.capture(n)
-        except Exception as e:  # noqa: BLE001 - one bucket failing must not take the others down
-            error = e
-            if self.device.type == "cuda":
-                torch.cuda.empty_cache()
-                # A capture that failed inside CUDA can leave its pool unusable ("already recording"): every
-                # backend captures later buckets into a fresh pool, giving up sharing with the earlier ones.
-                res.pool.renew()
-        if self.agreement is not None:  # tensor parallel: kept only if every rank captured the same graph
-            shape = self.backend.describe(handle) if handle is not None else None
-            error = self.agreement.agree_capture(n, error, error is not None and _is_uncapturable(error), shape)
-        if error is not None:
-            if _is_uncapturable(error):
-                self._refuse(error)
-            else:
-                self.disable(n, f"capture failed: {_first_line(error)}")
-            return record
-        record.capture_ms = (time.perf_counter() - t0) * 1e3
-        record.memory_bytes = max(free0 - _free_memory(self.device), 0)
-        record.num_segments, record.num_breaks = self.backend.describe(handle)
-        self.table.set_handle(n, handle)
-        return record
-
-    def _compile(self) -> None:
-        """Traces and compiles the layer stack now, at the largest bucket, so build time says what compiling costs
-        and no batch pays for it; under inference mode, as every later call runs."""
-        if self.resources is not None and self.resources.is_emulated:
-            if self.config.compile == "inductor":
-                raise RuntimeError(
-                    "compile='inductor' cannot run under the CPU graph emulation: Inductor's CPU kernels are C++ "
-                    "called directly, not aten ops the emulation records. Use compile='eager' on a CPU, or a GPU")
-            if not RECORDS_COMPILED_CODE:
-                raise RuntimeError(f"this torch ({torch.__version__}) cannot record compiled code under the CPU graph "
-                                   "emulation (no TorchDispatchMode.ignore_compile_internals); use a newer torch")
-        n = self.table.max_bucket
-        hidden = torch.zeros(n, self.model.config.hidden_size, device=self.device, dtype=self.dtype)
-        positions = torch.arange(n, device=self.device)
-        with torch.inference_mode(), self.dummy_context(n):
-            self.layers(hidden, positions)
-
-    def _uncompile(self, e: BaseException) -> None:
-        """The layer stack did not compile: every path runs (and captures) the uncompiled one, and says why."""
-        self.layers = self.model.forward_layers
-        if self.resources is not None:
-            self.resources.layers = self.layers
-        self.telemetry.compile_error = f"compile={self.config.compile!r} failed: {_first_line(e)}"
-        logger.warning("bcg: %s; running the uncompiled layer stack", self.telemetry.compile_error)
+            self.layers = self.builder.prepare(self.layers)
+            self.builder.capture_all()
 
     @contextmanager
     def dummy_context(self, n: int) -> Iterator[None]:
@@ -276,13 +136,6 @@ class Runner:
             if self.resources is not None:
                 self.static_positions.zero_()
 
-    def _refuse(self, e: BaseException) -> None:
-        msg = f"backend {self.config.backend!r} cannot capture this model: {_first_line(e).rstrip('. ')}."
-        if self.config.backend != "breakable":
-            msg += " Use backend='breakable', which runs such ops in eager islands."
-        self.table.refuse(msg)
-        logger.warning("bcg: %s; serving every batch eagerly", msg)
-
     def agree_buckets(self, what: str) -> None:
         """Tensor parallel: disables on this rank every bucket disabled on another (after ``what``, e.g. verify)."""
         if self.agreement is None or not self.backend.uses_graphs:
@@ -294,8 +147,7 @@ class Runner:
 
     def disable(self, n: int, reason: str) -> None:
         """Stops replaying bucket ``n`` (its batches move up the ladder or run eagerly) and records why."""
-        self.table.disable(n, reason)
-        logger.warning("bcg: bucket %d disabled: %s", n, reason)
+        self.builder.disable(n, reason)
 
     def enable_bucket(self, n: int) -> None:
         """Replays bucket ``n``'s captured graph again after it was disabled (a transient fault).
@@ -321,9 +173,9 @@ class Runner:
             raise ValueError(f"the {self.config.backend} backend captures nothing")
         if self.table.refused_reason is not None:
             raise ValueError(f"bucket {n} cannot be recaptured: {self.table.refused_reason}")
-        with self.lock, _frozen_gc(), torch.inference_mode():
+        with self.lock, frozen_gc(), torch.inference_mode():
             entry.handle = None  # the old graph goes first, so the new capture can reuse its memory
-            record = self._capture_one(n)
+            record = self.builder.capture(n)
         if record.disabled_reason is None:
             logger.info("bcg: bucket %d recaptured in %.0f ms", n, record.capture_ms)
         return record
@@ -375,7 +227,7 @@ class Runner:
                 self.table.record_success(bucket)
                 self._record(batch, bucket, True, reason)
                 return self.static_output[:n_real]
-            message = _first_line(error)
+            message = first_line(error)
             if self.table.record_failure(bucket, message):
                 logger.warning("bcg: bucket %d disabled: %s", bucket, self.table.record(bucket).disabled_reason)
             else:
