@@ -196,7 +196,9 @@ def test_padded_rows_do_not_write_kv() -> None:
     for k in eng.kv_pool.k:
         k.zero_()
     eng.prefill(prompts([5]))  # replays bucket 8: three padded rows
-    assert eng.kv_pool.k[0][5:].abs().sum().item() == 0  # slots 0..4 were the request's; nothing else written
+    # which slots the request got depends on the cached engine's history; how many were written does not
+    written = eng.kv_pool.k[0].flatten(1).abs().sum(1) != 0
+    assert written.sum().item() == 5  # the request's five slots, and nothing for the padded rows
     assert eng.kv_pool.k[0][eng.kv_pool.scratch_slot].abs().sum().item() == 0
 
 
