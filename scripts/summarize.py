@@ -63,6 +63,13 @@ def summarize(folder: Path) -> str:
             out.append(f"| {n} | " + " | ".join(
                 _x(by[(v, n)]["median_ms"] / eager[f]) if (v, n) in by and eager.get(f) else "-"
                 for v, f in floors) + " |")
+    checked = [r for r in data["rows"] + data.get("batch_rows", []) if r.get("tokens_equal_eager") is not None]
+    if checked:
+        differ = [r for r in checked if not r["tokens_equal_eager"]]
+        out += ["", f"Greedy tokens equal eager's in {len(checked) - len(differ)} of {len(checked)} rows"
+                + ("." if not differ else ": differ in " + ", ".join(
+                    f"{r['backend']} at {r['num_tokens']} tokens (eager's top-2 gap {r['eager_top2_gap']:.4f})"
+                    for r in differ) + ".")]
     out += ["", "| variant | available | compile s | capture s | buckets | segments/breaks | graph memory |",
             "|---|---|---:|---:|---:|---|---:|"]
     for b in data["builds"]:

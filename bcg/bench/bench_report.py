@@ -65,13 +65,18 @@ def _latency_table(title: str, rows: Sequence[Any], cuda: bool) -> str:
         if cuda:
             row += [fmt(r.kernel_floor_ms, 3)] + ([fmt(r.fused_floor_ms, 3)] if fused_floors else [])
             row += [fmt(r.launch_gap_share, 2)]
-        cells.append(row + [describe_reason(r.graph_used, r.reason, r.bucket)])
-    headers.append("graph")
+        cells.append(row + [_tokens(r), describe_reason(r.graph_used, r.reason, r.bucket)])
+    headers += ["tokens = eager", "graph"]
     if any((spread(r) or 0) > NOISY_SPREAD for r in rows):
         headers.append("")
         for r, row in zip(rows, cells):
             row.append("noisy" if (spread(r) or 0) > NOISY_SPREAD else "")
     return table(headers, cells, title=title)
+
+
+def _tokens(r: Any) -> str:
+    """The greedy-token column: ``-`` for eager itself, else whether the tokens equal eager's."""
+    return "-" if r.backend == "eager" else fmt(r.tokens_equal_eager)
 
 
 def _build_table(builds: Sequence[Any]) -> str:
@@ -109,6 +114,12 @@ def format_bench(cfg: Any, lat: Any, mem: Any, emulated: bool) -> str:
         out += ["", f"{noisy} row(s) marked noisy: their middle half of runs spans more than "
                     f"{NOISY_SPREAD:.0%} of the median, so backends within that spread are not told apart; the "
                     "machine was busy. Rerun, or raise --runs."]
+    differ = [r for r in lat.rows + lat.batch_rows if r.tokens_equal_eager is False]
+    if differ:
+        out += ["", f"{len(differ)} row(s) chose a different greedy token than eager: "
+                + ", ".join(f"{r.backend} at {r.num_tokens} tokens (eager's top-2 gap {fmt(r.eager_top2_gap, 4)})"
+                            for r in differ)
+                + ". A gap near the dtype's rounding is a near-tie; a wide one is a wrong answer."]
     if lat.batch_rows and cfg.batch_requests > 1:
         out += ["", f"The {cfg.batch_requests}-request rows pack requests of the same total tokens; a graph "
                     "backend that cannot replay such a batch runs it eagerly, and its graph column says why."]

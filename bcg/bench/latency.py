@@ -37,7 +37,9 @@ class LatencyRow:
     are the speedup over eager that those spreads allow (eager's q1 over this q3, eager's q3 over this q1).
     ``kernel_floor_ms`` is the eager forward's device busy time at the same shape, ``fused_floor_ms`` that of the
     eager forward on the fused kernels (measured when a variant uses them): the floors no launch path can beat
-    without fusing more.
+    without fusing more. ``next_tokens`` are the greedy tokens of the untimed prefill; ``tokens_equal_eager`` says
+    whether eager's rows of the same shape chose the same ones, and ``eager_top2_gap`` is the smallest gap between
+    eager's two best logits over its requests: a near-tie that bf16 rounding may flip.
     """
 
     backend: str
@@ -63,6 +65,9 @@ class LatencyRow:
     kernel_floor_ms: float | None = None
     fused_floor_ms: float | None = None
     launch_gap_share: float | None = None
+    next_tokens: list[int] = field(default_factory=list)
+    tokens_equal_eager: bool | None = None
+    eager_top2_gap: float | None = None
 
 
 @dataclass
@@ -76,14 +81,16 @@ class LatencyResult:
 
 def _measure(eng: Any, backend: str, input_len: int, prompts: list[Any], cfg: BenchConfig) -> LatencyRow:
     timing = time_fn(lambda: eng.prefill(prompts), cfg.device, runs=cfg.runs, warmup=cfg.warmup)
-    batches = eng.prefill(prompts).batches  # one more, untimed, to read how it ran
-    first = batches[0]
+    res = eng.prefill(prompts)  # one more, untimed, to read how it ran and what it chose
+    batches, first = res.batches, res.batches[0]
+    top2 = res.logits.float().topk(2, dim=-1).values
     return LatencyRow(
         backend=backend, input_len=input_len, num_requests=len(prompts),
         num_tokens=sum(int(p.numel()) for p in prompts), median_ms=timing.median_ms, min_ms=timing.min_ms,
         q1_ms=timing.q1_ms, q3_ms=timing.q3_ms, max_ms=timing.max_ms, mean_ms=timing.mean_ms,
         stdev_ms=timing.stdev_ms, runs=len(timing.samples_ms),
         graph_used=all(b.graph_used for b in batches), bucket=first.bucket, reason=first.reason,
+        next_tokens=res.next_tokens.tolist(), eager_top2_gap=float((top2[:, 0] - top2[:, 1]).min()),
     )
 
 
@@ -146,8 +153,8 @@ def _kernel_floors(cfg: BenchConfig, result: LatencyResult) -> None:
 
 
 def fill_speedups(rows: list[LatencyRow]) -> None:
-    """Sets speedup over eager (and its range from both rows' quartiles), the kernel floor and the launch-gap
-    share on rows of the same shape.
+    """Sets speedup over eager (and its range from both rows' quartiles), the kernel floor, the launch-gap
+    share and whether the greedy tokens equal eager's, on rows of the same shape.
 
     Example::
 
@@ -163,6 +170,8 @@ def fill_speedups(rows: list[LatencyRow]) -> None:
             r.speedup_low, r.speedup_high = base.q1_ms / r.q3_ms, base.q3_ms / r.q1_ms
         r.kernel_floor_ms, r.fused_floor_ms = base.kernel_ms, base.fused_kernel_ms
         r.launch_gap_share = launch_gap_share(base.kernel_ms, r.median_ms) if r.median_ms > 0 else None
+        r.tokens_equal_eager = r.next_tokens == base.next_tokens if r.next_tokens and base.next_tokens else None
+        r.eager_top2_gap = base.eager_top2_gap
 
 
 def run_latency(cfg: BenchConfig) -> LatencyResult:

@@ -119,6 +119,18 @@ def test_bench_report_labels_cpu_speedups_and_marks_noisy_rows() -> None:
     assert "CPU emulation" not in gpu and "kernel floor" in gpu and "breakable 2.00x." in gpu
 
 
+def test_a_different_greedy_token_is_flagged_with_eagers_gap() -> None:
+    rows = [_row("eager", 2.0, 1.9, 2.1, next_tokens=[7, 9], eager_top2_gap=0.0625),
+            _row("breakable", 1.0, 0.9, 1.1, next_tokens=[7, 9]), _row("full", 1.0, 0.9, 1.1, next_tokens=[7, 3])]
+    fill_speedups(rows)
+    assert [r.tokens_equal_eager for r in rows] == [True, True, False]
+    lat = LatencyResult(builds=[BuildRecord(r.backend) for r in rows], rows=rows)
+    cfg = BenchConfig(device="cpu", backends=["eager", "breakable", "full"], lengths=[16])
+    text = bench_report.format_bench(cfg, lat, None, emulated=True)
+    assert "tokens = eager" in text
+    assert "1 row(s) chose a different greedy token than eager: full at 16 tokens (eager's top-2 gap 0.0625)" in text
+
+
 def test_reasons_read_as_words() -> None:
     assert report.describe_reason(True, "graph", 32) == "yes (bucket 32)"
     assert report.describe_reason(False, "backend_refused") == "no: backend refused the model"

@@ -54,6 +54,8 @@ def test_bench_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
             assert r["speedup_low"] <= r["speedup_vs_eager"] <= r["speedup_high"]
     assert data["config"]["threads"] == 1 and data["environment"]["torch_threads"] == 1
     assert all(r["graph_used"] for r in data["rows"] if r["backend"] == "breakable")
+    assert all(r["tokens_equal_eager"] and len(r["next_tokens"]) == r["num_requests"]
+               for r in data["rows"] + data["batch_rows"])
     assert all(r["speedup_vs_eager"] == 1.0 for r in data["rows"] if r["backend"] == "eager")
     assert {(r["backend"], r["num_requests"]) for r in data["batch_rows"]} == {("eager", 4), ("breakable", 4)}
     build = {b["backend"]: b for b in data["builds"]}

@@ -69,3 +69,17 @@ def test_soak_smoke() -> None:
     assert stats["injected"] > 0 and stats["failed_replays"] > 0  # faults happened, and were survived
     assert stats["replay_failures_recorded"] == stats["failed_replays"]
     assert len(result["memory"]) >= 2
+
+
+def test_summarize_tables_a_bench_run_and_its_token_check(tmp_path: Path) -> None:
+    from bcg.cli import main
+
+    out = tmp_path / "tiny-dense"
+    assert main(["bench", "--model", "tiny-dense", "--device", "cpu", "--backends", "eager,breakable", "--lengths",
+                 "8", "--runs", "1", "--warmup", "0", "--batch-requests", "1", "--no-memory", "--no-plots",
+                 "--no-progress", "--out", str(out)]) == 0
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "summarize.py"), str(out)], capture_output=True,
+                          text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "### tiny-dense" in proc.stdout and "| 8 |" in proc.stdout
+    assert "Greedy tokens equal eager's in 2 of 2 rows." in proc.stdout
