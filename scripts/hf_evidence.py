@@ -9,7 +9,10 @@ read) and each input length, one request:
 * ``native_breakable``: ``Engine(path, model_impl="native", backend="breakable")`` where bcg has the architecture;
 
 median of ``--runs`` timed runs after ``--warmup`` (CUDA events, whole calls), the greedy token against the model's
-own, and the largest logit difference relative to the largest logit. Every measurement is guarded (an error is printed
+own, and the largest logit difference relative to the largest logit. With ``--fp32-reference`` every row (the
+model's own bf16 forward too) is also compared with the same model's forward in fp32, the truth bf16 paths round
+away from: a bf16 reference whose own error is as large as the engine's cannot tell a wrong answer from rounding.
+``--ungraphed`` adds ``Engine(model, backend="eager")``, the same attention islands without graphs. Every measurement is guarded (an error is printed
 and recorded, the rest goes on) and the whole run stops starting new steps after ``--max-seconds``. Prints a table,
 then one JSON object (also written to ``--out``).
 
@@ -20,6 +23,7 @@ then one JSON object (also written to ``--out``).
 from __future__ import annotations
 
 import argparse
+import copy
 import functools
 import gc
 import importlib.util
@@ -134,6 +138,32 @@ def _hf_forward(hf: Any, prompts: dict[int, torch.Tensor], args: argparse.Namesp
     return out
 
 
+def _fp32_logits(hf: Any, prompts: dict[int, torch.Tensor], run: Run) -> dict[int, torch.Tensor]:
+    """The same weights in fp32 (a copy; the bf16 model is untouched): last-token logits per length."""
+    twin = run.step("fp32 copy", lambda: copy.deepcopy(hf).float())
+    if twin is None:
+        return {}
+    device = next(twin.parameters()).device
+    out = {}
+    with torch.inference_mode():
+        for n, p in prompts.items():
+            logits = run.step(f"fp32 forward {n}", lambda p=p: twin(input_ids=p[None].to(device), use_cache=False)
+                              .logits[0, -1].float())
+            if logits is not None:
+                out[n] = logits
+    del twin
+    _free()
+    return out
+
+
+def _against(got: torch.Tensor, want: torch.Tensor | None, suffix: str = "") -> dict:
+    """Greedy-token equality and the largest logit difference relative to the largest logit."""
+    if want is None:
+        return {}
+    return {f"token_equal{suffix}": int(got.argmax()) == int(want.argmax()),
+            f"rel_logit_diff{suffix}": float((got.float() - want).abs().max() / want.abs().max())}
+
+
 def _engine_rows(make: Any, label: str, prompts: dict[int, torch.Tensor], ref: dict[int, dict],
                  args: argparse.Namespace, run: Run) -> dict[int, dict]:
     eng = run.step(f"{label} build", make)
@@ -151,8 +181,8 @@ def _engine_rows(make: Any, label: str, prompts: dict[int, torch.Tensor], ref: d
         want = ref.get(len(p), {}).get("logits")
         if want is not None:
             top2 = want.topk(2).values
-            row.update(token_equal=row["token"] == int(want.argmax()), hf_top2_gap=float(top2[0] - top2[1]),
-                       rel_logit_diff=float((res.logits[0] - want).abs().max() / want.abs().max()))
+            row.update(hf_top2_gap=float(top2[0] - top2[1]), **_against(res.logits[0], want))
+        row.update(_against(res.logits[0], ref.get(len(p), {}).get("fp32"), "_fp32"))
         return row
 
     for n, p in prompts.items():
@@ -179,9 +209,16 @@ def run_shape(shape: str, spec: tuple[str, dict], args: argparse.Namespace, run:
     result: dict[str, Any] = {"params": sum(p.numel() for p in hf.parameters()), "from_disk": folder is not None,
                               "attn_implementation": hf.config._attn_implementation}
     ref = _hf_forward(hf, prompts, args, run)  # before the engine switches the model's attention to bcg's
-    result["hf"] = {n: {"ms": r.get("ms")} for n, r in ref.items()}
+    if args.fp32_reference:
+        for n, logits in _fp32_logits(hf, prompts, run).items():
+            ref.setdefault(n, {})["fp32"] = logits
+    result["hf"] = {n: {"ms": r.get("ms"), **_against(r["logits"], r.get("fp32"), "_fp32")} if "logits" in r else {}
+                    for n, r in ref.items()}
     result["tf_breakable"] = _engine_rows(functools.partial(Engine, hf, **_opts(args)), f"{shape}: transformers path",
                                           prompts, ref, args, run)
+    if args.ungraphed:
+        result["tf_eager"] = _engine_rows(functools.partial(Engine, hf, **{**_opts(args), "backend": "eager"}),
+                                          f"{shape}: transformers path, no graphs", prompts, ref, args, run)
     del hf
     _free()
     if shape in NATIVE and folder is not None and not args.skip_native:
@@ -196,8 +233,9 @@ def run_shape(shape: str, spec: tuple[str, dict], args: argparse.Namespace, run:
 
 def _table(results: dict, lengths: list[int]) -> str:
     head = ("| shape | tokens | transformers forward ms | transformers path, breakable ms | speedup | "
-            "native, breakable ms | tf path / native | token = transformers' |")
-    lines = [head, "|---|---:|---:|---:|---:|---:|---:|---|"]
+            "native, breakable ms | tf path / native | token = transformers' | rel. diff to fp32: transformers / tf "
+            "path / native | token = fp32's: transformers / tf path / native |")
+    lines = [head, "|---|---:|---:|---:|---:|---:|---:|---|---|---|"]
 
     def ms(v: Any) -> str:
         return f"{v:.2f}" if isinstance(v, float) else "-"
@@ -210,8 +248,12 @@ def _table(results: dict, lengths: list[int]) -> str:
             speed = f"{hf / tf['ms']:.1f}x" if hf and tf.get("ms") else "-"
             ratio = f"{tf['ms'] / nat['ms']:.2f}" if tf.get("ms") and nat.get("ms") else "-"
             tokens = "/".join(str(x.get("token_equal", "-")) for x in (tf, nat) if x)
+            own = (r.get("hf") or {}).get(n, {})
+            diffs = " / ".join(f"{x['rel_logit_diff_fp32']:.3f}" if "rel_logit_diff_fp32" in x else "-"
+                               for x in (own, tf, nat))
+            fp32_tokens = " / ".join(str(x.get("token_equal_fp32", "-")) for x in (own, tf, nat))
             lines.append(f"| {shape} | {n} | {ms(hf)} | {ms(tf.get('ms'))} | {speed} | {ms(nat.get('ms'))} | {ratio} "
-                         f"| {tokens} |")
+                         f"| {tokens} | {diffs} | {fp32_tokens} |")
     return "\n".join(lines)
 
 
@@ -226,6 +268,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gpt-oss-on-disk", action="store_true",
                     help="write and load the gpt-oss checkpoint too (~22 GB, minutes) instead of building it in memory")
     ap.add_argument("--skip-native", action="store_true")
+    ap.add_argument("--fp32-reference", action="store_true",
+                    help="also compare every row with the model's fp32 forward (a copy of the weights in fp32)")
+    ap.add_argument("--ungraphed", action="store_true",
+                    help="also measure the transformers path with backend='eager' (the islands without graphs)")
     ap.add_argument("--native-torch-kernels", action="store_true",
                     help="also measure the native path with kernels='torch' (no fused kernels)")
     ap.add_argument("--max-seconds", type=float, default=170.0, help="no new step starts after this (default: 170)")

@@ -19,7 +19,8 @@ def test_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     spec.loader.exec_module(module)
     threads = torch.get_num_threads()
     out = tmp_path / "hf.json"
-    assert module.main(["--smoke", "--device", "cpu", "--workdir", str(tmp_path), "--out", str(out)]) == 0
+    assert module.main(["--smoke", "--device", "cpu", "--workdir", str(tmp_path), "--out", str(out),
+                        "--fp32-reference", "--ungraphed"]) == 0
     assert torch.get_num_threads() == threads
     summary = json.loads(out.read_text())
     assert summary["errors"] == []
@@ -28,4 +29,9 @@ def test_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     for rows in (qwen3["tf_breakable"], qwen3["native_breakable"], gpt_oss["tf_breakable"]):
         assert set(rows["by_length"]) == {"8", "16"}
         assert all(r["graph_used"] and r["ms"] > 0 and "token_equal" in r for r in rows["by_length"].values())
+    # fp32 on the CPU: the bf16 model, the engine with and without graphs all measured against its fp32 copy
+    for rows in (qwen3["tf_breakable"], gpt_oss["tf_eager"]):
+        assert all(r["rel_logit_diff_fp32"] < 0.1 and "token_equal_fp32" in r for r in rows["by_length"].values())
+    assert all("rel_logit_diff_fp32" in r for r in gpt_oss["hf"].values())
+    assert not any(r["graph_used"] for r in gpt_oss["tf_eager"]["by_length"].values())
     assert "| qwen3-0.6b | 16 |" in capsys.readouterr().out
