@@ -12,9 +12,9 @@ median of ``--runs`` timed runs after ``--warmup`` (CUDA events, whole calls), t
 own, and the largest logit difference relative to the largest logit. With ``--fp32-reference`` every row (the
 model's own bf16 forward too) is also compared with the same model's forward in fp32, the truth bf16 paths round
 away from: a bf16 reference whose own error is as large as the engine's cannot tell a wrong answer from rounding.
-``--ungraphed`` adds ``Engine(model, backend="eager")``, the same attention islands without graphs. Every measurement is guarded (an error is printed
-and recorded, the rest goes on) and the whole run stops starting new steps after ``--max-seconds``. Prints a table,
-then one JSON object (also written to ``--out``).
+``--ungraphed`` adds ``Engine(model, backend="eager")``, the same attention islands without graphs. Every
+measurement is guarded (an error is printed and recorded, the rest goes on) and the whole run stops starting new
+steps after ``--max-seconds``. Prints a table, then one JSON object (also written to ``--out``).
 
     PYTHONPATH=$PWD python scripts/hf_evidence.py --out hf_evidence.json       # on the GPU machine
     python scripts/hf_evidence.py --smoke                                        # tiny shapes on the CPU (CI)
@@ -147,7 +147,7 @@ def _fp32_logits(hf: Any, prompts: dict[int, torch.Tensor], run: Run) -> dict[in
     out = {}
     with torch.inference_mode():
         for n, p in prompts.items():
-            logits = run.step(f"fp32 forward {n}", lambda p=p: twin(input_ids=p[None].to(device), use_cache=False)
+            logits = run.step(f"fp32 forward {n}", lambda p=p, m=twin: m(input_ids=p[None].to(device), use_cache=False)
                               .logits[0, -1].float())
             if logits is not None:
                 out[n] = logits
