@@ -1,11 +1,16 @@
 """The seed's isolated prefill experiment: one request at a time, fixed input length, every backend.
 
 For each backend one engine is built per model (capture ceiling = the longest input, capped at the chunk size) and
-reused across lengths. Each (backend, length) row holds the median prefill latency over ``runs`` timed runs after
-``warmup`` with its interquartile range, the speedup over eager with the range the two spreads allow, and the
-kernel floor (device busy time of the eager forward, CUDA only). For every backend one extra batch per length packs
-``batch_requests`` requests of the same total tokens, to show whether a many-request batch still replays a graph
-(``full`` bakes in a few request slots, so there it usually runs eagerly, and the row says so).
+reused across lengths. By default every engine is built first and all stay alive while they are measured
+interleaved (one timed run of each in turn, ``runs`` rounds), so the ratios between variants are taken side by side
+under the same machine state; ``interleave=False`` (``--no-interleave``) builds, measures and frees one engine at a
+time, for engines that do not fit in memory together.
+
+Each (backend, length) row holds the median prefill latency over ``runs`` timed runs after ``warmup`` with its
+interquartile range, the speedup over eager with the range the two spreads allow, and the kernel floor (device busy
+time of the eager forward, CUDA only). For every backend one extra batch per length packs ``batch_requests``
+requests of the same total tokens, to show whether a many-request batch still replays a graph (``full`` bakes in a
+few request slots, so there it usually runs eagerly, and the row says so).
 
 A backend that cannot be built, or that refuses the model, gets no rows: its build record says why, and nothing it
 would have served eagerly is counted as its speed.
@@ -13,6 +18,7 @@ would have served eagerly is counted as its speed.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,7 +28,7 @@ from tqdm.auto import tqdm
 from bcg.bench.amdahl import launch_gap_share
 from bcg.bench.config import BenchConfig, BenchError
 from bcg.bench.engines import BuildRecord, engine_for, make_prompts, split_tokens
-from bcg.bench.timing import gpu_kernel_ms, time_fn
+from bcg.bench.timing import Timing, gpu_kernel_ms, time_fn
 from bcg.bench.variants import parse_variant
 
 __all__ = ["LatencyResult", "LatencyRow", "fill_speedups", "run_latency"]
@@ -79,8 +85,7 @@ class LatencyResult:
     batch_rows: list[LatencyRow] = field(default_factory=list)
 
 
-def _measure(eng: Any, backend: str, input_len: int, prompts: list[Any], cfg: BenchConfig) -> LatencyRow:
-    timing = time_fn(lambda: eng.prefill(prompts), cfg.device, runs=cfg.runs, warmup=cfg.warmup)
+def _row(eng: Any, backend: str, input_len: int, prompts: list[Any], timing: Timing) -> LatencyRow:
     res = eng.prefill(prompts)  # one more, untimed, to read how it ran and what it chose
     batches, first = res.batches, res.batches[0]
     top2 = res.logits.float().topk(2, dim=-1).values
@@ -94,36 +99,90 @@ def _measure(eng: Any, backend: str, input_len: int, prompts: list[Any], cfg: Be
     )
 
 
-def _bench_backend(backend: str, cfg: BenchConfig, result: LatencyResult, bar: Any) -> None:
+def _engine(cfg: BenchConfig, backend: str, record: BuildRecord) -> Any:
+    # The KV pool holds the longest prompt (the many-request batch has the same total), however long it is.
+    return engine_for(cfg.model, backend, device=cfg.device, dtype=cfg.dtype, seed=cfg.seed,
+                      chunked_prefill_size=cfg.chunked_prefill_size, max_tokens=cfg.ceiling,
+                      kv_tokens=max(cfg.lengths), progress=cfg.progress, record=record, tp_size=cfg.tp,
+                      model_impl=cfg.model_impl)
+
+
+def _shapes(cfg: BenchConfig, vocab: int, length: int) -> list[list[Any]]:
+    """The prompts measured at one length: one request, and the many-request batch of the same total."""
+    out = [make_prompts([length], vocab, cfg.seed + length)]
+    if cfg.batch_requests > 1:
+        out.append(make_prompts(split_tokens(length, cfg.batch_requests), vocab, cfg.seed + length))
+    return out
+
+
+def _fail(record: BuildRecord, length: int, e: Exception, bar: Any) -> None:
+    record.error = f"failed at input length {length}: {type(e).__name__}: {str(e).splitlines()[0]}"
+    bar.write(f"bcg bench: backend {record.backend!r} {record.error}")
+
+
+def _run_interleaved(engines: dict[str, tuple[Any, BuildRecord]], cfg: BenchConfig, result: LatencyResult,
+                     bar: Any) -> None:
+    """Every live engine at each length in turn, one timed run each per round (the first of a round rotates), so a
+    change of the machine's state during the run (clocks, a busy neighbour) lands on every variant alike."""
+    for length in cfg.lengths:
+        if not engines:
+            return
+        bar.set_postfix(input_len=length, variants=len(engines))
+        vocab = next(iter(engines.values()))[0].model.config.vocab_size
+        for prompts in _shapes(cfg, vocab, length):
+            rows: list[LatencyRow] = []
+            calls = {b: (lambda e=eng, p=prompts: e.prefill(p)) for b, (eng, _) in engines.items()}
+            samples: dict[str, list[float]] = {b: [] for b in calls}
+            for r in range(-cfg.warmup, cfg.runs):
+                names = list(calls)
+                if not names:
+                    break
+                for b in names[r % len(names):] + names[: r % len(names)]:
+                    try:
+                        t = time_fn(calls[b], cfg.device, runs=1, warmup=0).samples_ms[0]
+                    except Exception as e:  # noqa: BLE001 - one variant failing must not lose the others
+                        _fail(engines[b][1], length, e, bar)
+                        del calls[b], samples[b], engines[b]
+                        continue
+                    if r >= 0:
+                        samples[b].append(t)
+            for b, values in samples.items():
+                try:
+                    rows.append(_row(engines[b][0], b, length, prompts, Timing(values)))
+                except Exception as e:  # noqa: BLE001 - as above
+                    _fail(engines[b][1], length, e, bar)
+                    del engines[b]
+            (result.rows if len(prompts) == 1 else result.batch_rows).extend(rows)
+        bar.update(len(calls))
+
+
+def _bench_one_at_a_time(backend: str, cfg: BenchConfig, result: LatencyResult, bar: Any) -> None:
     """Builds one engine, measures every length, and frees it (the engine lives only in this frame)."""
     record = BuildRecord(backend)
     result.builds.append(record)
-    # The KV pool holds the longest prompt (the many-request batch has the same total), however long it is.
-    with engine_for(cfg.model, backend, device=cfg.device, dtype=cfg.dtype, seed=cfg.seed,
-                    chunked_prefill_size=cfg.chunked_prefill_size, max_tokens=cfg.ceiling,
-                    kv_tokens=max(cfg.lengths), progress=cfg.progress, record=record,
-                    tp_size=cfg.tp, model_impl=cfg.model_impl) as eng:
+    with _engine(cfg, backend, record) as eng:
         if eng is None:
-            if backend == "eager":
-                raise BenchError(f"the eager baseline of {cfg.model!r} could not be built ({record.error}); "
-                                 "nothing was measured")
+            _check_eager(backend, cfg, record)
             bar.update(len(cfg.lengths))  # the report lists it with its reason
             return
-        vocab = eng.model.config.vocab_size
         for done, length in enumerate(cfg.lengths):
             bar.set_postfix(backend=backend, input_len=length)
             try:
-                single = make_prompts([length], vocab, cfg.seed + length)
-                result.rows.append(_measure(eng, backend, length, single, cfg))
-                if cfg.batch_requests > 1:
-                    many = make_prompts(split_tokens(length, cfg.batch_requests), vocab, cfg.seed + length)
-                    result.batch_rows.append(_measure(eng, backend, length, many, cfg))
+                for prompts in _shapes(cfg, eng.model.config.vocab_size, length):
+                    timing = time_fn(lambda p=prompts: eng.prefill(p), cfg.device, runs=cfg.runs, warmup=cfg.warmup)
+                    (result.rows if len(prompts) == 1 else result.batch_rows).append(
+                        _row(eng, backend, length, prompts, timing))
             except Exception as e:  # noqa: BLE001 - one backend failing must not lose the others' results
-                record.error = f"failed at input length {length}: {type(e).__name__}: {str(e).splitlines()[0]}"
-                bar.write(f"bcg bench: backend {backend!r} {record.error}")
+                _fail(record, length, e, bar)
                 bar.update(len(cfg.lengths) - done)
                 return
             bar.update(1)
+
+
+def _check_eager(backend: str, cfg: BenchConfig, record: BuildRecord) -> None:
+    if backend == "eager":
+        raise BenchError(f"the eager baseline of {cfg.model!r} could not be built ({record.error}); nothing was "
+                         "measured")
 
 
 def _kernel_floors(cfg: BenchConfig, result: LatencyResult) -> None:
@@ -189,8 +248,22 @@ def run_latency(cfg: BenchConfig) -> LatencyResult:
     result = LatencyResult()
     with tqdm(total=len(backends) * len(cfg.lengths), desc="bcg bench", unit="shape",
               disable=not cfg.progress) as bar:
-        for backend in backends:
-            _bench_backend(backend, cfg, result, bar)
+        if not cfg.interleave:
+            for backend in backends:
+                _bench_one_at_a_time(backend, cfg, result, bar)
+        else:
+            with contextlib.ExitStack() as stack:  # every engine stays alive until all are measured
+                engines: dict[str, tuple[Any, BuildRecord]] = {}
+                for backend in backends:
+                    record = BuildRecord(backend)
+                    result.builds.append(record)
+                    eng = stack.enter_context(_engine(cfg, backend, record))
+                    if eng is None:
+                        _check_eager(backend, cfg, record)
+                        bar.update(len(cfg.lengths))
+                    else:
+                        engines[backend] = (eng, record)
+                _run_interleaved(engines, cfg, result, bar)
     _kernel_floors(cfg, result)
     fill_speedups(result.rows)
     fill_speedups(result.batch_rows)
