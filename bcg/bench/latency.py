@@ -2,9 +2,9 @@
 
 For each backend one engine is built per model (capture ceiling = the longest input, capped at the chunk size) and
 reused across lengths. By default every engine is built first and all stay alive while they are measured
-interleaved (one timed run of each in turn, ``runs`` rounds), so the ratios between variants are taken side by side
-under the same machine state; ``interleave=False`` (``--no-interleave``) builds, measures and frees one engine at a
-time, for engines that do not fit in memory together.
+interleaved (each in turn: an untimed call, then a timed one; ``runs`` rounds), so the ratios between variants are
+taken side by side under the same machine state; ``interleave=False`` (``--no-interleave``) builds, measures and
+frees one engine at a time, for engines that do not fit in memory together.
 
 Each (backend, length) row holds the median prefill latency over ``runs`` timed runs after ``warmup`` with its
 interquartile range, the speedup over eager with the range the two spreads allow, and the kernel floor (device busy
@@ -122,8 +122,10 @@ def _fail(record: BuildRecord, length: int, e: Exception, bar: Any) -> None:
 
 def _run_interleaved(engines: dict[str, tuple[Any, BuildRecord]], cfg: BenchConfig, result: LatencyResult,
                      bar: Any) -> None:
-    """Every live engine at each length in turn, one timed run each per round (the first of a round rotates), so a
-    change of the machine's state during the run (clocks, a busy neighbour) lands on every variant alike."""
+    """Every live engine at each length in turn, one turn each per round (the first of a round rotates), so a
+    change of the machine's state during the run (clocks, a busy neighbour) lands on every variant alike. A turn is
+    one untimed call, then the timed one: the timed run finds its engine's host state warm, as in serving where one
+    engine runs back to back, instead of paying for the switch from another engine."""
     for length in cfg.lengths:
         if not engines:
             return
@@ -139,7 +141,7 @@ def _run_interleaved(engines: dict[str, tuple[Any, BuildRecord]], cfg: BenchConf
                     break
                 for b in names[r % len(names):] + names[: r % len(names)]:
                     try:
-                        t = time_fn(calls[b], cfg.device, runs=1, warmup=0).samples_ms[0]
+                        t = time_fn(calls[b], cfg.device, runs=1, warmup=1).samples_ms[0]
                     except Exception as e:  # noqa: BLE001 - one variant failing must not lose the others
                         _fail(engines[b][1], length, e, bar)
                         del calls[b], samples[b], engines[b]
