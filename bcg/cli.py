@@ -120,9 +120,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--no-memory", dest="memory", action="store_false", help="skip the memory experiment")
     bench.add_argument("--no-profile", dest="profile", action="store_false",
                        help="skip the profiler's kernel floor")
-    bench.add_argument("--no-interleave", dest="interleave", action="store_false",
-                       help="build, measure and free one variant at a time instead of timing all of them in turn "
-                       "(for engines that do not fit in memory together)")
+    bench.add_argument("--interleave", action="store_true",
+                       help="build every variant first and time them in turn at each length, so drift of the "
+                       "machine lands on all alike (default: build, measure and free one variant at a time)")
     bench.add_argument("--tp", type=int, default=1,
                        help="tensor parallel ranks; launch with torchrun --nproc-per-node TP (default 1)")
     bench.set_defaults(func=run_bench, parser=bench)

@@ -124,7 +124,7 @@ class BenchConfig:
     memory: bool = True
     plots: bool = True
     profile: bool = True
-    interleave: bool = True  # every variant alive at once, timed in turn (False: one engine at a time)
+    interleave: bool = False  # True: every variant alive at once, timed in turn (False: one engine at a time)
     progress: bool | None = None
     tp: int = 1  # tensor parallel ranks (EngineConfig.tp_size); > 1 runs under `torchrun --nproc-per-node tp`
 

@@ -1,10 +1,11 @@
 """The seed's isolated prefill experiment: one request at a time, fixed input length, every backend.
 
 For each backend one engine is built per model (capture ceiling = the longest input, capped at the chunk size) and
-reused across lengths. By default every engine is built first and all stay alive while they are measured
-interleaved (each in turn: an untimed call, then a timed one; ``runs`` rounds), so the ratios between variants are
-taken side by side under the same machine state; ``interleave=False`` (``--no-interleave``) builds, measures and
-frees one engine at a time, for engines that do not fit in memory together.
+reused across lengths. By default each engine is built, measured at every length and freed before the next one,
+so each runs alone in its process as it would serve. With ``interleave=True`` (``--interleave``) every engine is
+built first and all stay alive while they are measured in turn (an untimed call, then a timed one; ``runs``
+rounds), so a drift of the machine during the run lands on every variant alike; the host path of every variant is
+then slower (one heap holds every engine), so compare ratios, not absolute times, across the two ways.
 
 Each (backend, length) row holds the median prefill latency over ``runs`` timed runs after ``warmup`` with its
 interquartile range, the speedup over eager with the range the two spreads allow, and the kernel floor (device busy
