@@ -628,7 +628,8 @@ def test_swallowed_uncapturable_op_still_fails_the_capture():
     _check_simple(g, x, out)
 
 
-def test_exception_during_replay_propagates_and_the_next_replay_is_correct():
+def _flaky_island():
+    """An island that raises "replay boom" while ``fail["on"]`` is set."""
     fail = {"on": False}
 
     @bcg.eager_on_graph
@@ -637,6 +638,11 @@ def test_exception_during_replay_propagates_and_the_next_replay_is_correct():
             raise RuntimeError("replay boom")
         return x + 1
 
+    return fail, flaky
+
+
+def test_exception_during_replay_propagates_and_the_next_replay_is_correct():
+    fail, flaky = _flaky_island()
     g = bcg.BreakableCUDAGraph(emulate=True)
     x = torch.zeros(3)
     with bcg.breakable_graph(g):
@@ -653,14 +659,7 @@ def test_exception_during_replay_propagates_and_the_next_replay_is_correct():
 
 
 def test_a_draining_replay_launches_the_remaining_segments_and_skips_their_eager_steps():
-    fail = {"on": False}
-
-    @bcg.eager_on_graph
-    def flaky(x):
-        if fail["on"]:
-            raise RuntimeError("replay boom")
-        return x + 1
-
+    fail, flaky = _flaky_island()
     g = bcg.BreakableCUDAGraph(emulate=True)
     x = torch.zeros(3)
     with bcg.breakable_graph(g):
