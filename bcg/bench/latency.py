@@ -96,7 +96,8 @@ def _row(eng: Any, backend: str, input_len: int, prompts: list[Any], timing: Tim
         q1_ms=timing.q1_ms, q3_ms=timing.q3_ms, max_ms=timing.max_ms, mean_ms=timing.mean_ms,
         stdev_ms=timing.stdev_ms, runs=len(timing.samples_ms),
         graph_used=all(b.graph_used for b in batches), bucket=first.bucket, reason=first.reason,
-        next_tokens=res.next_tokens.tolist(), eager_top2_gap=float((top2[:, 0] - top2[:, 1]).min()),
+        next_tokens=res.next_tokens.tolist(),
+        eager_top2_gap=float((top2[:, 0] - top2[:, 1]).min()) if backend == "eager" else None,  # others: eager's
     )
 
 
