@@ -1,0 +1,70 @@
+"""Eager functions and checks shared by the primitive's tests (test_graph, test_capture, test_islands).
+
+``reset_calls`` is an autouse fixture: a module that imports it gets it for every test, so no test can leave a
+capture running or a dispatch mode pushed.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+import bcg
+from bcg.capture_rules import is_emulated_capturing
+
+CALLS: dict[str, int] = {}
+
+
+def count(name: str) -> None:
+    CALLS[name] = CALLS.get(name, 0) + 1
+
+
+@pytest.fixture(autouse=True)
+def reset_calls():
+    CALLS.clear()
+    yield
+    assert not bcg.is_capturing(), "a test left a capture running"
+    assert _get_current_dispatch_mode() is None, "a test left a dispatch mode pushed"
+
+
+@bcg.eager_on_graph
+def add_one(x: torch.Tensor) -> torch.Tensor:
+    count("add_one")
+    return x + 1
+
+
+@bcg.eager_on_graph
+def double_into(x: torch.Tensor, out: torch.Tensor) -> None:
+    count("double_into")
+    torch.mul(x, 2, out=out)
+
+
+@bcg.eager_on_graph
+def noop() -> None:
+    count("noop")
+
+
+def assert_clean(g: bcg.BreakableCUDAGraph) -> None:
+    """No debris after a failed capture: graph reset, no capture state, no recording mode left."""
+    assert not bcg.is_capturing()
+    assert not is_emulated_capturing()
+    assert _get_current_dispatch_mode() is None
+    assert not g.is_captured
+    assert g.num_segments == 0 and g.num_breaks == 0
+    with pytest.raises(RuntimeError, match="before a successful capture"):
+        g.replay()
+
+
+def capture_simple(g: bcg.BreakableCUDAGraph, x: torch.Tensor) -> torch.Tensor:
+    with bcg.breakable_graph(g):
+        out = add_one(x * 2) * 3
+    return out
+
+
+def check_simple(g: bcg.BreakableCUDAGraph, x: torch.Tensor, out: torch.Tensor) -> None:
+    for v in (1.0, -2.5, 7.0):
+        x.fill_(v)
+        g.replay()
+        torch.testing.assert_close(out, (x * 2 + 1) * 3)
+
