@@ -43,6 +43,7 @@ from bcg.capture_rules import (
     check_capturable,
     end_segment_capture,
 )
+from bcg.tensors import storage_key, tensor_leaves
 
 __all__ = ["RECORDS_COMPILED_CODE", "EmulatedGraph", "emulated_pool_handle"]
 
@@ -54,18 +55,6 @@ _pool_ids = itertools.count(1)
 def emulated_pool_handle() -> tuple[int, int]:
     """A fresh pool id, shaped like ``torch.cuda.graph_pool_handle()``; the emulation has no memory reuse."""
     return (0, next(_pool_ids))
-
-
-def _tensors(value: Any) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, (tuple, list)):
-        return [t for v in value for t in _tensors(v)]
-    return []
-
-
-def _storage_key(t: torch.Tensor) -> int:
-    return t.untyped_storage().data_ptr()
 
 
 def _wait_works(out: Any) -> None:
@@ -112,11 +101,11 @@ class _Op:
 
     def __init__(self, func: Callable, args: tuple, kwargs: dict, out: Any) -> None:
         self.func, self.args, self.kwargs = func, args, kwargs
-        inputs = {_storage_key(t) for t in _tensors(args) + _tensors(list(kwargs.values()))}
-        self.outputs = _tensors(out)
+        inputs = {storage_key(t) for t in tensor_leaves(args) + tensor_leaves(list(kwargs.values()))}
+        self.outputs = tensor_leaves(out)
         # Outputs that alias an input (views, in-place and out= ops) already live at the recorded address;
         # freshly allocated outputs must be copied back so later ops read them where they were captured.
-        self.copy_back = [_storage_key(t) not in inputs for t in self.outputs]
+        self.copy_back = [storage_key(t) not in inputs for t in self.outputs]
         namespace = getattr(func, "namespace", None)
         self.collective = namespace if namespace in (_C10D, _FUNCTIONAL) else None
 
@@ -128,9 +117,9 @@ class _Op:
             if self.collective == _C10D:
                 _wait_works(result)
             elif any(self.copy_back):
-                for t in _tensors(result):
+                for t in tensor_leaves(result):
                     torch.ops._c10d_functional.wait_tensor(t)
-        fresh = _tensors(result)
+        fresh = tensor_leaves(result)
         for recorded, new, copy in zip(self.outputs, fresh, self.copy_back):
             if copy:
                 recorded.copy_(new)

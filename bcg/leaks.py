@@ -17,7 +17,6 @@ return it.
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 import warnings
 import weakref
@@ -26,6 +25,8 @@ from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from bcg.tensors import storage_key, tensor_leaves
 
 __all__ = ["LEAK_CHECK_MODES", "LeakError", "LeakWarning", "checked_call"]
 
@@ -40,25 +41,6 @@ class LeakError(RuntimeError):
     """``leak_check="raise"``: an eager function kept a tensor it allocated at capture without returning it."""
 
 
-def _leaves(value: Any, out: list[torch.Tensor]) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        out.append(value)
-    elif isinstance(value, (tuple, list)):
-        for v in value:
-            _leaves(v, out)
-    elif isinstance(value, dict):
-        for v in value.values():
-            _leaves(v, out)
-    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
-        for f in dataclasses.fields(value):
-            _leaves(getattr(value, f.name), out)
-    return out
-
-
-def _storage(t: torch.Tensor) -> int:
-    return t.untyped_storage().data_ptr()
-
-
 class _Allocations(TorchDispatchMode):
     """Notes the storages allocated by the ops of one call, and weak references to every tensor viewing them."""
 
@@ -70,11 +52,11 @@ class _Allocations(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        outputs = _leaves(out, [])
+        outputs = tensor_leaves(out)
         if outputs:
-            inputs = {_storage(t) for t in _leaves((args, kwargs), [])}
+            inputs = {storage_key(t) for t in tensor_leaves((args, kwargs))}
             for t in outputs:
-                ptr = _storage(t)
+                ptr = storage_key(t)
                 if ptr == 0:
                     continue
                 if ptr not in inputs and ptr not in self.fresh:
@@ -89,7 +71,7 @@ def _kept(allocs: _Allocations, exempt: set[int]) -> dict[int, torch.Tensor]:
     for ref in allocs.views:
         t = ref()
         if t is not None:
-            ptr = _storage(t)
+            ptr = storage_key(t)
             if ptr in allocs.fresh and ptr not in exempt:
                 kept.setdefault(ptr, t)
     return kept
@@ -107,7 +89,7 @@ def checked_call(fn: Callable[..., Any], name: str, args: tuple, kwargs: dict, m
     allocs = _Allocations()
     with allocs:
         out = fn(*args, **kwargs)
-    exempt = {_storage(t) for t in _leaves(out, [])} | {_storage(t) for t in _leaves((args, kwargs), [])}
+    exempt = {storage_key(t) for t in tensor_leaves((out, args, kwargs))}
     if not _kept(allocs, exempt):
         return out
     gc.collect()  # a tensor kept only by a reference cycle is garbage, not a leak

@@ -17,21 +17,9 @@ from typing import Any
 import torch
 
 from bcg.islands import observing_islands
+from bcg.tensors import tensor_leaves
 
-__all__ = ["EagerCall", "record_eager_calls", "snapshot", "tensor_leaves"]
-
-
-def tensor_leaves(value: Any) -> list[torch.Tensor]:
-    """The tensors in ``value`` (tensors, tuples, lists, dicts and dataclasses of them), in traversal order."""
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, (tuple, list)):
-        return [t for v in value for t in tensor_leaves(v)]
-    if isinstance(value, dict):
-        return [t for v in value.values() for t in tensor_leaves(v)]
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return [t for f in dataclasses.fields(value) for t in tensor_leaves(getattr(value, f.name))]
-    return []
+__all__ = ["EagerCall", "record_eager_calls", "snapshot"]
 
 
 def snapshot(value: Any) -> list[torch.Tensor]:

@@ -20,7 +20,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from bcg.graph import BreakableCUDAGraph, EagerStep
-from bcg.recording import EagerCall, record_eager_calls, snapshot, tensor_leaves
+from bcg.recording import EagerCall, record_eager_calls, snapshot
+from bcg.tensors import tensor_leaves
 
 if TYPE_CHECKING:
     from bcg.runtime.runner.runner import Runner
