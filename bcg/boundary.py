@@ -30,27 +30,29 @@ def _tensor_spec(t: torch.Tensor) -> Spec:
     return ("T", tuple(t.shape), t.dtype, t.device)
 
 
-def flatten(value: Any, device_type: str, leaves: list[torch.Tensor]) -> Spec:
+def flatten(value: Any, device_type: str, leaves: list[torch.Tensor], bake: bool = True) -> Spec:
     """Flattens ``value`` into a spec, appending tensors on ``device_type`` to ``leaves``.
 
     Tensors on another device (e.g. CPU tensors next to a CUDA graph) cannot be refreshed inside the graph,
-    which read them at capture time, so they are baked like Python values.
+    which read them at capture time, so they are baked like Python values: copied when ``bake`` (the captured
+    spec must not change with its owner's tensor), referenced as they are otherwise (a replay's spec is only
+    compared, then dropped).
     """
     if isinstance(value, torch.Tensor):
         if value.device.type == device_type:
             leaves.append(value)
             return _tensor_spec(value)
-        return ("V", value.detach().clone())
+        return ("V", value.detach().clone() if bake else value)
     if isinstance(value, (tuple, list)):
-        kids = tuple(flatten(v, device_type, leaves) for v in value)
+        kids = tuple(flatten(v, device_type, leaves, bake) for v in value)
         return ("S", type(value), len(value), kids)
     if isinstance(value, dict):
         keys = tuple(value.keys())
-        kids = tuple(flatten(value[k], device_type, leaves) for k in keys)
+        kids = tuple(flatten(value[k], device_type, leaves, bake) for k in keys)
         return ("D", type(value), keys, kids)
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         keys = tuple(f.name for f in dataclasses.fields(value))
-        kids = tuple(flatten(getattr(value, k), device_type, leaves) for k in keys)
+        kids = tuple(flatten(getattr(value, k), device_type, leaves, bake) for k in keys)
         return ("C", type(value), keys, kids)
     return ("V", value)
 
@@ -135,7 +137,7 @@ class Boundary:
                 self._mismatch(result)
             return
         leaves: list[torch.Tensor] = []
-        spec = flatten(result, self.device_type, leaves)
+        spec = flatten(result, self.device_type, leaves, bake=False)
         if not same_spec(self.spec, spec):
             self._mismatch(result, spec)
         for buf, new in zip(self.buffers, leaves):
@@ -144,7 +146,7 @@ class Boundary:
 
     def _mismatch(self, result: Any, spec: Spec | None = None) -> None:
         if spec is None:
-            spec = flatten(result, self.device_type, [])
+            spec = flatten(result, self.device_type, [], bake=False)
         raise BoundaryMismatchError(
             f"eager function {self.name!r} returned a value at replay that does not match the one captured.\n"
             f"  captured: {describe(self.spec)}\n"

@@ -134,17 +134,15 @@ class BreakableCUDAGraph:
         """
         if not self._is_captured:
             raise RuntimeError("BreakableCUDAGraph.replay_draining() before a successful capture")
-        error: BaseException | None = None
-        for step, fn in zip(self._steps, self._replay_fns):
-            if error is None:
-                try:
-                    fn()
-                except Exception as e:  # noqa: BLE001 - re-raised once the segments are drained
-                    error = e
-            elif not isinstance(step, EagerStep):
+        i = 0
+        try:
+            for i, fn in enumerate(self._replay_fns):  # noqa: B007 - i is read by the handler below
                 fn()
-        if error is not None:
-            raise error
+        except Exception:
+            for step, fn in zip(self._steps[i + 1:], self._replay_fns[i + 1:]):
+                if not isinstance(step, EagerStep):
+                    fn()
+            raise
 
     def reset(self) -> None:
         """Drops the captured segments and boundary buffers; the pool handle is kept for reuse."""
