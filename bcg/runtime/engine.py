@@ -12,7 +12,6 @@ from dataclasses import MISSING, dataclass, fields
 from typing import Any, get_type_hints
 
 import torch
-import torch.distributed as dist
 
 from bcg.models.base import CausalLM
 from bcg.ops.kernels import fused_available
@@ -24,6 +23,7 @@ from bcg.runtime.kv_slots import SlotLease, default_kv_tokens
 from bcg.runtime.model_source import load_model
 from bcg.runtime.prompts import validate_prompts
 from bcg.runtime.runner import Runner
+from bcg.runtime.runner.agreement import RankAgreement
 from bcg.runtime.runner.buckets import BucketRecord, default_ladder
 from bcg.runtime.runner.telemetry import BatchRecord, Telemetry
 from bcg.runtime.runner.verify import verify_buckets
@@ -97,8 +97,9 @@ class Engine:
         cfg = self.config
         # The fused kernels are the native models' (a transformers model's modules run as written).
         is_native = isinstance(self.model, CausalLM)
-        kernels = cfg.kernels or ("fused" if fused_available(self.device) and is_native else "torch")
-        if kernels == "fused" and self.device.type == "cuda" and not fused_available(self.device):
+        has_fused = fused_available(self.device)
+        kernels = cfg.kernels or ("fused" if has_fused and is_native else "torch")
+        if kernels == "fused" and self.device.type == "cuda" and not has_fused:
             raise ValueError("kernels='fused' needs Triton on CUDA, which cannot be imported here; install the triton "
                              "that matches your torch, or pass kernels='torch'")
         self.model.set_kernels(kernels)
@@ -110,9 +111,7 @@ class Engine:
             per_token, self.model.config.max_position_embeddings, cfg.chunked_prefill_size, max(sizes), self.device,
             cfg.kv_memory_fraction)
         if self.tp.is_parallel:  # every rank allocates the same slots, so every pool has the size of the smallest
-            agreed = torch.tensor([kv_tokens])
-            dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=self.tp.host_group)
-            kv_tokens = int(agreed)
+            kv_tokens = RankAgreement(self.tp).agree_min(kv_tokens, "the KV pool size")
         self.kv_pool = self.model.make_kv_pool(kv_tokens, self.device, self.dtype)
         # Prefills in flight (and those holding KV leases), a recapture in progress, and the condition prefills
         # wait on for slots and recaptures wait on for quiet.

@@ -91,6 +91,10 @@ class RankAgreement:
             raise self.tp.peer_error(f"agreeing on {what}", e) from e
         return t.tolist()
 
+    def agree_min(self, value: int, what: str) -> int:
+        """The smallest ``value`` over the ranks (e.g. the KV pool size every rank can allocate)."""
+        return -self._all_reduce_max([-value], what)[0]
+
     def _all_gather(self, values: list[int], what: str) -> list[list[int]]:
         t = torch.tensor(values, dtype=torch.int64)
         parts = [torch.empty_like(t) for _ in range(self.tp.size)]
