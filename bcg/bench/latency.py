@@ -122,42 +122,44 @@ def _fail(record: BuildRecord, length: int, e: Exception, bar: Any) -> None:
     bar.write(f"bcg bench: backend {record.backend!r} {record.error}")
 
 
-def _run_interleaved(engines: dict[str, tuple[Any, BuildRecord]], cfg: BenchConfig, result: LatencyResult,
-                     bar: Any) -> None:
-    """Every live engine at each length in turn, one turn each per round (the first of a round rotates), so a
-    change of the machine's state during the run (clocks, a busy neighbour) lands on every variant alike. A turn is
-    one untimed call, then the timed one: the timed run finds its engine's host state warm, as in serving where one
-    engine runs back to back, instead of paying for the switch from another engine."""
-    for length in cfg.lengths:
+def _measure(engines: dict[str, tuple[Any, BuildRecord]], cfg: BenchConfig, result: LatencyResult, bar: Any) -> None:
+    """Every engine in ``engines`` at each length, one turn each per round (the first of a round rotates), ``warmup``
+    rounds untimed, then ``runs`` timed ones; a variant that raises is dropped with its reason, the others go on.
+
+    With several engines a change of the machine's state during the run (clocks, a busy neighbour) lands on every
+    variant alike; their turn is an untimed call, then the timed one, so the timed run finds its engine's host state
+    warm instead of paying for the switch from another engine. With one engine this is plain back-to-back timing.
+    """
+    warm_turn = int(len(engines) > 1)
+    for done, length in enumerate(cfg.lengths):
         if not engines:
             return
         bar.set_postfix(input_len=length, variants=len(engines))
         vocab = next(iter(engines.values()))[0].model.config.vocab_size
+        measured = list(engines)
         for prompts in _shapes(cfg, vocab, length):
-            rows: list[LatencyRow] = []
-            calls = {b: (lambda e=eng, p=prompts: e.prefill(p)) for b, (eng, _) in engines.items()}
-            samples: dict[str, list[float]] = {b: [] for b in calls}
+            samples: dict[str, list[float]] = {b: [] for b in engines}
             for r in range(-cfg.warmup, cfg.runs):
-                names = list(calls)
+                names = [b for b in samples if b in engines]
                 if not names:
                     break
                 for b in names[r % len(names):] + names[: r % len(names)]:
                     try:
-                        t = time_fn(calls[b], cfg.device, runs=1, warmup=1).samples_ms[0]
+                        t = time_fn(lambda e=engines[b][0], p=prompts: e.prefill(p), cfg.device, runs=1,
+                                    warmup=warm_turn).samples_ms[0]
                     except Exception as e:  # noqa: BLE001 - one variant failing must not lose the others
-                        _fail(engines[b][1], length, e, bar)
-                        del calls[b], samples[b], engines[b]
+                        _fail(engines.pop(b)[1], length, e, bar)
                         continue
                     if r >= 0:
                         samples[b].append(t)
-            for b, values in samples.items():
+            rows = result.rows if len(prompts) == 1 else result.batch_rows
+            for b in [b for b in samples if b in engines]:
                 try:
-                    rows.append(_row(engines[b][0], b, length, prompts, Timing(values)))
+                    rows.append(_row(engines[b][0], b, length, prompts, Timing(samples[b])))
                 except Exception as e:  # noqa: BLE001 - as above
-                    _fail(engines[b][1], length, e, bar)
-                    del engines[b]
-            (result.rows if len(prompts) == 1 else result.batch_rows).extend(rows)
-        bar.update(len(calls))
+                    _fail(engines.pop(b)[1], length, e, bar)
+        # A variant dropped here has no more lengths to measure: its share of the bar is done too.
+        bar.update(sum(1 if b in engines else len(cfg.lengths) - done for b in measured))
 
 
 def _bench_one_at_a_time(backend: str, cfg: BenchConfig, result: LatencyResult, bar: Any) -> None:
@@ -169,18 +171,7 @@ def _bench_one_at_a_time(backend: str, cfg: BenchConfig, result: LatencyResult, 
             _check_eager(backend, cfg, record)
             bar.update(len(cfg.lengths))  # the report lists it with its reason
             return
-        for done, length in enumerate(cfg.lengths):
-            bar.set_postfix(backend=backend, input_len=length)
-            try:
-                for prompts in _shapes(cfg, eng.model.config.vocab_size, length):
-                    timing = time_fn(lambda p=prompts: eng.prefill(p), cfg.device, runs=cfg.runs, warmup=cfg.warmup)
-                    (result.rows if len(prompts) == 1 else result.batch_rows).append(
-                        _row(eng, backend, length, prompts, timing))
-            except Exception as e:  # noqa: BLE001 - one backend failing must not lose the others' results
-                _fail(record, length, e, bar)
-                bar.update(len(cfg.lengths) - done)
-                return
-            bar.update(1)
+        _measure({backend: (eng, record)}, cfg, result, bar)
 
 
 def _check_eager(backend: str, cfg: BenchConfig, record: BuildRecord) -> None:
@@ -267,7 +258,7 @@ def run_latency(cfg: BenchConfig) -> LatencyResult:
                         bar.update(len(cfg.lengths))
                     else:
                         engines[backend] = (eng, record)
-                _run_interleaved(engines, cfg, result, bar)
+                _measure(engines, cfg, result, bar)
     _kernel_floors(cfg, result)
     fill_speedups(result.rows)
     fill_speedups(result.batch_rows)
