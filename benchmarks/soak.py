@@ -123,7 +123,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--chunked-prefill-size", type=int, default=64)
     p.add_argument("--max-prompts", type=int, default=6)
     p.add_argument("--max-len", type=int, default=160)
-    p.add_argument("--failure-rate", type=float, default=0.01, help="probability each island call raises")
+    p.add_argument("--failure-rate", type=float, default=0.01,
+                   help="probability each island call of a breakable replay (each replay for the other backends) "
+                   "raises")
     p.add_argument("--threads", type=int, default=1, help="threads sharing each engine")
     p.add_argument("--sample-every", type=int, default=500)
     p.add_argument("--warmup", type=int, default=300, help="prefills before the first memory sample")

@@ -1,20 +1,16 @@
 #!/usr/bin/env bash
 # One GPU session's evidence: the CUDA test tier, `bcg bench` (every variant side by side) and `bcg analyze` per GPU
-# preset, a Qwen3-0.6B-shaped checkpoint loaded by path, the Hugging Face path, a 32k-token prompt, and the same
-# bench on the code before the layering change for a side-by-side check. Usage: scripts/gpu_evidence.sh [OUTDIR]
+# preset, a Qwen3-0.6B-shaped checkpoint loaded by path, the Hugging Face path (scripts/hf_evidence.py), the fused
+# kernels' own cases, and the same bench on the code before the layering change for a side-by-side check. Usage: scripts/gpu_evidence.sh [OUTDIR]
 # (default $OUT, else out/gpu); every step's log is bundled into gpu.tgz after each step, so a run cut short still
 # returns what it measured.
 #   STEPS    which steps, in order (default: tests models checkpoint hf baseline kernel_tests)
 #   MODELS   presets for the models step (default: llama-dense llama-dense-2k gptoss-moe glm-dsa)
 #   ANALYZE_MODELS  presets that also get `bcg analyze` (default: llama-dense)
-#   BENCH_ARGS / ANALYZE_ARGS / TEST_ARGS  extra flags; T_* the per-step time limits in seconds.
+#   BENCH_ARGS / ANALYZE_ARGS / TEST_ARGS / HF_ARGS  extra flags; T_* the per-step time limits in seconds.
 set -uo pipefail
-dest=${1:-${OUT:-out/gpu}}
-work=$(mktemp -d)
-mkdir -p "$dest"
-export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-bundle=gpu.tgz
 source "$(dirname "$0")/steps.sh"
+setup gpu.tgz out/gpu "$@"
 python3 -c "import torch, transformers, triton; print('torch', torch.__version__, 'transformers', \
 transformers.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())" | tee "$work/summary.log"
 git_rev=$(cat .commit 2>/dev/null || echo unknown); echo "commit $git_rev" | tee -a "$work/summary.log"

@@ -25,9 +25,7 @@ from __future__ import annotations
 import argparse
 import copy
 import functools
-import gc
 import importlib.util
-import json
 import sys
 import time
 import traceback
@@ -40,7 +38,9 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bcg.bench.timing import time_fn  # noqa: E402 - after the repository root is importable
+from bcg.bench.engines import free_memory, make_prompts  # noqa: E402 - after the repository root is importable
+from bcg.bench.report import summary_line  # noqa: E402
+from bcg.bench.timing import time_fn  # noqa: E402
 from bcg.runtime import Engine  # noqa: E402
 
 SMOKE_SHAPES = {  # the same config classes at CPU test size
@@ -89,13 +89,6 @@ class Run:
         return out
 
 
-def _free() -> None:
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-
-
 def _build_hf(shape: str, cls: str, fields: dict, folder: Path | None, device: str, smoke: bool) -> Any:
     import transformers
 
@@ -114,11 +107,6 @@ def _in_memory(transformers: Any, cls: str, fields: dict, device: str) -> Any:
     torch.manual_seed(0)
     with torch.device(device):
         return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
-
-
-def _prompts(lengths: list[int], vocab: int) -> dict[int, torch.Tensor]:
-    gen = torch.Generator().manual_seed(1)
-    return {n: torch.randint(0, vocab, (n,), generator=gen) for n in lengths}
 
 
 def _hf_forward(hf: Any, prompts: dict[int, torch.Tensor], args: argparse.Namespace, run: Run) -> dict[int, dict]:
@@ -152,7 +140,7 @@ def _fp32_logits(hf: Any, prompts: dict[int, torch.Tensor], run: Run) -> dict[in
             if logits is not None:
                 out[n] = logits
     del twin
-    _free()
+    free_memory()
     return out
 
 
@@ -188,7 +176,7 @@ def _engine_rows(make: Any, label: str, prompts: dict[int, torch.Tensor], ref: d
     for n, p in prompts.items():
         rows[n] = run.step(f"{label} {n}", measure, eng, p) or {}
     del eng
-    _free()
+    free_memory()
     return result
 
 
@@ -205,7 +193,7 @@ def run_shape(shape: str, spec: tuple[str, dict], args: argparse.Namespace, run:
     hf = run.step(f"{shape}: load", _build_hf, shape, cls, fields, folder, args.device, args.smoke)
     if hf is None:
         return {}
-    prompts = _prompts(args.lengths, hf.config.vocab_size)
+    prompts = dict(zip(args.lengths, make_prompts(args.lengths, hf.config.vocab_size, seed=1)))
     result: dict[str, Any] = {"params": sum(p.numel() for p in hf.parameters()), "from_disk": folder is not None,
                               "attn_implementation": hf.config._attn_implementation}
     ref = _hf_forward(hf, prompts, args, run)  # before the engine switches the model's attention to bcg's
@@ -220,7 +208,7 @@ def run_shape(shape: str, spec: tuple[str, dict], args: argparse.Namespace, run:
         result["tf_eager"] = _engine_rows(functools.partial(Engine, hf, **{**_opts(args), "backend": "eager"}),
                                           f"{shape}: transformers path, no graphs", prompts, ref, args, run)
     del hf
-    _free()
+    free_memory()
     if shape in NATIVE and folder is not None and not args.skip_native:
         result["native_breakable"] = _engine_rows(lambda: Engine(folder, model_impl="native", **_opts(args)),
                                                   f"{shape}: native", prompts, ref, args, run)
@@ -308,7 +296,7 @@ def _main(args: argparse.Namespace) -> int:
     for e in run.errors:
         print(f"error: {e}")
     summary = {"environment": env, "lengths": args.lengths, "runs": args.runs, "results": results, "errors": run.errors}
-    text = json.dumps(summary, default=lambda o: None)
+    text = summary_line(summary)
     if args.out:
         Path(args.out).write_text(text)
     print(text)

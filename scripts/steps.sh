@@ -1,6 +1,14 @@
-# Shared by the GPU evidence scripts: `step NAME SECONDS CMD...` runs CMD with a time limit, logs it to
-# $work/NAME.log, appends its status and tail to $work/summary.log, and bundles $work into $dest/$bundle after every
-# step, so a run cut short still returns what it measured. The caller sets work, dest and bundle.
+# Shared by the GPU evidence scripts. `setup BUNDLE DEFAULT_DEST [OUTDIR]` sets dest (OUTDIR, else $OUT, else
+# DEFAULT_DEST), a fresh work folder and the bundle's name, and puts the repository on PYTHONPATH. `step NAME SECONDS
+# CMD...` runs CMD with a time limit, logs it to $work/NAME.log, appends its status and tail to $work/summary.log, and
+# bundles $work into $dest/$bundle after every step, so a run cut short still returns what it measured.
+setup() {
+  bundle=$1
+  dest=${3:-${OUT:-$2}}
+  work=$(mktemp -d)
+  mkdir -p "$dest"
+  export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+}
 step() {
   local name=$1 secs=$2; shift 2
   local t0=$SECONDS

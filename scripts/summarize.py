@@ -2,7 +2,8 @@
 
 Usage: python scripts/summarize.py RESULTS_DIR [RESULTS_DIR ...]   (each holds a results.json; the folder name is
 the title). Per model: one-request median latency of every variant, the kernel floors, each variant's ratio to
-tc_piecewise and to its own kernel floor, and the build table (compile, capture, graph memory).
+tc_piecewise, each breakable variant's ratio to its own kernel floor (plain or fused), the greedy-token check, and
+the build table (compile, capture, graph memory).
 """
 
 from __future__ import annotations

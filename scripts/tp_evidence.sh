@@ -7,12 +7,8 @@
 # of every bench run, default --no-memory), STEPS (default "tests bench tokens").
 # Each step has its own time limit; a failed step does not stop the rest.
 set -uo pipefail
-dest=${1:-${OUT:-out/tp}}
-work=$(mktemp -d)
-mkdir -p "$dest"
-export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-bundle=tp.tgz
 source "$(dirname "$0")/steps.sh"
+setup tp.tgz out/tp "$@"
 gpus=${GPUS:-$(python3 -c "import torch; print(torch.cuda.device_count())")}
 python3 -c "import torch; print('torch', torch.__version__, 'nccl', torch.cuda.nccl.version(), \
 [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())])" | tee "$work/summary.log"
