@@ -10,13 +10,12 @@ any bucket diverges (or no batch size replays a graph), 0 otherwise.
 from __future__ import annotations
 
 import argparse
-import os
 from typing import Any
 
 __all__ = ["add_parser", "run"]
 
 _ENGINE_FLAGS = ("backend", "device", "dtype", "seed", "buckets", "max_tokens", "chunked_prefill_size",
-                 "tc_compiler", "progress")
+                 "tc_compiler", "progress", "leak_check")
 
 
 def add_parser(sub: Any, int_list: Any) -> argparse.ArgumentParser:
@@ -48,6 +47,7 @@ def add_parser(sub: Any, int_list: Any) -> argparse.ArgumentParser:
 
 def run(ns: argparse.Namespace) -> int:
     """Runs ``bcg verify`` for parsed arguments ``ns``; returns the exit status."""
+    from bcg.bench.checks import check_model
     from bcg.bench.report import summary_line
     from bcg.runtime import Engine, EngineConfig
     from bcg.runtime.runner.verify import verify_segments
@@ -56,15 +56,11 @@ def run(ns: argparse.Namespace) -> int:
         config = EngineConfig(**{name: getattr(ns, name) for name in _ENGINE_FLAGS})
     except (TypeError, ValueError) as e:
         ns.parser.error(str(e))
-    previous = os.environ.get("BCG_LEAK_CHECK")
-    os.environ["BCG_LEAK_CHECK"] = ns.leak_check  # the debug switch the captures read
     try:
-        engine = Engine(ns.model, config)
-    finally:
-        if previous is None:
-            os.environ.pop("BCG_LEAK_CHECK", None)
-        else:
-            os.environ["BCG_LEAK_CHECK"] = previous
+        check_model(ns.model)
+    except ValueError as e:
+        ns.parser.error(str(e))
+    engine = Engine(ns.model, config)
     sizes = ns.num_tokens or sorted(engine.runner.handles)
     reports, skipped = [], {}
     for n in sizes:

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from bcg.leaks import LEAK_CHECK_MODES
 from bcg.models.model_impl import check_model_impl
 from bcg.runtime.compile import COMPILERS
 
@@ -129,6 +130,8 @@ class EngineConfig:
             data-dependent shapes) as eager islands, named in ``telemetry.auto_islands``; False refuses graph capture
             instead, naming module, op and fix.
         debug: run the whole layer stack as one eager break through the same runner path (bisects graph bugs).
+        leak_check: at capture, report the tensors an island allocates and keeps without returning them
+            (``bcg.leaks``): "warn", "raise" or "off"; None reads ``BCG_LEAK_CHECK`` (default "off").
         verify: after capture, replay every bucket against eager at the same padded shape and disable buckets
             that differ (bcg.runtime.runner.verify); costs one extra forward pair per bucket at startup.
         warmup: forward passes per bucket before its capture.
@@ -159,6 +162,7 @@ class EngineConfig:
     model_impl: str = "auto"
     auto_islands: bool = True
     debug: bool = False
+    leak_check: str | None = None
     verify: bool = False
     warmup: int = 2
     progress: bool = True
@@ -193,6 +197,9 @@ class EngineConfig:
             raise ValueError("compile= does not apply to backend='tc_piecewise', which compiles its pieces itself; "
                              "choose its compiler with tc_compiler='inductor' or 'eager'")
         check_model_impl(self.model_impl)
+        if self.leak_check is not None and self.leak_check not in LEAK_CHECK_MODES:
+            raise ValueError(f"leak_check must be one of {', '.join(LEAK_CHECK_MODES)} or None (BCG_LEAK_CHECK), "
+                             f"got {self.leak_check!r}")
 
     @property
     def torch_device(self) -> torch.device:

@@ -232,3 +232,17 @@ def test_engine_serves_a_hugging_face_checkpoint_through_graphs(tmp_path) -> Non
     with torch.no_grad():
         expected = torch.stack([hf_model(torch.tensor([p])).logits[0, -1] for p in batch])
     assert res.batches[0].graph_used and (res.logits - expected).abs().max().item() <= 1e-4
+
+
+def test_leak_check_reaches_every_capture(monkeypatch: pytest.MonkeyPatch) -> None:
+    import bcg
+
+    seen, original = [], bcg.breakable_graph
+
+    def spy(*args, **kw):
+        seen.append(kw.get("leak_check"))
+        return original(*args, **kw)
+
+    monkeypatch.setattr(bcg, "breakable_graph", spy)
+    Engine("tiny-dense", device="cpu", buckets=[8, 16], leak_check="warn", progress=False)
+    assert seen and set(seen) == {"warn"}  # every bucket's capture, from the option, not the environment

@@ -74,6 +74,7 @@ def test_sequences_and_integer_arrays_are_prompts() -> None:
         ({"warmup": -1}, ValueError, "warmup must be >= 0"),
         ({"seed": "0"}, TypeError, "seed must be an int"),
         ({"max_tokens": 2.5}, TypeError, "max_tokens must be an int"),
+        ({"leak_check": "loud"}, ValueError, "leak_check must be one of off, warn, raise"),
     ],
     ids=lambda v: str(v) if not isinstance(v, dict) else "-".join(f"{k}={v[k]!r}" for k in v),
 )

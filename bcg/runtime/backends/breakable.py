@@ -39,7 +39,8 @@ class BreakableBackend(GraphBackend):
         graph = bcg.BreakableCUDAGraph(pool=pool, emulate=r.is_emulated)
         layers = bcg.eager_on_graph(r.layers) if r.config.debug else r.layers
         with bridge_buffers(self.bridge), bcg.breakable_graph(graph, pool=pool, stream=r.capture_stream,
-                                                              barrier_fn=r.barrier_fn):
+                                                              barrier_fn=r.barrier_fn,
+                                                              leak_check=r.config.leak_check):
             out = layers(*r.inputs(num_tokens))
             r.static_output[:num_tokens].copy_(out)
         return graph
