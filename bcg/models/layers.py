@@ -15,9 +15,8 @@ from torch import Tensor, nn
 
 from bcg.models.parallel_layers import column_linear, even_part, row_linear
 from bcg.ops import kernels as fused
+from bcg.ops.kernels.rope import rope_angles, rotate
 from bcg.ops.parallel import SINGLE, TensorParallel
-
-_HAS_FUSED_RMS_NORM = hasattr(F, "rms_norm")
 
 
 class RMSNorm(nn.Module):
@@ -39,11 +38,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         if self.kernels == "fused":
             return fused.rms_norm(x, self.weight, self.eps, impl="fused")
-        if _HAS_FUSED_RMS_NORM:
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        # Fallback as F.rms_norm computes it: reduce and scale in fp32, round once.
-        x32 = x.float()
-        return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight.float()).to(x.dtype)
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
     def add(self, x: Tensor, residual: Tensor, inplace: bool = True) -> tuple[Tensor, Tensor]:
         """``(norm(residual + x), residual + x)``, the sum rounded to the residual's dtype: a decoder layer's
@@ -76,9 +71,9 @@ class Rope(NamedTuple):
 class RotaryEmbedding(nn.Module):
     """Rotary position embedding (non-interleaved "rotate half" layout, as in Llama/Qwen).
 
-    ``forward(positions)`` turns an int tensor of positions into ``cos, sin`` of shape
-    ``(T, 1, head_dim)`` on the device (``sin`` with its first half negated, see :func:`rotate`), so it can sit
-    inside a captured graph: nothing is read back to the host and no table is sized by the largest position seen.
+    ``forward(positions)`` turns an int tensor of positions into ``cos, sin`` of shape ``(T, 1, head_dim)`` on the
+    device (:func:`~bcg.ops.kernels.rope.rope_angles`: ``sin`` with its first half negated), so it can sit inside a
+    captured graph: nothing is read back to the host and no table is sized by the largest position seen.
 
     Example:
         >>> rope = RotaryEmbedding(16)
@@ -109,13 +104,7 @@ class RotaryEmbedding(nn.Module):
         self.inv_freq = self._inv_freq(self.inv_freq.device)
 
     def forward(self, positions: Tensor) -> tuple[Tensor, Tensor]:
-        freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
-        angles = torch.cat((freqs, freqs), dim=-1)[:, None, :]
-        sin = angles.sin()
-        # The sign of rotate-half folded into sin once per forward (first half negated): every layer's rotation
-        # then swaps the halves with one cat instead of a negation and a cat. Exact: only signs move.
-        sin[..., : self.head_dim // 2].neg_()
-        return angles.cos(), sin
+        return rope_angles(positions, self.inv_freq)
 
     def rope(self, positions: Tensor) -> Rope:
         """The :class:`Rope` of one forward: ``cos``/``sin`` computed here for the torch path, left to the fused
@@ -125,28 +114,8 @@ class RotaryEmbedding(nn.Module):
         return Rope(positions, self.inv_freq, *self(positions))
 
 
-def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate ``x`` of shape ``(T, heads, head_dim)`` by the angles behind ``cos``/``sin``, in fp32.
-
-    Non-interleaved "rotate half" RoPE: ``x * cos + rotate_half(x) * sin`` with ``rotate_half(x) = (-x2, x1)``.
-    ``sin`` comes from :class:`RotaryEmbedding` with that minus sign folded into its first half, so the halves
-    only swap. The math runs in fp32 (angles at large positions lose too much in bf16): a half-precision ``x``
-    times the fp32 angles promotes exactly, the same numbers as casting ``x`` first with one kernel fewer.
-    ``x`` may be a strided view (q and k heads side by side in a fused projection). The result stays fp32, so
-    a caller that copies it anyway (a bridge buffer) casts in that copy.
-
-    Example:
-        >>> cos, sin = RotaryEmbedding(8)(torch.zeros(2, dtype=torch.long))
-        >>> x = torch.randn(2, 1, 8)
-        >>> torch.equal(rotate(x, cos, sin), x)  # position 0 is the identity
-        True
-    """
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat((x2, x1), dim=-1) * sin
-
-
 def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """:func:`rotate`, cast back to ``x.dtype``.
+    """:func:`~bcg.ops.kernels.rope.rotate`, cast back to ``x.dtype``.
 
     Example:
         >>> cos, sin = RotaryEmbedding(8)(torch.arange(3))

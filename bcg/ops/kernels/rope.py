@@ -21,12 +21,44 @@ from torch import Tensor
 
 from bcg.ops.kernels.dispatch import use_fused
 
-__all__ = ["qkv_norm_rope", "qkv_norm_rope_reference"]
+__all__ = ["qkv_norm_rope", "qkv_norm_rope_reference", "rope_angles", "rotate"]
 
 
-def _rotate_fp32(x: Tensor, cos: Tensor, sin_signed: Tensor) -> Tensor:
+def rope_angles(positions: Tensor, inv_freq: Tensor) -> tuple[Tensor, Tensor]:
+    """``cos, sin`` of shape ``(T, 1, head_dim)`` for int ``positions``, in fp32, with the first half of ``sin``
+    negated: the sign of rotate-half folded in once per forward, so every rotation swaps the halves with one cat
+    instead of a negation and a cat (exact: only signs move).
+
+    Example:
+        >>> cos, sin = rope_angles(torch.arange(3), torch.ones(2))
+        >>> cos.shape, bool(sin[1, 0, 0] < 0 < sin[1, 0, 2])
+        (torch.Size([3, 1, 4]), True)
+    """
+    freqs = positions.to(torch.float32)[:, None] * inv_freq.to(torch.float32)[None, :]
+    angles = torch.cat((freqs, freqs), dim=-1)[:, None, :]
+    sin = angles.sin()
+    sin[..., : angles.shape[-1] // 2].neg_()
+    return angles.cos(), sin
+
+
+def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate ``x`` of shape ``(T, heads, head_dim)`` by the angles behind ``cos``/``sin``, in fp32.
+
+    Non-interleaved "rotate half" RoPE: ``x * cos + rotate_half(x) * sin`` with ``rotate_half(x) = (-x2, x1)``.
+    ``sin`` comes from :func:`rope_angles` with that minus sign folded into its first half, so the halves only
+    swap. The math runs in fp32 (angles at large positions lose too much in bf16): a half-precision ``x`` times the
+    fp32 angles promotes exactly, the same numbers as casting ``x`` first with one kernel fewer. ``x`` may be a
+    strided view (q and k heads side by side in a fused projection). The result stays fp32, so a caller that copies
+    it anyway (a bridge buffer) casts in that copy.
+
+    Example:
+        >>> cos, sin = rope_angles(torch.zeros(2, dtype=torch.long), torch.ones(4))
+        >>> x = torch.randn(2, 1, 8)
+        >>> torch.equal(rotate(x, cos, sin), x)  # position 0 is the identity
+        True
+    """
     x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat((x2, x1), dim=-1) * sin_signed
+    return x * cos + torch.cat((x2, x1), dim=-1) * sin
 
 
 def qkv_norm_rope_reference(
@@ -36,15 +68,12 @@ def qkv_norm_rope_reference(
     """Plain-torch split + q/k norm + RoPE + copy into ``q_out (T, H, D)``, ``k_out``, ``v_out (T, KV, D)``."""
     num_rows, heads, kv_heads, dim = q_out.shape[0], q_out.shape[1], k_out.shape[1], q_out.shape[2]
     qk = qkv[:, : (heads + kv_heads) * dim].view(num_rows, heads + kv_heads, dim)
-    freqs = positions.to(torch.float32)[:, None] * inv_freq.to(torch.float32)[None, :]
-    angles = torch.cat((freqs, freqs), dim=-1)[:, None, :]
-    cos, sin = angles.cos(), angles.sin()
-    sin[..., : dim // 2].neg_()  # rotate_half's sign folded into sin, as RotaryEmbedding does
+    cos, sin = rope_angles(positions, inv_freq)
     if q_weight is not None and k_weight is not None:
-        q_out.copy_(_rotate_fp32(F.rms_norm(qk[:, :heads], (dim,), q_weight, eps), cos, sin))
-        k_out.copy_(_rotate_fp32(F.rms_norm(qk[:, heads:], (dim,), k_weight, eps), cos, sin))
+        q_out.copy_(rotate(F.rms_norm(qk[:, :heads], (dim,), q_weight, eps), cos, sin))
+        k_out.copy_(rotate(F.rms_norm(qk[:, heads:], (dim,), k_weight, eps), cos, sin))
     else:
-        rotated = _rotate_fp32(qk, cos, sin)
+        rotated = rotate(qk, cos, sin)
         q_out.copy_(rotated[:, :heads])
         k_out.copy_(rotated[:, heads:])
     v_out.copy_(qkv[:, (heads + kv_heads) * dim :].view(num_rows, kv_heads, dim))
