@@ -37,6 +37,7 @@ except ImportError:  # run from a checkout without installing it
     from bcg.ops import kernels
 
 from bcg.models.config import get_preset
+from bcg.ops.kernels.rope import rope_angles, rotate
 
 DTYPE = torch.bfloat16
 PRESETS = ("llama-dense", "llama-dense-2k", "gptoss-moe")
@@ -44,15 +45,6 @@ PRESETS = ("llama-dense", "llama-dense-2k", "gptoss-moe")
 
 def rand(*shape: int, scale: float = 1.0) -> torch.Tensor:
     return (torch.randn(*shape, device="cuda") * scale).to(DTYPE)
-
-
-def rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin as RotaryEmbedding makes them once per forward (not per layer, so not timed)."""
-    freqs = positions.float()[:, None] * inv_freq[None, :]
-    angles = torch.cat((freqs, freqs), dim=-1)[:, None, :]
-    sin = angles.sin()
-    sin[..., : inv_freq.numel()].neg_()
-    return angles.cos(), sin
 
 
 def cases(preset: str, tokens: int) -> tuple[dict, dict]:
@@ -77,15 +69,14 @@ def cases(preset: str, tokens: int) -> tuple[dict, dict]:
     qkv = rand(tokens, (heads + 2 * kv_heads) * dim)
     positions = torch.randint(0, 4096, (tokens,), device="cuda")
     inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, device="cuda", dtype=torch.float32) / dim))
-    cos, sin = rope_tables(positions, inv_freq)
+    cos, sin = rope_angles(positions, inv_freq)  # once per forward in the models, so not timed
     qk_buf, v_buf = torch.empty(tokens, heads + kv_heads, dim, dtype=DTYPE, device="cuda"), torch.empty(
         tokens, kv_heads, dim, dtype=DTYPE, device="cuda")
     fused_out = (qk_buf[:, :heads], qk_buf[:, heads:], v_buf)
 
     def rope_torch() -> None:  # QKVProjection.rotated + carry into the bridge buffers (two casting copies)
         qk = qkv[:, : (heads + kv_heads) * dim].view(tokens, heads + kv_heads, dim)
-        x1, x2_ = qk.chunk(2, dim=-1)
-        qk_buf.copy_(qk * cos + torch.cat((x2_, x1), dim=-1) * sin)
+        qk_buf.copy_(rotate(qk, cos, sin))
         v_buf.copy_(qkv[:, (heads + kv_heads) * dim :].view(tokens, kv_heads, dim))
 
     out["qkv_rope"] = (rope_torch, lambda: kernels.qkv_norm_rope(qkv, positions, inv_freq, heads, kv_heads,
@@ -98,8 +89,7 @@ def cases(preset: str, tokens: int) -> tuple[dict, dict]:
         parts = []
         for part, weight in ((qk[:, :heads], q_w), (qk[:, heads:], k_w)):
             normed = F.rms_norm(part, (dim,), weight, eps)
-            n1, n2 = normed.chunk(2, dim=-1)
-            parts.append((normed * cos + torch.cat((n2, n1), dim=-1) * sin).to(DTYPE))
+            parts.append(rotate(normed, cos, sin).to(DTYPE))
         qk_buf.copy_(torch.cat(parts, dim=1))
         v_buf.copy_(qkv[:, (heads + kv_heads) * dim :].view(tokens, kv_heads, dim))
 
