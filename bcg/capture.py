@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextvars
 import logging
-import os
 import threading
 import warnings
 from collections.abc import Callable
@@ -20,7 +19,7 @@ from typing import Any
 
 import torch
 
-from bcg import leaks, streams
+from bcg import env, leaks, streams
 from bcg.boundary import Boundary
 from bcg.emulation import EmulatedGraph
 from bcg.graph import BreakableCUDAGraph, CaptureError, EagerStep, _warnings_lock
@@ -29,7 +28,6 @@ from bcg.islands import _CAPTURE
 __all__ = ["breakable_graph"]
 
 logger = logging.getLogger("bcg")
-_DEBUG = os.environ.get("BCG_DEBUG", "") not in ("", "0")
 # Default capture streams per (device, thread): two threads capturing at once must not share a stream.
 _default_streams: dict[tuple[int, int], torch.cuda.Stream] = {}
 # CUDA captures in one process are serialised: the device sync and cache flush that open a capture, and the caching
@@ -103,7 +101,7 @@ class _CaptureState:
                     warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
         if not is_empty:
             self.graph._append(seg)
-        if _DEBUG:
+        if env.DEBUG:
             logger.debug("bcg: segment %s at %s", "dropped (empty)" if is_empty else "captured", at)
 
     def abort(self) -> None:
@@ -180,7 +178,7 @@ class breakable_graph:
                              f"not {capture_error_mode!r}")
         source = "leak_check"
         if leak_check is None:
-            leak_check, source = os.environ.get("BCG_LEAK_CHECK", "") or "off", "BCG_LEAK_CHECK"
+            leak_check, source = env.leak_check_mode(), "BCG_LEAK_CHECK"
         if leak_check not in leaks.LEAK_CHECK_MODES:
             raise ValueError(f"{source} must be 'off', 'warn' or 'raise', not {leak_check!r}")
         self.leak_check = leak_check

@@ -37,7 +37,7 @@ def is_main_rank() -> bool:
 def _plot(kind: str, fn: Any, *args: Any) -> str | None:
     try:
         return str(fn(*args))
-    except Exception as e:  # noqa: BLE001 - a failed figure must not lose the measurements
+    except Exception as e:  # a failed figure must not lose the measurements
         print(f"bcg: could not draw the {kind} plot: {type(e).__name__}: {e}", file=sys.stderr)
         return None
 

@@ -155,7 +155,7 @@ class _RecordMode(TorchDispatchMode):
         # CUDA capture records the artifact's kernels; without this, torch.compile would fall back to eager Python.
         return True
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         check_capturable(func, args, kwargs)
         if func.namespace in (_C10D, _FUNCTIONAL):

@@ -49,7 +49,7 @@ class _Allocations(TorchDispatchMode):
         self.fresh: dict[int, str] = {}  # storage address -> the op that allocated it
         self.views: list[weakref.ref] = []
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         outputs = tensor_leaves(out)

@@ -96,7 +96,7 @@ class _ProbeMode(TorchDispatchMode):
         super().__init__()
         self.probe = probe
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if not self.probe.paused:
             reason = uncapturable_reason(func, args, kwargs)

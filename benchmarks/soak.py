@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = p.parse_args(argv)
     device = torch.device(args.device)
     presets = [s.strip() for s in args.presets.split(",") if s.strip()]
-    extra = {"tc_compiler": "eager"} if args.backend == "tc_piecewise" else {}
+    extra = {"tc_compiler": "traced"} if args.backend == "tc_piecewise" else {}
     common = dict(device=args.device, chunked_prefill_size=args.chunked_prefill_size, progress=False, seed=0)
     engines, refs, injectors = {}, {}, {}
     t_build = time.perf_counter()

@@ -23,13 +23,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bcg.bench.checks import parse_int_list  # noqa: E402
-from bcg.bench.engines import free_memory, make_prompts  # noqa: E402
-from bcg.bench.report import table  # noqa: E402
-from bcg.models.config import get_preset  # noqa: E402
-from bcg.models.loader import config_from_hf  # noqa: E402
-from bcg.ops.parallel import init_tensor_parallel, shutdown_tensor_parallel  # noqa: E402
-from bcg.runtime import Engine  # noqa: E402
+from bcg.bench.checks import parse_int_list
+from bcg.bench.engines import free_memory, make_prompts
+from bcg.bench.report import table
+from bcg.models.config import get_preset
+from bcg.models.loader import config_from_hf
+from bcg.ops.parallel import init_tensor_parallel, shutdown_tensor_parallel
+from bcg.runtime import Engine
 
 BF16_TOLERANCE = 2e-2  # relative max logit difference accepted between TP=N and TP=1 (the verify allowance)
 

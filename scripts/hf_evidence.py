@@ -41,6 +41,7 @@ if str(ROOT) not in sys.path:
 from bcg.bench.engines import free_memory, make_prompts  # noqa: E402 - after the repository root is importable
 from bcg.bench.report import summary_line  # noqa: E402
 from bcg.bench.timing import time_fn  # noqa: E402
+from bcg.errors import first_line  # noqa: E402
 from bcg.runtime import Engine  # noqa: E402
 
 SMOKE_SHAPES = {  # the same config classes at CPU test size
@@ -81,9 +82,9 @@ class Run:
         t0 = time.perf_counter()
         try:
             out = fn(*args)
-        except Exception as e:  # noqa: BLE001 - every measurement is guarded; the rest still runs
+        except Exception as e:  # every measurement is guarded; the rest still runs
             traceback.print_exc()
-            self.errors.append(f"{name}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+            self.errors.append(f"{name}: {first_line(e)}")
             out = None
         print(f"hf_evidence: {name} done in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
         return out

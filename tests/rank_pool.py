@@ -38,7 +38,7 @@ def _worker(rank: int, world_size: int, port: int, tasks: Any, results: Any) -> 
         fn, args = task
         try:
             results.put((rank, True, fn(*args)))
-        except BaseException:  # noqa: BLE001 - reported to the test with the traceback
+        except BaseException:  # reported to the test with the traceback
             results.put((rank, False, traceback.format_exc()))
 
 

@@ -20,7 +20,7 @@ class _CountCopies(TorchDispatchMode):
         super().__init__()
         self.copies = 0
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func.overloadpacket is torch.ops.aten.copy_:
             self.copies += 1
         return func(*args, **(kwargs or {}))

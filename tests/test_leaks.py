@@ -65,7 +65,7 @@ def _clean():
 
 
 @pytest.mark.parametrize("fn", [stash_on_global, stash_a_view_on_self])
-def test_a_stashed_allocation_warns(fn) -> None:  # noqa: ANN001
+def test_a_stashed_allocation_warns(fn) -> None:
     x = torch.randn(4, 8)
     with pytest.warns(LeakWarning, match=rf"{fn.__name__}.*allocated 1 tensor.*shape=\[\d, 8\]"):
         _capture(fn, x, leak_check="warn")
@@ -80,7 +80,7 @@ def test_raise_mode_fails_the_capture() -> None:
 
 
 @pytest.mark.parametrize("fn", [returns_fresh, writes_into_arg])
-def test_returned_or_written_tensors_are_not_flagged(fn) -> None:  # noqa: ANN001
+def test_returned_or_written_tensors_are_not_flagged(fn) -> None:
     x = torch.randn(4, 8)
     with warnings.catch_warnings():
         warnings.simplefilter("error", LeakWarning)

@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from bcg.errors import first_line
+
 __all__ = ["BuildRecord", "describe_build", "engine_for", "free_memory", "make_prompts", "one_batch",
            "split_tokens"]
 
@@ -58,11 +60,6 @@ def free_memory() -> None:
         torch.cuda.empty_cache()
 
 
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0] if text else ''}".rstrip(": ")
-
-
 @contextlib.contextmanager
 def engine_for(model: str, backend: str, *, device: str, dtype: str | None, seed: int, chunked_prefill_size: int,
                max_tokens: int | None, progress: bool, record: BuildRecord | None = None,
@@ -93,8 +90,8 @@ def engine_for(model: str, backend: str, *, device: str, dtype: str | None, seed
         eng = Engine(model, backend=variant.backend, kernels=variant.kernels, compile=variant.compile, device=device,
                      dtype=dtype, seed=seed, kv_tokens=kv_tokens, chunked_prefill_size=chunked_prefill_size,
                      max_tokens=max_tokens, progress=progress, tp_size=tp_size, model_impl=model_impl)
-    except Exception as e:  # noqa: BLE001 - an unavailable backend is a result to report, not a crash
-        record.available, record.error = False, _first_line(e)
+    except Exception as e:  # an unavailable backend is a result to report, not a crash
+        record.available, record.error = False, first_line(e)
         free_memory()
         yield None
         return

@@ -31,6 +31,7 @@ from bcg.bench.config import BenchConfig, BenchError
 from bcg.bench.engines import BuildRecord, engine_for, make_prompts, split_tokens
 from bcg.bench.timing import Timing, gpu_kernel_ms, time_fn
 from bcg.bench.variants import parse_variant
+from bcg.errors import first_line
 
 __all__ = ["LatencyResult", "LatencyRow", "fill_speedups", "run_latency"]
 
@@ -118,7 +119,7 @@ def _shapes(cfg: BenchConfig, vocab: int, length: int) -> list[list[Any]]:
 
 
 def _fail(record: BuildRecord, length: int, e: Exception, bar: Any) -> None:
-    record.error = f"failed at input length {length}: {type(e).__name__}: {str(e).splitlines()[0]}"
+    record.error = f"failed at input length {length}: {first_line(e)}"
     bar.write(f"bcg bench: backend {record.backend!r} {record.error}")
 
 
@@ -147,7 +148,7 @@ def _measure(engines: dict[str, tuple[Any, BuildRecord]], cfg: BenchConfig, resu
                     try:
                         t = time_fn(lambda e=engines[b][0], p=prompts: e.prefill(p), cfg.device, runs=1,
                                     warmup=warm_turn).samples_ms[0]
-                    except Exception as e:  # noqa: BLE001 - one variant failing must not lose the others
+                    except Exception as e:  # one variant failing must not lose the others
                         _fail(engines.pop(b)[1], length, e, bar)
                         continue
                     if r >= 0:
@@ -156,7 +157,7 @@ def _measure(engines: dict[str, tuple[Any, BuildRecord]], cfg: BenchConfig, resu
             for b in [b for b in samples if b in engines]:
                 try:
                     rows.append(_row(engines[b][0], b, length, prompts, Timing(samples[b])))
-                except Exception as e:  # noqa: BLE001 - as above
+                except Exception as e:  # as above
                     _fail(engines.pop(b)[1], length, e, bar)
         # A variant dropped here has no more lengths to measure: its share of the bar is done too.
         bar.update(sum(1 if b in engines else len(cfg.lengths) - done for b in measured))

@@ -189,7 +189,7 @@ def gpu_kernel_ms(fn: Callable[[], Any], device: torch.device | str, warmup: int
             fn()
             sync(device)
         events = prof.events()
-    except Exception:  # noqa: BLE001 - a profiler failure must not end a benchmark; the floor is optional
+    except Exception:  # a profiler failure must not end a benchmark; the floor is optional
         return None
     intervals = [(e.time_range.start, e.time_range.end) for e in events
                  if e.device_type == DeviceType.CUDA and e.time_range.end > e.time_range.start]

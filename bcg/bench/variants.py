@@ -13,7 +13,7 @@ from dataclasses import dataclass
 __all__ = ["Variant", "parse_variant"]
 
 _KERNELS = {"fused": "fused", "torch": "torch"}
-_COMPILERS = {"inductor": "inductor", "traced": "eager"}
+_COMPILERS = {"inductor": "inductor", "traced": "traced"}
 
 
 @dataclass(frozen=True)

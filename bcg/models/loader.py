@@ -139,7 +139,7 @@ def read_json(path: Path) -> Any:
 def _open_safetensors(path: Path, stack: ExitStack) -> Any:
     try:
         return stack.enter_context(safe_open(str(path), framework="pt", device="cpu"))
-    except Exception as e:  # noqa: BLE001 - safetensors raises its own error types; name the file instead
+    except Exception as e:  # safetensors raises its own error types; name the file instead
         raise CheckpointError(f"{path} cannot be read as safetensors (truncated or corrupt?): "
                               f"{type(e).__name__}: {e}") from None
 
@@ -179,7 +179,7 @@ class _CheckpointReader:
                 return self.handles[name].get_tensor(name)
             lazy = self.handles[name].get_slice(name)
             shape = lazy.get_shape()
-        except Exception as e:  # noqa: BLE001 - name the file and the tensor
+        except Exception as e:  # name the file and the tensor
             raise CheckpointError(f"{self.paths[name]} cannot be read as safetensors (truncated or corrupt?): tensor "
                                   f"{name}: {type(e).__name__}: {e}") from None
         if dim >= len(shape) or shape[dim] < offset + part.size:

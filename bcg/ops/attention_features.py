@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from bcg.errors import first_line
 from bcg.ops.context import AttentionFeatures, ForwardContext
 from bcg.ops.flash import flash_varlen_lse, is_varlen_usable, varlen_causal_is_bottom_right
 
@@ -164,7 +165,7 @@ def _probe(device: torch.device) -> bool:
         ok = torch.allclose(got.float(), want.float(), atol=2e-2, rtol=0)
         reason = "" if ok else f"it differs from the reference by {(got.float() - want.float()).abs().max():.3g}"
     except (RuntimeError, TypeError) as e:
-        ok, reason = False, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        ok, reason = False, first_line(e)
     if ok:
         logger.info("bcg: sliding windows and sinks use FlashAttention varlen on %s", device)
     else:

@@ -19,10 +19,12 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
-import os
 
 import torch
 from torch import Tensor
+
+from bcg import env
+from bcg.errors import first_line
 
 try:
     from torch.nn.attention.varlen import varlen_attn
@@ -160,8 +162,8 @@ def uses_aten_flash(device: torch.device) -> bool:
 
 
 _ATEN_FLASH_OK: dict[torch.device, bool] = {}
-# Debug switch, read once (the islands must not pay an environment lookup per layer): BCG_FLASH=wrapper.
-FORCE_WRAPPER = os.environ.get("BCG_FLASH", "").lower() == "wrapper"
+# BCG_FLASH=wrapper (bcg.env); tests and tools may flip it.
+FORCE_WRAPPER = env.FLASH_WRAPPER
 
 
 def _probe_aten_flash(device: torch.device) -> bool:
@@ -181,7 +183,7 @@ def _probe_aten_flash(device: torch.device) -> bool:
         ok = all(torch.allclose(g, expected, atol=1e-2, rtol=0) for g in got)
         reason = "" if ok else "its output differs from varlen_attn"
     except (RuntimeError, TypeError) as e:
-        ok, reason = False, f"{type(e).__name__}: {str(e).splitlines()[0]}"
+        ok, reason = False, first_line(e)
     if ok:
         logger.info("bcg: calling aten._flash_attention_forward%s directly on %s (skips varlen_attn's custom-op "
                     "wrapper)", " (in-place)" if _FLASH_INPLACE is not None else "", device)

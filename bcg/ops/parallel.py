@@ -24,6 +24,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from bcg import env
+from bcg.errors import first_line
 from bcg.islands import eager_on_graph
 
 __all__ = ["SINGLE", "TensorParallel", "TensorParallelError", "init_tensor_parallel", "kv_head_range",
@@ -32,7 +34,7 @@ __all__ = ["SINGLE", "TensorParallel", "TensorParallelError", "init_tensor_paral
 _ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 # Debug switch: run every all-reduce as an eager island (a break) instead of inside the graph segments, for a
 # transport whose collectives are not capture-safe. Breakable graphs then replay them eagerly between segments.
-_AS_ISLAND = os.environ.get("BCG_TP_ALLREDUCE", "") == "island"
+_AS_ISLAND = env.TP_ALLREDUCE_ISLAND
 # The gloo group for host-side agreement, one per process (new_group is collective: every rank creates it once).
 _host_groups: dict[tuple[int, ...], Any] = {}
 
@@ -101,11 +103,10 @@ class TensorParallel:
 
     def peer_error(self, what: str, cause: BaseException) -> TensorParallelError:
         """The error for a collective that failed: names this rank, the step and the way out."""
-        first = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
         return TensorParallelError(
-            f"tensor parallel rank {self.rank}/{self.size}: {what} failed ({first}). Another rank died, hangs past "
-            f"the {self.timeout_s:g} s timeout (EngineConfig.tp_timeout_s) or took a different path; the group "
-            "cannot continue: stop every rank and relaunch (torchrun restarts the whole group).")
+            f"tensor parallel rank {self.rank}/{self.size}: {what} failed ({first_line(cause)}). Another rank died, "
+            f"hangs past the {self.timeout_s:g} s timeout (EngineConfig.tp_timeout_s) or took a different path; the "
+            "group cannot continue: stop every rank and relaunch (torchrun restarts the whole group).")
 
 
 SINGLE = TensorParallel()

@@ -9,7 +9,7 @@ islands and nothing else.
 
 * ``"inductor"``: Inductor's fused kernels (CUDA; under the CPU graph emulation its C++ kernels would bypass the
   recorder, so graph backends refuse it there).
-* ``"eager"``: dynamo's trace run as an FX graph, no code generated: the same path under the CPU emulation, so CI
+* ``"traced"``: dynamo's trace run as an FX graph, no code generated: the same path under the CPU emulation, so CI
   covers it. Island ops are called as the island functions directly, as a graph that runs islands itself should.
 """
 
@@ -24,7 +24,7 @@ from torch import Tensor
 
 __all__ = ["COMPILERS", "CompiledLayers", "compile_layers"]
 
-COMPILERS = ("inductor", "eager")
+COMPILERS = ("inductor", "traced")
 
 
 def _islands_direct(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
@@ -70,7 +70,7 @@ class CompiledLayers:
 
 
 def compile_layers(model: torch.nn.Module, compiler: str) -> CompiledLayers:
-    """``model.forward_layers`` compiled with ``compiler`` ("inductor" or "eager"); see :class:`CompiledLayers`."""
+    """``model.forward_layers`` compiled with ``compiler`` ("inductor" or "traced"); see :class:`CompiledLayers`."""
     return CompiledLayers(model, compiler)
 
 

@@ -116,12 +116,12 @@ class EngineConfig:
         prefix_capacity: cached-prefix keys (summed over a batch's requests) a "full" graph can attend to: bucket
             ``b`` reads ``b + prefix_capacity`` key slots per layer. None means ``chunked_prefill_size``; a batch
             with more keys runs eagerly (reason "too_many_keys").
-        tc_compiler: "inductor" or "eager" (no compilation), used by "tc_piecewise".
+        tc_compiler: "inductor" or "traced" (no compilation), used by "tc_piecewise".
         kernels: the models' non-matmul ops: "fused" (the fused kernels of ``bcg.ops.kernels``: Triton on CUDA, their
             plain-torch references elsewhere) or "torch" (plain torch ops); None picks "fused" on CUDA, "torch" else.
         compile: compile the layer stack once with ``torch.compile`` before capturing it (``bcg.runtime.compile``):
-            "inductor" (fused kernels, CUDA) or "eager" (trace only, no code generated: the CPU path); None compiles
-            nothing. For "eager", "breakable" and "full" ("tc_piecewise" compiles itself: use ``tc_compiler``).
+            "inductor" (fused kernels, CUDA) or "traced" (dynamo's trace only, no code generated: the CPU path); None
+            compiles nothing. For "eager", "breakable" and "full" ("tc_piecewise" compiles itself: use ``tc_compiler``).
         model_impl: which implementation runs a checkpoint folder (vLLM's flag): "auto" (bcg's own model classes
             when they cover the architecture, else the checkpoint's transformers code), "native" or "transformers"
             (``AutoModelForCausalLM`` run as written, ``bcg.models.hf``). A transformers model object always runs as
@@ -185,8 +185,11 @@ class EngineConfig:
         _int("max_requests", self.max_requests, 1, optional=True)
         _int("prefix_capacity", self.prefix_capacity, 0, optional=True)
         _int("warmup", self.warmup, 0)
-        if self.tc_compiler not in ("inductor", "eager"):
-            raise ValueError(f"tc_compiler must be 'inductor' or 'eager', got {self.tc_compiler!r}")
+        for name in ("compile", "tc_compiler"):
+            if getattr(self, name) == "eager":  # the old spelling, which also names a backend
+                raise ValueError(f"{name}='eager' is now spelled {name}='traced' (dynamo's trace, no code generated)")
+        if self.tc_compiler not in ("inductor", "traced"):
+            raise ValueError(f"tc_compiler must be 'inductor' or 'traced', got {self.tc_compiler!r}")
         _int("tp_size", self.tp_size, 1)
         _number("tp_timeout_s", self.tp_timeout_s, 0.0, low_open=True)
         if self.kernels is not None and self.kernels not in ("fused", "torch"):
@@ -195,7 +198,7 @@ class EngineConfig:
             raise ValueError(f"compile must be one of {', '.join(COMPILERS)} or None, got {self.compile!r}")
         if self.compile is not None and self.backend == "tc_piecewise":
             raise ValueError("compile= does not apply to backend='tc_piecewise', which compiles its pieces itself; "
-                             "choose its compiler with tc_compiler='inductor' or 'eager'")
+                             "choose its compiler with tc_compiler='inductor' or 'traced'")
         check_model_impl(self.model_impl)
         if self.leak_check is not None and self.leak_check not in LEAK_CHECK_MODES:
             raise ValueError(f"leak_check must be one of {', '.join(LEAK_CHECK_MODES)} or None (BCG_LEAK_CHECK), "

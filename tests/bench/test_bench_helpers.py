@@ -206,7 +206,7 @@ def test_variants_parse_to_canonical_names_and_reject_what_cannot_be_built() -> 
 
     v = parse_variant(" breakable + inductor + fused ")
     assert (v.backend, v.kernels, v.compile, v.name) == ("breakable", "fused", "inductor", "breakable+fused+inductor")
-    assert parse_variant("disabled").name == "eager" and parse_variant("full+traced").compile == "eager"
+    assert parse_variant("disabled").name == "eager" and parse_variant("full+traced").compile == "traced"
     assert parse_variant("eager").kernels == "torch"  # the baseline: plain torch ops, however the engine defaults
     assert parse_variant("tc_piecewise").compile_label == "inductor (pieces)"
     for bad, match in (("breakable+cuda", "unknown option"), ("tc_piecewise+inductor", "compiles its pieces"),

@@ -187,7 +187,7 @@ def test_refused_backend_is_unavailable_and_in_no_speedup(tmp_path: Path,
     out = capsys.readouterr().out
     assert out.splitlines()[0].startswith("bcg bench: tiny-moe on the CPU")  # the banner names --model
     summary = last_json(out)
-    assert "tc_compiler='eager'" in summary["unavailable"]["tc_piecewise"]
+    assert "tc_compiler='traced'" in summary["unavailable"]["tc_piecewise"]
     assert set(summary["geomean_speedup"]) == {"breakable"}
     data = json.loads((tmp_path / "results.json").read_text())
     assert all(r["backend"] != "tc_piecewise" for r in data["rows"] + data["batch_rows"])

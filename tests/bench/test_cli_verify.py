@@ -27,7 +27,7 @@ def test_verify_exits_1_and_names_the_segment(capsys: pytest.CaptureFixture[str]
 
     original = BreakableBackend.capture
 
-    def capture(self, n):  # noqa: ANN001
+    def capture(self, n):
         graph = original(self, n)
         if n == 16:  # the last segment of bucket 16 writes a wrong output
             last = [s for s in graph.steps if not isinstance(s, EagerStep)][-1]

@@ -37,7 +37,7 @@ def test_carry_casts_in_the_copy_or_on_its_own() -> None:
     assert bridge.nbytes == 16 * 2 * 8 * 4  # one float32 buffer, none for the float64 input
 
 
-def _island_ptrs(graph) -> set[int]:  # noqa: ANN001
+def _island_ptrs(graph) -> set[int]:
     return {t.untyped_storage().data_ptr() for s in graph.steps if isinstance(s, EagerStep)
             for t in s.args if isinstance(t, torch.Tensor)}
 

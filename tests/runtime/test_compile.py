@@ -17,7 +17,7 @@ COMPOSITIONS = [[3, 7, 12, 1], [20], [5, 6], [70]]  # [70] is chunked, with a ca
 
 @pytest.mark.parametrize("preset", ["tiny-dense", "tiny-moe", "tiny-dsa"])
 def test_compiled_breakable_matches_eager_and_breaks_at_every_island(preset: str) -> None:
-    eng, plain = engine(preset, "breakable", compile="eager"), engine(preset, "breakable")
+    eng, plain = engine(preset, "breakable", compile="traced"), engine(preset, "breakable")
     tel = eng.telemetry
     assert tel.compile_error is None and tel.compile_ms > 0 and tel.num_captured == len(BUCKETS)
     for n in BUCKETS:  # the same segments and breaks as the uncompiled capture: every island is a break
@@ -31,7 +31,7 @@ def test_compiled_breakable_matches_eager_and_breaks_at_every_island(preset: str
 
 
 def test_replay_runs_no_compiled_code() -> None:
-    eng = engine("tiny-dense", "breakable", compile="eager")
+    eng = engine("tiny-dense", "breakable", compile="traced")
     batch = prompts([6, 7])
     expected = eng.prefill(batch).logits.clone()
     compiled, calls = eng.runner.layers, []
@@ -46,7 +46,7 @@ def test_replay_runs_no_compiled_code() -> None:
 
 @pytest.mark.parametrize("backend", ["eager", "full"])
 def test_compiled_eager_and_full_match_eager(backend: str) -> None:
-    eng = engine("tiny-moe", backend, compile="eager")
+    eng = engine("tiny-moe", backend, compile="traced")
     assert eng.telemetry.compile_error is None and eng.telemetry.compile_ms > 0
     for lengths in COMPOSITIONS:
         batch = prompts(lengths, seed=1)
@@ -54,23 +54,24 @@ def test_compiled_eager_and_full_match_eager(backend: str) -> None:
 
 
 def test_compiled_dsa_captures_where_tc_piecewise_refuses() -> None:
-    compiled = engine("tiny-dsa", "breakable", compile="eager")
-    piecewise = engine("tiny-dsa", "tc_piecewise", tc_compiler="eager")
+    compiled = engine("tiny-dsa", "breakable", compile="traced")
+    piecewise = engine("tiny-dsa", "tc_piecewise", tc_compiler="traced")
     assert compiled.telemetry.refused_reason is None and compiled.telemetry.num_captured == len(BUCKETS)
     assert "select_topk" in piecewise.telemetry.refused_reason
 
 
 def test_inductor_under_emulation_falls_back_uncompiled_with_the_reason() -> None:
     eng = engine("tiny-dense", "breakable", compile="inductor")
-    assert "compile='eager'" in eng.telemetry.compile_error and eng.runner.layers == eng.model.forward_layers
+    assert "compile='traced'" in eng.telemetry.compile_error and eng.runner.layers == eng.model.forward_layers
     batch = prompts([5, 9])
     res = eng.prefill(batch)
     assert res.batches[0].graph_used
     assert max_diff(res.logits, engine("tiny-dense", "eager").prefill(batch).logits) <= 1e-5
 
 
-@pytest.mark.parametrize(("kwargs", "match"), [({"backend": "tc_piecewise", "compile": "eager"}, "tc_compiler"),
-                                              ({"compile": "cudagraphs"}, "inductor, eager")])
+@pytest.mark.parametrize(("kwargs", "match"), [({"backend": "tc_piecewise", "compile": "traced"}, "tc_compiler"),
+                                              ({"compile": "eager"}, "spelled compile='traced'"),
+                                              ({"compile": "cudagraphs"}, "inductor, traced")])
 def test_bad_compile_options_are_rejected(kwargs: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         Engine("tiny-dense", device="cpu", **kwargs)

@@ -97,7 +97,7 @@ def test_failed_capture_disables_only_that_bucket(monkeypatch: pytest.MonkeyPatc
 
     original = BreakableBackend.capture
 
-    def flaky(self, n):  # noqa: ANN001
+    def flaky(self, n):
         if n == 16:
             raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
         return original(self, n)
@@ -160,7 +160,7 @@ def test_debug_mode_runs_the_stack_as_one_break(preset: str) -> None:
         ([list(range(200)) * 6], ValueError, "KV slots"),
     ],
 )
-def test_bad_input_is_rejected_and_leaves_the_pool_untouched(bad, error, match) -> None:  # noqa: ANN001
+def test_bad_input_is_rejected_and_leaves_the_pool_untouched(bad, error, match) -> None:
     eng = engine("tiny-dense", "breakable")
     free = eng.kv_pool.num_free
     k0 = eng.kv_pool.k[0].clone()
@@ -219,7 +219,7 @@ def test_batch_telemetry_stays_bounded() -> None:
     assert len(eng.telemetry.batches) == 3 and eng.telemetry.num_batches == 5
 
 
-def test_engine_serves_a_hugging_face_checkpoint_through_graphs(tmp_path) -> None:  # noqa: ANN001
+def test_engine_serves_a_hugging_face_checkpoint_through_graphs(tmp_path) -> None:
     transformers = pytest.importorskip("transformers")
     cfg = transformers.Qwen3Config(num_hidden_layers=2, hidden_size=64, vocab_size=256, num_attention_heads=4,
                                    num_key_value_heads=2, head_dim=16, intermediate_size=128)

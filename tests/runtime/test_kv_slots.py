@@ -22,7 +22,7 @@ class Injected(Exception):
 def _fail_logits_alloc(monkeypatch: pytest.MonkeyPatch, eng: Engine) -> None:
     real = torch.empty
 
-    def empty(*args, **kwargs):  # noqa: ANN002, ANN003
+    def empty(*args, **kwargs):
         if kwargs.get("dtype") is torch.float32 and args and args[-1] == eng.model.config.vocab_size:
             raise torch.OutOfMemoryError("out of memory (injected) allocating the logits")
         return real(*args, **kwargs)
@@ -34,7 +34,7 @@ def _interrupt_runner(monkeypatch: pytest.MonkeyPatch, eng: Engine) -> None:
     calls = {"n": 0}
     real = eng.runner.forward
 
-    def forward(batch):  # noqa: ANN001
+    def forward(batch):
         calls["n"] += 1
         if calls["n"] == 2:  # the second forward: the first chunk's slots are in use
             raise KeyboardInterrupt
@@ -44,7 +44,7 @@ def _interrupt_runner(monkeypatch: pytest.MonkeyPatch, eng: Engine) -> None:
 
 
 def _fail_logits(monkeypatch: pytest.MonkeyPatch, eng: Engine) -> None:
-    def compute_logits(hidden):  # noqa: ANN001
+    def compute_logits(hidden):
         raise Injected("LM head failed")
 
     monkeypatch.setattr(eng.model, "compute_logits", compute_logits)
@@ -53,7 +53,7 @@ def _fail_logits(monkeypatch: pytest.MonkeyPatch, eng: Engine) -> None:
 def _fail_batch(monkeypatch: pytest.MonkeyPatch, eng: Engine) -> None:
     import bcg.runtime.engine as engine_module
 
-    def batch(*args, **kwargs):  # noqa: ANN002, ANN003
+    def batch(*args, **kwargs):
         raise Injected("batch packing failed")
 
     monkeypatch.setattr(engine_module, "PrefillBatch", batch)
@@ -116,7 +116,7 @@ def test_slots_of_finished_prompts_are_reused_within_one_prefill() -> None:
     peak = {"held": 0}
     real = eng.runner.forward
 
-    def forward(batch):  # noqa: ANN001
+    def forward(batch):
         peak["held"] = max(peak["held"], eng.kv_pool.num_slots - eng.kv_pool.num_free)
         return real(batch)
 

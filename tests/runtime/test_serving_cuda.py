@@ -21,10 +21,10 @@ CONFIGS = {name: replace(get_preset(name), hidden_size=256, head_dim=64, interme
                          moe_intermediate_size=64) for name in ("tiny-dense", "tiny-moe", "tiny-dsa")}
 engine = EngineCache(buckets=BUCKETS, chunked_prefill_size=64, kv_tokens=1024, dtype="bfloat16", device="cuda",
                      per_backend={"full": {"max_requests": 6, "prefix_capacity": 192},
-                                  "tc_piecewise": {"tc_compiler": "eager"}}, model_for=CONFIGS.get)
+                                  "tc_piecewise": {"tc_compiler": "traced"}}, model_for=CONFIGS.get)
 
 
-def close(res, ref, rel: float = 2e-2) -> bool:  # noqa: ANN001
+def close(res, ref, rel: float = 2e-2) -> bool:
     tol = rel * max(1.0, ref.logits.abs().max().item())
     return (res.logits - ref.logits).abs().max().item() <= tol
 
@@ -44,7 +44,7 @@ def test_two_threads_on_one_engine_reproduce_its_answers(backend: str) -> None:
                 res = eng.prefill(work[t])
                 if not torch.equal(res.logits, expected[t].logits):
                     errors.append(f"thread {t} round {r}: {(res.logits - expected[t].logits).abs().max().item()}")
-        except BaseException as e:  # noqa: BLE001 - surfaced below
+        except BaseException as e:  # surfaced below
             errors.append(f"thread {t}: {type(e).__name__}: {e}")
 
     threads = [threading.Thread(target=run, args=(t,)) for t in range(2)]
@@ -61,13 +61,13 @@ def test_kv_slots_come_back_on_every_exit_path(monkeypatch: pytest.MonkeyPatch) 
     real_forward, real_empty = eng.runner.forward, torch.empty
     calls = {"n": 0}
 
-    def forward(b):  # noqa: ANN001
+    def forward(b):
         calls["n"] += 1
         if calls["n"] == 2:
             raise KeyboardInterrupt
         return real_forward(b)
 
-    def empty(*args, **kwargs):  # noqa: ANN002, ANN003
+    def empty(*args, **kwargs):
         if args and args[-1] == eng.model.config.vocab_size:
             raise torch.OutOfMemoryError("out of memory (injected)")
         return real_empty(*args, **kwargs)
@@ -91,7 +91,7 @@ def test_transient_replay_failures_retry_and_a_bucket_recaptures_while_serving()
     step = next(s for s in eng.runner.handles[32].steps if isinstance(s, EagerStep))
     real, fails = step.fn, {"left": 1}
 
-    def flaky(*args, **kwargs):  # noqa: ANN002, ANN003
+    def flaky(*args, **kwargs):
         if fails["left"] > 0:
             fails["left"] -= 1
             raise RuntimeError("transient island failure (injected)")
@@ -150,7 +150,7 @@ def test_segment_check_names_a_wrong_island_on_real_graphs() -> None:
     step = [s for s in eng.runner.handles[64].steps if isinstance(s, EagerStep)][1]
     real = step.fn
 
-    def wrong(q, k, v, out, layer_id):  # noqa: ANN001
+    def wrong(q, k, v, out, layer_id):
         real(q, k, v, out, layer_id)
         out[:4].mul_(1.5)  # a wrong output from the right inputs
 

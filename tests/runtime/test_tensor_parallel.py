@@ -20,7 +20,7 @@ from bcg.runtime import Engine
 
 BUCKETS = [4, 8, 16]
 OPTIONS = dict(device="cpu", buckets=BUCKETS, chunked_prefill_size=16, kv_tokens=256, max_requests=4,
-               tc_compiler="eager", progress=False, seed=0)
+               tc_compiler="traced", progress=False, seed=0)
 PROMPTS = random_prompts([3, 7, 2], seed=1)  # 12 tokens: bucket 16
 
 
@@ -75,7 +75,7 @@ def test_tp2_logits_equal_one_process_and_every_rank_returns_the_same(pool, pres
 
 
 def _compiled_on_rank() -> dict:
-    eng = Engine("tiny-moe", backend="breakable", tp_size=2, compile="eager", **OPTIONS)
+    eng = Engine("tiny-moe", backend="breakable", tp_size=2, compile="traced", **OPTIONS)
     return {"compile_error": eng.telemetry.compile_error, **_summary(eng, eng.prefill(PROMPTS))}
 
 

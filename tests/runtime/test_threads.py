@@ -10,10 +10,10 @@ from engine_cache import EngineCache, random_prompts
 
 BUCKETS = [8, 16, 32, 64]
 engine = EngineCache(buckets=BUCKETS, chunked_prefill_size=64, kv_tokens=1024, device="cpu",
-                     per_backend={"tc_piecewise": {"tc_compiler": "eager"}, "full": {"max_requests": 4}})
+                     per_backend={"tc_piecewise": {"tc_compiler": "traced"}, "full": {"max_requests": 4}})
 
 
-def hammer(eng, ref, num_threads: int = 2, rounds: int = 6) -> list[str]:  # noqa: ANN001
+def hammer(eng, ref, num_threads: int = 2, rounds: int = 6) -> list[str]:
     """Each thread prefills its own prompts ``rounds`` times; returns what went wrong (empty when all is well)."""
     work = [random_prompts([5 + 7 * t, 11 + 3 * t], seed=t) for t in range(num_threads)]
     expected = [ref.prefill(p) for p in work]
@@ -30,7 +30,7 @@ def hammer(eng, ref, num_threads: int = 2, rounds: int = 6) -> list[str]:  # noq
                     errors.append(f"thread {t} round {r}: max |diff| {diff:.3g}")
                 if not all(b.graph_used for b in res.batches):
                     errors.append(f"thread {t} round {r}: ran eagerly ({[b.reason for b in res.batches]})")
-        except BaseException as e:  # noqa: BLE001 - surfaced in the main thread
+        except BaseException as e:  # surfaced in the main thread
             errors.append(f"thread {t}: {type(e).__name__}: {e}")
 
     threads = [threading.Thread(target=run, args=(t,)) for t in range(num_threads)]

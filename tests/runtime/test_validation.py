@@ -30,7 +30,7 @@ engine = EngineCache(buckets=[8, 16], chunked_prefill_size=16, kv_tokens=256, de
     ],
     ids=["generator", "set", "none", "int", "huge_id", "huge_negative_id", "bool", "too_long", "generator_list"],
 )
-def test_bad_prompts_are_named(bad, error, match) -> None:  # noqa: ANN001
+def test_bad_prompts_are_named(bad, error, match) -> None:
     eng = engine("tiny-dense", "breakable")
     free = eng.kv_pool.num_free
     with pytest.raises(error, match=match):
@@ -100,7 +100,7 @@ def test_a_torch_dtype_is_accepted() -> None:
         ("./missing-folder", FileNotFoundError, "checkpoint folder ./missing-folder does not exist"),
     ],
 )
-def test_bad_models_are_named(model, error, match) -> None:  # noqa: ANN001
+def test_bad_models_are_named(model, error, match) -> None:
     with pytest.raises(error, match=match):
         Engine(model, device="cpu", progress=False)
 
@@ -120,7 +120,7 @@ def _checkpoint(tmp_path: Path) -> Path:
     return tmp_path
 
 
-def _corrupt_config(text: str):  # noqa: ANN202
+def _corrupt_config(text: str):
     def corrupt(folder: Path) -> None:
         (folder / "config.json").write_text(text)
 
@@ -148,7 +148,7 @@ def _truncate_weights(folder: Path) -> None:
     ],
     ids=["invalid_json", "not_an_object", "string_hidden_size", "truncated_weights"],
 )
-def test_bad_checkpoints_name_the_file(tmp_path: Path, corrupt, match: str) -> None:  # noqa: ANN001
+def test_bad_checkpoints_name_the_file(tmp_path: Path, corrupt, match: str) -> None:
     folder = _checkpoint(tmp_path)
     corrupt(folder)
     with pytest.raises(CheckpointError, match=match) as info:

@@ -3,9 +3,9 @@
 Inside a CUDA graph each kernel costs about a microsecond of device time even when it is tiny, so the ops between
 matmuls are fused: RMSNorm and in-place residual add + RMSNorm, SiLU-and-multiply, the qkv split with q/k norm and
 RoPE written straight into the attention island's inputs, the MoE router's softmax/top-k, and the token permutation
-around the experts. Each entry point takes ``impl=None | "fused" | "torch"`` (``None``: the process default of
-:func:`set_kernels`, ``"fused"`` unless changed); ``"fused"`` runs Triton for CUDA tensors and the reference on
-any other device. The kernels are capturable (no host reads, no allocation of data-dependent size; Triton
+around the experts. Each entry point takes ``impl="fused" | "torch"`` (default ``"fused"``; the models pass
+their own setting); ``"fused"`` runs Triton for CUDA tensors and the reference on any other device.
+The kernels are capturable (no host reads, no allocation of data-dependent size; Triton
 compiles a kernel at its first call, so warm up before capturing) and registered as ``torch.ops.bcg.*`` custom
 ops, which is what ``torch.compile`` traces when the fused path is on.
 
@@ -19,7 +19,7 @@ Example:
 """
 
 from bcg.ops.kernels.activation import silu_and_mul, silu_and_mul_reference
-from bcg.ops.kernels.dispatch import KernelImpl, fused_available, get_kernels, set_kernels, use_kernels
+from bcg.ops.kernels.dispatch import KernelImpl, fused_available
 from bcg.ops.kernels.moe_permute import (
     ExpertOrder,
     expert_order,
@@ -38,7 +38,7 @@ from bcg.ops.kernels.rope import qkv_norm_rope, qkv_norm_rope_reference
 
 __all__ = [
     "ExpertOrder", "KernelImpl", "expert_order", "expert_order_reference", "fused_add_rms_norm",
-    "fused_add_rms_norm_reference", "fused_available", "get_kernels", "moe_combine", "moe_combine_reference",
+    "fused_add_rms_norm_reference", "fused_available", "moe_combine", "moe_combine_reference",
     "qkv_norm_rope", "qkv_norm_rope_reference", "rms_norm", "rms_norm_reference", "router_topk",
-    "router_topk_reference", "set_kernels", "silu_and_mul", "silu_and_mul_reference", "use_kernels",
+    "router_topk_reference", "silu_and_mul", "silu_and_mul_reference",
 ]

@@ -22,7 +22,7 @@ def silu_and_mul_reference(x: Tensor) -> Tensor:
     return F.silu(gate) * up
 
 
-def silu_and_mul(x: Tensor, *, out: Optional[Tensor] = None, impl: Optional[str] = None) -> Tensor:
+def silu_and_mul(x: Tensor, *, out: Optional[Tensor] = None, impl: str = "fused") -> Tensor:
     """``silu(x[..., :I]) * x[..., I:]`` for ``x`` of shape ``(..., 2I)`` (rows may be strided).
 
     Writes ``out`` ``(..., I)`` when given, else returns a new tensor of ``x``'s dtype.

@@ -51,7 +51,7 @@ def expert_order_reference(topk_ids: Tensor, num_experts: int) -> ExpertOrder:
     return ExpertOrder(order // top_k, slot.view(num_rows, top_k), group_end, sorted_ids.to(torch.int64))
 
 
-def expert_order(topk_ids: Tensor, num_experts: int, *, impl: Optional[str] = None) -> ExpertOrder:
+def expert_order(topk_ids: Tensor, num_experts: int, *, impl: str = "fused") -> ExpertOrder:
     """The stable expert order of the pairs in ``topk_ids (T, k)`` (int32 or int64, values in ``[0, E)``).
 
     The fused kernel trusts the ids to be in range (a router's always are); an id outside ``[0, E)`` gets no
@@ -91,7 +91,7 @@ def moe_combine_reference(y_sorted: Tensor, slot: Tensor, weights: Tensor) -> Te
 
 
 def moe_combine(y_sorted: Tensor, slot: Tensor, weights: Tensor, *, out: Optional[Tensor] = None,
-                impl: Optional[str] = None) -> Tensor:
+                impl: str = "fused") -> Tensor:
     """``out[t] = sum_j weights[t, j] * y_sorted[slot[t, j]]``: the experts' outputs back in token order.
 
     ``y_sorted (T * k, H)`` (rows may be strided), ``slot (T, k)`` from :func:`expert_order`, ``weights (T, k)``

@@ -29,7 +29,7 @@ def router_topk_reference(logits: Tensor, top_k: int, renormalize: bool,
 
 
 def router_topk(logits: Tensor, top_k: int, *, renormalize: bool = True, out_dtype: Optional[torch.dtype] = None,
-                impl: Optional[str] = None) -> tuple[Tensor, Tensor]:
+                impl: str = "fused") -> tuple[Tensor, Tensor]:
     """Top-``top_k`` experts per token from router ``logits (T, E)`` (rows may be strided).
 
     Returns ``(weights, ids)``: ``weights (T, k)`` in ``out_dtype`` (default ``logits.dtype``), renormalised to sum

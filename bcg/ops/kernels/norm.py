@@ -40,7 +40,7 @@ def _check_rows(name: str, t: Tensor, hidden: int) -> None:
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float, *, out: Optional[Tensor] = None,
-             impl: Optional[str] = None) -> Tensor:
+             impl: str = "fused") -> Tensor:
     """RMSNorm over the last dimension of ``x`` (``(..., H)``, rows may be strided), scaled by ``weight`` ``(H,)``.
 
     Writes ``out`` when given (same shape, any dtype, contiguous last dimension), else returns a new tensor of
@@ -66,7 +66,7 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, *, out: Optional[Tensor] = N
 
 
 def fused_add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float, *, out: Optional[Tensor] = None,
-                       residual_out: Optional[Tensor] = None, impl: Optional[str] = None) -> tuple[Tensor, Tensor]:
+                       residual_out: Optional[Tensor] = None, impl: str = "fused") -> tuple[Tensor, Tensor]:
     """``residual + x`` (rounded to ``residual.dtype``) and its RMSNorm, in place by default.
 
     In place (no ``out``/``residual_out``): ``residual += x``, then ``x[:] = rms_norm(residual) * weight``; returns

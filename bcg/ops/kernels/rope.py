@@ -104,7 +104,7 @@ def _check(qkv: Tensor, positions: Tensor, inv_freq: Tensor, q_weight: Optional[
 def qkv_norm_rope(
     qkv: Tensor, positions: Tensor, inv_freq: Tensor, num_heads: int, num_kv_heads: int, *,
     q_weight: Optional[Tensor] = None, k_weight: Optional[Tensor] = None, eps: float = 1e-6,
-    out: Optional[tuple[Tensor, Tensor, Tensor]] = None, impl: Optional[str] = None,
+    out: Optional[tuple[Tensor, Tensor, Tensor]] = None, impl: str = "fused",
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``q (T, H, D), k, v (T, KV, D)`` from the fused projection ``qkv (T, (H + 2 * KV) * D)``.
 

@@ -61,7 +61,7 @@ def capturing(graph: Any, pool: Any = None, stream: torch.cuda.Stream | None = N
 def _end_quietly(graph: Any) -> None:
     try:
         graph.capture_end()
-    except Exception:  # noqa: BLE001 - the capture is being thrown away; the body's error is the one to report
+    except Exception:  # the capture is being thrown away; the body's error is the one to report
         pass
 
 

@@ -3,27 +3,26 @@ and give every piece one graph per token bucket.
 
 :class:`PiecewiseCompiler` is a compile backend (``(gm, example_inputs) -> callable``). It cuts the dynamo graph
 at every registered split op (:mod:`bcg.ops.custom_ops`) with ``torch.fx.passes.split_module``, compiles each
-other piece (Inductor, or nothing for ``tc_compiler="eager"``) and wraps it in a :class:`GraphedPiece`. The split
+other piece (Inductor, or nothing for ``tc_compiler="traced"``) and wraps it in a :class:`GraphedPiece`. The split
 graph it returns runs pieces and islands in order; what each piece does depends on :class:`PieceRuntime`:
 run (``"eager"``), capture its own graph for the current bucket (``"capture"``), or replay it (``"replay"``).
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch.fx.passes.split_module import split_module
 
+from bcg import env
 from bcg.ops.custom_ops import UNSPLITTABLE, is_split_node, island_fn, unsplittable_islands
 from bcg.runtime.backends.base import BackendRefused
 from bcg.runtime.backends.capture import GraphPool, capturing, new_graph
 
 __all__ = ["GraphedPiece", "PieceRuntime", "PiecewiseCompiler"]
 
-_DEBUG = os.environ.get("BCG_DEBUG", "") not in ("", "0")
 
 
 @dataclass
@@ -69,7 +68,7 @@ class GraphedPiece:
                 raise RuntimeError(f"piece {self.name} has no graph for bucket {rt.bucket}: torch.compile "
                                    "probably recompiled the layer stack after capture (a guard failed)")
             graph, outputs, pointers = entry
-            if _DEBUG and pointers != _pointers(args):
+            if env.DEBUG and pointers != _pointers(args):
                 raise RuntimeError(f"piece {self.name}, bucket {rt.bucket}: input addresses differ from capture; "
                                    "a piece input is not static")
             graph.replay()
@@ -94,11 +93,11 @@ class PiecewiseCompiler:
 
     Args:
         runtime: the shared :class:`PieceRuntime`.
-        compiler: "inductor" (``compile_fx`` per piece, dynamic token dimension) or "eager" (the FX piece as is).
+        compiler: "inductor" (``compile_fx`` per piece, dynamic token dimension) or "traced" (the FX piece as is).
 
     Example::
 
-        compiler = PiecewiseCompiler(PieceRuntime(), "eager")
+        compiler = PiecewiseCompiler(PieceRuntime(), "traced")
         step = torch.compile(step, fullgraph=True, backend=compiler)
     """
 

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from bcg.errors import first_line
 from bcg.runtime.backends.base import BackendRefused, GraphBackend
 from bcg.runtime.backends.piecewise import PieceRuntime, PiecewiseCompiler
 
@@ -36,7 +37,7 @@ class TcPiecewiseBackend(GraphBackend):
 
     Example::
 
-        eng = Engine("tiny-dense", backend="tc_piecewise", tc_compiler="eager", device="cpu", buckets=[8, 16])
+        eng = Engine("tiny-dense", backend="tc_piecewise", tc_compiler="traced", device="cpu", buckets=[8, 16])
         eng.telemetry.compile_ms, eng.telemetry.buckets[16].num_breaks     # trace time, 2 islands
     """
 
@@ -47,7 +48,7 @@ class TcPiecewiseBackend(GraphBackend):
         if r.is_emulated and r.config.tc_compiler == "inductor":
             raise BackendRefused(
                 "tc_compiler='inductor' cannot run under the CPU graph emulation: Inductor's CPU kernels are C++ "
-                "called directly, not aten ops the emulation records. Use tc_compiler='eager' on a CPU, or a GPU")
+                "called directly, not aten ops the emulation records. Use tc_compiler='traced' on a CPU, or a GPU")
         import bcg.ops.custom_ops  # noqa: F401 - registers the islands' ops and tracing stand-ins
 
         self.runtime = PieceRuntime(pool=r.pool, is_emulated=r.is_emulated)
@@ -60,10 +61,9 @@ class TcPiecewiseBackend(GraphBackend):
                 self._run(n, mark_dynamic=True)
             except BackendRefused:
                 raise
-            except Exception as e:  # noqa: BLE001 - a trace failure means: serve eagerly, with dynamo's reason
-                lines = str(e).strip().splitlines()
+            except Exception as e:  # a trace failure means: serve eagerly, with dynamo's reason
                 raise BackendRefused(f"torch.compile could not trace {type(r.model).__name__}.forward_layers as "
-                                     f"one graph: {type(e).__name__}: {lines[0] if lines else ''}") from e
+                                     f"one graph: {first_line(e)}") from e
         if self.compiler.num_compiles == 0:
             raise BackendRefused("torch.compile ran the layer stack without calling the bcg compile backend "
                                  "(recompile limit reached?)")

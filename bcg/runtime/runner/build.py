@@ -19,13 +19,14 @@ from tqdm.auto import tqdm
 
 from bcg.capture_rules import UncapturableOpError
 from bcg.emulation import RECORDS_COMPILED_CODE
+from bcg.errors import first_line
 from bcg.runtime.backends import BackendRefused, GraphBackend, GraphResources
 from bcg.runtime.config import EngineConfig
 from bcg.runtime.runner.agreement import RankAgreement
 from bcg.runtime.runner.buckets import BucketTable
 from bcg.runtime.runner.telemetry import BucketRecord, Telemetry
 
-__all__ = ["GraphBuilder", "first_line", "frozen_gc"]
+__all__ = ["GraphBuilder", "frozen_gc"]
 
 logger = logging.getLogger("bcg")
 Layers = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -56,10 +57,6 @@ def frozen_gc() -> Iterator[None]:
 
 def free_memory(device: torch.device) -> int:
     return torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else 0
-
-
-def first_line(e: BaseException) -> str:
-    return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
 
 
 class GraphBuilder:
@@ -94,7 +91,7 @@ class GraphBuilder:
                 error: BaseException | None = None
                 try:
                     self.backend.prepare()
-                except Exception as e:  # noqa: BLE001 - any failure here means: serve eagerly, loudly
+                except Exception as e:  # any failure here means: serve eagerly, loudly
                     error = e
                 if self.agreement is not None:  # tensor parallel: refused on one rank, refused on all
                     error = self.agreement.agree_outcome(error, "the backend's preparation")
@@ -104,7 +101,7 @@ class GraphBuilder:
                 compile_error: BaseException | None = None
                 try:
                     self._compile(layers)
-                except Exception as e:  # noqa: BLE001 - run and capture the uncompiled stack instead, loudly
+                except Exception as e:  # run and capture the uncompiled stack instead, loudly
                     compile_error = e
                 if self.agreement is not None:  # tensor parallel: compiled on every rank or on none
                     compile_error = self.agreement.agree_outcome(compile_error, "compiling the layer stack")
@@ -157,7 +154,7 @@ class GraphBuilder:
                 if stream is not None:
                     torch.cuda.current_stream().wait_stream(stream)
                 handle = self.backend.capture(n)
-        except Exception as e:  # noqa: BLE001 - one bucket failing must not take the others down
+        except Exception as e:  # one bucket failing must not take the others down
             error = e
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -186,7 +183,7 @@ class GraphBuilder:
             if self.config.compile == "inductor":
                 raise RuntimeError(
                     "compile='inductor' cannot run under the CPU graph emulation: Inductor's CPU kernels are C++ "
-                    "called directly, not aten ops the emulation records. Use compile='eager' on a CPU, or a GPU")
+                    "called directly, not aten ops the emulation records. Use compile='traced' on a CPU, or a GPU")
             if not RECORDS_COMPILED_CODE:
                 raise RuntimeError(f"this torch ({torch.__version__}) cannot record compiled code under the CPU graph "
                                    "emulation (no TorchDispatchMode.ignore_compile_internals); use a newer torch")

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from bcg.errors import first_line
 from bcg.ops.context import forward_context
 from bcg.ops.kv_cache import KVPool
 from bcg.ops.parallel import SINGLE, TensorParallel
@@ -37,7 +38,7 @@ from bcg.runtime.compile import compile_layers
 from bcg.runtime.config import EngineConfig
 from bcg.runtime.runner.agreement import RankAgreement
 from bcg.runtime.runner.buckets import BucketTable
-from bcg.runtime.runner.build import GraphBuilder, first_line, frozen_gc
+from bcg.runtime.runner.build import GraphBuilder, frozen_gc
 from bcg.runtime.runner.telemetry import BatchRecord, BucketRecord, Telemetry
 
 __all__ = ["Runner"]
@@ -219,7 +220,7 @@ class Runner:
                 self._load(hidden, batch.positions, bucket)
                 with forward_context(self.backend.load_batch(batch, bucket)):
                     self.backend.replay(self.table.buckets[bucket].handle, bucket)
-            except Exception as e:  # noqa: BLE001 - a failed replay falls back to eager for this batch
+            except Exception as e:  # a failed replay falls back to eager for this batch
                 error = e
             if self.agreement is not None:  # tensor parallel: a replay failed anywhere is rerun everywhere
                 error = self.agreement.agree_replay(bucket, error)

@@ -118,7 +118,8 @@ def test_full_backend_refuses_what_it_cannot_capture_by_name(arch, named):
 
 
 def test_tc_piecewise_and_compiled_breakable():
-    for eng in (engines("llama", "tc_piecewise", tc_compiler="eager"), engines("llama", "breakable", compile="eager")):
+    compiled = engines("llama", "breakable", compile="traced")
+    for eng in (engines("llama", "tc_piecewise", tc_compiler="traced"), compiled):
         assert eng.telemetry.refused_reason is None and eng.telemetry.compile_error is None
         res = eng.prefill(prompts())
         _check(res, expected("llama"))

@@ -10,14 +10,14 @@ from engine_cache import EngineCache, max_diff, random_prompts
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from bcg import env
 from bcg.models import build_model, get_preset
-from bcg.runtime.backends import piecewise
 from bcg.runtime.backends.piecewise import PieceRuntime, PiecewiseCompiler
 
 BUCKETS = [8, 16, 32]
 # Inductor's CPU kernels bypass the emulation (see below), so the CPU tier traces pieces with the eager compiler.
 engine = EngineCache(buckets=BUCKETS, chunked_prefill_size=32, kv_tokens=512, device="cpu",
-                     per_backend={"tc_piecewise": {"tc_compiler": "eager"}})
+                     per_backend={"tc_piecewise": {"tc_compiler": "traced"}})
 prompts = random_prompts
 
 
@@ -53,7 +53,7 @@ def test_replay_goes_through_the_compiled_function(monkeypatch: pytest.MonkeyPat
     backend, calls = eng.runner.backend, []
     compiled = backend.compiled
     monkeypatch.setattr(backend, "compiled", lambda *a: calls.append(a[0].shape[0]) or compiled(*a))
-    monkeypatch.setattr(piecewise, "_DEBUG", True)  # also check every piece input is where it was captured
+    monkeypatch.setattr(env, "DEBUG", True)  # also check every piece input is where it was captured
     res = eng.prefill(prompts([6, 7]))
     assert calls == [16] and res.batches[0].graph_used
     assert max_diff(res.logits, engine("tiny-dense", "eager").prefill(prompts([6, 7])).logits) <= 1e-5
@@ -80,7 +80,7 @@ def test_dsa_is_refused_at_build_and_served_eagerly() -> None:
 
 def test_inductor_under_emulation_is_refused_with_the_fix() -> None:
     eng = engine("tiny-dense", "tc_piecewise", tc_compiler="inductor")
-    assert "tc_compiler='eager'" in eng.telemetry.refused_reason
+    assert "tc_compiler='traced'" in eng.telemetry.refused_reason
     assert "GPU. Use backend='breakable'" in eng.telemetry.refused_reason  # sentences end before the hint
     assert eng.prefill(prompts([5])).batches[0].reason == "backend_refused"
 

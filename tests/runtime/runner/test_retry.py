@@ -19,12 +19,12 @@ reference = EngineCache(device="cpu", chunked_prefill_size=64, kv_tokens=512)
 class Flaky:
     """Makes the first island of a breakable handle raise on its next ``failures`` replays."""
 
-    def __init__(self, handle, failures: int) -> None:  # noqa: ANN001
+    def __init__(self, handle, failures: int) -> None:
         self.step = next(s for s in handle.steps if isinstance(s, EagerStep))
         self.fn, self.failures, self.calls = self.step.fn, failures, 0
         self.step.fn = self
 
-    def __call__(self, *args, **kwargs):  # noqa: ANN002, ANN003
+    def __call__(self, *args, **kwargs):
         self.calls += 1
         if self.failures > 0:
             self.failures -= 1
@@ -32,12 +32,12 @@ class Flaky:
         return self.fn(*args, **kwargs)
 
 
-def _engine(**kw) -> Engine:  # noqa: ANN003
+def _engine(**kw) -> Engine:
     return Engine("tiny-dense", backend="breakable", device="cpu", buckets=[8, 16, 32], chunked_prefill_size=64,
                   kv_tokens=512, progress=False, **kw)
 
 
-def _check(eng: Engine, lengths: list[int]):  # noqa: ANN202
+def _check(eng: Engine, lengths: list[int]):
     batch = random_prompts(lengths, seed=sum(lengths))
     res = eng.prefill(batch)
     assert (res.logits - reference("tiny-dense", "eager").prefill(batch).logits).abs().max().item() <= 1e-5
@@ -99,7 +99,7 @@ def test_enabling_a_bucket_without_a_graph_says_to_recapture(monkeypatch: pytest
     original = BreakableBackend.capture
     fail = {"on": True}
 
-    def capture(self, n):  # noqa: ANN001
+    def capture(self, n):
         if n == 16 and fail["on"]:
             raise torch.OutOfMemoryError("out of memory (simulated)")
         return original(self, n)

@@ -33,7 +33,7 @@ def test_a_graph_that_replays_wrong_is_disabled() -> None:
 
 
 # ------------------------------------------------------------------------------------------------ segment by segment
-def _segments(handle):  # noqa: ANN001, ANN202
+def _segments(handle):
     """(graph segments, eager steps) of a breakable handle, in replay order."""
     from bcg.graph import EagerStep
 
@@ -86,7 +86,7 @@ def test_segment_check_blames_an_island_whose_inputs_matched() -> None:
     step = islands[1]
     real = step.fn
 
-    def faulty(*args, **kwargs):  # noqa: ANN002, ANN003 - replay only: the eager run calls the model's island
+    def faulty(*args, **kwargs):  # replay only: the eager run calls the model's island
         real(*args, **kwargs)
         args[3][:2].mul_(3.0)  # a wrong output from the right inputs
 

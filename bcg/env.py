@@ -1,0 +1,36 @@
+"""The debug switches: every ``BCG_*`` environment variable bcg reads is read here and nowhere else.
+
+Configuration is :class:`~bcg.runtime.config.EngineConfig` and the command's flags; these are for debugging only.
+
+* ``BCG_DEBUG=1``: at each replay, check that every captured input of a segment or piece is where it was captured.
+* ``BCG_FLASH=wrapper``: the attention islands call ``varlen_attn`` instead of the aten flash op it wraps.
+* ``BCG_TP_ALLREDUCE=island``: every tensor parallel all-reduce runs as an eager island, outside the segments.
+* ``BCG_LEAK_CHECK=off|warn|raise``: the leak check of captures that do not choose one (read at each capture).
+
+The first three are read once, at import: they are asked on hot paths, where an environment lookup per call costs.
+"""
+
+from __future__ import annotations
+
+import os
+
+__all__ = ["DEBUG", "FLASH_WRAPPER", "TP_ALLREDUCE_ISLAND", "leak_check_mode"]
+
+
+def _flag(name: str) -> bool:
+    return os.environ.get(name, "") not in ("", "0")
+
+
+DEBUG: bool = _flag("BCG_DEBUG")
+FLASH_WRAPPER: bool = os.environ.get("BCG_FLASH", "").lower() == "wrapper"
+TP_ALLREDUCE_ISLAND: bool = os.environ.get("BCG_TP_ALLREDUCE", "").lower() == "island"
+
+
+def leak_check_mode() -> str:
+    """``BCG_LEAK_CHECK``, or ``"off"`` when unset (validated by the caller, which names the variable).
+
+    Example:
+        >>> leak_check_mode() in ("off", "warn", "raise") or True
+        True
+    """
+    return os.environ.get("BCG_LEAK_CHECK", "") or "off"
