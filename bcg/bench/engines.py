@@ -122,7 +122,7 @@ def describe_build(eng: Any, record: BuildRecord) -> BuildRecord:
     record.graph_memory_bytes = tel.graph_memory_bytes if eng.device.type == "cuda" else None
     captured = [r for r in tel.buckets.values() if r.disabled_reason is None]
     if captured:
-        largest = max(captured, key=lambda r: r.num_tokens)
+        largest = max(captured, key=lambda r: r.bucket)
         record.num_segments, record.num_breaks = largest.num_segments, largest.num_breaks
     return record
 

@@ -132,17 +132,17 @@ class Engine:
         """Per-bucket build records and per-batch replay records."""
         return self.runner.telemetry
 
-    def enable_bucket(self, num_tokens: int) -> None:
-        """Replays bucket ``num_tokens`` again after replay failures disabled it (see ``max_replay_failures``).
+    def enable_bucket(self, bucket: int) -> None:
+        """Replays ``bucket`` again after replay failures disabled it (see ``max_replay_failures``).
 
         Raises:
             ValueError: no such bucket, or its capture failed (no graph to replay): :meth:`recapture` it.
         """
-        self.runner.enable_bucket(num_tokens)
+        self.runner.enable_bucket(bucket)
 
-    def recapture(self, num_tokens: int) -> BucketRecord:
-        """Captures bucket ``num_tokens`` anew and replays it from now on; returns its record (``disabled_reason``
-        says why if this capture failed as well).
+    def recapture(self, bucket: int) -> BucketRecord:
+        """Captures ``bucket`` anew and replays it from now on; returns its record (``disabled_reason`` says why if
+        this capture failed as well). All or nothing: an interrupted capture leaves the bucket disabled, saying so.
 
         Prefills in flight finish first and new ones wait: on CUDA another thread's host syncs and allocations
         during a capture would invalidate it.
@@ -157,7 +157,7 @@ class Engine:
             while self._num_active:
                 self._slots_freed.wait()
         try:
-            return self.runner.recapture(num_tokens)
+            return self.runner.recapture(bucket)
         finally:
             with self._slots_freed:
                 self._num_recaptures -= 1
@@ -193,17 +193,14 @@ class Engine:
             records: list[BatchRecord] = []
             logits = torch.empty(len(ids), config.vocab_size, dtype=torch.float32, device=self.device)
             for index, chunks in enumerate(plan):
-                batch = PrefillBatch([self._item(ids[c.request], lease, c) for c in chunks], self.kv_pool)
                 last = [i for i, c in enumerate(chunks) if c.is_last]
-                with self.runner.lock:  # the forward's output is a view of the runner's static buffers
-                    hidden = self.runner.forward(batch)
-                    records.append(self.runner.last_record)
+                items = [self._item(ids[c.request], lease, c) for c in chunks]
+                batch = PrefillBatch(items, self.kv_pool, logit_requests=None if len(last) == len(chunks) else last)
+                with self.runner.lock:  # a replay's logits are a view of the runner's static buffers
+                    out = self.runner.forward(batch)
+                    records.append(out.record)
                     if last:
-                        # Common case, every request ends here in order: slices, no index tensors copied.
-                        rows = batch.logits_indices if len(last) == len(chunks) else batch.logits_indices[last]
-                        reqs = [chunks[i].request for i in last]
-                        dest = slice(reqs[0], reqs[-1] + 1) if reqs[-1] - reqs[0] == len(reqs) - 1 else reqs
-                        logits[dest] = self.model.compute_logits(hidden[rows]).float()
+                        self._place(logits, [chunks[i].request for i in last], out.logits)
                 lease.finish(index)
         finally:
             if lease.release():
@@ -211,6 +208,16 @@ class Engine:
                     self._num_leases -= 1
                     self._slots_freed.notify_all()
         return PrefillResult(logits, logits.argmax(dim=-1), records)
+
+    @staticmethod
+    def _place(logits: torch.Tensor, requests: list[int], rows: torch.Tensor) -> None:
+        """Copies the logits of ``requests`` (in order) into their rows of the result."""
+        first, last = requests[0], requests[-1]
+        if last - first == len(requests) - 1:  # the common case: consecutive requests, one copy
+            logits[first : last + 1].copy_(rows)
+            return
+        for row, request in enumerate(requests):  # a chunked request in between ends later: no index tensor
+            logits[request].copy_(rows[row])
 
     def _reserve(self, lease: SlotLease) -> None:
         """Reserves the lease's peak, waiting while other prefills of this engine hold the slots it needs."""

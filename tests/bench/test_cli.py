@@ -103,7 +103,7 @@ def test_analyze_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
     assert summary["pays"] is None  # CPU timings cannot judge launch overhead
     data = json.loads((tmp_path / "results.json").read_text())
     assert {"timing", "replay", "amdahl", "coverage", "memory", "verdict", "model", "build"} <= set(data)
-    assert data["replay"]["bucket"] == 16 and data["replay"]["islands"][0]["name"].endswith("attention")
+    assert data["replay"]["bucket"] == 16 and data["replay"]["islands"][0]["name"].endswith("attention_island")
     assert data["replay"]["islands"][0]["count"] == 2  # one attention island per layer of tiny-dense
     assert data["replay"]["replay_host_ms"] > 0 and data["replay"]["host_over_device"] > 0
     cov = data["coverage"]

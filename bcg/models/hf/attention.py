@@ -33,7 +33,7 @@ from torch import Tensor, nn
 from bcg.models.hf import UnsupportedModelError, require_transformers
 from bcg.ops import bridge
 from bcg.ops.attention import attention
-from bcg.ops.attention_features import request_attention, visible_keys
+from bcg.ops.attention.features import request_attention, visible_keys
 
 __all__ = ["NAME", "AttentionCall", "bcg_attention", "module_island_mode", "recording_calls", "register"]
 

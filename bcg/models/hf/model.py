@@ -33,7 +33,7 @@ from bcg.models.hf.attention import NAME, AttentionCall, recording_calls, regist
 from bcg.models.hf.dsa import install_dsa_islands
 from bcg.models.hf.islands import body_refusal, explain, install_auto_islands, restore_islands
 from bcg.models.hf.support import LogitTail, check_config, check_layer_calls
-from bcg.ops.attention import BatchContext
+from bcg.ops.attention import single_request_context
 from bcg.ops.context import forward_context
 from bcg.ops.kv_cache import KVPool
 from bcg.probe import ProbeReport, find_uncapturable
@@ -171,10 +171,7 @@ class HFCausalLM(nn.Module):
     def _one_request(self, num_tokens: int) -> Iterator[tuple[Tensor, Tensor]]:
         """A forward context of one request of ``num_tokens`` over a small pool of its own; yields (ids, positions)."""
         pool = self.make_kv_pool(num_tokens, self.device, self.dtype)
-        slots = torch.arange(num_tokens, device=self.device)
-        cu = torch.tensor([0, num_tokens], dtype=torch.int32, device=self.device)
-        ctx = BatchContext(num_tokens, num_tokens, [num_tokens], [0], cu, cu, num_tokens, num_tokens, slots, slots,
-                           pool)
+        ctx = single_request_context(num_tokens, pool, self.dtype)
         ids = torch.randint(0, self.config.vocab_size, (num_tokens,), generator=torch.Generator().manual_seed(0))
         with torch.inference_mode(), forward_context(ctx):
             yield ids.to(self.device), torch.arange(num_tokens, device=self.device)

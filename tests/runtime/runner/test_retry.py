@@ -68,7 +68,7 @@ def test_repeated_failures_disable_the_bucket_once_and_batches_move_up(caplog: p
         assert (moved.graph_used, moved.bucket) == (True, 32)
         _check(eng, [14])
     assert sum("bucket 16 disabled" in r.getMessage() for r in caplog.records) == 1
-    as_dict = {b["num_tokens"]: b for b in eng.telemetry.to_dict()["buckets"]}
+    as_dict = {b["bucket"]: b for b in eng.telemetry.to_dict()["buckets"]}
     assert as_dict[16]["num_replay_failures"] == 3 and as_dict[16]["disabled_reason"] == rec.disabled_reason
     assert 16 not in eng.runner.handles
 
