@@ -247,3 +247,49 @@ def test_leak_check_reaches_every_capture(monkeypatch: pytest.MonkeyPatch) -> No
     monkeypatch.setattr(bcg, "breakable_graph", spy)
     Engine("tiny-dense", device="cpu", buckets=[8, 16], leak_check="warn", progress=False)
     assert seen and set(seen) == {"warn"}  # every bucket's capture, from the option, not the environment
+
+
+def test_an_island_replays_only_the_attention_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under the emulation, with a stand-in for FlashAttention (one aten op, as the kernel is one launch): each
+    island of a replay dispatches that op and nothing else; the K/V write ran in the segment before it."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from bcg.ops.attention import ATTENTION_BACKENDS, AttentionBackend, VarlenAttention, island, varlen
+
+    class StubVarlen(VarlenAttention):
+        name = "stub-varlen"
+
+        @classmethod
+        def is_usable(cls, device, dtype):
+            return None
+
+        def __init__(self, kv_pool):
+            AttentionBackend.__init__(self, kv_pool)  # no CUDA probes
+
+    def flash(q, k, v, cu_q, cu_k, max_q, max_k, *, is_causal, out=None):
+        return out.copy_(q)
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            ops.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    real_attend = island._attend
+
+    def counted(*args):
+        with Count():
+            real_attend(*args)
+        per_island.append(list(ops))
+        ops.clear()
+
+    monkeypatch.setitem(ATTENTION_BACKENDS, StubVarlen.name, StubVarlen)
+    monkeypatch.setattr(varlen, "flash_varlen", flash)
+    eng = Engine("tiny-dense", device="cpu", attention_backend="stub-varlen", buckets=[8, 16], progress=False)
+    ops, per_island = [], []
+    monkeypatch.setattr(island, "_attend", counted)
+    for cache in eng.kv_pool.k:
+        cache.zero_()
+    res = eng.prefill(prompts([9, 7]))  # fills bucket 16
+    assert res.batches[0].bucket == 16 and res.batches[0].graph_used
+    assert per_island == [["copy_"]] * eng.model.config.num_layers
+    assert all((cache.flatten(1).abs().sum(1) != 0).sum() == 16 for cache in eng.kv_pool.k)  # written in segments

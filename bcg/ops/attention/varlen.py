@@ -16,6 +16,7 @@ from torch import Tensor
 from bcg.ops.attention.base import AttentionBackend, BatchContext, register_attention_backend
 from bcg.ops.attention.sdpa import sdpa_attention
 from bcg.ops.flash import flash_varlen, is_varlen_usable, varlen_causal_is_bottom_right
+from bcg.ops.kv_cache import KVPool
 
 __all__ = ["VarlenAttention"]
 
@@ -32,6 +33,14 @@ class VarlenAttention(AttentionBackend):
 
     name = "varlen"
     is_island = True
+
+    def __init__(self, kv_pool: KVPool) -> None:
+        super().__init__(kv_pool)
+        device = kv_pool.device
+        if device.type == "cuda":
+            # The once-per-device probes (the direct aten call, the causal alignment) read results back to the
+            # host: they run here, before any capture or replay, never inside an island.
+            varlen_causal_is_bottom_right(device)
 
     @classmethod
     def is_usable(cls, device: torch.device, dtype: torch.dtype) -> str | None:

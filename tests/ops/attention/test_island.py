@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from bcg.ops import flash
 from bcg.ops.attention import BatchContext, attention, sdpa_attention
@@ -121,3 +122,48 @@ def test_varlen_island_launches_one_kernel_when_no_request_has_a_prefix():
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     assert len(kernels) == 1, [e.name for e in kernels]
     assert out.isfinite().all()
+
+
+class _CountOps(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func not in (torch.ops.aten.detach.default, torch.ops.aten.slice.Tensor, torch.ops.aten.view.default):
+            self.ops.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def _stub_flash(q, k, v, cu_q, cu_k, max_q, max_k, *, is_causal, out=None):
+    """Stands in for the FlashAttention kernel on the CPU: one aten op, like the one kernel it launches."""
+    _stub_flash.calls.append((cu_q.tolist(), max_q))
+    out.copy_(q)
+    return out
+
+
+@pytest.mark.parametrize(("layout", "num_padded", "expected"), [
+    ("no-prefix", 15, ["copy_"]),  # fills its bucket: the kernel alone
+    ("no-prefix", 40, ["copy_"]),  # padded: the padded rows are one more sequence of the same kernel
+    ("prefix", 40, ["index", "index", "copy_", "zero_"]),  # gathers the cached key ranges, zeroes the padded rows
+])
+def test_the_varlen_island_launches_only_its_kernel(monkeypatch, layout, num_padded, expected):
+    from bcg.ops.attention import VarlenAttention, varlen
+
+    monkeypatch.setattr(varlen, "flash_varlen", _stub_flash)
+    monkeypatch.setattr(varlen, "varlen_causal_is_bottom_right", lambda device: True)
+    _stub_flash.calls = []
+    pool = KVPool(64, num_layers=2, num_kv_heads=2, head_dim=16, dtype=torch.float32)
+    items = [PrefillItem(list(range(n)), pool.alloc(n), p, pool.alloc(p)) for n, p in LAYOUTS[layout]]
+    ctx = PrefillBatch(items, pool).to_context(num_padded, VarlenAttention(pool))
+    q = torch.randn(num_padded, 4, 16)
+    k, v = torch.randn(num_padded, 2, 16), torch.randn(num_padded, 2, 16)
+    out = torch.empty_like(q)
+    ctx.store_kv(1, k, v)  # in the graph segment, not the island
+    with _CountOps() as counter:
+        ctx.attend(q, k, v, out, 1)
+    assert counter.ops == expected
+    if layout == "no-prefix":
+        n = ctx.num_tokens
+        padded_run = [num_padded] if num_padded > n else [n]
+        assert _stub_flash.calls == [([0, 5, 6, 15, *padded_run], max(9, num_padded - n))]
