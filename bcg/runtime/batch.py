@@ -89,6 +89,8 @@ class PrefillBatch:
         kv_pool: the pool their slots belong to.
         logit_requests: the requests whose last token's logits are wanted (default: all); a chunk that does not end
             its request wants none.
+        check: verify that every slot is in the pool's range and used once (the engine, whose slots come from its own
+            lease, skips it).
 
     Attributes:
         num_tokens, num_requests, seq_lens_q, prefix_lens, has_prefix, max_seqlen_q, max_seqlen_k: host values.
@@ -105,8 +107,8 @@ class PrefillBatch:
         [0, 3, 4]
     """
 
-    def __init__(self, items: Sequence[PrefillItem], kv_pool: KVPool, logit_requests: Sequence[int] | None = None
-                 ) -> None:
+    def __init__(self, items: Sequence[PrefillItem], kv_pool: KVPool, logit_requests: Sequence[int] | None = None,
+                 check: bool = True) -> None:
         if not items:
             raise ValueError("a prefill batch needs at least one item")
         self.kv_pool = kv_pool
@@ -129,7 +131,8 @@ class PrefillBatch:
         self.host_read_slots = (np.concatenate([s.numpy() for item in items for s in (item.prefix_slots,
                                                                                          item.new_slots)])
                                 if self.has_prefix else self.host_write_slots)
-        check_slots(self.host_read_slots, kv_pool.num_slots)
+        if check:
+            check_slots(self.host_read_slots, kv_pool.num_slots)
         last_rows = cu_q[1:] - 1
         self.host_logit_rows = last_rows if logit_requests is None else last_rows[np.asarray(logit_requests,
                                                                                              dtype=np.int64)]

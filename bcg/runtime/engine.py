@@ -195,7 +195,7 @@ class Engine:
             for index, chunks in enumerate(plan):
                 last = [i for i, c in enumerate(chunks) if c.is_last]
                 items = [self._item(ids[c.request], lease, c) for c in chunks]
-                batch = PrefillBatch(items, self.kv_pool, logit_requests=None if len(last) == len(chunks) else last)
+                batch = PrefillBatch(items, self.kv_pool, None if len(last) == len(chunks) else last, check=False)
                 with self.runner.lock:  # a replay's logits are a view of the runner's static buffers
                     out = self.runner.forward(batch)
                     records.append(out.record)

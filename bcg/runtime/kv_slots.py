@@ -178,6 +178,6 @@ class SlotLease:
         if slots.size:
             if slots.size > 1 and not bool((slots[1:] > slots[:-1]).all()):
                 slots = np.sort(slots)  # ascending: the pool then hands the lowest out first again
-            self.pool.free(torch.from_numpy(slots))
+            self.pool.free(torch.from_numpy(slots), check=False)  # handed out by this pool: sorted, distinct
             if self.on_free is not None:
                 self.on_free()
