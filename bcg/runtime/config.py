@@ -43,6 +43,12 @@ def _int(name: str, value: Any, minimum: int | None, optional: bool = False) -> 
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
 
 
+def _bool(name: str, value: Any) -> None:
+    # Not truthiness: debug="no" or verify="false" would switch the option on.
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {value!r} ({type(value).__name__})")
+
+
 def _number(name: str, value: Any, low: float, high: float = math.inf, low_open: bool = False) -> None:
     bounds = f"in ({low}, {high}]" if low_open else f">= {low}"
     if not isinstance(value, (int, float)) or isinstance(value, bool):
@@ -201,6 +207,8 @@ class EngineConfig:
             raise ValueError(f"attention_backend must be one of {', '.join(sorted(ATTENTION_BACKENDS))} or None "
                              f"(chosen for the device), got {self.attention_backend!r}")
         _int("warmup", self.warmup, 0)
+        for name in ("auto_islands", "debug", "verify", "progress"):
+            _bool(name, getattr(self, name))
         for name in ("compile", "tc_compiler"):
             if getattr(self, name) == "eager":  # the old spelling, which also names a backend
                 raise ValueError(f"{name}='eager' is now spelled {name}='traced' (dynamo's trace, no code generated)")

@@ -19,7 +19,7 @@ from bcg.ops.kv_cache import KVPoolFullError
 from bcg.ops.parallel import init_tensor_parallel
 from bcg.runtime.batch import PrefillBatch, PrefillItem
 from bcg.runtime.config import EngineConfig
-from bcg.runtime.kv_slots import SlotLease, default_kv_tokens
+from bcg.runtime.kv_slots import SlotLease, default_kv_tokens, make_kv_pool
 from bcg.runtime.model_source import load_model
 from bcg.runtime.prompts import validate_prompts
 from bcg.runtime.runner import Runner
@@ -83,6 +83,9 @@ class Engine:
         unknown = sorted(set(kwargs) - names)
         if unknown:
             raise TypeError(f"unknown Engine option(s) {unknown}; valid options: {sorted(names)}")
+        if config is not None and not isinstance(config, EngineConfig):
+            raise TypeError(f"config must be an EngineConfig (or None, with options as keyword arguments), got "
+                            f"{config!r} ({type(config).__name__})")
         base = {f.name: getattr(config, f.name) for f in fields(EngineConfig)} if config else {}
         requested = EngineConfig(**{**base, **kwargs})
         if requested.torch_device.type == "cuda" and not torch.cuda.is_available():
@@ -112,7 +115,7 @@ class Engine:
             cfg.kv_memory_fraction)
         if self.tp.is_parallel:  # every rank allocates the same slots, so every pool has the size of the smallest
             kv_tokens = RankAgreement(self.tp).agree_min(kv_tokens, "the KV pool size")
-        self.kv_pool = self.model.make_kv_pool(kv_tokens, self.device, self.dtype)
+        self.kv_pool = make_kv_pool(self.model, kv_tokens, per_token, self.device, self.dtype)
         # Prefills in flight (and those holding KV leases), a recapture in progress, and the condition prefills
         # wait on for slots and recaptures wait on for quiet.
         self._num_active = self._num_leases = self._num_recaptures = 0
@@ -186,6 +189,8 @@ class Engine:
     def _prefill(self, prompts: Sequence[Prompt]) -> PrefillResult:
         config = self.model.config
         ids, lengths = validate_prompts(prompts, config.vocab_size, config.max_position_embeddings, self.device)
+        if self.runner.agreement is not None:  # tensor parallel: the same prompts on every rank, or nothing runs
+            self.runner.agreement.agree_prompts(ids)
         plan = plan_batches(lengths, self.config.chunked_prefill_size)
         lease = SlotLease(self.kv_pool, plan, on_free=self._notify_slots_freed)
         try:  # all or nothing: every exit path, KeyboardInterrupt included, returns the lease

@@ -220,6 +220,26 @@ def test_a_bucket_chosen_on_one_rank_only_runs_eagerly_everywhere(pool):
     assert np.array_equal(zero["logits"], one["logits"])
 
 
+def _different_prompts_per_rank(same_lengths: bool) -> dict:
+    eng = Engine("tiny-dense", backend="breakable", tp_size=2, **OPTIONS)
+    lengths = [3, 7, 2] if same_lengths or _rank() == 0 else [5, 9]
+    errors = []
+    for _ in range(2):  # refused on both ranks, and the group is still usable for the next call
+        try:
+            eng.prefill(random_prompts(lengths, seed=_rank()))
+        except TensorParallelError as e:
+            errors.append(str(e))
+    return {"errors": errors, "after": _summary(eng, eng.prefill(PROMPTS))}
+
+
+@pytest.mark.parametrize("same_lengths", [True, False], ids=["same-lengths", "different-lengths"])
+def test_ranks_given_different_prompts_refuse_them_naming_the_mismatch(pool, same_lengths):
+    ref = _reference("tiny-dense")
+    for res in pool.run(_different_prompts_per_rank, same_lengths):
+        assert len(res["errors"]) == 2 and all("different prompts" in e and "rank 1" in e for e in res["errors"])
+        assert np.abs(res["after"]["logits"] - ref.logits.numpy()).max() <= 1e-5
+
+
 def _verified() -> dict:
     eng = Engine("tiny-dense", backend="breakable", tp_size=2, verify=True, **OPTIONS)
     return {n: (r.verify_diff, r.disabled_reason) for n, r in eng.telemetry.buckets.items()}
