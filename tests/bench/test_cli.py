@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from bcg.bench.config import AnalyzeConfig, BenchConfig
+from bcg.bench.config import AnalyzeConfig, BenchConfig, VerifyConfig
 from bcg.cli import build_parser, main
 
 FAST = ["--device", "cpu", "--runs", "1", "--warmup", "0", "--no-progress"]
@@ -44,19 +44,24 @@ def test_bench_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
     assert {"schema", "config", "environment", "builds", "rows", "batch_rows", "memory", "plots"} <= set(data)
     keys = [(r["backend"], r["input_len"]) for r in data["rows"]]
     assert sorted(keys) == sorted({(b, n) for b in ("eager", "breakable") for n in (8, 16)})
-    for r in data["rows"]:
-        for field in ("median_ms", "speedup_vs_eager", "kernel_floor_ms", "num_tokens", "graph_used", "reason"):
-            assert field in r
-        assert r["median_ms"] > 0 and r["num_requests"] == 1
-        assert r["min_ms"] <= r["q1_ms"] <= r["median_ms"] <= r["q3_ms"] <= r["max_ms"]
+    assert data["schema"] == "bcg.bench/3"
+    for r in data["rows"]:  # the row layout bcg/bench/results.py documents
+        assert set(r) == {"backend", "input_len", "num_requests", "num_tokens", "wall", "graph_used", "bucket",
+                          "reason", "speedup", "device", "greedy"}
+        w = r["wall"]
+        assert w["median_ms"] > 0 and r["num_requests"] == 1 and w["runs"] == 1
+        assert w["min_ms"] <= w["q1_ms"] <= w["median_ms"] <= w["q3_ms"] <= w["max_ms"]
+        assert set(r["device"]) == {"ms", "host_ms", "wall_over_device", "floor_ms", "fused_floor_ms",
+                                    "launch_gap_share"}
+        assert all(v is None for v in r["device"].values())  # no device time on a CPU
     for r in data["rows"]:
         if r["backend"] == "breakable":
-            assert r["speedup_low"] <= r["speedup_vs_eager"] <= r["speedup_high"]
+            assert r["speedup"]["low"] <= r["speedup"]["over_eager"] <= r["speedup"]["high"]
     assert data["config"]["threads"] == 1 and data["environment"]["torch_threads"] == 1
     assert all(r["graph_used"] for r in data["rows"] if r["backend"] == "breakable")
-    assert all(r["tokens_equal_eager"] and len(r["next_tokens"]) == r["num_requests"]
+    assert all(r["greedy"]["equal_eager"] and len(r["greedy"]["next_tokens"]) == r["num_requests"]
                for r in data["rows"] + data["batch_rows"])
-    assert all(r["speedup_vs_eager"] == 1.0 for r in data["rows"] if r["backend"] == "eager")
+    assert all(r["speedup"]["over_eager"] == 1.0 for r in data["rows"] if r["backend"] == "eager")
     assert {(r["backend"], r["num_requests"]) for r in data["batch_rows"]} == {("eager", 4), ("breakable", 4)}
     build = {b["backend"]: b for b in data["builds"]}
     assert build["breakable"]["num_captured"] > 0 and build["breakable"]["ceiling"] == 16
@@ -166,7 +171,7 @@ def test_bad_flags_exit_2(argv: list[str], message: str, capsys: pytest.CaptureF
 def test_flags_map_one_to_one_to_config_fields() -> None:
     parser = build_parser()
     subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    for name, cls in (("bench", BenchConfig), ("analyze", AnalyzeConfig)):
+    for name, cls in (("bench", BenchConfig), ("analyze", AnalyzeConfig), ("verify", VerifyConfig)):
         dests = {a.dest for a in subparsers.choices[name]._actions if a.dest != "help"}
         assert dests == {f.name for f in fields(cls)}
 
@@ -293,18 +298,29 @@ def test_version(capsys: pytest.CaptureFixture[str]) -> None:
 def test_help_shows_defaults_and_presets(capsys: pytest.CaptureFixture[str]) -> None:
     from bcg.models.config import PRESETS
 
-    for command in ("bench", "analyze"):
+    for command in ("bench", "analyze", "verify"):
         with pytest.raises(SystemExit):
             main([command, "--help"])
         text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
-        for default in ("(default: 20)", "(default: 5)", "(default: 0)", "1 on the CPU",
-                        "2048 on CUDA, 256 on the CPU, for bench and analyze alike", "on when stderr is a terminal"):
+        for default in ("(default: 0)", "2048 on CUDA, 256 on the CPU, for every command alike",
+                        "on when stderr is a terminal", "(default: auto)"):
             assert default in text, (command, default)
+        if command != "verify":
+            assert all(d in text for d in ("(default: 20)", "(default: 5)", "1 on the CPU")), command
         assert all(name in text for name in PRESETS)
     with pytest.raises(SystemExit):
         main(["bench", "--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert "(default: 16)" in text and "eager,breakable on the CPU" in text
+
+
+def test_every_flag_says_its_default() -> None:
+    parser = build_parser()
+    subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    for name, sub in subparsers.choices.items():
+        for action in sub._actions:
+            if action.dest not in ("help", "parser", "func", "config"):
+                assert "default" in (action.help or ""), (name, action.option_strings)
 
 
 def test_progress_defaults_to_whether_stderr_is_a_terminal(monkeypatch: pytest.MonkeyPatch) -> None:

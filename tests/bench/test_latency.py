@@ -35,7 +35,7 @@ def test_both_ways_measure_the_same_rows(interleave: bool, calls: list[str]) -> 
     assert sorted((r.backend, r.input_len) for r in res.rows) == [("breakable", 8), ("breakable", 16),
                                                                      ("eager", 8), ("eager", 16)]
     assert {(r.backend, r.num_requests) for r in res.batch_rows} == {("eager", 2), ("breakable", 2)}
-    assert all(r.runs == 2 and r.tokens_equal_eager for r in res.rows + res.batch_rows)
+    assert all(r.wall.runs == 2 and r.greedy.equal_eager for r in res.rows + res.batch_rows)
     switches = sum(a != b for a, b in zip(calls, calls[1:]))
     if interleave:  # the variants take turns (an untimed and a timed call each) in every round of every shape
         assert switches >= (1 + 2) * 2 * 2  # (warmup + runs) rounds x 2 lengths x 2 shapes, a switch in each
