@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from bcg.runtime.config import EngineConfig
 
 __all__ = ["AnalyzeConfig", "BenchConfig", "BenchError", "CPU_DEFAULTS", "CUDA_DEFAULTS", "MachineDefaults",
-           "VerifyConfig", "default_device", "machine_defaults"]
+           "VerifyConfig", "default_device"]
 
 RUNS, WARMUP = 20, 5
 
@@ -59,11 +59,6 @@ class BenchError(RuntimeError):
 def default_device() -> str:
     """``"cuda"`` when a GPU is visible, else ``"cpu"``."""
     return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def machine_defaults(cuda: bool) -> MachineDefaults:
-    """The defaults of a CUDA machine or of the CPU emulation."""
-    return CUDA_DEFAULTS if cuda else CPU_DEFAULTS
 
 
 class _Run:
@@ -114,11 +109,7 @@ class BenchConfig(_Run):
         backends = list(d.backends) if self.backends is None else self.backends
         if not backends:
             raise ValueError("--backends is empty; give e.g. eager,breakable")
-        names: list[str] = []
-        for b in backends:
-            name = parse_variant(b).name
-            if name not in names:
-                names.append(name)
+        names = list(dict.fromkeys(parse_variant(b).name for b in backends))  # canonical, each once
         lengths = list(d.lengths) if self.lengths is None else self.lengths
         checks.check_lengths("--lengths", lengths)
         checks.check_context("--lengths", lengths, model, impl)
@@ -276,7 +267,7 @@ def _resolve_machine(device: str | None, dtype: str | None, model: str | None,
     device = device or default_device()
     checks.check_device(device)
     checks.check_dtype(dtype)
-    d = machine_defaults(torch.device(device).type == "cuda")
+    d = CUDA_DEFAULTS if torch.device(device).type == "cuda" else CPU_DEFAULTS
     model = model or d.model
     return device, d, model, checks.check_model(model, model_impl)
 

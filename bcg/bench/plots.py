@@ -48,11 +48,7 @@ def _log2_axis(ax: Any, ticks: Sequence[int]) -> None:
 
 
 def _backends(rows: Sequence[dict]) -> list[str]:
-    seen: list[str] = []
-    for r in rows:
-        if r["backend"] not in seen:
-            seen.append(r["backend"])
-    return seen
+    return list(dict.fromkeys(r["backend"] for r in rows))
 
 
 def _legend_below(ax: Any, ncol: int = 2, fontsize: int = 8) -> None:

@@ -176,39 +176,22 @@ def test_a_different_greedy_token_is_flagged_with_eagers_gap() -> None:
     assert "1 row(s) chose a different greedy token than eager: full at 16 tokens (eager's top-2 gap 0.0625)" in out
 
 
+def test_the_header_names_the_device_the_model_code_and_the_tensor_parallel_size() -> None:
+    from types import SimpleNamespace
+
+    env = {"device_name": "NVIDIA H200", "model_impl": "transformers", "torch_threads": 16}
+    gpu = text.header("bench", SimpleNamespace(model="/ckpt", device="cuda", emulated=False, tp=2), env)
+    assert gpu == ("bcg bench: /ckpt on NVIDIA H200 (cuda), transformers model code (--model-impl), tensor parallel "
+                   "size 2 (--tp), 16 torch threads (--threads).")
+    analyze = text.header("analyze", SimpleNamespace(model="tiny-dense", device="cuda:1", emulated=False), env)
+    assert analyze.startswith("bcg analyze: tiny-dense on NVIDIA H200 (cuda:1), transformers model code")
+    assert "tensor parallel" not in analyze  # analyze runs on one device
+
+
 def test_reasons_read_as_words() -> None:
     assert tables.describe_reason(True, "graph", 32) == "yes (bucket 32)"
     assert tables.describe_reason(False, "backend_refused") == "no: backend refused the model"
     assert tables.describe_reason(False, "some_new_code") == "no: some new code"
-
-
-def _analysis_for_plot() -> dict:
-    sizes = [4, 8, 8, 12, 16, 16, 16, 30, 32, 32]
-    return {
-        "replay": {"outside_ms": 0.3, "segments_ms": 1.0, "p": 0.4,
-                   "islands": [{"name": "attention", "ms": 0.5}, {"name": "topk", "ms": 0.2}]},
-        "timing": {"eager_forward_ms": 3.0, "eager_kernel_ms": 1.2, "breakable_forward_ms": 2.1, "length": 16},
-        "coverage": {"forward_sizes": sizes, "forward_graph": [s <= 16 for s in sizes], "max_bucket": 16,
-                     "graph_fraction": 0.7, "padding_waste": 0.1},
-    }
-
-
-def test_analyze_figure_counts_whole_forwards_and_keeps_legends_off_the_bars() -> None:
-    from bcg.bench.plots import analyze_figure
-
-    fig = analyze_figure(_analysis_for_plot(), "tiny-dense on cpu")
-    fig.canvas.draw()
-    renderer = fig.canvas.get_renderer()
-    ax1, ax2 = fig.axes[:2]
-    ticks = [t for t in ax2.get_yticks() if ax2.get_ylim()[0] <= t <= ax2.get_ylim()[1]]
-    assert ticks and all(float(t).is_integer() for t in ticks)
-    for ax in (ax1, ax2):
-        legend = ax.get_legend().get_window_extent(renderer)
-        bars = [p.get_window_extent(renderer) for p in ax.patches if p.get_height() > 0]
-        assert bars and not any(legend.overlaps(b) for b in bars)
-    import matplotlib.pyplot as plt
-
-    plt.close(fig)
 
 
 def _analysis(speedup: float, share: float | None, emulated: bool = False) -> dict:

@@ -29,6 +29,7 @@ def test_bench_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
     out = captured.out
     banner = out.splitlines()[0]  # the emulation banner comes first, naming what runs
     assert banner.startswith("bcg bench: tiny-dense on the CPU") and "1 torch thread" in banner
+    assert "native model code (--model-impl)" in banner and "tensor parallel size 1 (--tp)" in banner
     assert "not what graphs save on a GPU" in banner
     summary = last_json(out)
     assert summary["kind"] == "bench" and summary["emulated"] is True
