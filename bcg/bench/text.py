@@ -180,8 +180,10 @@ def format_analysis(a: dict[str, Any]) -> str:
         ["measured speedup", fmt(t["measured_speedup"], 2, "x")],
         ["prediction error", fmt(am.get("prediction_error"), 3)],
     ], title="Timing and Amdahl"))
-    out += ["", table(["forward", "wall ms", "device ms", "host ms", "wall/device"], _wall_and_device(t),
-                      title="Wall and device time of one forward (device: one profiled forward; host = wall - device)")]
+    if t.get("eager_kernel_ms") or t.get("breakable_kernel_ms"):  # CUDA: the profiler measured the device
+        out += ["", table(["forward", "wall ms", "device ms", "host ms", "wall/device"], _wall_and_device(t),
+                          title="Wall and device time of one forward (device: one profiled forward; host = wall - "
+                                "device)")]
     if rep.get("bucket") is not None:
         rows = [[i["name"], i["count"], fmt(i["ms"], 3), fmt(i["share"], 3)] for i in rep["islands"]]
         rows.append(["(segments)", rep["num_segments"], fmt(rep["segments_ms"], 3), "-"])

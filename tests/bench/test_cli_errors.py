@@ -1,5 +1,6 @@
-"""Misuse of `bcg bench` / `bcg verify` is one line and the right exit status (2: usage, 1: nothing measured, 130:
-interrupted), never a traceback or a run that measured nothing and exits 0."""
+"""Misuse of `bcg bench`, `bcg analyze` and `bcg verify` (bad checkpoints included) is one line and the right exit
+status (2: usage, 1: nothing could be measured, 130: interrupted), never a traceback or a run that measured nothing
+and exits 0."""
 
 from __future__ import annotations
 
@@ -12,8 +13,8 @@ from bcg.bench.config import VerifyConfig
 from bcg.cli import main
 from bcg.runtime import Engine
 
-FAST = ["--device", "cpu", "--runs", "1", "--warmup", "0", "--no-progress", "--batch-requests", "1", "--no-memory",
-        "--no-plots"]
+COMMON = ["--device", "cpu", "--runs", "1", "--warmup", "0", "--no-progress", "--no-plots"]
+FAST = [*COMMON, "--batch-requests", "1", "--no-memory"]  # bench's
 
 
 def one_error_line(err: str) -> str:
@@ -21,6 +22,19 @@ def one_error_line(err: str) -> str:
     lines = [line for line in err.splitlines() if "error:" in line or "interrupted" in line]
     assert len(lines) == 1, err
     return lines[0]
+
+
+def _checkpoint(folder: Path, config: dict | None, weights: bytes | None = None) -> Path:
+    folder.mkdir()
+    if config is not None:
+        (folder / "config.json").write_text(json.dumps(config))
+    if weights is not None:
+        (folder / "model.safetensors").write_bytes(weights)
+    return folder
+
+
+LLAMA = {"model_type": "llama", "vocab_size": 256, "hidden_size": 64, "num_hidden_layers": 2,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 128}
 
 
 @pytest.mark.parametrize("lengths", ["4097", "16,4097"])
@@ -113,12 +127,7 @@ def test_verify_takes_the_chunk_of_bench_and_analyze_and_the_flags_of_the_engine
 
 
 def test_verify_an_engine_that_cannot_be_built_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    folder = tmp_path / "ckpt"
-    folder.mkdir()
-    (folder / "config.json").write_text(json.dumps({
-        "model_type": "llama", "vocab_size": 256, "hidden_size": 64, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 128}))
-    (folder / "model.safetensors").write_bytes(b"not a safetensors file")
+    folder = _checkpoint(tmp_path / "ckpt", LLAMA, b"not a safetensors file")
     assert main(["verify", "--device", "cpu", "--model", str(folder), "--no-progress"]) == 1
     assert one_error_line(capsys.readouterr().err).startswith("bcg verify: error: the breakable engine of ")
 
@@ -137,11 +146,68 @@ def test_tc_piecewise_takes_the_traced_compiler_its_refusal_names(tmp_path: Path
 def test_a_model_type_transformers_does_not_know_says_so(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     import transformers
 
-    folder = tmp_path / "ckpt"
-    folder.mkdir()
-    (folder / "config.json").write_text(json.dumps({"model_type": "foo_arch"}))
+    folder = _checkpoint(tmp_path / "ckpt", {"model_type": "foo_arch"})
     with pytest.raises(SystemExit) as exc:
         main(["bench", *FAST, "--model", str(folder), "--model-impl", "transformers", "--out", str(tmp_path / "o")])
     assert exc.value.code == 2
     assert (f"model_type 'foo_arch' is not one transformers {transformers.__version__} knows"
             in one_error_line(capsys.readouterr().err))
+
+
+@pytest.mark.parametrize("command", ["bench", "analyze"])
+@pytest.mark.parametrize("config, weights, message", [
+    (None, None, "has no config.json, so it is not a Hugging Face checkpoint folder"),
+    ({"model_type": "no-such-arch"}, None,
+     "model_type 'no-such-arch' is neither one bcg implements natively nor one transformers"),
+    (LLAMA, None, "has config.json but no *.safetensors weights"),
+])
+def test_bad_checkpoint_folder_exits_2_with_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                     command: str, config: dict | None, weights: bytes | None,
+                                                     message: str) -> None:
+    folder = _checkpoint(tmp_path / "ckpt", config, weights)
+    with pytest.raises(SystemExit) as exc:
+        main([command, *COMMON, "--model", str(folder), "--out", str(tmp_path / "out")])
+    assert exc.value.code == 2
+    captured = capsys.readouterr()
+    errors = [line for line in captured.err.splitlines() if "error:" in line]
+    assert len(errors) == 1 and message in errors[0] and f"--model {str(folder)!r}" in errors[0]
+    assert "Traceback" not in captured.err and captured.out == ""  # nothing ran
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--model-impl", "native"], "unsupported model_type 'gpt2'; supported: llama, qwen3, qwen3_moe; "
+                                 "model_impl='transformers' runs"),
+    (["--model-impl", "transformers", "--model", "tiny-dense"],
+     "--model 'tiny-dense' is a preset (one of bcg's own models); --model-impl transformers needs a checkpoint"),
+])
+def test_model_impl_is_checked_up_front(tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str],
+                                        message: str) -> None:
+    folder = _checkpoint(tmp_path / "ckpt", {"model_type": "gpt2"}, b"weights")
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", *COMMON, "--model", str(folder), *argv, "--out", str(tmp_path / "out")])
+    assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_unloadable_checkpoint_exits_1_with_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # Passes the up-front checks, but its weights file is garbage: the eager baseline cannot be built.
+    folder = _checkpoint(tmp_path / "ckpt", LLAMA, b"not a safetensors file")
+    for command in ("bench", "analyze"):
+        rc = main([command, *COMMON, "--model", str(folder), "--no-plots", "--out", str(tmp_path / command)])
+        assert rc == 1
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err[-1].startswith(f"bcg {command}: error: ") and "could not be built" in err[-1]
+        assert "Traceback" not in "\n".join(err)
+        assert not (tmp_path / command / "results.json").exists()
+
+
+def test_unwritable_out_is_refused_before_anything_runs(tmp_path: Path,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    for out, reason in ((blocker, "it is a file, not a folder"), (blocker / "sub", "Not a directory")):
+        with pytest.raises(SystemExit) as exc:
+            main(["bench", *COMMON, "--out", str(out)])
+        assert exc.value.code == 2
+        captured = capsys.readouterr()
+        assert f"--out {str(out)!r} is not a writable folder ({reason})" in captured.err
+        assert captured.out == ""  # no banner: nothing was built or measured
