@@ -21,7 +21,7 @@ steps=" ${STEPS:-tests models checkpoint hf baseline kernel_tests} "
 bench_args=${BENCH_ARGS:---runs 10 --warmup 3 --batch-requests 1 --no-memory}
 bench() {  # bench NAME MODEL [FLAGS...]
   local name=$1 model=$2; shift 2
-  step "bench-$name" "${T_BENCH:-150}" python3 -m bcg bench --model "$model" --no-progress --out "$work/bench-$name" \
+  step "bench-$name" "${T_BENCH:-240}" python3 -m bcg bench --model "$model" --no-progress --out "$work/bench-$name" \
     $bench_args "$@"
 }
 case $steps in *" tests "*)  # the fused kernels' own 583 cases are the kernel_tests step

@@ -43,8 +43,11 @@ def test_sequences_and_integer_arrays_are_prompts() -> None:
 
     eng = engine("tiny-dense", "breakable")
     expected = eng.prefill([[4, 5, 6]]).logits
-    for prompt in ((4, 5, 6), range(4, 7), np.array([4, 5, 6], dtype=np.int32), torch.tensor([4, 5, 6])):
+    for prompt in ((4, 5, 6), range(4, 7), np.array([4, 5, 6], dtype=np.int32), torch.tensor([4, 5, 6]),
+                   [np.int64(4), np.int32(5), 6]):  # numpy's integer scalars, as numpy's integer arrays
         assert torch.equal(eng.prefill([prompt]).logits, expected)
+    with pytest.raises(TypeError, match="prompt 0 must contain Python ints or numpy integer scalars"):
+        eng.prefill([[4, np.bool_(True)]])
 
 
 @pytest.mark.parametrize(
