@@ -1,4 +1,5 @@
-"""The seed's isolated prefill experiment: one request at a time, fixed input length, every backend.
+"""The isolated prefill experiment of SGLang's breakable-graph blog post (2026-08-17, the article bcg started from):
+one request at a time, fixed input length, every backend.
 
 For each backend one engine is built per model (capture ceiling = the longest input, capped at the chunk size) and
 reused across lengths. By default each engine is built, measured at every length and freed before the next one,

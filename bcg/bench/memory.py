@@ -1,4 +1,5 @@
-"""The seed's peak-memory experiment: memory above the no-graph baseline after one chunk-sized prefill.
+"""The peak-memory experiment of SGLang's breakable-graph blog post (the article bcg started from): memory above the
+no-graph baseline after one chunk-sized prefill.
 
 Configurations: no graphs (eager), then the breakable backend with capture ceilings of 1/4, 1/2 and 1x
 ``chunked_prefill_size``. Each engine is built alone, warmed with one prefill of exactly the chunk size, its cache
@@ -8,7 +9,7 @@ emptied, and then measured over a second prefill of the same size:
 - ``peak``: the most it held during the prefill (torch's ``max_memory_allocated``/``max_memory_reserved``), and the
   device-level used memory afterwards (``mem_get_info``), which also counts graph executables and pool segments
   that torch's counters do not;
-- ``above_baseline``: peak minus the eager engine's resident memory, the seed's headline number. Below the chunk
+- ``above_baseline``: peak minus the eager engine's resident memory, the article's headline number. Below the chunk
   size a ceiling adds resident graphs while the eager activation peak stays; at the chunk size the peak collapses.
 
 Without CUDA there is no graph pool or device memory to read: every value is ``None`` and ``note`` says so.

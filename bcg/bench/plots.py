@@ -64,7 +64,8 @@ def _colors(rows: Sequence[dict]) -> dict[str, str]:
 
 def latency_figure(rows: Sequence[dict], title: str = "") -> Any:
     """Median prefill latency vs input length, one line per variant (bars: interquartile range), log2 x axis,
-    kernel floor dashed. Flat lines over a 32x length range are the seed's signature of launch-bound prefill.
+    kernel floor dashed. Flat lines over a 32x length range are the signature of launch-bound prefill (as in SGLang's
+    breakable-graph post, the article bcg started from).
 
     Example::
 

@@ -56,7 +56,7 @@ class Engine:
         model: a preset name (``"tiny-dense"``, ``"llama-dense"``, ...), a Hugging Face checkpoint folder, a
             :class:`ModelConfig`, a built model, or a transformers ``*ForCausalLM`` (run as written, see below).
         config: an :class:`EngineConfig`; keyword arguments override or replace it field by field.
-        **options: any field of :class:`EngineConfig` (the signature lists each with its default;
+        **kwargs: any field of :class:`EngineConfig` (the signature lists each with its default;
             ``help(EngineConfig)`` says what each does).
 
     With ``tp_size > 1`` every process of a ``torchrun`` group builds the same engine: the process group comes from

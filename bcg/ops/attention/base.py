@@ -142,6 +142,8 @@ class AttentionBackend(ABC):
 
     name: ClassVar[str] = "?"
     is_island: ClassVar[bool] = True
+    # Whether layers with features (windows, sinks, scales) may take FlashAttention (else the exact reference).
+    features_flash: ClassVar[bool] = False
 
     def __init__(self, kv_pool: KVPool) -> None:
         self.kv_pool = kv_pool
@@ -197,7 +199,7 @@ class AttentionBackend(ABC):
 
         n = ctx.num_tokens
         keys, values = ctx.keys_values(layer_id, k, v)
-        feature_attention(q[:n], keys, values, ctx, features, out[:n])
+        feature_attention(q[:n], keys, values, ctx, features, out[:n], flash=self.features_flash)
         if n < ctx.num_padded_tokens:
             out[n:].zero_()
 

@@ -39,10 +39,13 @@ logger = logging.getLogger(__name__)
 
 
 def feature_attention(q: Tensor, keys: Tensor, values: Tensor, ctx: ForwardContext, features: AttentionFeatures,
-                      out: Tensor) -> None:
+                      out: Tensor, flash: bool = True) -> None:
     """Causal attention with ``features`` of the real queries ``q`` over every request's packed ``keys``/``values``
-    (ordered like ``ctx.read_slots``), written into ``out`` (``(len(q), num_heads, v_head_dim)``)."""
-    if _use_flash(q, values, ctx, features):
+    (ordered like ``ctx.read_slots``), written into ``out`` (``(len(q), num_heads, v_head_dim)``).
+
+    ``flash`` is the attention backend's say (the varlen backend's is True, the reference's False); FlashAttention
+    runs only where it also covers the features and agrees with the reference on this device."""
+    if flash and _use_flash(q, values, ctx, features):
         _log_choice(q.device.type, "FlashAttention varlen (window, sinks via the log-sum-exp)")
         _flash(q, keys, values, ctx, features, out)
         return

@@ -33,6 +33,7 @@ class VarlenAttention(AttentionBackend):
 
     name = "varlen"
     is_island = True
+    features_flash = True
 
     def __init__(self, kv_pool: KVPool) -> None:
         super().__init__(kv_pool)
