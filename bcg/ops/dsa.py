@@ -57,11 +57,6 @@ def select_topk(index_q: Tensor, index_k: Tensor, head_weights: Tensor, group_id
     num_keys = keys.shape[0]
     # All requests at once (no host loop per request): query row i of request r sees the packed keys
     # [cu_k[r], cu_k[r+1] - cu_q[r+1] + i], i.e. its own range up to its own position.
-    seq_lens_q = ctx.cu_seqlens_q.diff()
-    first = torch.repeat_interleave(ctx.cu_seqlens_k[:-1].long(), seq_lens_q, output_size=num_tokens)
-    last = torch.repeat_interleave((ctx.cu_seqlens_k[1:] - ctx.cu_seqlens_q[1:]).long(), seq_lens_q,
-                                   output_size=num_tokens) + torch.arange(num_tokens, device=device)
-    cols = torch.arange(num_keys, device=device)
     selection = torch.full((ctx.num_padded_tokens, topk), -1, dtype=torch.int64, device=device)
     num_picks = min(topk, num_keys)
     rows_per_chunk = max(1, MAX_SCORES_PER_CHUNK // (num_keys * index_q.shape[1]))
@@ -69,12 +64,36 @@ def select_topk(index_q: Tensor, index_k: Tensor, head_weights: Tensor, group_id
         rows = slice(start, min(num_tokens, start + rows_per_chunk))
         dots = torch.einsum("qhd,kd->qhk", index_q[rows].float(), keys)
         scores = torch.bmm(head_weights[rows].float()[:, None, :], dots.relu_()).squeeze(1)
-        is_visible = (cols >= first[rows, None]) & (cols <= last[rows, None])
-        scores.masked_fill_(~is_visible, float("-inf"))
+        # The same for every indexer of the forward: made by the first, reused by the others.
+        is_hidden = ctx.memo(("dsa.hidden_keys", start, rows_per_chunk),
+                             lambda r=rows: _hidden_keys(ctx, num_keys, r, device))
+        scores.masked_fill_(is_hidden, float("-inf"))
         values, picks = scores.sort(dim=-1, descending=True, stable=True)
         values, picks = values[:, :num_picks], picks[:, :num_picks]
+        first = _key_range(ctx)[0]
         selection[rows, :num_picks] = (picks - first[rows, None]).masked_fill(values == float("-inf"), -1)
     return selection
+
+
+def _hidden_keys(ctx: BatchContext, num_keys: int, rows: slice, device: torch.device) -> Tensor:
+    """``(rows, num_keys)`` bool: the packed keys each query row may not see. Query row i of request r sees the
+    packed keys ``[cu_k[r], cu_k[r+1] - cu_q[r+1] + i]``: its own range up to its own position."""
+    first, last = _key_range(ctx)
+    cols = torch.arange(num_keys, device=device)
+    return (cols < first[rows, None]) | (cols > last[rows, None])
+
+
+def _key_range(ctx: BatchContext) -> tuple[Tensor, Tensor]:
+    """Per real row, the packed index of its request's first key and of its own key (once per forward)."""
+
+    def make() -> tuple[Tensor, Tensor]:
+        n, seq_lens_q = ctx.num_tokens, ctx.cu_seqlens_q.diff()
+        first = torch.repeat_interleave(ctx.cu_seqlens_k[:-1].long(), seq_lens_q, output_size=n)
+        own = torch.repeat_interleave((ctx.cu_seqlens_k[1:] - ctx.cu_seqlens_q[1:]).long(), seq_lens_q,
+                                      output_size=n) + torch.arange(n, device=first.device)
+        return first, own
+
+    return ctx.memo("dsa.key_range", make)
 
 
 @eager_on_graph
@@ -94,32 +113,34 @@ def sparse_attention(q: Tensor, k: Tensor, v: Tensor, selection: Tensor, out: Te
     num_tokens = ctx.num_tokens
     ctx.store_kv(layer_id, k, v)
     keys, values = ctx.keys_values(layer_id, k, v)
-    # Offset of each query's request in the packed keys, so a position maps to a packed row.
-    key_starts = torch.repeat_interleave(
-        ctx.cu_seqlens_k[:-1].long(), ctx.cu_seqlens_q.diff(), output_size=num_tokens
-    )
+    key_starts = _key_range(ctx)[0]  # each query's request's first packed key: a position maps to a packed row
     topk = selection.shape[1]
     rows_per_chunk = max(1, MAX_PAIRS_PER_CHUNK // topk)
     for start in range(0, num_tokens, rows_per_chunk):
         stop = min(num_tokens, start + rows_per_chunk)
-        picks = selection[start:stop]
-        key_rows = key_starts[start:stop, None] + picks.clamp_min(0)  # unused picks point at a valid key, masked
-        out[start:stop] = _attend_picks(q[start:stop], picks >= 0, key_rows, keys, values)
+        # Which keys a row attends depends only on the selection, which the layers of an indexer group share:
+        # the first of them works it out, the others reuse it (the selection is a fixed-address buffer per group).
+        owner, plan = ctx.memo(("dsa.picks", selection.data_ptr(), start),
+                               lambda a=start, b=stop: (selection, _pick_plan(selection[a:b], key_starts[a:b], q)))
+        if owner is not selection:  # (the memo holds its selection, so no other tensor can have that address)
+            raise RuntimeError("two DSA selections of one forward share an address")
+        out[start:stop] = _attend_picks(q[start:stop], plan, keys, values)
     if num_tokens < out.shape[0]:
         out[num_tokens:].zero_()
 
 
-def _attend_picks(q: Tensor, is_valid: Tensor, key_rows: Tensor, keys: Tensor, values: Tensor) -> Tensor:
-    """Each query row attends over its valid picks (``is_valid``/``key_rows``: ``(M, topk)``); fixed shapes.
+def _pick_plan(picks: Tensor, key_starts: Tensor, q: Tensor) -> tuple[Tensor, ...]:
+    """How rows attend their picks ``(M, topk)``: ``(is_valid, key_rows)`` for the reference, and on CUDA in half
+    precision ``(packed key rows, cu_seqlens_q, cu_seqlens_k)`` for FlashAttention varlen.
 
-    :func:`select_topk` sorts each row's picks best first, so a row's valid picks are a prefix of it. On CUDA in half
-    precision they are packed row after row (a scatter to positions from a device-side prefix sum, no host read of
-    how many there are) and FlashAttention varlen does the softmax with each row as one sequence; elsewhere
-    :func:`picked_attention` computes the same thing over the ``(M, topk)`` picks with the unused ones masked.
+    :func:`select_topk` sorts each row's picks best first, so a row's valid picks are a prefix of it; on CUDA they are
+    packed row after row (a scatter to positions from a device-side prefix sum, no host read of how many there are).
     """
+    is_valid = picks >= 0
+    key_rows = key_starts[:, None] + picks.clamp_min(0)  # unused picks point at a valid key, masked
     if not is_varlen_usable(q):
-        return picked_attention(q, is_valid, keys[key_rows], values[key_rows], q.shape[-1] ** -0.5)
-    num_rows, topk = is_valid.shape
+        return is_valid, key_rows
+    num_rows, topk = picks.shape
     lengths = is_valid.sum(1, dtype=torch.int32)
     cu_seqlens_k = F.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0))
     # Pair (i, j) goes to cu_seqlens_k[i] + j; unused pairs go to a dump slot past the end.
@@ -127,8 +148,17 @@ def _attend_picks(q: Tensor, is_valid: Tensor, key_rows: Tensor, keys: Tensor, v
     dest = torch.where(is_valid, dest, num_rows * topk)
     packed = torch.zeros(num_rows * topk + 1, dtype=torch.int64, device=q.device)
     packed.scatter_(0, dest.flatten(), key_rows.flatten())
-    packed = packed[:-1]
     cu_seqlens_q = torch.arange(num_rows + 1, dtype=torch.int32, device=q.device)
+    return packed[:-1], cu_seqlens_q, cu_seqlens_k
+
+
+def _attend_picks(q: Tensor, plan: tuple[Tensor, ...], keys: Tensor, values: Tensor) -> Tensor:
+    """Each query row over its valid picks (:func:`_pick_plan`): FlashAttention varlen, or the reference."""
+    if len(plan) == 2:
+        is_valid, key_rows = plan
+        return picked_attention(q, is_valid, keys[key_rows], values[key_rows], q.shape[-1] ** -0.5)
+    packed, cu_seqlens_q, cu_seqlens_k = plan
+    topk = packed.shape[0] // q.shape[0]
     return flash_varlen(q, keys[packed], values[packed], cu_seqlens_q, cu_seqlens_k, 1, topk, is_causal=False)
 
 

@@ -102,3 +102,23 @@ def test_sparse_attention_flash_path_matches_the_reference_bf16(monkeypatch):
         outs.append(out.float())
     assert (outs[0] - outs[1]).abs().max() <= 2e-2
     assert (outs[0][ctx.num_tokens :] == 0).all()
+
+
+@pytest.mark.parametrize("backend", ["eager", "breakable"])
+def test_the_per_forward_memo_changes_no_answer(monkeypatch, backend):
+    """Indexer key ranges and each selection's pick plan are worked out once per forward and reused by the layers that
+    share them; with many indexer groups (freed selections could lend their address to later ones) the answers must
+    equal those computed afresh in every layer."""
+    from dataclasses import replace
+
+    from bcg.ops.attention import BatchContext
+    from bcg.runtime import Engine
+
+    config = replace(get_preset("tiny-dsa"), num_layers=6, index_share=1)  # six groups, one layer each
+    prompts = [list(range(1, 20)), list(range(30, 41))]
+    options = dict(backend=backend, device="cpu", buckets=[32], chunked_prefill_size=32, kv_tokens=128,
+                   progress=False)
+    memoised = Engine(config, **options).prefill(prompts)
+    monkeypatch.setattr(BatchContext, "memo", lambda self, key, make: make())
+    afresh = Engine(config, **options).prefill(prompts)
+    assert torch.equal(memoised.logits, afresh.logits)

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import functools
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, ClassVar, Protocol
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import numpy as np
 from torch import Tensor
@@ -31,6 +32,9 @@ if TYPE_CHECKING:
 
 __all__ = ["ATTENTION_BACKENDS", "AttentionBackend", "BatchContext", "HostBatch", "attention_backend",
            "register_attention_backend"]
+
+
+_MISSING = object()
 
 
 class HostBatch(Protocol):
@@ -89,6 +93,7 @@ class BatchContext(ForwardContext):
         self.padded_max_seqlen = max(max_seqlen_q, num_padded_tokens - num_tokens)
         self.write_slots, self.read_slots = write_slots, read_slots
         self.has_prefix, self.kv_pool, self.backend = has_prefix, kv_pool, backend
+        self._memo: dict = {}
 
     def __repr__(self) -> str:
         return (f"BatchContext(num_tokens={self.num_tokens}, num_padded_tokens={self.num_padded_tokens}, "
@@ -110,6 +115,14 @@ class BatchContext(ForwardContext):
     def live(self, island: str, why: str) -> BatchContext:
         """This context: it is the live batch."""
         return self
+
+    def memo(self, key: object, make: Callable[[], Any]) -> Any:
+        """``make()``, computed once per forward (a context lives for one forward): what several islands of the
+        forward need alike (the DSA indexers' key ranges) is launched once, not once per layer."""
+        value = self._memo.get(key, _MISSING)
+        if value is _MISSING:
+            value = self._memo[key] = make()
+        return value
 
     def store_kv(self, layer_id: int, k: Tensor, v: Tensor) -> None:
         """Writes every row's K/V at its slot (padded rows: the scratch slot); fixed shapes, captured in the segment."""
