@@ -10,7 +10,9 @@ the non-interleaved "rotate half" form, with angles ``positions * inv_freq`` com
   to fp32 one by one) and rounded once into the output dtype;
 * with them: each head is RMS-normed over ``D`` (fp32 reduction, rounded once to the input dtype, as
   ``F.rms_norm``), then rotated in fp32 and rounded into the output dtype;
-* v is copied (cast to its output's dtype).
+* v is copied (cast to its output's dtype);
+* with ``cache=(k_cache, v_cache, slots)``, k and v as written are also stored at row ``slots[t]`` of the two caches:
+  the attention layer's K/V write, done by the same kernel instead of two more launches.
 """
 
 from typing import Optional
@@ -105,13 +107,16 @@ def qkv_norm_rope(
     qkv: Tensor, positions: Tensor, inv_freq: Tensor, num_heads: int, num_kv_heads: int, *,
     q_weight: Optional[Tensor] = None, k_weight: Optional[Tensor] = None, eps: float = 1e-6,
     out: Optional[tuple[Tensor, Tensor, Tensor]] = None, impl: str = "fused",
+    cache: Optional[tuple[Tensor, Tensor, Tensor]] = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``q (T, H, D), k, v (T, KV, D)`` from the fused projection ``qkv (T, (H + 2 * KV) * D)``.
 
     q and k are RMS-normed per head when ``q_weight``/``k_weight`` ``(D,)`` are given, then rotated by
     ``positions (T,)`` (int) times ``inv_freq (D / 2,)`` (fp32). With ``out=(q_out, k_out, v_out)`` the results are
     written there (any dtype, contiguous last dimension, rows and heads may be strided: the attention island's
-    bridge buffers), else into new tensors of ``qkv``'s dtype. ``qkv`` may be row-strided.
+    bridge buffers), else into new tensors of ``qkv``'s dtype. ``qkv`` may be row-strided. With
+    ``cache=(k_cache, v_cache, slots)`` (caches ``(S, KV, D)`` with a contiguous last dimension, ``slots (T,)`` int64)
+    k and v are also written at their slots, as ``k_cache.index_copy_(0, slots, k)`` would.
 
     Example:
         >>> qkv, inv_freq = torch.randn(5, (4 + 2 * 2) * 8), 1.0 / 10000 ** (torch.arange(0, 8, 2) / 8)
@@ -128,15 +133,38 @@ def qkv_norm_rope(
     if q_out.shape[1:] != (num_heads, dim):
         raise ValueError(f"q_out {tuple(q_out.shape)} is not (T, {num_heads}, {dim})")
     _check(qkv, positions, inv_freq, q_weight, k_weight, q_out, k_out, v_out)
-    if not use_fused(impl, qkv):
+    if cache is not None:
+        _check_cache(cache, k_out)
+    is_fused, compiling = use_fused(impl, qkv), torch.compiler.is_compiling()
+    if not is_fused:
         qkv_norm_rope_reference(qkv, positions, inv_freq, q_weight, k_weight, eps, q_out, k_out, v_out)
-    elif torch.compiler.is_compiling():
+    elif compiling:
         torch.ops.bcg.qkv_norm_rope_(qkv, positions, inv_freq, q_weight, k_weight, eps, q_out, k_out, v_out)
     else:
         from bcg.ops.kernels import triton_rope
 
-        triton_rope.qkv_norm_rope(qkv, positions, inv_freq, q_weight, k_weight, eps, q_out, k_out, v_out)
+        triton_rope.qkv_norm_rope(qkv, positions, inv_freq, q_weight, k_weight, eps, q_out, k_out, v_out, cache)
+        return q_out, k_out, v_out
+    if cache is not None:  # the reference (and the compiled op) write the caches apart
+        k_cache, v_cache, slots = cache
+        k_cache.index_copy_(0, slots, k_out.to(k_cache.dtype))
+        v_cache.index_copy_(0, slots, v_out.to(v_cache.dtype))
     return q_out, k_out, v_out
+
+
+def _check_cache(cache: tuple[Tensor, Tensor, Tensor], k_out: Tensor) -> None:
+    k_cache, v_cache, slots = cache
+    num_rows, kv_heads, dim = k_out.shape
+    problems = []
+    if k_cache.shape[1:] != (kv_heads, dim) or v_cache.shape[1:] != (kv_heads, dim):
+        problems.append(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} must both be "
+                        f"(S, {kv_heads}, {dim})")
+    if slots.shape != (num_rows,) or slots.dtype != torch.int64:
+        problems.append(f"slots {tuple(slots.shape)} {slots.dtype} is not int64 (T,) = ({num_rows},)")
+    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        problems.append("k_cache and v_cache need a contiguous last dimension")
+    if problems:
+        raise ValueError("qkv_norm_rope cache: " + "; ".join(problems))
 
 
 @torch.library.custom_op("bcg::qkv_norm_rope_", mutates_args=("q_out", "k_out", "v_out"))

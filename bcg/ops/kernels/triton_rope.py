@@ -19,7 +19,8 @@ from bcg.ops.kernels.triton_utils import cos_f32, launch_rows, sin_f32
 def _qkv_norm_rope_kernel(
     qkv_ptr, qkv_stride, pos_ptr, inv_freq_ptr, qw_ptr, kw_ptr, eps,
     q_ptr, q_stride0, q_stride1, k_ptr, k_stride0, k_stride1, v_ptr, v_stride0, v_stride1,
-    HEADS: tl.constexpr, KV_HEADS: tl.constexpr, DIM: tl.constexpr, HAS_NORM: tl.constexpr,
+    slot_ptr, kc_ptr, kc_stride0, kc_stride1, vc_ptr, vc_stride0, vc_stride1,
+    HEADS: tl.constexpr, KV_HEADS: tl.constexpr, DIM: tl.constexpr, HAS_NORM: tl.constexpr, HAS_CACHE: tl.constexpr,
     QK_BLOCK: tl.constexpr, V_BLOCK: tl.constexpr, HALF_BLOCK: tl.constexpr, DIM_BLOCK: tl.constexpr,
 ):
     HALF: tl.constexpr = DIM // 2
@@ -58,24 +59,36 @@ def _qkv_norm_rope_kernel(
     tl.store(q_dst + HALF, o2.to(q_ptr.dtype.element_ty), mask=q_mask)
     k_dst = k_ptr + t * k_stride0 + (h - HEADS) * k_stride1 + j[None, :]
     k_mask = (h >= HEADS) & mask
-    tl.store(k_dst, o1.to(k_ptr.dtype.element_ty), mask=k_mask)
-    tl.store(k_dst + HALF, o2.to(k_ptr.dtype.element_ty), mask=k_mask)
+    k1, k2 = o1.to(k_ptr.dtype.element_ty), o2.to(k_ptr.dtype.element_ty)
+    tl.store(k_dst, k1, mask=k_mask)
+    tl.store(k_dst + HALF, k2, mask=k_mask)
 
     hv = tl.arange(0, V_BLOCK)[:, None]
     d = tl.arange(0, DIM_BLOCK)[None, :]
     v_mask = (hv < KV_HEADS) & (d < DIM)
     v = tl.load(qkv_ptr + t * qkv_stride + (HEADS + KV_HEADS) * DIM + hv * DIM + d, mask=v_mask, other=0.0)
-    tl.store(v_ptr + t * v_stride0 + hv * v_stride1 + d, v.to(v_ptr.dtype.element_ty), mask=v_mask)
+    v = v.to(v_ptr.dtype.element_ty)
+    tl.store(v_ptr + t * v_stride0 + hv * v_stride1 + d, v, mask=v_mask)
+    if HAS_CACHE:
+        # The same k and v (as rounded above) at the token's KV-pool slot: the K/V write of the attention layer.
+        slot = tl.load(slot_ptr + t).to(tl.int64)
+        kc_dst = kc_ptr + slot * kc_stride0 + (h - HEADS) * kc_stride1 + j[None, :]
+        tl.store(kc_dst, k1.to(kc_ptr.dtype.element_ty), mask=k_mask)
+        tl.store(kc_dst + HALF, k2.to(kc_ptr.dtype.element_ty), mask=k_mask)
+        tl.store(vc_ptr + slot * vc_stride0 + hv * vc_stride1 + d, v.to(vc_ptr.dtype.element_ty), mask=v_mask)
 
 
 def qkv_norm_rope(
     qkv: Tensor, positions: Tensor, inv_freq: Tensor, q_weight: Optional[Tensor], k_weight: Optional[Tensor],
     eps: float, q_out: Tensor, k_out: Tensor, v_out: Tensor,
+    cache: Optional[tuple[Tensor, Tensor, Tensor]] = None,
 ) -> None:
-    """Write ``q_out (T, H, D)``, ``k_out``, ``v_out (T, KV, D)`` from ``qkv (T, (H + 2 * KV) * D)``."""
+    """Write ``q_out (T, H, D)``, ``k_out``, ``v_out (T, KV, D)`` from ``qkv (T, (H + 2 * KV) * D)``, and with
+    ``cache=(k_cache, v_cache, slots)`` also k and v at row ``slots[t]`` of the caches."""
     num_rows, heads, dim = q_out.shape
     kv_heads = k_out.shape[1]
     has_norm = q_weight is not None and k_weight is not None
+    k_cache, v_cache, slots = cache if cache is not None else (k_out, v_out, positions)  # unread without a cache
     qk_block = triton.next_power_of_2(heads + kv_heads)
     half_block = max(2, triton.next_power_of_2(dim // 2))
     elements = 2 * qk_block * half_block
@@ -85,7 +98,8 @@ def qkv_norm_rope(
         q_weight if has_norm else inv_freq, k_weight if has_norm else inv_freq, eps,  # unread without norms
         q_out, q_out.stride(0), q_out.stride(1), k_out, k_out.stride(0), k_out.stride(1),
         v_out, v_out.stride(0), v_out.stride(1),
-        HEADS=heads, KV_HEADS=kv_heads, DIM=dim, HAS_NORM=has_norm,
+        slots, k_cache, k_cache.stride(0), k_cache.stride(1), v_cache, v_cache.stride(0), v_cache.stride(1),
+        HEADS=heads, KV_HEADS=kv_heads, DIM=dim, HAS_NORM=has_norm, HAS_CACHE=cache is not None,
         QK_BLOCK=qk_block, V_BLOCK=triton.next_power_of_2(kv_heads), HALF_BLOCK=half_block,
         DIM_BLOCK=2 * half_block,
         num_warps=1 if elements <= 512 else 4 if elements <= 4096 else 8 if elements <= 16384 else 16,

@@ -56,8 +56,8 @@ class Interpreted:
     def silu_and_mul(self, x, out):
         self.tk.act.silu_and_mul(x, out)
 
-    def qkv_norm_rope(self, *args):
-        self.tk.rope.qkv_norm_rope(*args)
+    def qkv_norm_rope(self, *args, cache=None):
+        self.tk.rope.qkv_norm_rope(*args, cache)
 
     def router_topk(self, logits, top_k, renormalize, out_dtype):
         weights = cases.poisoned(logits.shape[0], top_k, dtype=out_dtype, device="cpu")
@@ -115,6 +115,12 @@ def test_silu_and_mul(run, dtype, rows, inter):
 @pytest.mark.parametrize("rows,heads,kv_heads,dim", [(0, 4, 2, 16), (1, 16, 4, 64), (3, 12, 4, 128), (2, 3, 1, 80)])
 def test_qkv_norm_rope(run, dtype, qk_norm, rows, heads, kv_heads, dim):
     cases.check_qkv_norm_rope(run, "cpu", dtype, rows, heads, kv_heads, dim, qk_norm, MIN_EXACT[dtype])
+
+
+@pytest.mark.parametrize("dtype", cases.DTYPES)
+@pytest.mark.parametrize("rows,heads,kv_heads,dim", [(1, 16, 4, 64), (5, 3, 1, 80)])
+def test_qkv_norm_rope_writes_the_kv_cache(run, dtype, rows, heads, kv_heads, dim):
+    cases.check_qkv_norm_rope_cache(run, "cpu", dtype, rows, heads, kv_heads, dim)
 
 
 @pytest.mark.parametrize("dtype", cases.DTYPES)

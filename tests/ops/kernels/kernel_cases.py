@@ -140,6 +140,23 @@ def check_qkv_norm_rope(run, device: str, dtype: torch.dtype, rows: int, heads: 
                for o, r, name in zip(outs[:2], refs[:2], ("q", "k")))
 
 
+def check_qkv_norm_rope_cache(run, device: str, dtype: torch.dtype, rows: int, heads: int, kv_heads: int,
+                              dim: int) -> None:
+    """With a cache, k and v as written land at their slots of the caches too, and nowhere else."""
+    qkv = row_view(rows, (heads + 2 * kv_heads) * dim, dtype=dtype, device=device, seed=dim + rows)
+    positions = torch.randint(0, 8192, (rows,), generator=gen(rows)).to(device)
+    freqs = inv_freq(dim, 10000.0, device)
+    outs = [poisoned(rows, n, dim, dtype=dtype, device=device) for n in (heads, kv_heads, kv_heads)]
+    num_slots = 2 * rows + 3
+    caches = [poisoned(num_slots, kv_heads, dim, dtype=dtype, device=device) for _ in range(2)]
+    slots = torch.randperm(num_slots, generator=gen(rows + 1))[:rows].to(device)
+    run.qkv_norm_rope(qkv, positions, freqs, None, None, EPS, *outs, cache=(*caches, slots))
+    assert torch.equal(caches[0][slots], outs[1]) and torch.equal(caches[1][slots], outs[2]), "cache rows differ"
+    others = torch.ones(num_slots, dtype=torch.bool, device=device)
+    others[slots] = False
+    assert all(c[others].isnan().all() for c in caches), "wrote cache rows other than the slots"
+
+
 def check_router_topk(run, device: str, dtype: torch.dtype, rows: int, experts: int, top_k: int,
                       renormalize: bool, min_exact: float | None) -> float:
     from bcg.ops.kernels import router_topk_reference

@@ -44,9 +44,9 @@ class Fused:
     def silu_and_mul(self, x, out):
         assert kernels.silu_and_mul(x, out=out, impl="fused") is out
 
-    def qkv_norm_rope(self, qkv, positions, freqs, q_w, k_w, eps, q_out, k_out, v_out):
+    def qkv_norm_rope(self, qkv, positions, freqs, q_w, k_w, eps, q_out, k_out, v_out, cache=None):
         kernels.qkv_norm_rope(qkv, positions, freqs, q_out.shape[1], k_out.shape[1], q_weight=q_w, k_weight=k_w,
-                              eps=eps, out=(q_out, k_out, v_out), impl="fused")
+                              eps=eps, out=(q_out, k_out, v_out), impl="fused", cache=cache)
 
     def router_topk(self, logits, top_k, renormalize, out_dtype):
         return kernels.router_topk(logits, top_k, renormalize=renormalize, out_dtype=out_dtype, impl="fused")
@@ -82,6 +82,12 @@ def test_fused_add_rms_norm(dtype, rows, hidden, in_place):
 @pytest.mark.parametrize("inter", [8, 500, 512, 2816, 5632])
 def test_silu_and_mul(dtype, rows, inter):
     cases.check_silu_and_mul(RUN, DEV, dtype, rows, inter, MIN_EXACT[dtype])
+
+
+@pytest.mark.parametrize("dtype", cases.DTYPES)
+@pytest.mark.parametrize("rows,heads,kv_heads,dim", [(1, 16, 4, 64), (7, 16, 2, 128), (2048, 16, 4, 64)])
+def test_qkv_norm_rope_writes_the_kv_cache(dtype, rows, heads, kv_heads, dim):
+    cases.check_qkv_norm_rope_cache(RUN, DEV, dtype, rows, heads, kv_heads, dim)
 
 
 @pytest.mark.parametrize("dtype", cases.DTYPES)

@@ -8,6 +8,7 @@ from dataclasses import replace
 import pytest
 import torch
 import torch.nn.functional as F
+import kernel_cases as cases
 from kernel_cases import DTYPES, gen, inv_freq, randn, row_view
 from torch.library import opcheck
 
@@ -232,3 +233,18 @@ def test_torch_compile_traces_the_kernels(backend, fn):
     got = torch.compile(fn, backend=backend, fullgraph=True)(*_layer_inputs())
     for g, e in zip(got, expected):
         torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_qkv_norm_rope_writes_the_kv_cache_in_the_reference(dtype):
+    """The reference path (CPU, and the compiled op) writes the caches as index_copy_ does."""
+
+    class Reference:
+        def qkv_norm_rope(self, qkv, positions, freqs, q_w, k_w, eps, q_out, k_out, v_out, cache=None):
+            kernels.qkv_norm_rope(qkv, positions, freqs, q_out.shape[1], k_out.shape[1], q_weight=q_w, k_weight=k_w,
+                                  eps=eps, out=(q_out, k_out, v_out), impl="torch", cache=cache)
+
+    cases.check_qkv_norm_rope_cache(Reference(), "cpu", dtype, 9, 4, 2, 16)
+    with pytest.raises(ValueError, match="slots"):
+        kernels.qkv_norm_rope(torch.randn(3, 64), torch.arange(3), torch.ones(4), 4, 2, impl="torch",
+                              cache=(torch.zeros(8, 2, 8), torch.zeros(8, 2, 8), torch.arange(2)))
