@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import kernel_cases as cases
 import pytest
 import torch
 import torch.nn.functional as F
-import kernel_cases as cases
 from kernel_cases import DTYPES, gen, inv_freq, randn, row_view
 from torch.library import opcheck
 
