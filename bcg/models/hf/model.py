@@ -7,9 +7,13 @@ Nothing of the model is converted: its modules and weights run as its authors wr
 * makes DSA attention modules module islands (:mod:`bcg.models.hf.dsa`);
 * probes one short forward to learn, per layer, what the attention function receives (K/V shapes for the pool,
   window, soft-cap, sinks), refusing what it cannot honour before anything is captured;
+* fuses, at load, the modules that match a known pattern (q/k/v and gate/up GEMMs, RMSNorm, RoPE, residual adds on
+  bcg's kernels, each checked against the original: :mod:`bcg.models.hf.fusion`);
 * probes one forward for ops a CUDA graph cannot capture (:mod:`bcg.probe`) and runs the offending modules as
   automatic islands (:mod:`bcg.models.hf.islands`), or, with ``auto_islands=False``, refuses graph capture naming
   module, op and fix;
+* routes each decoder layer through :func:`bcg.models.regions.run_layer`, so ``compile=`` compiles one layer per
+  structure (:mod:`bcg.models.hf.layer_regions`);
 * checks its two ends against the model's own forward on the same tokens (:meth:`HFCausalLM.check_tail`).
 
 The decoder body runs as the captured layer stack: ``body(inputs_embeds=(1, T_pad, hidden), position_ids=(1, T_pad),
@@ -19,7 +23,7 @@ use_cache=False)`` applies the final norm itself, so ``compute_logits`` is the L
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -31,16 +35,20 @@ from bcg.islands import is_capturing
 from bcg.models.hf import UnsupportedModelError, require_transformers
 from bcg.models.hf.attention import NAME, AttentionCall, recording_calls, register
 from bcg.models.hf.dsa import install_dsa_islands
+from bcg.models.hf.fusion import Fusion
+from bcg.models.hf.fusion import fuse as fuse_modules
 from bcg.models.hf.islands import body_refusal, explain, install_auto_islands, restore_islands
+from bcg.models.hf.layer_regions import install_layer_regions, remove_layer_regions
 from bcg.models.hf.support import LogitTail, check_config, check_layer_calls
 from bcg.ops.attention import BatchContext
 from bcg.ops.context import forward_context
 from bcg.ops.kv_cache import KVPool
 from bcg.probe import ProbeReport, find_uncapturable
 
-__all__ = ["HFCausalLM", "HFModelConfig"]
+__all__ = ["Adaptation", "HFCausalLM", "HFModelConfig", "check_devices"]
 
 logger = logging.getLogger("bcg")
+_ADAPTED = "_bcg_adaptation"  # the model's attribute holding its Adaptation while bcg has it
 
 
 @dataclass(frozen=True)
@@ -56,6 +64,28 @@ class HFModelConfig:
     max_position_embeddings: int
 
 
+class Adaptation:
+    """What bcg changed in one transformers model, shared by every :class:`HFCausalLM` built on it while it lasts.
+
+    Engines built on one model object run the same modules (the same islands, the same fused stand-ins), so a
+    second engine reuses what the first found instead of changing the model under the first one's graphs. Once any
+    of them calls :meth:`HFCausalLM.restore`, the model is given back and every engine on it refuses to prefill.
+    """
+
+    def __init__(self, auto_islands: bool, fuse: bool) -> None:
+        self.auto_islands_enabled, self.fuse_enabled = auto_islands, fuse
+        self.previous_attn_implementation = "sdpa"
+        self.layer_calls: list[AttentionCall] = []
+        self.island_kv_shapes: dict[int, dict[str, tuple[int, ...]]] = {}
+        self.dsa_islands: list[str] = []
+        self.auto_islands: list[str] = []
+        self.report: ProbeReport | None = None
+        self.capture_refusal: str | None = None
+        self.fusion: Fusion = Fusion()
+        self.kernels: str | None = None
+        self.restored = False
+
+
 class HFCausalLM(nn.Module):
     """A transformers ``*ForCausalLM`` behind bcg's CausalLM interface (see the module doc).
 
@@ -63,12 +93,16 @@ class HFCausalLM(nn.Module):
         hf_model: the model, in eval mode or not (it is put in eval mode), on one device, in the dtype it will run.
         auto_islands: run modules a CUDA graph cannot capture as islands; False refuses graph capture instead.
         probe_tokens: tokens of the construction-time probe forwards.
+        fuse: fuse what matches a known pattern at load (:mod:`bcg.models.hf.fusion`); False runs every module as
+            written.
 
     Raises:
-        UnsupportedModelError: the model does something bcg cannot honour (the message names it and the fix).
+        UnsupportedModelError: the model does something bcg cannot honour (the message names it and the fix), or
+            another engine adapted it with another ``auto_islands`` / ``fuse`` setting.
 
-    The model is changed in place (its attention implementation, and instance ``forward`` overrides for islands);
-    :meth:`restore` undoes both.
+    The model is changed in place (its attention implementation, instance ``forward`` overrides for islands and
+    for its layers' compiled regions, fused stand-ins for the modules that matched); :meth:`restore` undoes all of
+    it. A second adapter on the same model shares the first one's changes (:class:`Adaptation`).
 
     Example::
 
@@ -79,17 +113,15 @@ class HFCausalLM(nn.Module):
             hidden = model.forward_layers(model.embed(batch.input_ids), batch.positions)
     """
 
-    def __init__(self, hf_model: nn.Module, *, auto_islands: bool = True, probe_tokens: int = 16) -> None:
+    def __init__(self, hf_model: nn.Module, *, auto_islands: bool = True, probe_tokens: int = 16,
+                 fuse: bool = True) -> None:
         super().__init__()
         require_transformers("bcg's transformers path")
         register()
         cfg = hf_model.config
         name = type(hf_model).__name__
         check_config(cfg)
-        devices = {p.device for p in hf_model.parameters()} | {b.device for b in hf_model.buffers()}
-        if len(devices) != 1 or next(iter(devices)).type == "meta":
-            raise UnsupportedModelError(f"{name} has parameters on {sorted(map(str, devices))}; bcg runs a model on "
-                                        "one device: load it without device_map, then .to(device)")
+        check_devices(hf_model)
         self.hf = hf_model.eval().requires_grad_(False)
         body = hf_model.get_decoder() if hasattr(hf_model, "get_decoder") else getattr(hf_model, "model", None)
         embed, head = hf_model.get_input_embeddings(), hf_model.get_output_embeddings()
@@ -97,15 +129,6 @@ class HFCausalLM(nn.Module):
             raise UnsupportedModelError(f"{name} is not a *ForCausalLM with a decoder body, an input embedding and an "
                                         "LM head; load it with AutoModelForCausalLM")
         self._parts = {"body": body, "embed": embed, "head": head}  # not registered twice: they live in self.hf
-        # A model adapted before (another engine) starts clean: no islands, and the attention it had originally.
-        restore_islands(body)
-        if cfg._attn_implementation != NAME:
-            hf_model.bcg_previous_attn_implementation = cfg._attn_implementation
-        self.previous_attn_implementation = getattr(hf_model, "bcg_previous_attn_implementation", "sdpa")
-        hf_model.set_attn_implementation(NAME)
-        if cfg._attn_implementation != NAME:
-            raise UnsupportedModelError(f"{name} cannot switch its attention to {NAME!r} (it does not dispatch "
-                                        "through transformers' AttentionInterface)")
         self.device, self.dtype = embed.weight.device, embed.weight.dtype
         vocab = head.weight.shape[0]
         if embed.weight.shape[0] != vocab:
@@ -114,24 +137,84 @@ class HFCausalLM(nn.Module):
         self.config = HFModelConfig(f"transformers:{cfg.model_type}", cfg.model_type, vocab, cfg.hidden_size,
                                     cfg.num_hidden_layers, getattr(cfg, "max_position_embeddings", 0) or 0)
         self.tail = LogitTail.from_config(cfg)
-        self.notes: list[str] = []  # how this model runs differently from a native one, for telemetry
-        self.capture_refusal: str | None = None  # why graph capture is refused (set by the capturability probe)
         self._probing = False
-        self.island_kv_shapes: dict[int, dict[str, tuple[int, ...]]] = {}
-        self.dsa_islands = install_dsa_islands(body, self.island_kv_shapes, lambda: self._probing)
-        self.layer_calls = self._probe_layers(probe_tokens)
-        check_layer_calls(cfg, name, self.layer_calls, list(self.island_kv_shapes))
-        self.report = self._probe_capturability(probe_tokens)
-        self.auto_islands: list[str] = []
-        self.capture_refusal = body_refusal(body, self.report)
-        if self.report and self.capture_refusal is None:
-            if auto_islands:
-                self.auto_islands = install_auto_islands(body, self.report)
-                logger.warning("bcg: %s runs %d modules as automatic islands (eager at replay):\n%s", name,
-                               len(self.auto_islands), explain(self.report, hf_model))
-            else:
-                self.capture_refusal = f"{name} cannot be captured as written: {explain(self.report, hf_model)}"
+        shared = hf_model.__dict__.get(_ADAPTED)
+        if shared is not None and not shared.restored:
+            if (shared.auto_islands_enabled, shared.fuse_enabled) != (auto_islands, fuse):
+                raise UnsupportedModelError(
+                    f"{name} already serves another engine with auto_islands={shared.auto_islands_enabled}, "
+                    f"fuse={shared.fuse_enabled}; a second engine on the same model object must use the same "
+                    "settings, or run a copy of the model (copy.deepcopy(model))")
+            self.state = shared  # the model is adapted: this engine runs the same modules
+        else:
+            self.state = Adaptation(auto_islands, fuse)
+            self._adapt(probe_tokens, fuse)
+            hf_model.__dict__[_ADAPTED] = self.state
+        self.notes: list[str] = list(self.state.fusion.notes)  # how this model runs, for telemetry
         self.check_tail(min(probe_tokens, 8))
+
+    def _adapt(self, probe_tokens: int, fuse: bool) -> None:
+        """Switches the attention, installs the islands, probes, fuses and routes the layers (see the module doc)."""
+        hf_model, body, state, cfg = self.hf, self.body, self.state, self.hf.config
+        name = type(hf_model).__name__
+        restore_islands(body)
+        if cfg._attn_implementation != NAME:
+            state.previous_attn_implementation = cfg._attn_implementation or "sdpa"
+        hf_model.set_attn_implementation(NAME)
+        if cfg._attn_implementation != NAME:
+            raise UnsupportedModelError(f"{name} cannot switch its attention to {NAME!r} (it does not dispatch "
+                                        "through transformers' AttentionInterface)")
+        state.dsa_islands = install_dsa_islands(body, state.island_kv_shapes, lambda: self._probing)
+        state.layer_calls = self._probe_layers(probe_tokens)
+        check_layer_calls(cfg, name, state.layer_calls, list(state.island_kv_shapes))
+        if fuse:
+            calls = {c.layer_idx: c for c in state.layer_calls}
+            state.fusion = fuse_modules(body, cfg, calls, set(state.island_kv_shapes),
+                                        lambda: self._one_request_run(probe_tokens))
+        state.report = self._probe_capturability(probe_tokens)
+        state.capture_refusal = body_refusal(body, state.report)
+        if state.report and state.capture_refusal is None:
+            if state.auto_islands_enabled:
+                state.auto_islands = install_auto_islands(body, state.report)
+                logger.warning("bcg: %s runs %d modules as automatic islands (eager at replay):\n%s", name,
+                               len(state.auto_islands), explain(state.report, hf_model))
+            else:
+                state.capture_refusal = f"{name} cannot be captured as written: {explain(state.report, hf_model)}"
+        install_layer_regions(body, self.config.num_layers)
+
+    # What the adaptation found, read through the shared state.
+    @property
+    def layer_calls(self) -> list[AttentionCall]:
+        return self.state.layer_calls
+
+    @property
+    def island_kv_shapes(self) -> dict[int, dict[str, tuple[int, ...]]]:
+        return self.state.island_kv_shapes
+
+    @property
+    def dsa_islands(self) -> list[str]:
+        return self.state.dsa_islands
+
+    @property
+    def auto_islands(self) -> list[str]:
+        return self.state.auto_islands
+
+    @property
+    def report(self) -> ProbeReport | None:
+        return self.state.report
+
+    @property
+    def capture_refusal(self) -> str | None:
+        return self.state.capture_refusal
+
+    @property
+    def previous_attn_implementation(self) -> str:
+        return self.state.previous_attn_implementation
+
+    @property
+    def is_restored(self) -> bool:
+        """Whether the model was given back (:meth:`restore`, by this engine or another on the same model)."""
+        return self.state.restored
 
     @property
     def body(self) -> nn.Module:
@@ -179,6 +262,12 @@ class HFCausalLM(nn.Module):
         with torch.inference_mode(), forward_context(ctx):
             yield ids.to(self.device), torch.arange(num_tokens, device=self.device)
 
+    @contextmanager
+    def _one_request_run(self, num_tokens: int) -> Iterator[Callable[[], None]]:
+        """:meth:`_one_request`, yielding a function that runs the decoder body on that request."""
+        with self._one_request(num_tokens) as (ids, positions):
+            yield lambda: self.forward_layers(self.embed(ids), positions)
+
     def _probe_capturability(self, num_tokens: int) -> ProbeReport:
         with self._one_request(num_tokens) as (ids, positions):
             hidden = self.embed(ids)
@@ -208,7 +297,17 @@ class HFCausalLM(nn.Module):
 
     # ------------------------------------------------------------------ the CausalLM interface
     def embed(self, input_ids: Tensor) -> Tensor:
-        """Token ids ``(T,)`` -> ``(T, hidden)`` through the model's own input embedding (eager)."""
+        """Token ids ``(T,)`` -> ``(T, hidden)`` through the model's own input embedding (eager).
+
+        Raises:
+            RuntimeError: the model was given back (:meth:`restore`): its modules no longer run bcg's attention, so
+                an engine on it would compute something else; build a new engine.
+        """
+        if self.state.restored:
+            raise RuntimeError(
+                f"the {type(self.hf).__name__} this engine serves was given back with restore() (by this engine or "
+                "another on the same model): its attention and modules are transformers' again, so this engine "
+                "cannot prefill with it. Build a new Engine(model) to serve it again")
         return self.embed_tokens(input_ids)
 
     def forward_layers(self, hidden: Tensor, positions: Tensor) -> Tensor:
@@ -233,18 +332,49 @@ class HFCausalLM(nn.Module):
         return KVPool.for_layers(layers, num_slots, device, kv_dtype)
 
     def set_kernels(self, impl: str) -> None:
-        """The fused kernels are the native models': a transformers model's modules run as written whatever
-        ``impl`` is, and ``"fused"`` says so (log and :attr:`notes`) rather than do nothing silently."""
+        """Runs the fused stand-ins' non-matmul ops with ``impl``: ``"fused"`` (bcg's kernels: Triton on CUDA, their
+        references elsewhere) or ``"torch"`` (the references); the modules left as written run as written.
+
+        Raises:
+            ValueError: ``impl`` is neither, or another engine on the same model runs the other one.
+        """
         if impl not in ("fused", "torch"):
             raise ValueError(f"kernels must be 'fused' or 'torch', got {impl!r}")
-        if impl == "fused":
-            note = ("kernels='fused' has no effect on a transformers model: its modules run as written (the fused "
-                    "kernels are the native models')")
-            if note not in self.notes:
-                self.notes.append(note)
-            logger.warning("bcg: %s", note)
+        if self.state.kernels not in (None, impl):
+            raise ValueError(
+                f"another engine on this {type(self.hf).__name__} runs its fused modules with "
+                f"kernels={self.state.kernels!r}; engines sharing a model object share its modules, so use the same "
+                "kernels, or run a copy of the model (copy.deepcopy(model))")
+        self.state.kernels = impl
+        self.state.fusion.set_kernels(impl)
 
     def restore(self) -> None:
-        """Gives the model back as it was: its previous attention implementation, no islands."""
+        """Gives the model back as it was: its previous attention implementation, its own modules and weights (each
+        parameter in its own storage again), no islands. Every engine on the model refuses to prefill from now on
+        (build a new one to serve it again). Idempotent."""
+        state = self.state
+        if state.restored:
+            return
+        state.fusion.restore()
+        remove_layer_regions(self.body)
         restore_islands(self.body)
-        self.hf.set_attn_implementation(self.previous_attn_implementation)
+        self.hf.set_attn_implementation(state.previous_attn_implementation)
+        state.restored = True
+        if self.hf.__dict__.get(_ADAPTED) is state:
+            del self.hf.__dict__[_ADAPTED]
+
+
+def check_devices(model: nn.Module) -> None:
+    """Refuses a model spread over devices, or built without weights (the meta device), naming the fix."""
+    name = type(model).__name__
+    tensors = [*model.parameters(), *model.buffers()]
+    if any(t.is_meta for t in tensors):
+        raise UnsupportedModelError(
+            f"{name}'s weights are on the meta device (it was built without weights: under torch.device('meta') "
+            "or init_empty_weights, or loaded with device_map='meta'), so there is nothing to run; load it with "
+            "its weights, e.g. AutoModelForCausalLM.from_pretrained(path, dtype=...), or pass the checkpoint "
+            "folder to Engine")
+    devices = {t.device for t in tensors}
+    if len(devices) != 1:
+        raise UnsupportedModelError(f"{name} has parameters on {sorted(map(str, devices))}; bcg runs a model on "
+                                    "one device: load it without device_map, then .to(device)")
