@@ -38,9 +38,12 @@ class FusedModule(nn.Module):
     def __init__(self, original: nn.Module, children: dict[str, nn.Module | nn.Parameter | None]) -> None:
         super().__init__()
         self.joined: list[JoinedWeight] = []
-        for name, child in children.items():  # before the original: registering checks that the name is free
-            if child is not None:
-                setattr(self, name, child)
+        # In the original's order (the state dict's), and before the original is set: registering checks that the
+        # name is free, which the fallback to the original's attributes would deny.
+        order = [n for n, _ in original.named_parameters(recurse=False)] + [n for n, _ in original.named_children()]
+        for name in sorted(children, key=lambda n: order.index(n) if n in order else len(order)):
+            if children[name] is not None:
+                setattr(self, name, children[name])
         self.__dict__["original"] = original
 
     def __getattr__(self, name: str) -> Any:
@@ -102,8 +105,8 @@ class FusedMLP(FusedModule):
     def __init__(self, original: nn.Module, names: tuple[str, ...], act: nn.Module | None) -> None:
         children = {n: getattr(original, n) for n in names}
         super().__init__(original, children)
-        self.down = children[names[-1]]
-        self.act = act
+        self.down_name = names[-1]
+        self.__dict__["act"] = act  # the original's (registered there), or None
         if len(names) == 3:
             gate, up = children[names[0]], children[names[1]]
             weight = JoinedWeight([gate.weight, up.weight])
@@ -119,10 +122,11 @@ class FusedMLP(FusedModule):
 
     def forward(self, x: Tensor) -> Tensor:
         gate_up = F.linear(x, self.gate_up_weight, self.gate_up_bias)
+        down = getattr(self, self.down_name)
         if self.act is None:
-            return self.down(fused.silu_and_mul(gate_up, impl=self.kernels))
+            return down(fused.silu_and_mul(gate_up, impl=self.kernels))
         gate, up = gate_up.chunk(2, dim=-1)
-        return self.down(self.act(gate) * up)
+        return down(self.act(gate) * up)
 
 
 class FusedDecoderLayer(FusedModule):

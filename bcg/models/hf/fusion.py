@@ -221,7 +221,7 @@ def _compare(got: Any, want: Any) -> str | None:
             continue
         rel = ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30)).item()
         if not rel <= TOLERANCE.get(b.dtype, 1e-5):
-            return f"its fused form differs from the module as written by {rel:.2g} (relative)"
+            return f"its fused form {_DIFFERS}{rel:.2g} (relative)"
     return None
 
 
@@ -345,6 +345,20 @@ def _notes(done: Counter[str], left: list[tuple[str, str]]) -> list[str]:
     notes = []
     if done:
         notes.append("fused at load: " + ", ".join(f"{done[k]} {words[k]}" for k in words if done[k]))
-    for (cls, why), n in Counter(left).items():
+    # One line per class and reason; measured differences are grouped under the largest.
+    grouped: dict[tuple[str, str], list[str]] = {}
+    for cls, why in left:
+        head, _, measured = why.partition(_DIFFERS)
+        grouped.setdefault((cls, head), []).append(measured)
+    for (cls, head), measured in grouped.items():
+        n = len(measured)
+        why = head if not measured[0] else f"{head}{_DIFFERS}up to {max(measured, key=_relative)}"
         notes.append(f"left as written: {cls} ({n} module{'s' if n > 1 else ''}): {why}")
     return notes
+
+
+_DIFFERS = "differs from the module as written by "
+
+
+def _relative(measured: str) -> float:
+    return float(measured.split(" ")[0])

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from bcg import env
 from bcg.capture_rules import UncapturableOpError
 from bcg.islands import is_capturing
 from bcg.models.hf import UnsupportedModelError, require_transformers
@@ -39,13 +40,14 @@ from bcg.models.hf.fusion import Fusion
 from bcg.models.hf.fusion import fuse as fuse_modules
 from bcg.models.hf.islands import body_refusal, explain, install_auto_islands, restore_islands
 from bcg.models.hf.layer_regions import install_layer_regions, remove_layer_regions
+from bcg.models.hf.load import check_devices
 from bcg.models.hf.support import LogitTail, check_config, check_layer_calls
 from bcg.ops.attention import BatchContext
 from bcg.ops.context import forward_context
 from bcg.ops.kv_cache import KVPool
 from bcg.probe import ProbeReport, find_uncapturable
 
-__all__ = ["Adaptation", "HFCausalLM", "HFModelConfig", "check_devices"]
+__all__ = ["Adaptation", "HFCausalLM", "HFModelConfig"]
 
 logger = logging.getLogger("bcg")
 _ADAPTED = "_bcg_adaptation"  # the model's attribute holding its Adaptation while bcg has it
@@ -94,7 +96,7 @@ class HFCausalLM(nn.Module):
         auto_islands: run modules a CUDA graph cannot capture as islands; False refuses graph capture instead.
         probe_tokens: tokens of the construction-time probe forwards.
         fuse: fuse what matches a known pattern at load (:mod:`bcg.models.hf.fusion`); False runs every module as
-            written.
+            written; None (default) fuses unless the debug switch ``BCG_HF_FUSION=off`` is set.
 
     Raises:
         UnsupportedModelError: the model does something bcg cannot honour (the message names it and the fix), or
@@ -114,8 +116,9 @@ class HFCausalLM(nn.Module):
     """
 
     def __init__(self, hf_model: nn.Module, *, auto_islands: bool = True, probe_tokens: int = 16,
-                 fuse: bool = True) -> None:
+                 fuse: bool | None = None) -> None:
         super().__init__()
+        fuse = env.hf_fusion() if fuse is None else fuse
         require_transformers("bcg's transformers path")
         register()
         cfg = hf_model.config
@@ -363,18 +366,3 @@ class HFCausalLM(nn.Module):
         if self.hf.__dict__.get(_ADAPTED) is state:
             del self.hf.__dict__[_ADAPTED]
 
-
-def check_devices(model: nn.Module) -> None:
-    """Refuses a model spread over devices, or built without weights (the meta device), naming the fix."""
-    name = type(model).__name__
-    tensors = [*model.parameters(), *model.buffers()]
-    if any(t.is_meta for t in tensors):
-        raise UnsupportedModelError(
-            f"{name}'s weights are on the meta device (it was built without weights: under torch.device('meta') "
-            "or init_empty_weights, or loaded with device_map='meta'), so there is nothing to run; load it with "
-            "its weights, e.g. AutoModelForCausalLM.from_pretrained(path, dtype=...), or pass the checkpoint "
-            "folder to Engine")
-    devices = {t.device for t in tensors}
-    if len(devices) != 1:
-        raise UnsupportedModelError(f"{name} has parameters on {sorted(map(str, devices))}; bcg runs a model on "
-                                    "one device: load it without device_map, then .to(device)")
