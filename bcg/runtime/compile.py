@@ -45,7 +45,7 @@ COMPILERS = ("inductor", "traced")
 logger = logging.getLogger("bcg")
 # The loggers a failed (or successful) trace writes to; quiet unless BCG_COMPILE_LOG is set.
 _COMPILER_LOGGERS = ("torch._dynamo", "torch._inductor", "torch.fx.experimental.symbolic_shapes", "torch._guards",
-                     "torch._functorch", "torch._subclasses")
+                     "torch._functorch", "torch._subclasses", "torch.__trace")
 
 
 class CompileRefused(RuntimeError):
@@ -182,6 +182,7 @@ def _refusal(layer: torch.nn.Module, ids: LayerIds, e: BaseException, compiler: 
         reason = ("it calls an @eager_on_graph island that is not one of bcg's custom ops (dynamo cannot trace an "
                   "island's wrapper)")
     elif "ConstraintViolation" in type(e).__name__ or "Constraints violated" in text:
+        at = ""  # dynamo reports where the guard was checked, not the line that made it
         reason = ("its code makes the token count a constant (dynamo specialised the dynamic dimension), so one "
                   "trace cannot serve every bucket")
     original = getattr(layer, "original", None)

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -34,23 +34,21 @@ from bcg import env
 from bcg.capture_rules import UncapturableOpError
 from bcg.islands import is_capturing
 from bcg.models.hf import UnsupportedModelError, require_transformers
-from bcg.models.hf.attention import NAME, AttentionCall, recording_calls, register
+from bcg.models.hf.adaptation import Adaptation
+from bcg.models.hf.attention import NAME, AttentionCall, register
 from bcg.models.hf.dsa import install_dsa_islands
-from bcg.models.hf.fusion import Fusion
 from bcg.models.hf.fusion import fuse as fuse_modules
 from bcg.models.hf.islands import body_refusal, explain, install_auto_islands, restore_islands
-from bcg.models.hf.layer_regions import install_layer_regions, remove_layer_regions
+from bcg.models.hf.layer_regions import install_layer_regions
 from bcg.models.hf.load import check_devices
+from bcg.models.hf.probes import one_request, probe_layers
 from bcg.models.hf.support import LogitTail, check_config, check_layer_calls
-from bcg.ops.attention import BatchContext
-from bcg.ops.context import forward_context
 from bcg.ops.kv_cache import KVPool
 from bcg.probe import ProbeReport, find_uncapturable
 
-__all__ = ["Adaptation", "HFCausalLM", "HFModelConfig"]
+__all__ = ["HFCausalLM", "HFModelConfig"]
 
 logger = logging.getLogger("bcg")
-_ADAPTED = "_bcg_adaptation"  # the model's attribute holding its Adaptation while bcg has it
 
 
 @dataclass(frozen=True)
@@ -64,28 +62,6 @@ class HFModelConfig:
     hidden_size: int
     num_layers: int
     max_position_embeddings: int
-
-
-class Adaptation:
-    """What bcg changed in one transformers model, shared by every :class:`HFCausalLM` built on it while it lasts.
-
-    Engines built on one model object run the same modules (the same islands, the same fused stand-ins), so a
-    second engine reuses what the first found instead of changing the model under the first one's graphs. Once any
-    of them calls :meth:`HFCausalLM.restore`, the model is given back and every engine on it refuses to prefill.
-    """
-
-    def __init__(self, auto_islands: bool, fuse: bool) -> None:
-        self.auto_islands_enabled, self.fuse_enabled = auto_islands, fuse
-        self.previous_attn_implementation = "sdpa"
-        self.layer_calls: list[AttentionCall] = []
-        self.island_kv_shapes: dict[int, dict[str, tuple[int, ...]]] = {}
-        self.dsa_islands: list[str] = []
-        self.auto_islands: list[str] = []
-        self.report: ProbeReport | None = None
-        self.capture_refusal: str | None = None
-        self.fusion: Fusion = Fusion()
-        self.kernels: str | None = None
-        self.restored = False
 
 
 class HFCausalLM(nn.Module):
@@ -141,18 +117,17 @@ class HFCausalLM(nn.Module):
                                     cfg.num_hidden_layers, getattr(cfg, "max_position_embeddings", 0) or 0)
         self.tail = LogitTail.from_config(cfg)
         self._probing = False
-        shared = hf_model.__dict__.get(_ADAPTED)
-        if shared is not None and not shared.restored:
-            if (shared.auto_islands_enabled, shared.fuse_enabled) != (auto_islands, fuse):
-                raise UnsupportedModelError(
-                    f"{name} already serves another engine with auto_islands={shared.auto_islands_enabled}, "
-                    f"fuse={shared.fuse_enabled}; a second engine on the same model object must use the same "
-                    "settings, or run a copy of the model (copy.deepcopy(model))")
+        shared = Adaptation.of(hf_model, auto_islands, fuse)
+        if shared is not None:
             self.state = shared  # the model is adapted: this engine runs the same modules
         else:
             self.state = Adaptation(auto_islands, fuse)
-            self._adapt(probe_tokens, fuse)
-            hf_model.__dict__[_ADAPTED] = self.state
+            try:
+                self._adapt(probe_tokens, fuse)
+            except BaseException:  # refused half way: the model is given back as it was, not half adapted
+                self.state.restore(hf_model, body)
+                raise
+            self.state.attach(hf_model)
         self.notes: list[str] = list(self.state.fusion.notes)  # how this model runs, for telemetry
         self.check_tail(min(probe_tokens, 8))
 
@@ -191,20 +166,12 @@ class HFCausalLM(nn.Module):
         return self.state.layer_calls
 
     @property
-    def island_kv_shapes(self) -> dict[int, dict[str, tuple[int, ...]]]:
-        return self.state.island_kv_shapes
-
-    @property
     def dsa_islands(self) -> list[str]:
         return self.state.dsa_islands
 
     @property
     def auto_islands(self) -> list[str]:
         return self.state.auto_islands
-
-    @property
-    def report(self) -> ProbeReport | None:
-        return self.state.report
 
     @property
     def capture_refusal(self) -> str | None:
@@ -232,47 +199,25 @@ class HFCausalLM(nn.Module):
     def lm_head(self) -> nn.Module:
         return self._parts["head"]
 
-    # ------------------------------------------------------------------ probes
+    # ------------------------------------------------------------------ probes (bcg.models.hf.probes)
     def _probe_layers(self, num_tokens: int) -> list[AttentionCall]:
-        """One forward that records every attention call (computing nothing) and the DSA islands' cache shapes."""
-        self._probing = True
+        self._probing = True  # the DSA islands record what they cache
         try:
-            with torch.inference_mode(), recording_calls() as calls:
-                ids = torch.arange(num_tokens, device=self.device) % self.config.vocab_size
-                self.forward_layers(self.embed(ids), torch.arange(num_tokens, device=self.device))
+            return probe_layers(self, num_tokens)
         finally:
             self._probing = False
-        name = type(self.hf).__name__
-        seen = sorted(c.layer_idx for c in calls)  # DSA module islands run the model's module, which calls it too
-        if seen != list(range(self.config.num_layers)):
-            raise UnsupportedModelError(
-                f"{name}: the attention function ran for layers {seen}, expected one call for each of the "
-                f"{self.config.num_layers} layers; some attention modules bypass transformers' AttentionInterface")
-        dtypes = {c.dtype for c in calls}
-        if len(dtypes) > 1:
-            raise UnsupportedModelError(f"{name}: its layers' keys come in several dtypes {sorted(map(str, dtypes))}")
-        return sorted(calls, key=lambda c: c.layer_idx)
 
-    @contextmanager
-    def _one_request(self, num_tokens: int) -> Iterator[tuple[Tensor, Tensor]]:
-        """A forward context of one request of ``num_tokens`` over a small pool of its own; yields (ids, positions)."""
-        pool = self.make_kv_pool(num_tokens, self.device, self.dtype)
-        slots = torch.arange(num_tokens, device=self.device)
-        cu = torch.tensor([0, num_tokens], dtype=torch.int32, device=self.device)
-        ctx = BatchContext(num_tokens, num_tokens, [num_tokens], [0], cu, cu, num_tokens, num_tokens, slots, slots,
-                           pool)
-        ids = torch.randint(0, self.config.vocab_size, (num_tokens,), generator=torch.Generator().manual_seed(0))
-        with torch.inference_mode(), forward_context(ctx):
-            yield ids.to(self.device), torch.arange(num_tokens, device=self.device)
+    def _one_request(self, num_tokens: int) -> AbstractContextManager[tuple[Tensor, Tensor]]:
+        return one_request(self, num_tokens)
 
     @contextmanager
     def _one_request_run(self, num_tokens: int) -> Iterator[Callable[[], None]]:
-        """:meth:`_one_request`, yielding a function that runs the decoder body on that request."""
-        with self._one_request(num_tokens) as (ids, positions):
+        """:func:`~bcg.models.hf.probes.one_request`, yielding a function that runs the decoder body on it."""
+        with one_request(self, num_tokens) as (ids, positions):
             yield lambda: self.forward_layers(self.embed(ids), positions)
 
     def _probe_capturability(self, num_tokens: int) -> ProbeReport:
-        with self._one_request(num_tokens) as (ids, positions):
+        with one_request(self, num_tokens) as (ids, positions):
             hidden = self.embed(ids)
             with find_uncapturable(self.body) as report:
                 self.forward_layers(hidden, positions)
@@ -286,7 +231,7 @@ class HFCausalLM(nn.Module):
             UnsupportedModelError: the model does something before its decoder body or after it (a logit scale,
                 soft-capping, an input scale) that the adapter does not reproduce.
         """
-        with self._one_request(num_tokens) as (ids, positions):
+        with one_request(self, num_tokens) as (ids, positions):
             ours = self.compute_logits(self.forward_layers(self.embed(ids), positions))
             theirs = self.hf(input_ids=ids[None], position_ids=positions[None], use_cache=False).logits[0].float()
         rel = ((ours - theirs).abs().max() / theirs.abs().max().clamp_min(1e-12)).item()
@@ -329,7 +274,7 @@ class HFCausalLM(nn.Module):
         the keys' dtype: ``dtype`` is the engine's and is used only when the probe saw no keys)."""
         shapes = [{"k": (c.key[1], c.key[3]), "v": (c.value[1], c.value[3])} for c in self.layer_calls]
         by_layer = {c.layer_idx: s for c, s in zip(self.layer_calls, shapes)}
-        by_layer.update(self.island_kv_shapes)
+        by_layer.update(self.state.island_kv_shapes)
         layers = [by_layer[i] for i in range(self.config.num_layers)]
         kv_dtype = self.layer_calls[0].dtype if self.layer_calls else dtype
         return KVPool.for_layers(layers, num_slots, device, kv_dtype)
@@ -355,14 +300,5 @@ class HFCausalLM(nn.Module):
         """Gives the model back as it was: its previous attention implementation, its own modules and weights (each
         parameter in its own storage again), no islands. Every engine on the model refuses to prefill from now on
         (build a new one to serve it again). Idempotent."""
-        state = self.state
-        if state.restored:
-            return
-        state.fusion.restore()
-        remove_layer_regions(self.body)
-        restore_islands(self.body)
-        self.hf.set_attn_implementation(state.previous_attn_implementation)
-        state.restored = True
-        if self.hf.__dict__.get(_ADAPTED) is state:
-            del self.hf.__dict__[_ADAPTED]
+        self.state.restore(self.hf, self.body)
 

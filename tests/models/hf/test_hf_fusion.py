@@ -10,7 +10,7 @@ from hf_cases import make_model, one_thread, prompts, reference_copy, reference_
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import bcg.models.hf.fusion as fusion
+import bcg.models.hf.patterns as patterns
 from bcg.models.config import get_preset
 from bcg.models.hf.fused import FusedModule
 from bcg.models.hf.fused_attention import rope_layout
@@ -133,8 +133,8 @@ def test_a_module_that_matches_no_pattern_is_left_as_written():
 
 
 def test_a_stand_in_that_differs_from_its_module_is_not_kept(monkeypatch):
-    real = fusion.rope_layout
-    monkeypatch.setattr(fusion, "rope_layout", lambda f, d, s: real(f * 1.01, d, s))  # a wrong rotary table
+    real = patterns.rope_layout
+    monkeypatch.setattr(patterns, "rope_layout", lambda f, d, s: real(f * 1.01, d, s))  # a wrong rotary table
     hf = make_model("qwen3")
     want = reference_logits(reference_copy(hf), prompts())
     eng = Engine(hf, backend="eager", **SMALL)
