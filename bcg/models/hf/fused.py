@@ -17,6 +17,7 @@ answers any other attribute from it, and runs bcg's fused kernels (:mod:`bcg.ops
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -27,6 +28,10 @@ from bcg.models.hf.joined import JoinedWeight
 from bcg.ops import kernels as fused
 
 __all__ = ["FusedDecoderLayer", "FusedMLP", "FusedModule", "FusedRMSNorm", "NormSpec"]
+
+# The kernels' plain-torch references run F.rms_norm with gemma's fp32 (1 + w) on half-precision rows, which is the
+# arithmetic gemma does; torch notes at every such call that it cannot use its own fused CPU path for mixed dtypes.
+warnings.filterwarnings("ignore", message="Mismatch dtype between input and weight", category=UserWarning)
 
 
 class FusedModule(nn.Module):

@@ -46,8 +46,8 @@ def test_compiled_layers_break_at_their_islands_and_match_transformers(arch):
 def test_a_layer_that_calls_an_island_dynamo_cannot_trace_is_refused_in_one_line():
     eng = Engine(make_model("deepseek_v32"), backend="breakable", compile="traced", **SMALL)
     assert re.fullmatch(
-        r"compile='traced' failed: CompileRefused: torch.compile cannot trace DeepseekV32DecoderLayer "
-        r"\(fused by bcg\), layer 0 at hf/fused.py:\d+ \(forward\): it calls an @eager_on_graph island that is not "
+        r"compile='traced' failed: CompileRefused: torch.compile cannot trace DeepseekV32DecoderLayer, layer 0 at "
+        r"deepseek_v32/modeling_deepseek_v32.py:\d+ \(forward\): it calls an @eager_on_graph island that is not "
         r"one of bcg's custom ops \(dynamo cannot trace an island's wrapper\). Fix: run without compile= \(the "
         r"engine now serves the uncompiled layer stack, graphs included\); BCG_COMPILE_LOG=1 shows dynamo's log of "
         r"the attempt",

@@ -75,6 +75,14 @@ def test_notes_say_what_was_fused_and_what_was_left_as_written(arch, fused, left
     assert rest == left
 
 
+def test_dsa_models_run_as_written():
+    """Their indexer's top-k could pick other keys after other roundings (in bf16 it did), so nothing is fused."""
+    eng = Engine(make_model("deepseek_v32"), backend="eager", **SMALL)
+    assert eng.telemetry.notes == ["not fused: the DSA indexer's top-k could pick other keys after the fused kernels' "
+                                   "different roundings; every module runs as written"]
+    assert not any(isinstance(m, FusedModule) for m in eng.model.hf.modules())
+
+
 def test_weights_are_joined_not_copied():
     hf = make_model("qwen2")  # q/k/v biases too
 
