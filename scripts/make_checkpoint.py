@@ -21,8 +21,8 @@ SHAPES = {
                                        num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
                                        head_dim=128, max_position_embeddings=40960, rope_theta=1000000.0,
                                        rms_norm_eps=1e-6, tie_word_embeddings=True)),
-    # Llama-3.2-1B: hidden 2048, 16 layers, 32 query / 8 KV heads of 64, rope_theta 500000, tied embeddings (its
-    # llama3 RoPE scaling left out: positions under 8192 rotate the same either way in the benchmarks' lengths).
+    # Llama-3.2-1B: hidden 2048, 16 layers, 32 query / 8 KV heads of 64, rope_theta 500000, tied embeddings (without
+    # its llama3 RoPE scaling: other frequencies, the same work).
     "llama-3.2-1b": ("LlamaConfig", dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192,
                                          num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
                                          head_dim=64, max_position_embeddings=131072, rope_theta=500000.0,

@@ -131,6 +131,10 @@ class CompiledLayers:
                 out = self.model.forward_layers(hidden, positions)
         finally:
             self._num_tokens = None
+        if self.num_graphs == 0:
+            raise CompileRefused(f"torch.compile compiled nothing: {type(self.model).__name__}'s layers do not run "
+                                 "through bcg.models.regions.run_layer (its layer loop, or body.layers for a "
+                                 "transformers model). Fix: run without compile=")
         logger.info("bcg: compile=%r traced %d layer graph(s) for %d layers", self.compiler, self.num_graphs,
                     self.model.config.num_layers)
         return out

@@ -46,6 +46,7 @@ from bcg.models.hf.patterns import (
     mlp_names,
     norm_spec,
 )
+from bcg.ops.kernels import fused_available
 
 __all__ = ["Fusion", "fuse"]
 
@@ -168,6 +169,9 @@ def _swap(where: tuple[nn.Module, str], module: nn.Module, make: Callable[[], Fu
         stand_in = make()
     except NoMatch as e:
         return str(e)
+    # Checked with the kernels it will run by default: Triton where it runs (an impl it cannot launch fails here).
+    device = next(iter(stand_in.parameters()), torch.empty(0)).device
+    stand_in.kernels = "fused" if fused_available(device) else "torch"
     parent, name = where
     setattr(parent, name, stand_in)
     args, kwargs, want = recorded[module]
