@@ -3,12 +3,14 @@
 Engines built on one model object run the same modules (the same islands, the same fused stand-ins, the same
 attention implementation), so a second :class:`~bcg.models.hf.model.HFCausalLM` on a model another one adapted
 reuses what the first found (:meth:`Adaptation.of`) instead of changing the model under the first one's graphs; one
-asking for other settings is refused when it is built. :meth:`Adaptation.restore` gives the model back, after which
+asking for other settings is refused when it is built, unless no adapter of the model is alive any more (the model is
+then given back and adapted anew). :meth:`Adaptation.restore` gives the model back, after which
 every engine on it refuses to prefill (``restored``): its modules are transformers' again.
 """
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 from torch import nn
@@ -39,16 +41,21 @@ class Adaptation:
         self.fusion = Fusion()
         self.kernels: str | None = None
         self.restored = False
+        self.adapters: weakref.WeakSet = weakref.WeakSet()  # the HFCausalLMs running the model through this
 
     @staticmethod
-    def of(model: nn.Module, auto_islands: bool, fuse: bool) -> Adaptation | None:
-        """The live adaptation of ``model``, if another adapter made one with these settings.
+    def of(model: nn.Module, body: nn.Module, auto_islands: bool, fuse: bool) -> Adaptation | None:
+        """The live adaptation of ``model``, if another adapter made one with these settings; None if there is none
+        (an adaptation no adapter uses any more is given back first).
 
         Raises:
-            UnsupportedModelError: it was made with other settings.
+            UnsupportedModelError: a live one was made with other settings.
         """
         shared = model.__dict__.get(_ATTR)
         if shared is None:
+            return None
+        if not shared.adapters:  # every engine that used it is gone: start clean
+            shared.restore(model, body)
             return None
         if (shared.auto_islands_enabled, shared.fuse_enabled) != (auto_islands, fuse):
             raise UnsupportedModelError(
@@ -57,9 +64,10 @@ class Adaptation:
                 "must use the same settings, or run a copy of the model (copy.deepcopy(model))")
         return shared
 
-    def attach(self, model: nn.Module) -> None:
-        """Marks ``model`` as adapted by this (later adapters share it)."""
+    def attach(self, model: nn.Module, adapter: nn.Module) -> None:
+        """Marks ``model`` as adapted by this (later adapters share it) and ``adapter`` as one running it."""
         model.__dict__[_ATTR] = self
+        self.adapters.add(adapter)
 
     def restore(self, model: nn.Module, body: nn.Module) -> None:
         """Gives ``model`` back: its own modules and weights, no islands, its previous attention (idempotent)."""

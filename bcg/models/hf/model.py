@@ -117,9 +117,10 @@ class HFCausalLM(nn.Module):
                                     cfg.num_hidden_layers, getattr(cfg, "max_position_embeddings", 0) or 0)
         self.tail = LogitTail.from_config(cfg)
         self._probing = False
-        shared = Adaptation.of(hf_model, auto_islands, fuse)
+        shared = Adaptation.of(hf_model, body, auto_islands, fuse)
         if shared is not None:
             self.state = shared  # the model is adapted: this engine runs the same modules
+            shared.attach(hf_model, self)
         else:
             self.state = Adaptation(auto_islands, fuse)
             try:
@@ -127,7 +128,7 @@ class HFCausalLM(nn.Module):
             except BaseException:  # refused half way: the model is given back as it was, not half adapted
                 self.state.restore(hf_model, body)
                 raise
-            self.state.attach(hf_model)
+            self.state.attach(hf_model, self)
         self.notes: list[str] = list(self.state.fusion.notes)  # how this model runs, for telemetry
         self.check_tail(min(probe_tokens, 8))
 
@@ -293,7 +294,8 @@ class HFCausalLM(nn.Module):
         """
         if impl not in ("fused", "torch"):
             raise ValueError(f"kernels must be 'fused' or 'torch', got {impl!r}")
-        if self.state.kernels not in (None, impl):
+        others = [a for a in self.state.adapters if a is not self]
+        if self.state.kernels not in (None, impl) and others:
             raise ValueError(
                 f"another engine on this {type(self.hf).__name__} runs its fused modules with "
                 f"kernels={self.state.kernels!r}; engines sharing a model object share its modules, so use the same "

@@ -3,6 +3,8 @@ every case is right or refused by name, never a silent wrong answer."""
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 from engine_cache import max_diff
@@ -55,6 +57,16 @@ def test_a_second_engine_with_other_settings_is_refused_when_built():
         Engine(hf, backend="eager", kernels="fused", **SMALL)
     with pytest.raises(UnsupportedModelError, match="already serves another engine with auto_islands=True"):
         Engine(hf, backend="eager", auto_islands=False, **SMALL)
+
+
+def test_an_adaptation_no_engine_uses_any_more_gives_way():
+    hf = make_model("qwen3")
+    want = reference_logits(reference_copy(hf), prompts(CHUNKED))
+    first = Engine(hf, backend="eager", kernels="torch", **SMALL)
+    del first
+    gc.collect()
+    eng = Engine(hf, backend="eager", kernels="fused", auto_islands=False, **SMALL)  # other settings: adapted anew
+    assert eng.config.kernels == "fused" and max_diff(eng.prefill(prompts(CHUNKED)).logits, want) <= 1e-4
 
 
 @pytest.mark.parametrize("device", [None, "cpu"])
