@@ -1,12 +1,12 @@
-"""The ``bcg`` command: ``bcg bench`` (latency, build and memory of every backend), ``bcg analyze`` (should
-this model use breakable graphs here, and with which ceiling) and ``bcg verify`` (where a graph departs from eager,
-:mod:`bcg.cli_verify`).
+"""The ``bcg`` command: ``bcg bench`` (latency, build and memory of every backend), ``bcg analyze`` (should this model
+use breakable graphs here, and with which ceiling) and ``bcg verify`` (where a graph departs from eager).
 
-Every flag maps 1:1 to a field of :class:`~bcg.bench.config.BenchConfig` or :class:`~bcg.bench.config.AnalyzeConfig`
-(``--no-memory`` sets ``memory=False``). Tables go to stdout, progress bars to stderr, and the last line printed is
-one JSON object summarising the run; the full results are in ``--out``/results.json next to the PNGs. Under
-tensor parallel (``torchrun --nproc-per-node N -m bcg bench --tp N``) every rank measures, and only rank 0 prints and
-writes files. This file parses the flags and sets the process up; the runs themselves are :mod:`bcg.cli_run`'s.
+Every flag maps 1:1 to a field of :class:`~bcg.bench.config.BenchConfig`, :class:`~bcg.bench.config.AnalyzeConfig`
+or :class:`~bcg.bench.config.VerifyConfig` (``--no-memory`` sets ``memory=False``), and its help shows its default.
+Tables go to stdout, progress bars to stderr, and the last line printed is one JSON object summarising the run; the
+full results are in ``--out``/results.json next to the PNGs. Under tensor parallel (``torchrun --nproc-per-node N -m
+bcg bench --tp N``) every rank measures, and only rank 0 prints and writes files. This file parses the flags and
+sets the process up; the runs themselves are :mod:`bcg.cli_run`'s, the verify flags :mod:`bcg.cli_verify`'s.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import contextlib
 import io
 import logging
 import sys
+from collections.abc import Iterator
 from dataclasses import fields
 from typing import Any
 
@@ -24,7 +25,8 @@ from bcg.cli_run import is_main_rank, run_analyze, run_bench
 __all__ = ["build_parser", "main"]
 
 
-def _int_list(flag: str) -> Any:
+def int_list(flag: str) -> Any:
+    """An argparse type parsing a comma list of positive ints (``flag`` names it in argparse's errors)."""
     def parse(text: str) -> list[int]:
         from bcg.bench.checks import parse_int_list
 
@@ -49,44 +51,54 @@ def _backend_list(text: str) -> list[str]:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-def _both(gpu: Any, cpu: Any) -> str:
+def both(gpu: Any, cpu: Any) -> str:
+    """A default that depends on the machine, as help text."""
     return f"{gpu} on CUDA, {cpu} on the CPU"
 
 
-def _common(p: argparse.ArgumentParser, out: str) -> None:
+def engine_flags(p: argparse.ArgumentParser, model_help: str, model: str | None = None) -> None:
+    """The flags every command shares: what runs, where, and with which chunk, seed and progress bars."""
+    from bcg.bench.checks import DTYPES, MAX_CHUNK
     from bcg.bench.config import CPU_DEFAULTS as C
     from bcg.bench.config import CUDA_DEFAULTS as G
-    from bcg.bench.config import MAX_CHUNK, RUNS, WARMUP
     from bcg.models.config import PRESETS
     from bcg.models.model_impl import MODEL_IMPLS
 
-    p.add_argument("--model", default=None,
-                   help=f"a preset ({', '.join(PRESETS)}) or a Hugging Face checkpoint folder (config.json and "
-                   f"*.safetensors); default: {_both(G.model, C.model)}")
+    p.add_argument("--model", default=model, help=f"a preset ({', '.join(PRESETS)}) or a Hugging Face checkpoint "
+                   f"folder (config.json and *.safetensors); default: {model_help}")
     p.add_argument("--model-impl", default="auto", choices=list(MODEL_IMPLS),
                    help="what runs a checkpoint folder: bcg's own model classes (native: llama, qwen3, qwen3_moe), "
                    "its transformers code as written (transformers), or native where bcg has the architecture "
-                   "(auto, the default)")
+                   "(auto) (default: %(default)s)")
+    p.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda when a GPU is visible)")
+    p.add_argument("--dtype", default=None, choices=list(DTYPES),
+                   help=f"weights and activations (default: {both('bfloat16', 'float32')})")
+    p.add_argument("--chunked-prefill-size", type=int, default=None,
+                   help=f"tokens per forward, at most {MAX_CHUNK} (default: "
+                   f"{both(G.chunked_prefill_size, C.chunked_prefill_size)}, for every command alike)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random weights and prompts (default: %(default)s)")
+    p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                   help="progress bars on stderr (default: on when stderr is a terminal, off in logs and pipes)")
+
+
+def _measure_flags(p: argparse.ArgumentParser, out: str) -> None:
+    """The flags of bench and analyze: how often to time, on how many threads, and where the results go."""
+    from bcg.bench.config import CPU_DEFAULTS as C
+    from bcg.bench.config import CUDA_DEFAULTS as G
+    from bcg.bench.config import RUNS, WARMUP
+
+    engine_flags(p, both(G.model, C.model))
     p.add_argument("--runs", type=int, default=RUNS,
                    help="timed runs per measurement; the median is reported with its interquartile range "
                    "(default: %(default)s)")
     p.add_argument("--warmup", type=int, default=WARMUP, help="untimed runs before timing (default: %(default)s)")
     p.add_argument("--out", default=out, help="output folder for results.json and the PNGs, checked for writing "
                    "before anything runs (default: %(default)s)")
-    p.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda when a GPU is visible)")
-    p.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"],
-                   help=f"weights and activations (default: {_both('bfloat16', 'float32')})")
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (default: torch's own on CUDA, 1 on the CPU: one thread keeps CPU "
                    "timings repeatable on a busy machine)")
-    p.add_argument("--chunked-prefill-size", type=int, default=None,
-                   help=f"tokens per forward, at most {MAX_CHUNK} (default: "
-                   f"{_both(G.chunked_prefill_size, C.chunked_prefill_size)}, for bench and analyze alike)")
-    p.add_argument("--seed", type=int, default=0,
-                   help="seed of the random weights and prompts (default: %(default)s)")
-    p.add_argument("--no-plots", dest="plots", action="store_false", help="skip the PNGs")
-    p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
-                   help="progress bars on stderr (default: on when stderr is a terminal, off in logs and pipes)")
+    p.add_argument("--no-plots", dest="plots", action="store_false",
+                   help="skip the PNGs, and remove those of an earlier run in --out (default: draw them)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -94,6 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
     from bcg import __version__
     from bcg.bench.config import CPU_DEFAULTS as C
     from bcg.bench.config import CUDA_DEFAULTS as G
+    from bcg.bench.config import AnalyzeConfig, BenchConfig
+    from bcg.cli_verify import add_parser as add_verify
 
     parser = argparse.ArgumentParser(prog="bcg", description="Breakable CUDA graphs for LLM prefill: measure "
                                      "and judge. Without a GPU every graph runs under the CPU emulation; its "
@@ -102,52 +116,56 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="{bench,analyze,verify}")
     bench = sub.add_parser("bench", help="isolated prefill latency, build time and memory of every backend",
                            description="One request at a time, fixed input lengths, every backend; plus a "
-                           "many-request batch, build times and the peak-memory experiment (CUDA only; one "
-                           "chunk-sized prefill per capture ceiling).")
-    _common(bench, "out/bench")
+                           "many-request batch, build times, the device time of each row (CUDA) and the peak-memory "
+                           "experiment (CUDA only; one chunk-sized prefill per capture ceiling).")
+    _measure_flags(bench, "out/bench")
     bench.add_argument("--backends", type=_backend_list, default=None,
-                       help=f"comma list of variants: a backend (eager, breakable, full, tc_piecewise) with "
-                       "optional +fused (fused kernels, else plain torch ops) and +inductor or +traced (compile the "
-                       "layer stack), e.g. breakable+fused (default: "
-                       f"{_both(','.join(G.backends), ','.join(C.backends))}); plain eager is always measured as "
+                       help="comma list of variants: a backend (eager, breakable, full, tc_piecewise) with "
+                       "optional +fused (fused kernels, else plain torch ops) and +inductor or +traced (the layer "
+                       "stack compiled by Inductor, or traced by dynamo with no code generated: compile='inductor' "
+                       "or 'traced'), e.g. breakable+fused (default: "
+                       f"{both(','.join(G.backends), ','.join(C.backends))}); plain eager is always measured as "
                        "the baseline")
-    bench.add_argument("--lengths", type=_int_list("lengths"), default=None,
-                       help=f"comma list of input lengths (default: "
-                       f"{_both(','.join(map(str, G.lengths)), ','.join(map(str, C.lengths)))})")
+    bench.add_argument("--lengths", type=int_list("lengths"), default=None,
+                       help=f"comma list of input lengths, each at most the model's context (default: "
+                       f"{both(','.join(map(str, G.lengths)), ','.join(map(str, C.lengths)))})")
+    bench.add_argument("--tc-compiler", default="inductor", choices=("inductor", "traced"),
+                       help="what compiles tc_piecewise's pieces: inductor, or traced (dynamo's trace, no code "
+                       "generated: what runs under the CPU emulation) (default: %(default)s)")
     bench.add_argument("--batch-requests", type=int, default=16,
                        help="requests in the extra many-request batch per length, 1 turns it off "
                        "(default: %(default)s)")
-    bench.add_argument("--no-memory", dest="memory", action="store_false", help="skip the memory experiment")
+    bench.add_argument("--no-memory", dest="memory", action="store_false",
+                       help="skip the memory experiment (default: run it on CUDA)")
     bench.add_argument("--no-profile", dest="profile", action="store_false",
-                       help="skip the profiler's kernel floor")
+                       help="skip the profiler: no device time, host overhead or kernel floor per row "
+                       "(default: profile on CUDA)")
     bench.add_argument("--interleave", action="store_true",
                        help="build every variant first and time them in turn at each length, so drift of the "
                        "machine lands on all alike (default: build, measure and free one variant at a time)")
     bench.add_argument("--tp", type=int, default=1,
-                       help="tensor parallel ranks; launch with torchrun --nproc-per-node TP (default 1)")
-    bench.set_defaults(func=run_bench, parser=bench)
+                       help="tensor parallel ranks; launch with torchrun --nproc-per-node TP (default: %(default)s)")
+    bench.set_defaults(func=run_bench, parser=bench, config=BenchConfig)
 
     an = sub.add_parser("analyze", help="measure p, launch gap, coverage and graph memory; give a verdict",
                         description="Measures the launch-gap share, the island share p of a breakable replay, "
                         "bucket coverage of a prompt-length distribution and resident graph memory, then says "
                         "whether breakable graphs pay and which capture ceiling to use.")
-    _common(an, "out/analyze")
-    an.add_argument("--lengths", type=_int_list("lengths"), default=None,
+    _measure_flags(an, "out/analyze")
+    an.add_argument("--lengths", type=int_list("lengths"), default=None,
                     help="prompt-length distribution, comma list (default: --num-prompts seeded log-uniform "
                     "lengths in 16..chunk)")
     an.add_argument("--lengths-file", default=None,
-                    help="prompt lengths, one or more per line (replaces --lengths)")
+                    help="prompt lengths, one or more per line (replaces --lengths; default: none)")
     an.add_argument("--num-prompts", type=int, default=256, help="size of the default length sample "
                     "(default: %(default)s)")
     an.add_argument("--length", type=int, default=None,
                     help=f"representative input length for the timings, at most --max-tokens (default: "
-                    f"{_both(G.length, C.length)})")
+                    f"{both(G.length, C.length)})")
     an.add_argument("--max-tokens", type=int, default=None,
                     help="capture ceiling, at most the chunk size (default: the chunk size)")
-    an.set_defaults(func=run_analyze, parser=an)
-    from bcg.cli_verify import add_parser as add_verify
-
-    add_verify(sub, _int_list)
+    an.set_defaults(func=run_analyze, parser=an, config=AnalyzeConfig)
+    add_verify(sub)
     return parser
 
 
@@ -157,38 +175,10 @@ def _version_line(version: str) -> str:
     return f"bcg {version} (distribution bcg-prefill; torch {torch.__version__})"
 
 
-def _config(cls: type, ns: argparse.Namespace) -> Any:
-    return cls(**{f.name: getattr(ns, f.name) for f in fields(cls)})
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``bcg`` console script and ``python -m bcg``; returns the exit status.
-
-    0: measured; 1: the run could not measure (e.g. the eager baseline failed to build), one line on stderr;
-    2: a bad flag, with the usage line and one line naming it (nothing has run yet).
-
-    Example::
-
-        main(["bench", "--device", "cpu", "--lengths", "16,32", "--runs", "2", "--out", "/tmp/b"])
-    """
-    from bcg.bench.checks import check_out_dir
-    from bcg.bench.config import AnalyzeConfig, BenchConfig, BenchError, cpu_banner
-    from bcg.bench.report import summary_line
-
-    parser = build_parser()
-    ns = parser.parse_args(argv)
-    if ns.command == "verify":
-        from bcg.cli_verify import run as run_verify
-
-        logging.basicConfig(level=logging.WARNING, format="%(message)s")
-        return run_verify(ns)
-    cls = BenchConfig if ns.command == "bench" else AnalyzeConfig
-    try:
-        cfg = _config(cls, ns).resolved()
-        check_out_dir(cfg.out)  # before the run: an unwritable folder must not cost its results
-    except ValueError as e:
-        ns.parser.error(str(e))  # exits 2 with the subcommand's usage line and the message on stderr
-    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+@contextlib.contextmanager
+def _process(cfg: Any, parser: argparse.ArgumentParser) -> Iterator[None]:
+    """Sets the process up for a run and restores it after: the CUDA device, the torch threads, the tensor parallel
+    group (a launch without torchrun is a usage error), and stdout silenced on every rank but 0."""
     import torch
 
     if not cfg.emulated:
@@ -200,33 +190,65 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(cfg, "tp", 1) > 1:  # tensor parallel: join the group now, so every rank knows whether it reports
         import torch.distributed as dist
 
-        from bcg.ops.parallel import init_tensor_parallel
+        from bcg.ops.parallel import TensorParallelError, init_tensor_parallel
 
         owns_group = not dist.is_initialized()
-        init_tensor_parallel(cfg.tp, torch.device(cfg.device))
+        try:
+            init_tensor_parallel(cfg.tp, torch.device(cfg.device))
+        except TensorParallelError as e:
+            parser.error(f"--tp {cfg.tp}: {e}")
     quiet = not is_main_rank()  # every rank measures; only rank 0 prints
     if quiet:
         cfg.progress = False
     threads = torch.get_num_threads()
     try:
         with contextlib.redirect_stdout(io.StringIO()) if quiet else contextlib.nullcontext():
-            if cfg.threads is not None:
+            if getattr(cfg, "threads", None) is not None:
                 torch.set_num_threads(cfg.threads)
-            if cfg.emulated:
-                print(cpu_banner(ns.command, cfg.model, torch.get_num_threads()))
-            try:
-                summary = ns.func(cfg)
-            except BenchError as e:
-                print(f"bcg {ns.command}: error: {e}", file=sys.stderr)
-                return 1
-            print(summary_line(summary))
+            yield
     finally:
         torch.set_num_threads(threads)  # main() called as a function leaves the process as it found it
         if owns_group:
             from bcg.ops.parallel import shutdown_tensor_parallel
 
             shutdown_tensor_parallel()
-    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``bcg`` console script and ``python -m bcg``; returns the exit status.
+
+    0: measured (verify: no divergence); 1: the run could not measure (e.g. the eager baseline failed to build, or
+    no row was measured), or verify found a divergence, one line on stderr; 2: a bad flag, with the usage line and
+    one line naming it (nothing has run yet); 130: interrupted (Ctrl-C).
+
+    Example::
+
+        main(["bench", "--device", "cpu", "--lengths", "16,32", "--runs", "2", "--out", "/tmp/b"])
+    """
+    from bcg.bench.checks import check_out_dir
+    from bcg.bench.config import BenchError
+    from bcg.bench.results import summary_line
+
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    try:
+        cfg = ns.config(**{f.name: getattr(ns, f.name) for f in fields(ns.config)}).resolved()
+        if hasattr(cfg, "out"):
+            check_out_dir(cfg.out)  # before the run: an unwritable folder must not cost its results
+    except ValueError as e:
+        ns.parser.error(str(e))  # exits 2 with the subcommand's usage line and the message on stderr
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    try:
+        with _process(cfg, ns.parser):
+            summary = ns.func(cfg)
+            print(summary_line(summary))
+    except BenchError as e:
+        print(f"bcg {ns.command}: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"bcg {ns.command}: interrupted", file=sys.stderr)
+        return 130
+    return 1 if summary.get("ok") is False else 0
 
 
 if __name__ == "__main__":

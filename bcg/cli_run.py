@@ -1,30 +1,17 @@
-"""The runs behind ``bcg bench`` and ``bcg analyze``: measure, write results.json and the PNGs, print the tables, and
-return the one-line summary.
+"""The runs behind ``bcg bench``, ``bcg analyze`` and ``bcg verify``: each takes its resolved config, prints the
+header, measures, writes results.json and the PNGs, prints the tables, and returns the fields of the one-line summary.
 
 Apart from :mod:`bcg.cli`, which parses the flags into a config and sets the process up (device, threads, tensor
-parallel group): each run here takes the resolved config and nothing else. As in :mod:`bcg.cli`, torch and the
-measurement modules are imported only when a run starts.
+parallel group). As in :mod:`bcg.cli`, torch and the measurement modules are imported only when a run starts.
 """
 
 from __future__ import annotations
 
 import platform
-import sys
 from pathlib import Path
 from typing import Any
 
-__all__ = ["is_main_rank", "run_analyze", "run_bench"]
-
-
-def _environment(device: str, emulated: bool) -> dict[str, Any]:
-    import torch
-
-    env = {"torch": torch.__version__, "python": platform.python_version(), "platform": platform.platform(),
-           "cuda": torch.version.cuda, "device": device, "emulated": emulated, "device_name": "cpu",
-           "torch_threads": torch.get_num_threads()}
-    if not emulated:
-        env["device_name"] = torch.cuda.get_device_name(torch.device(device))
-    return env
+__all__ = ["is_main_rank", "run_analyze", "run_bench", "run_verify"]
 
 
 def is_main_rank() -> bool:
@@ -34,12 +21,15 @@ def is_main_rank() -> bool:
     return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
 
 
-def _plot(kind: str, fn: Any, *args: Any) -> str | None:
-    try:
-        return str(fn(*args))
-    except Exception as e:  # a failed figure must not lose the measurements
-        print(f"bcg: could not draw the {kind} plot: {type(e).__name__}: {e}", file=sys.stderr)
-        return None
+def _environment(cfg: Any) -> dict[str, Any]:
+    import torch
+
+    from bcg.bench.checks import check_model
+
+    return {"torch": torch.__version__, "python": platform.python_version(), "platform": platform.platform(),
+            "cuda": torch.version.cuda, "device": cfg.device, "emulated": cfg.emulated,
+            "device_name": "cpu" if cfg.emulated else torch.cuda.get_device_name(torch.device(cfg.device)),
+            "torch_threads": torch.get_num_threads(), "model_impl": check_model(cfg.model, cfg.model_impl)}
 
 
 def _title(cfg: Any, env: dict[str, Any]) -> str:
@@ -47,62 +37,69 @@ def _title(cfg: Any, env: dict[str, Any]) -> str:
 
 
 def run_bench(cfg: Any) -> dict[str, Any]:
-    """``bcg bench`` with a resolved :class:`~bcg.bench.config.BenchConfig`; returns the summary line's fields."""
-    from bcg.bench import plots
-    from bcg.bench.bench_report import CPU_PLOT_NOTE, CPU_SPEEDUP_NOTE, format_bench, geomean_speedups
+    """``bcg bench`` with a resolved :class:`~bcg.bench.config.BenchConfig`."""
+    from bcg.bench import plots, text
     from bcg.bench.latency import run_latency
     from bcg.bench.memory import run_memory
-    from bcg.bench.report import jsonable, write_json
+    from bcg.bench.results import bench_results, bench_summary, write_json
 
-    env = _environment(cfg.device, cfg.emulated)
+    env = _environment(cfg)
+    print(text.header("bench", cfg, env), flush=True)
     lat = run_latency(cfg)
-    mem = (run_memory(cfg.model, cfg.device, cfg.dtype, cfg.seed, cfg.chunked_prefill_size, cfg.progress, cfg.tp,
-                      cfg.model_impl) if cfg.memory else None)
-    note = CPU_SPEEDUP_NOTE if cfg.emulated else None
-    results: dict[str, Any] = {"schema": "bcg.bench/2", "kind": "bench", "config": vars(cfg), "environment": env,
-                               "speedup_note": note, "builds": lat.builds, "rows": lat.rows,
-                               "batch_rows": lat.batch_rows, "memory": mem}
-    data = jsonable(results)
-    out = Path(cfg.out)
-    pngs: list[str] = []
-    writes = is_main_rank()  # tensor parallel: only rank 0 writes files
-    if cfg.plots and data["rows"] and writes:
-        title = _title(cfg, env)
-        pngs += [_plot("latency", plots.plot_latency, data["rows"], out / "latency.png", title),
-                 _plot("speedup", plots.plot_speedup, data["rows"], out / "speedup.png",
-                       title + (f"\n{CPU_PLOT_NOTE}" if cfg.emulated else ""))]
-        if mem is not None and mem.available:
-            pngs.append(_plot("memory", plots.plot_memory, data["memory"]["rows"], out / "memory.png", title))
-    data["plots"] = [p for p in pngs if p]
-    path = write_json(out / "results.json", data) if writes else None
-    print(format_bench(cfg, lat, mem, cfg.emulated))
-    return {"kind": "bench", "model": cfg.model, "device": env["device_name"], "emulated": cfg.emulated,
-            "tp": cfg.tp, "lengths": cfg.lengths, "geomean_speedup": geomean_speedups(lat.rows, cfg.backends),
-            "speedup_note": note, "unavailable": {b.backend: b.error for b in lat.builds if not b.available},
-            "results": str(path), "plots": data["plots"]}
+    mem = run_memory(cfg.engine_spec()) if cfg.memory else None
+    results = bench_results(cfg, env, lat, mem)
+    path = None
+    if is_main_rank():  # tensor parallel: every rank measures, rank 0 writes
+        figures = plots.bench_figures(results, _title(cfg, env)) if cfg.plots else {}
+        results["plots"] = plots.write_plots(figures, cfg.out, plots.BENCH_PLOTS)
+        path = write_json(Path(cfg.out) / "results.json", results)
+    print(text.format_bench(cfg, lat, mem, cfg.emulated))
+    return bench_summary(cfg, results, lat, path)
 
 
 def run_analyze(cfg: Any) -> dict[str, Any]:
-    """``bcg analyze`` with a resolved :class:`~bcg.bench.config.AnalyzeConfig`; returns the summary line's fields."""
-    from bcg.bench import plots
-    from bcg.bench.analyze import format_analysis, run_analyze
-    from bcg.bench.report import jsonable, write_json
+    """``bcg analyze`` with a resolved :class:`~bcg.bench.config.AnalyzeConfig`."""
+    from bcg.bench import analyze, plots, text
+    from bcg.bench.results import analyze_summary, jsonable, write_json
 
-    env = _environment(cfg.device, cfg.emulated)
-    a = run_analyze(cfg, env)
+    env = _environment(cfg)
+    print(text.header("analyze", cfg, env), flush=True)
+    a = analyze.run_analyze(cfg, env)
     a["config"] = vars(cfg)
     data = jsonable(a)
-    out = Path(cfg.out)
-    pngs = []
-    if cfg.plots and a["replay"].get("bucket") is not None:
-        pngs.append(_plot("analyze", plots.plot_analyze, data, out / "analyze.png", _title(cfg, env)))
-    data["plots"] = [p for p in pngs if p]
-    path = write_json(out / "results.json", data)
-    print(format_analysis(a))
-    am, t = a["amdahl"], a["timing"]
-    return {"kind": "analyze", "model": cfg.model, "device": env["device_name"], "emulated": cfg.emulated,
-            "p": am.get("p"), "s_max": am.get("s_max"), "launch_gap_share": t["launch_gap_share"],
-            "predicted_speedup": am.get("predicted_speedup"), "measured_speedup": t["measured_speedup"],
-            "prediction_error": am.get("prediction_error"), "coverage": a["coverage"]["graph_fraction"],
-            "recommended_ceiling": a["verdict"]["recommended_ceiling"], "pays": a["verdict"]["pays"],
-            "verdict": a["verdict"]["sentence"], "results": str(path), "plots": data["plots"]}
+    title = _title(cfg, env)
+    replays = cfg.plots and a["replay"].get("bucket") is not None
+    figures = {"analyze.png": lambda: plots.analyze_figure(data, title)} if replays else {}
+    data["plots"] = plots.write_plots(figures, cfg.out, plots.ANALYZE_PLOTS)
+    path = write_json(Path(cfg.out) / "results.json", data)
+    print(text.format_analysis(a))
+    return analyze_summary(cfg, data, path)
+
+
+def run_verify(cfg: Any) -> dict[str, Any]:
+    """``bcg verify`` with a resolved :class:`~bcg.bench.config.VerifyConfig`: one report per batch size on stdout;
+    the summary's ``ok`` is False when a bucket diverges or no batch size replays a graph (exit status 1)."""
+    from bcg.bench.config import BenchError
+    from bcg.errors import first_line
+    from bcg.runtime import Engine
+    from bcg.runtime.runner.verify import verify_segments
+
+    config = cfg.engine_config()
+    try:
+        engine = Engine(cfg.model, config)
+    except Exception as e:  # a model that cannot be built is one line, as in bench and analyze
+        raise BenchError(f"the {config.backend} engine of {cfg.model!r} could not be built ({first_line(e)})") from e
+    reports, skipped = [], {}
+    for n in cfg.num_tokens or sorted(engine.runner.handles):
+        try:
+            report = verify_segments(engine.runner, n, cfg.tolerance, cfg.seed)
+        except ValueError as e:  # this size runs eagerly: nothing to compare
+            skipped[n] = str(e)
+            print(f"{n} tokens: skipped, {e}")
+            continue
+        reports.append(report)
+        print(report)
+    return {"kind": "verify", "model": str(cfg.model), "backend": config.backend,
+            "ok": bool(reports) and all(r.ok for r in reports), "buckets": sorted({r.bucket for r in reports}),
+            "skipped": skipped, "max_diff": max((r.max_diff for r in reports), default=None),
+            "first_divergence": {str(r.bucket): r.to_dict()["first_divergence"] for r in reports if not r.ok}}

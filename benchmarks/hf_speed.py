@@ -175,7 +175,7 @@ def _engine_rows(eng: Any, prompts: dict[int, torch.Tensor], args: argparse.Name
     out: dict[str, Any] = {"build_ms": eng.build_ms, "compile_ms": tel.compile_ms, "capture_ms": tel.capture_ms,
                            "compile_error": tel.compile_error, "refused": tel.refused_reason, "notes": tel.notes,
                            "kernels_option": eng.config.kernels, "by_length": {}}
-    layers = getattr(eng.runner.layers, "num_graphs", None)
+    layers = getattr(eng.runner.step.layers, "num_graphs", None)
     if layers is not None:
         out["layer_graphs"] = layers
     for n, p in prompts.items():

@@ -43,7 +43,7 @@ try:
 except ImportError:  # run from a checkout without installing it
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bcg.bench.report import table
+from bcg.bench.tables import table
 from bcg.graph import EagerStep
 from bcg.runtime import Engine
 

@@ -22,6 +22,9 @@ def _load(path: str) -> dict:
     data = json.loads(Path(path).read_text())
     if data.get("kind") != "bench":
         raise SystemExit(f"{path} is not a bcg bench results.json")
+    if data.get("schema") != "bcg.bench/3":
+        raise SystemExit(f"{path} has schema {data.get('schema')!r}; this script reads bcg.bench/3 (run bcg bench "
+                         "again)")
     return data
 
 
@@ -36,12 +39,13 @@ def compare(one: dict, many: dict) -> tuple[list[str], dict]:
         base = rows_one.get((r["backend"], r["input_len"]))
         if base is None or r["backend"] == "eager":
             continue
-        s1, sn = base.get("speedup_vs_eager"), r.get("speedup_vs_eager")
+        s1, sn = (x["speedup"] and x["speedup"]["over_eager"] for x in (base, r))
         ratio = sn / s1 if s1 and sn else None
         if ratio is not None:
             ratios.setdefault(r["backend"], []).append(ratio)
-        lines.append(f"| {r['backend']} | {r['input_len']} | {base['median_ms']:.2f} | {s1 or 0:.2f}x | "
-                     f"{r['median_ms']:.2f} | {sn or 0:.2f}x | {ratio if ratio is not None else float('nan'):.2f} |")
+        lines.append(f"| {r['backend']} | {r['input_len']} | {base['wall']['median_ms']:.2f} | {s1 or 0:.2f}x | "
+                     f"{r['wall']['median_ms']:.2f} | {sn or 0:.2f}x | "
+                     f"{ratio if ratio is not None else float('nan'):.2f} |")
     builds_one = {b["backend"]: b for b in one["builds"]}
     lines += ["", f"| backend | capture ms TP=1 | capture ms TP={tp} | ratio |", "|---|---:|---:|---:|"]
     capture: dict[str, float | None] = {}

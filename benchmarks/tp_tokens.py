@@ -24,8 +24,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bcg.bench.checks import parse_int_list
-from bcg.bench.engines import free_memory, make_prompts
-from bcg.bench.report import table
+from bcg.bench.engines import make_prompts, release_memory
+from bcg.bench.tables import table
 from bcg.models.config import get_preset
 from bcg.models.loader import config_from_hf
 from bcg.ops.parallel import init_tensor_parallel, shutdown_tensor_parallel
@@ -42,7 +42,7 @@ def _run(model: str, backend: str, tp_size: int, prompts: list[torch.Tensor], ar
         res = eng.prefill([prompt])
         out.append((res.logits[0].float().cpu(), all(b.graph_used for b in res.batches)))
     del eng
-    free_memory()
+    release_memory()
     return out
 
 

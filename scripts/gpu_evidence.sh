@@ -7,6 +7,9 @@
 #   STEPS    which steps, in order (default: tests models checkpoint hf baseline kernel_tests)
 #   MODELS   presets for the models step (default: llama-dense llama-dense-2k gptoss-moe glm-dsa)
 #   ANALYZE_MODELS  presets that also get `bcg analyze` (default: llama-dense)
+#   DEVICE_MODELS / DEVICE_ARGS  models and flags of the device step (benchmarks/device_bound.py: wall against
+#            device time per length, whether a prefill ever synchronises, one timeline); device_baseline runs the
+#            same on the code in .baseline/ (an export of an earlier commit's bcg/) for a before/after
 #   BENCH_ARGS / ANALYZE_ARGS / TEST_ARGS / HF_ARGS  extra flags; T_* the per-step time limits in seconds.
 set -uo pipefail
 source "$(dirname "$0")/steps.sh"
@@ -18,7 +21,7 @@ steps=" ${STEPS:-tests models checkpoint hf baseline kernel_tests} "
 bench_args=${BENCH_ARGS:---runs 10 --warmup 3 --batch-requests 1 --no-memory}
 bench() {  # bench NAME MODEL [FLAGS...]
   local name=$1 model=$2; shift 2
-  step "bench-$name" "${T_BENCH:-150}" python3 -m bcg bench --model "$model" --no-progress --out "$work/bench-$name" \
+  step "bench-$name" "${T_BENCH:-240}" python3 -m bcg bench --model "$model" --no-progress --out "$work/bench-$name" \
     $bench_args "$@"
 }
 case $steps in *" tests "*)  # the fused kernels' own 583 cases are the kernel_tests step
@@ -50,5 +53,17 @@ case $steps in *" baseline "*)
         --no-profile --no-plots --no-progress --out "$work/baseline-$side"
     done
   fi ;; esac
+device_models=${DEVICE_MODELS:-llama-dense,gptoss-moe,glm-dsa,llama-3.2-1b,qwen3-0.6b}
+case $steps in *" device "*)
+  step device "${T_DEVICE:-300}" python3 benchmarks/device_bound.py --models "$device_models" --timeline \
+    --backends "${DEVICE_BACKENDS:-breakable}" \
+    --out "$work/device" ${DEVICE_ARGS:-} ;; esac
+case $steps in *" device_baseline "*)
+  if [ -d .baseline/bcg ]; then
+    step device_baseline "${T_DEVICE:-240}" env PYTHONPATH="$PWD/.baseline" python3 benchmarks/device_bound.py \
+      --models "$device_models" --out "$work/device-baseline" ${DEVICE_ARGS:-}
+  fi ;; esac
+case $steps in *" host_path "*)
+  step host_path 120 python3 benchmarks/host_path.py --model llama-dense --tokens 64 --out "$work/host_path" ;; esac
 case $steps in *" kernel_tests "*)
   step kernel_tests "${T_KERNELS:-150}" python3 -m pytest -q -m cuda -p no:cacheprovider -rf tests/ops/kernels ;; esac

@@ -38,8 +38,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bcg.bench.engines import free_memory, make_prompts  # noqa: E402 - after the repository root is importable
-from bcg.bench.report import summary_line  # noqa: E402
+from bcg.bench.engines import make_prompts, release_memory  # noqa: E402 - after the repository root is importable
+from bcg.bench.results import summary_line  # noqa: E402
 from bcg.bench.timing import time_fn  # noqa: E402
 from bcg.errors import first_line  # noqa: E402
 from bcg.runtime import Engine  # noqa: E402
@@ -141,7 +141,7 @@ def _fp32_logits(hf: Any, prompts: dict[int, torch.Tensor], run: Run) -> dict[in
             if logits is not None:
                 out[n] = logits
     del twin
-    free_memory()
+    release_memory()
     return out
 
 
@@ -177,7 +177,7 @@ def _engine_rows(make: Any, label: str, prompts: dict[int, torch.Tensor], ref: d
     for n, p in prompts.items():
         rows[n] = run.step(f"{label} {n}", measure, eng, p) or {}
     del eng
-    free_memory()
+    release_memory()
     return result
 
 
@@ -209,7 +209,7 @@ def run_shape(shape: str, spec: tuple[str, dict], args: argparse.Namespace, run:
         result["tf_eager"] = _engine_rows(functools.partial(Engine, hf, **{**_opts(args), "backend": "eager"}),
                                           f"{shape}: transformers path, no graphs", prompts, ref, args, run)
     del hf
-    free_memory()
+    release_memory()
     if shape in NATIVE and folder is not None and not args.skip_native:
         result["native_breakable"] = _engine_rows(lambda: Engine(folder, model_impl="native", **_opts(args)),
                                                   f"{shape}: native", prompts, ref, args, run)

@@ -19,17 +19,18 @@ import math
 import statistics
 import time
 from collections import defaultdict
+from dataclasses import replace
 from typing import Any
 
 import torch
 
 from bcg.bench import amdahl
 from bcg.bench.config import AnalyzeConfig, BenchError
-from bcg.bench.engines import BuildRecord, engine_for, make_prompts, one_batch
+from bcg.bench.engines import BuildRecord, EngineSpec, engine_for, make_prompts, one_batch
 from bcg.bench.timing import Marks, gpu_kernel_ms, sync, time_fn
-from bcg.bench.verdict import PAYS_THRESHOLD, format_analysis, verdict
+from bcg.bench.verdict import verdict
 
-__all__ = ["PAYS_THRESHOLD", "format_analysis", "run_analyze", "sample_lengths", "verdict"]
+__all__ = ["run_analyze", "sample_lengths"]
 
 
 def sample_lengths(n: int, low: int, high: int, seed: int) -> list[int]:
@@ -166,15 +167,13 @@ def run_analyze(cfg: AnalyzeConfig, environment: dict[str, Any]) -> dict[str, An
         a = run_analyze(AnalyzeConfig(model="tiny-dense", device="cpu").resolved(), environment={})
         a["amdahl"]["p"], a["verdict"]["sentence"]
     """
-    chunk, length = cfg.chunked_prefill_size, cfg.length
+    chunk, length, spec = cfg.chunked_prefill_size, cfg.length, cfg.engine_spec()
     lengths = cfg.lengths or sample_lengths(cfg.num_prompts, 16, chunk, cfg.seed)
-    common = dict(device=cfg.device, dtype=cfg.dtype, seed=cfg.seed, chunked_prefill_size=chunk,
-                  progress=cfg.progress, model_impl=cfg.model_impl)
     a: dict[str, Any] = {"schema": "bcg.analyze/1", "kind": "analyze", "environment": environment}
     timing: dict[str, Any] = {"length": length}
     record = BuildRecord("breakable")
-    # Breakable first, eager (with the profiler) last: CUPTI then never runs before a graph capture.
-    with engine_for(cfg.model, "breakable", max_tokens=cfg.max_tokens, record=record, **common) as eng:
+    # Breakable first, eager (with the profiler) last: CUPTI then never runs before a timed forward.
+    with engine_for(spec, "breakable", record) as eng:
         if eng is None:
             raise BenchError(f"the breakable engine of {cfg.model!r} could not be built ({record.error})")
         a["model"] = _describe_model(eng, cfg.model)
@@ -185,11 +184,12 @@ def run_analyze(cfg: AnalyzeConfig, environment: dict[str, Any]) -> dict[str, An
         a["memory"] = _memory(eng, record)
     del eng
     eager_record = BuildRecord("eager")
-    with engine_for(cfg.model, "eager", max_tokens=chunk, record=eager_record, **common) as eng:
+    with engine_for(spec.replace(max_tokens=chunk), "eager", eager_record) as eng:
         if eng is None:
             raise BenchError(f"the eager engine of {cfg.model!r} could not be built ({eager_record.error})")
         timing["eager_forward_ms"], timing["eager_kernel_ms"] = _forward_time(eng, prompt, cfg, kernel=True)
     del eng
+    timing["breakable_kernel_ms"] = _breakable_kernel_ms(spec, prompt, cfg)
     a["build"] = vars(record)
     timing["launch_gap_share"] = amdahl.launch_gap_share(timing["eager_kernel_ms"], timing["eager_forward_ms"])
     timing["launch_bound"] = amdahl.launch_bound(timing["eager_forward_ms"], timing["eager_kernel_ms"])
@@ -198,6 +198,17 @@ def run_analyze(cfg: AnalyzeConfig, environment: dict[str, Any]) -> dict[str, An
     a["amdahl"] = _amdahl(timing, replay)
     a["verdict"] = verdict(a)
     return a
+
+
+def _breakable_kernel_ms(spec: EngineSpec, prompt: torch.Tensor, cfg: AnalyzeConfig) -> float | None:
+    """The device time of one breakable forward, profiled in a fresh engine after every timed forward (the profiler,
+    once loaded, slows later host work); ``None`` on a CPU or when it no longer replays a graph."""
+    if cfg.emulated:
+        return None
+    with engine_for(spec.replace(progress=False), "breakable") as eng:
+        if eng is None or eng.runner.choose(prompt.numel())[0] is None:
+            return None
+        return _forward_time(eng, prompt, replace(cfg, runs=1, warmup=0), kernel=True)[1]
 
 
 def _amdahl(timing: dict[str, Any], replay: dict[str, Any]) -> dict[str, Any]:

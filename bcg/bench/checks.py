@@ -1,5 +1,5 @@
-"""Checks of the ``bcg bench`` / ``bcg analyze`` flags that need more than a type: lists of lengths, the model, the
-device, the dtype and the output folder.
+"""Checks of the ``bcg bench`` / ``bcg analyze`` / ``bcg verify`` flags that need more than a type: lists of lengths,
+the model (and the lengths its context holds), the device, the dtype and the output folder.
 
 Each check raises ``ValueError`` with one line naming the flag, the bad value and the fix; the CLI prints it as a
 usage error (exit status 2) before anything is built or measured.
@@ -13,9 +13,15 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["check_device", "check_dtype", "check_model", "check_out_dir", "parse_int_list", "read_lengths_file"]
+__all__ = ["DTYPES", "MAX_CHUNK", "MAX_LENGTH", "check_chunk", "check_context", "check_counts", "check_device",
+           "check_dtype", "check_lengths", "check_model", "check_out_dir", "check_threads", "parse_int_list",
+           "read_lengths_file"]
 
 DTYPES = ("bfloat16", "float16", "float32")
+# Bounds on what one flag can make a run do: a chunk of 16384 tokens is a 74-bucket ladder (a 131072-token one
+# would be 298 captures), and a 128k-token prompt is a long-context request, not a typo.
+MAX_CHUNK = 16384
+MAX_LENGTH = 131072
 
 
 def parse_int_list(text: str) -> list[int]:
@@ -64,13 +70,14 @@ def read_lengths_file(path: str) -> list[int]:
         raise ValueError(f"--lengths-file {path!r}: {e}") from None
 
 
-def check_model(model: str, model_impl: str = "auto") -> None:
+def check_model(model: str, model_impl: str = "auto") -> str:
     """Accepts a preset name or a loadable checkpoint folder (``config.json`` and ``*.safetensors`` of a model the
-    implementation ``model_impl`` picks can run); raises ValueError saying what is missing and listing the presets.
+    implementation ``model_impl`` picks can run) and returns the implementation that will run it (``"native"`` or
+    ``"transformers"``); raises ValueError saying what is missing and listing the presets.
 
     Example::
 
-        check_model("tiny-dense")          # fine
+        check_model("tiny-dense")          # 'native'
         check_model("/tmp/empty-folder")   # ValueError: --model '/tmp/empty-folder' has no config.json ...
     """
     from bcg.models.config import PRESETS
@@ -79,21 +86,15 @@ def check_model(model: str, model_impl: str = "auto") -> None:
         if model_impl == "transformers":
             raise ValueError(f"--model {model!r} is a preset (one of bcg's own models); --model-impl transformers "
                              "needs a checkpoint folder")
-        return
+        return "native"
     presets = f"presets: {', '.join(PRESETS)}"
     folder = Path(model)
     if not folder.is_dir():
         raise ValueError(f"--model {model!r} is neither a preset nor a checkpoint folder ({presets})")
-    config = folder / "config.json"
-    if not config.is_file():
+    if not (folder / "config.json").is_file():
         raise ValueError(f"--model {model!r} has no config.json, so it is not a Hugging Face checkpoint folder "
                          f"(give a folder with config.json and *.safetensors, or a preset; {presets})")
-    try:
-        hf = json.loads(config.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"--model {model!r}: config.json cannot be read: {e}") from None
-    if not isinstance(hf, dict):
-        raise ValueError(f"--model {model!r}: config.json is not a JSON object")
+    hf = _hf_config(model)
     from bcg.models.model_impl import resolve_model_impl
 
     try:
@@ -104,11 +105,73 @@ def check_model(model: str, model_impl: str = "auto") -> None:
         import transformers
 
         if hf.get("model_type") not in transformers.CONFIG_MAPPING:
-            native = "" if model_impl == "transformers" else "neither one bcg implements natively nor "
-            raise ValueError(f"--model {model!r}: model_type {hf.get('model_type')!r} is {native}one transformers "
+            what = "not one" if model_impl == "transformers" else "neither one bcg implements natively nor one"
+            raise ValueError(f"--model {model!r}: model_type {hf.get('model_type')!r} is {what} transformers "
                              f"{transformers.__version__} knows")
     if not any(folder.glob("*.safetensors")):
         raise ValueError(f"--model {model!r} has config.json but no *.safetensors weights")
+    return impl
+
+
+def _hf_config(model: str) -> dict:
+    try:
+        hf = json.loads((Path(model) / "config.json").read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"--model {model!r}: config.json cannot be read: {e}") from None
+    if not isinstance(hf, dict):
+        raise ValueError(f"--model {model!r}: config.json is not a JSON object")
+    return hf
+
+
+def check_context(flag: str, lengths: list[int], model: str, impl: str) -> None:
+    """Refuses prompt lengths beyond the model's context (``max_position_embeddings``, which the engine refuses to
+    prefill past), naming the longest one allowed; a checkpoint run by transformers that states no context passes.
+
+    Example::
+
+        check_context("--lengths", [64, 8192], "tiny-dense", "native")   # ValueError: ... context of 4096 tokens
+    """
+    from bcg.models.config import PRESETS
+
+    if model in PRESETS:
+        context: int | None = PRESETS[model].max_position_embeddings
+    elif impl == "native":
+        from bcg.models.loader import config_from_hf
+
+        context = config_from_hf(_hf_config(model)).max_position_embeddings
+    else:
+        stated = _hf_config(model).get("max_position_embeddings")
+        context = stated if isinstance(stated, int) and stated > 0 else None
+    longest = max(lengths)
+    if context is not None and longest > context:
+        raise ValueError(f"{flag}: {longest} tokens is more than {model!r} holds (its context is {context} tokens, "
+                         f"max_position_embeddings); give lengths up to {context}")
+
+
+def check_counts(runs: int, warmup: int, chunk: int) -> None:
+    if runs < 1:
+        raise ValueError(f"--runs must be >= 1, got {runs}")
+    if warmup < 0:
+        raise ValueError(f"--warmup must be >= 0, got {warmup}")
+    check_chunk(chunk)
+
+
+def check_chunk(chunk: int) -> None:
+    if not 1 <= chunk <= MAX_CHUNK:
+        raise ValueError(f"--chunked-prefill-size must be in [1, {MAX_CHUNK}], got {chunk}")
+
+
+def check_lengths(flag: str, lengths: list[int]) -> None:
+    if not lengths:
+        raise ValueError(f"{flag} is empty; give a comma-separated list such as 64,128,256")
+    bad = [n for n in lengths if not 1 <= n <= MAX_LENGTH]
+    if bad:
+        raise ValueError(f"{flag}: {bad[0]} is outside [1, {MAX_LENGTH}] tokens")
+
+
+def check_threads(threads: int | None) -> None:
+    if threads is not None and threads < 1:
+        raise ValueError(f"--threads must be >= 1, got {threads}")
 
 
 def check_device(device: str) -> None:

@@ -1,28 +1,32 @@
-"""Configuration of ``bcg bench`` and ``bcg analyze``: one dataclass each, its fields named like the CLI flags.
+"""Configuration of ``bcg bench``, ``bcg analyze`` and ``bcg verify``: one dataclass each, its fields named like the
+CLI flags (``--chunked-prefill-size`` is ``chunked_prefill_size``).
 
-Fields left ``None`` take a device-dependent default in :meth:`BenchConfig.resolved` /
-:meth:`AnalyzeConfig.resolved`, the same for both commands (:data:`CUDA_DEFAULTS`, :data:`CPU_DEFAULTS`): on
-CUDA the paper-sized ``llama-dense`` sweep, without CUDA a small ``tiny-dense`` run under the CPU emulation that
-finishes in seconds, on one torch thread so its timings hold still on a shared machine. Validation raises ``ValueError``
-with a message the CLI prints as a usage error; :class:`BenchError` is a run that could not measure anything.
+Fields left ``None`` take a device-dependent default in ``resolved()``, the same for every command
+(:data:`CUDA_DEFAULTS`, :data:`CPU_DEFAULTS`): on CUDA the paper-sized ``llama-dense`` sweep, without CUDA a small
+``tiny-dense`` run under the CPU emulation that finishes in seconds, on one torch thread so its timings hold still on
+a shared machine. Validation raises ``ValueError`` with a message the CLI prints as a usage error;
+:class:`BenchError` is a run that could not measure anything. ``engine_spec()`` / ``engine_config()`` turn a resolved
+config into what its engines are built from.
 """
 
 from __future__ import annotations
 
+import math
 import sys
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import torch
 
-from bcg.bench.checks import check_device, check_dtype, check_model, read_lengths_file
+from bcg.bench import checks
 
-__all__ = ["AnalyzeConfig", "BenchConfig", "BenchError", "CPU_DEFAULTS", "CUDA_DEFAULTS", "MAX_CHUNK",
-           "MAX_LENGTH", "MachineDefaults", "cpu_banner", "default_device", "machine_defaults"]
+if TYPE_CHECKING:
+    from bcg.bench.engines import EngineSpec
+    from bcg.runtime.config import EngineConfig
 
-# Bounds on what one flag can make a run do: a chunk of 16384 tokens is a 74-bucket ladder (a 131072-token one
-# would be 298 captures), and a 128k-token prompt is a long-context request, not a typo.
-MAX_CHUNK = 16384
-MAX_LENGTH = 131072
+__all__ = ["AnalyzeConfig", "BenchConfig", "BenchError", "CPU_DEFAULTS", "CUDA_DEFAULTS", "MachineDefaults",
+           "VerifyConfig", "default_device"]
+
 RUNS, WARMUP = 20, 5
 
 
@@ -57,49 +61,17 @@ def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def machine_defaults(cuda: bool) -> MachineDefaults:
-    """The defaults of a CUDA machine or of the CPU emulation."""
-    return CUDA_DEFAULTS if cuda else CPU_DEFAULTS
+class _Run:
+    device: str | None
 
-
-def cpu_banner(command: str, model: str, threads: int) -> str:
-    """The first line a CPU run prints: what runs, how, and what its numbers cannot show.
-
-    Example::
-
-        >>> cpu_banner("bench", "tiny-moe", 1).startswith("bcg bench: tiny-moe on the CPU")
-        True
-    """
-    return (f"bcg {command}: {model} on the CPU, under the CUDA-graph emulation, {threads} torch thread"
-            f"{'s' if threads != 1 else ''} (--threads). CPU timings carry no kernel-launch overhead: a speedup "
-            "here measures the emulation against eager, not what graphs save on a GPU. Run on a GPU for real "
-            "numbers.")
-
-
-def _check_counts(runs: int, warmup: int, chunk: int) -> None:
-    if runs < 1:
-        raise ValueError(f"--runs must be >= 1, got {runs}")
-    if warmup < 0:
-        raise ValueError(f"--warmup must be >= 0, got {warmup}")
-    if not 1 <= chunk <= MAX_CHUNK:
-        raise ValueError(f"--chunked-prefill-size must be in [1, {MAX_CHUNK}], got {chunk}")
-
-
-def _check_lengths(flag: str, lengths: list[int]) -> None:
-    if not lengths:
-        raise ValueError(f"{flag} is empty; give a comma-separated list such as 64,128,256")
-    bad = [n for n in lengths if not 1 <= n <= MAX_LENGTH]
-    if bad:
-        raise ValueError(f"{flag}: {bad[0]} is outside [1, {MAX_LENGTH}] tokens")
-
-
-def _check_threads(threads: int | None) -> None:
-    if threads is not None and threads < 1:
-        raise ValueError(f"--threads must be >= 1, got {threads}")
+    @property
+    def emulated(self) -> bool:
+        """True when running without CUDA (the graph backends run under the CPU emulation)."""
+        return torch.device(self.device or default_device()).type != "cuda"
 
 
 @dataclass
-class BenchConfig:
+class BenchConfig(_Run):
     """Options of ``bcg bench``; each field is the CLI flag of the same name (``--no-memory`` sets memory=False).
 
     Example::
@@ -119,6 +91,7 @@ class BenchConfig:
     dtype: str | None = None
     threads: int | None = None
     chunked_prefill_size: int | None = None
+    tc_compiler: str = "inductor"  # what compiles tc_piecewise's pieces: "inductor", or "traced" on a CPU
     batch_requests: int = 16
     seed: int = 0
     memory: bool = True
@@ -128,29 +101,21 @@ class BenchConfig:
     progress: bool | None = None
     tp: int = 1  # tensor parallel ranks (EngineConfig.tp_size); > 1 runs under `torchrun --nproc-per-node tp`
 
-    @property
-    def emulated(self) -> bool:
-        """True when running without CUDA (the graph backends run under the CPU emulation)."""
-        return torch.device(self.device or default_device()).type != "cuda"
-
     def resolved(self) -> BenchConfig:
         """A copy with every ``None`` replaced by this machine's default, validated."""
         from bcg.bench.variants import parse_variant
 
-        device, d, model = _resolve_machine(self.device, self.dtype, self.model, self.model_impl)
+        device, d, model, impl = _resolve_machine(self.device, self.dtype, self.model, self.model_impl)
         backends = list(d.backends) if self.backends is None else self.backends
         if not backends:
             raise ValueError("--backends is empty; give e.g. eager,breakable")
-        names: list[str] = []
-        for b in backends:
-            name = parse_variant(b).name
-            if name not in names:
-                names.append(name)
+        names = list(dict.fromkeys(parse_variant(b).name for b in backends))  # canonical, each once
         lengths = list(d.lengths) if self.lengths is None else self.lengths
-        _check_lengths("--lengths", lengths)
+        checks.check_lengths("--lengths", lengths)
+        checks.check_context("--lengths", lengths, model, impl)
         chunk = self.chunked_prefill_size if self.chunked_prefill_size is not None else d.chunked_prefill_size
-        _check_counts(self.runs, self.warmup, chunk)
-        _check_threads(self.threads)
+        checks.check_counts(self.runs, self.warmup, chunk)
+        checks.check_threads(self.threads)
         if self.batch_requests < 1:
             raise ValueError(f"--batch-requests must be >= 1, got {self.batch_requests}")
         if self.tp < 1:
@@ -166,9 +131,17 @@ class BenchConfig:
         longest = max(self.lengths or [1])
         return min(longest, self.chunked_prefill_size) if self.chunked_prefill_size else longest
 
+    def engine_spec(self) -> EngineSpec:
+        """What every engine of a resolved config is built from: the capture ceiling :attr:`ceiling` and a KV pool
+        that holds the longest prompt (the many-request batch has the same total), however long it is."""
+        return _spec(self.model, device=self.device, dtype=self.dtype, seed=self.seed,
+                     chunked_prefill_size=self.chunked_prefill_size, max_tokens=self.ceiling,
+                     kv_tokens=max(self.lengths), tc_compiler=self.tc_compiler, progress=self.progress,
+                     tp_size=self.tp, model_impl=self.model_impl)
+
 
 @dataclass
-class AnalyzeConfig:
+class AnalyzeConfig(_Run):
     """Options of ``bcg analyze``; each field is the CLI flag of the same name.
 
     ``lengths`` / ``lengths_file`` give the prompt-length distribution for the coverage check (default: a seeded
@@ -198,21 +171,17 @@ class AnalyzeConfig:
     plots: bool = True
     progress: bool | None = None
 
-    @property
-    def emulated(self) -> bool:
-        return torch.device(self.device or default_device()).type != "cuda"
-
     def resolved(self) -> AnalyzeConfig:
         """A copy with every ``None`` replaced by this machine's default, validated."""
-        device, d, model = _resolve_machine(self.device, self.dtype, self.model, self.model_impl)
+        device, d, model, impl = _resolve_machine(self.device, self.dtype, self.model, self.model_impl)
         chunk = self.chunked_prefill_size if self.chunked_prefill_size is not None else d.chunked_prefill_size
-        _check_counts(self.runs, self.warmup, chunk)
-        _check_threads(self.threads)
+        checks.check_counts(self.runs, self.warmup, chunk)
+        checks.check_threads(self.threads)
         lengths = self.lengths
         if self.lengths_file is not None:
-            lengths = read_lengths_file(self.lengths_file)
+            lengths = checks.read_lengths_file(self.lengths_file)
         if lengths is not None:
-            _check_lengths("--lengths-file" if self.lengths_file else "--lengths", lengths)
+            checks.check_lengths("--lengths-file" if self.lengths_file else "--lengths", lengths)
         if not 1 <= self.num_prompts <= 1_000_000:
             raise ValueError(f"--num-prompts must be in [1, 1000000], got {self.num_prompts}")
         max_tokens = self.max_tokens if self.max_tokens is not None else chunk
@@ -223,9 +192,67 @@ class AnalyzeConfig:
         if not 1 <= length <= max_tokens:
             raise ValueError(f"--length must be in [1, {max_tokens}] (one forward that replays a graph, so at "
                              f"most --max-tokens {max_tokens}), got {length}")
+        checks.check_context("--length", [length], model, impl)
         return replace(self, model=model, device=device, chunked_prefill_size=chunk, lengths=lengths,
                        length=length, max_tokens=max_tokens, threads=self.threads or d.threads,
                        progress=_progress(self.progress))
+
+    def engine_spec(self) -> EngineSpec:
+        """What the engines of a resolved config are built from (breakable's ceiling is ``max_tokens``)."""
+        return _spec(self.model, device=self.device, dtype=self.dtype, seed=self.seed,
+                     chunked_prefill_size=self.chunked_prefill_size, max_tokens=self.max_tokens,
+                     progress=self.progress, model_impl=self.model_impl)
+
+
+@dataclass
+class VerifyConfig(_Run):
+    """Options of ``bcg verify``; each field is the CLI flag of the same name. ``num_tokens`` and ``tolerance`` are
+    the arguments of :func:`~bcg.runtime.runner.verify.verify_segments`, the others fields of the engine's
+    :class:`~bcg.runtime.config.EngineConfig` (:meth:`engine_config`).
+
+    Example::
+
+        cfg = VerifyConfig(device="cpu", buckets=[8, 16]).resolved()
+        Engine(cfg.model, cfg.engine_config())
+    """
+
+    model: str = "tiny-dense"
+    model_impl: str = "auto"
+    backend: str = "breakable"
+    device: str | None = None
+    dtype: str | None = None
+    seed: int = 0
+    buckets: list[int] | None = None
+    max_tokens: int | None = None
+    chunked_prefill_size: int | None = None
+    tc_compiler: str = "inductor"
+    num_tokens: list[int] | None = None
+    tolerance: float | None = None
+    leak_check: str = "warn"
+    progress: bool | None = None
+
+    def resolved(self) -> VerifyConfig:
+        """A copy with every ``None`` default filled in for this machine, validated (the engine's fields too)."""
+        device, d, model, _ = _resolve_machine(self.device, self.dtype, self.model, self.model_impl)
+        if self.tolerance is not None and not (math.isfinite(self.tolerance) and self.tolerance >= 0):
+            raise ValueError(f"--tolerance must be a finite number >= 0 (a relative difference), got {self.tolerance}")
+        chunk = self.chunked_prefill_size if self.chunked_prefill_size is not None else d.chunked_prefill_size
+        checks.check_chunk(chunk)
+        cfg = replace(self, model=model, device=device, chunked_prefill_size=chunk, progress=_progress(self.progress))
+        try:
+            cfg.engine_config()
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{e} (the flag of the same name)") from None
+        return cfg
+
+    def engine_config(self) -> EngineConfig:
+        """The EngineConfig of the engine to verify."""
+        from bcg.runtime.config import EngineConfig
+
+        return EngineConfig(backend=self.backend, device=self.device, dtype=self.dtype, seed=self.seed,
+                            buckets=self.buckets, max_tokens=self.max_tokens,
+                            chunked_prefill_size=self.chunked_prefill_size, tc_compiler=self.tc_compiler,
+                            progress=self.progress, leak_check=self.leak_check, model_impl=self.model_impl)
 
 
 def _progress(progress: bool | None) -> bool:
@@ -234,12 +261,20 @@ def _progress(progress: bool | None) -> bool:
 
 
 def _resolve_machine(device: str | None, dtype: str | None, model: str | None,
-                     model_impl: str = "auto") -> tuple[str, MachineDefaults, str]:
-    """(device, this machine's defaults, model) with the defaults filled in and each checked."""
+                     model_impl: str = "auto") -> tuple[str, MachineDefaults, str, str]:
+    """(device, this machine's defaults, model, the implementation that runs it) with the defaults filled in and each
+    checked."""
     device = device or default_device()
-    check_device(device)
-    check_dtype(dtype)
-    d = machine_defaults(torch.device(device).type == "cuda")
+    checks.check_device(device)
+    checks.check_dtype(dtype)
+    d = CUDA_DEFAULTS if torch.device(device).type == "cuda" else CPU_DEFAULTS
     model = model or d.model
-    check_model(model, model_impl)
-    return device, d, model
+    return device, d, model, checks.check_model(model, model_impl)
+
+
+def _spec(model: str | None, **config: object) -> EngineSpec:
+    from bcg.bench.engines import EngineSpec
+    from bcg.runtime.config import EngineConfig
+
+    assert model is not None, "engine_spec() needs a resolved config"
+    return EngineSpec(model, EngineConfig(**config))

@@ -1,23 +1,27 @@
 """Building, describing and freeing engines for the benchmarks, and the prompts they run.
 
-Kept apart from the experiments so every experiment builds engines the same way: one engine per backend and
-model, freed (del + gc + ``empty_cache``) before the next is built so their memory never overlaps.
+Kept apart from the experiments so every experiment builds engines the same way: from one :class:`EngineSpec` per
+run and a variant name, each freed (del + gc + ``empty_cache``) on leaving its ``with`` block.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from bcg.errors import first_line
 
-__all__ = ["BuildRecord", "describe_build", "engine_for", "free_memory", "make_prompts", "one_batch",
-           "split_tokens"]
+if TYPE_CHECKING:
+    from bcg.runtime.config import EngineConfig
+
+__all__ = ["BuildRecord", "EngineSpec", "describe_build", "engine_for", "make_prompts", "one_batch",
+           "release_memory", "split_tokens"]
 
 
 @dataclass
@@ -52,7 +56,7 @@ class BuildRecord:
     num_breaks: int | None = None
 
 
-def free_memory() -> None:
+def release_memory() -> None:
     """Drops unreachable objects and returns cached device memory, so the next engine starts clean."""
     gc.collect()
     if torch.cuda.is_available():
@@ -60,11 +64,37 @@ def free_memory() -> None:
         torch.cuda.empty_cache()
 
 
+@dataclass(frozen=True)
+class EngineSpec:
+    """What every engine of one run shares: the model and an :class:`~bcg.runtime.config.EngineConfig` whose
+    ``backend``, ``kernels`` and ``compile`` each variant sets (:mod:`bcg.bench.variants`). Built once from the run's
+    config (``BenchConfig.engine_spec()``, ``AnalyzeConfig.engine_spec()``).
+
+    Example::
+
+        spec = EngineSpec("tiny-dense", EngineConfig(device="cpu", chunked_prefill_size=64))
+        spec.config_for("breakable+fused").kernels          # 'fused'
+        spec.replace(max_tokens=16).config.max_tokens       # 16
+    """
+
+    model: str
+    config: EngineConfig
+
+    def replace(self, **changes: Any) -> EngineSpec:
+        """The same spec with some EngineConfig fields changed (validated again)."""
+        return EngineSpec(self.model, dataclasses.replace(self.config, **changes))
+
+    def config_for(self, variant: str) -> EngineConfig:
+        """The EngineConfig of one variant (a name such as ``breakable+fused``)."""
+        from bcg.bench.variants import parse_variant
+
+        v = parse_variant(variant)
+        return dataclasses.replace(self.config, backend=v.backend, kernels=v.kernels, compile=v.compile)
+
+
 @contextlib.contextmanager
-def engine_for(model: str, backend: str, *, device: str, dtype: str | None, seed: int, chunked_prefill_size: int,
-               max_tokens: int | None, progress: bool, record: BuildRecord | None = None,
-               kv_tokens: int | None = None, tp_size: int = 1, model_impl: str = "auto") -> Iterator[Any]:
-    """Builds an Engine for ``backend`` (a variant name, :mod:`bcg.bench.variants`); yields it, or ``None`` when it
+def engine_for(spec: EngineSpec, variant: str, record: BuildRecord | None = None) -> Iterator[Any]:
+    """Builds the Engine of ``variant`` (:mod:`bcg.bench.variants`) from ``spec``; yields it, or ``None`` when it
     cannot be built, its backend refuses the model or its compile fails (``record`` says why: ``error``, and
     ``refused_reason`` for a refusal).
 
@@ -73,26 +103,21 @@ def engine_for(model: str, backend: str, *, device: str, dtype: str | None, seed
     Example::
 
         rec = BuildRecord("full")
-        with engine_for("llama-dense", "full", device="cuda", dtype=None, seed=0, chunked_prefill_size=2048,
-                        max_tokens=2048, progress=True, record=rec) as eng:
+        with engine_for(BenchConfig().resolved().engine_spec(), "full", rec) as eng:
             if eng is not None:
                 eng.prefill([[1, 2, 3]])
         rec.available, rec.error
     """
-    from bcg.bench.variants import parse_variant
     from bcg.runtime import Engine
 
-    record = record if record is not None else BuildRecord(backend)
-    record.ceiling = max_tokens
-    variant = parse_variant(backend)
-    free_memory()
+    record = record if record is not None else BuildRecord(variant)
+    record.ceiling = spec.config.max_tokens
+    release_memory()
     try:
-        eng = Engine(model, backend=variant.backend, kernels=variant.kernels, compile=variant.compile, device=device,
-                     dtype=dtype, seed=seed, kv_tokens=kv_tokens, chunked_prefill_size=chunked_prefill_size,
-                     max_tokens=max_tokens, progress=progress, tp_size=tp_size, model_impl=model_impl)
+        eng = Engine(spec.model, spec.config_for(variant))
     except Exception as e:  # an unavailable backend is a result to report, not a crash
         record.available, record.error = False, first_line(e)
-        free_memory()
+        release_memory()
         yield None
         return
     describe_build(eng, record)
@@ -102,14 +127,14 @@ def engine_for(model: str, backend: str, *, device: str, dtype: str | None, seed
     if failure is not None:
         record.available, record.error = False, failure
         del eng
-        free_memory()
+        release_memory()
         yield None
         return
     try:
         yield eng
     finally:
         del eng
-        free_memory()
+        release_memory()
 
 
 def describe_build(eng: Any, record: BuildRecord) -> BuildRecord:
@@ -122,7 +147,7 @@ def describe_build(eng: Any, record: BuildRecord) -> BuildRecord:
     record.graph_memory_bytes = tel.graph_memory_bytes if eng.device.type == "cuda" else None
     captured = [r for r in tel.buckets.values() if r.disabled_reason is None]
     if captured:
-        largest = max(captured, key=lambda r: r.num_tokens)
+        largest = max(captured, key=lambda r: r.bucket)
         record.num_segments, record.num_breaks = largest.num_segments, largest.num_breaks
     return record
 

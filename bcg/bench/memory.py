@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from bcg.bench.engines import BuildRecord, engine_for, free_memory, make_prompts
+from bcg.bench.engines import BuildRecord, EngineSpec, engine_for, make_prompts, release_memory
 
 __all__ = ["MemoryResult", "MemoryRow", "ceilings_for", "run_memory"]
 
@@ -107,21 +107,19 @@ def _sample(eng: Any, prompt: torch.Tensor, start: tuple[int, int, int]) -> _Sam
     )
 
 
-def _measure_config(label: str, backend: str, ceiling: int | None, model: str, device: str, dtype: str | None,
-                    seed: int, chunk: int, progress: bool, tp_size: int,
-                    model_impl: str) -> tuple[MemoryRow, _Sample | None]:
+def _measure_config(label: str, backend: str, ceiling: int | None,
+                    spec: EngineSpec) -> tuple[MemoryRow, _Sample | None]:
     row = MemoryRow(label=label, backend=backend, ceiling=ceiling)
-    free_memory()
-    dev = torch.device(device)
+    release_memory()
+    dev = spec.config.torch_device
     start = (torch.cuda.memory_allocated(dev), torch.cuda.memory_reserved(dev), _used(dev))
     record = BuildRecord(backend)
-    with engine_for(model, backend, device=device, dtype=dtype, seed=seed, chunked_prefill_size=chunk,
-                    max_tokens=ceiling if ceiling is not None else chunk, progress=progress, record=record,
-                    tp_size=tp_size, model_impl=model_impl) as eng:
+    chunk = spec.config.chunked_prefill_size
+    with engine_for(spec.replace(max_tokens=ceiling or chunk), backend, record) as eng:
         if eng is None:
             row.available, row.error = False, record.error
             return row, None
-        prompt = make_prompts([chunk], eng.model.config.vocab_size, seed)[0]
+        prompt = make_prompts([chunk], eng.model.config.vocab_size, spec.config.seed)[0]
         sample = _sample(eng, prompt, start)
     row.num_buckets, row.graph_memory_bytes = record.num_captured, record.graph_memory_bytes
     row.graph_used = sample.graph_used
@@ -130,26 +128,27 @@ def _measure_config(label: str, backend: str, ceiling: int | None, model: str, d
     return row, sample
 
 
-def run_memory(model: str, device: str, dtype: str | None, seed: int, chunk: int,
-               progress: bool = True, tp_size: int = 1, model_impl: str = "auto") -> MemoryResult:
-    """Runs the peak-memory experiment (per rank under tensor parallel); on a CPU returns rows of ``None`` with a
-    note.
+def run_memory(spec: EngineSpec) -> MemoryResult:
+    """Runs the peak-memory experiment with the engines of ``spec`` (its chunk, its ``progress``; the ceiling and an
+    automatically sized KV pool per configuration), per rank under tensor parallel; on a CPU returns rows of ``None``
+    with a note.
 
     Example::
 
-        res = run_memory("llama-dense", "cuda", None, seed=0, chunk=2048)
+        res = run_memory(BenchConfig(model="llama-dense").resolved().engine_spec())
         [(r.label, r.device_used_above_baseline_bytes) for r in res.rows]
     """
+    chunk = spec.config.chunked_prefill_size
     configs = ceilings_for(chunk)
-    if torch.device(device).type != "cuda":
+    if spec.config.torch_device.type != "cuda":
         note = ("memory accounting needs CUDA: the CPU emulation has no graph memory pool and no device memory, "
                 "so no memory was measured")
         return MemoryResult(False, chunk, note, [MemoryRow(lb, be, c, available=False) for lb, be, c in configs])
+    spec = spec.replace(kv_tokens=None)
     result = MemoryResult(True, chunk)
     baseline: _Sample | None = None
-    for label, backend, ceiling in tqdm(configs, desc="bcg memory", unit="config", disable=not progress):
-        row, sample = _measure_config(label, backend, ceiling, model, device, dtype, seed, chunk, progress, tp_size,
-                                      model_impl)
+    for label, backend, ceiling in tqdm(configs, desc="bcg memory", unit="config", disable=not spec.config.progress):
+        row, sample = _measure_config(label, backend, ceiling, spec)
         result.rows.append(row)
         if sample is None:
             continue

@@ -1,16 +1,25 @@
-"""PNG figures for ``bcg bench`` and ``bcg analyze`` (matplotlib, Agg backend: no display needed).
+"""The PNG figures of ``bcg bench`` and ``bcg analyze`` (matplotlib, Agg backend: no display needed).
 
-Each function takes the plain rows the JSON holds (dicts), so a figure can be redrawn from ``results.json`` alone.
+Each figure takes the plain data ``results.json`` holds (dicts, :mod:`bcg.bench.results`), so it can be redrawn
+from the file alone; one colour per variant in every figure of a run.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+import sys
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["analyze_figure", "plot_analyze", "plot_latency", "plot_memory", "plot_speedup"]
+from bcg.errors import first_line
+
+__all__ = ["ANALYZE_PLOTS", "BENCH_PLOTS", "CPU_PLOT_NOTE", "analyze_figure", "bench_figures", "latency_figure",
+           "memory_figure", "speedup_figure", "write_plots"]
+
+BENCH_PLOTS = ("latency.png", "speedup.png", "memory.png")
+ANALYZE_PLOTS = ("analyze.png",)
+CPU_PLOT_NOTE = "CPU emulation: speedups measure the emulation, not launch overhead"
 
 
 def _plt() -> Any:
@@ -25,7 +34,6 @@ def _plt() -> Any:
 def _save(fig: Any, path: str | os.PathLike) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.tight_layout()
     fig.savefig(path, dpi=120)
     _plt().close(fig)
     return path
@@ -40,11 +48,7 @@ def _log2_axis(ax: Any, ticks: Sequence[int]) -> None:
 
 
 def _backends(rows: Sequence[dict]) -> list[str]:
-    seen: list[str] = []
-    for r in rows:
-        if r["backend"] not in seen:
-            seen.append(r["backend"])
-    return seen
+    return list(dict.fromkeys(r["backend"] for r in rows))
 
 
 def _legend_below(ax: Any, ncol: int = 2, fontsize: int = 8) -> None:
@@ -53,26 +57,28 @@ def _legend_below(ax: Any, ncol: int = 2, fontsize: int = 8) -> None:
         ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=ncol, fontsize=fontsize, frameon=False)
 
 
-def plot_latency(rows: Sequence[dict], path: str | os.PathLike, title: str = "") -> Path:
-    """Median prefill latency vs input length, one line per backend (bars: interquartile range), log2 x axis,
-    kernel floor dashed.
+def _colors(rows: Sequence[dict]) -> dict[str, str]:
+    """One colour per variant, the same in every figure of a run (eager included, though speedup has no bar of it)."""
+    return {b: f"C{i % 10}" for i, b in enumerate(_backends(rows))}
 
-    Flat lines over a 32x length range are the seed's signature of launch-bound prefill.
+
+def latency_figure(rows: Sequence[dict], title: str = "") -> Any:
+    """Median prefill latency vs input length, one line per variant (bars: interquartile range), log2 x axis,
+    kernel floor dashed. Flat lines over a 32x length range are the seed's signature of launch-bound prefill.
 
     Example::
 
-        plot_latency(results["rows"], "out/bench/latency.png", title="llama-dense on H200")
+        latency_figure(results["rows"], "llama-dense on H200").savefig("latency.png")
     """
-    plt = _plt()
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    plt, colors = _plt(), _colors(rows)
+    fig, ax = plt.subplots(figsize=(7, 5))
     for backend in _backends(rows):
-        pts = sorted((r["input_len"], r["median_ms"], r.get("q1_ms"), r.get("q3_ms")) for r in rows
+        pts = sorted((r["input_len"], r["wall"]["median_ms"], r["wall"]["q1_ms"], r["wall"]["q3_ms"]) for r in rows
                      if r["backend"] == backend)
-        xs, ys = [p[0] for p in pts], [p[1] for p in pts]
-        lo = [y - (q1 if q1 is not None else y) for _, y, q1, _ in pts]
-        hi = [(q3 if q3 is not None else y) - y for _, y, _, q3 in pts]
-        ax.errorbar(xs, ys, yerr=[lo, hi], marker="o", capsize=3, label=backend)
-    floor = sorted({(r["input_len"], r["kernel_floor_ms"]) for r in rows if r.get("kernel_floor_ms") is not None})
+        ax.errorbar([p[0] for p in pts], [p[1] for p in pts], yerr=[[y - q1 for _, y, q1, _ in pts],
+                                                                   [q3 - y for _, y, _, q3 in pts]],
+                    marker="o", capsize=3, label=backend, color=colors[backend])
+    floor = sorted({(r["input_len"], r["device"]["floor_ms"]) for r in rows if r["device"]["floor_ms"] is not None})
     if floor:
         ax.plot([x for x, _ in floor], [y for _, y in floor], "k--", label="kernel floor (eager)")
     _log2_axis(ax, sorted({r["input_len"] for r in rows}))
@@ -81,50 +87,48 @@ def plot_latency(rows: Sequence[dict], path: str | os.PathLike, title: str = "")
     ax.set_ylim(bottom=0)
     ax.set_title(title or "Isolated prefill latency")
     ax.grid(True, which="both", alpha=0.3)
-    if ax.get_legend_handles_labels()[0]:
-        ax.legend()
-    return _save(fig, path)
+    _legend_below(ax, ncol=3)
+    fig.tight_layout()
+    return fig
 
 
-def plot_speedup(rows: Sequence[dict], path: str | os.PathLike, title: str = "") -> Path:
-    """Grouped bars of speedup over eager per input length and backend, with a line at 1x; the whiskers span the
-    speedups the two rows' interquartile ranges allow.
+def speedup_figure(rows: Sequence[dict], title: str = "") -> Any:
+    """Grouped bars of speedup over eager per input length and variant, with a line at 1x; the whiskers span the
+    speedups the two rows' interquartile ranges allow; the legend sits under the axes, off the bars.
 
     Example::
 
-        plot_speedup(results["rows"], "out/bench/speedup.png")
+        speedup_figure(results["rows"]).savefig("speedup.png")
     """
-    plt = _plt()
+    plt, colors = _plt(), _colors(rows)
     backends = [b for b in _backends(rows) if b != "eager"]
     lengths = sorted({r["input_len"] for r in rows})
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = plt.subplots(figsize=(7, 5))
     width = 0.8 / max(len(backends), 1)
     for i, backend in enumerate(backends):
-        by_len = {r["input_len"]: r for r in rows if r["backend"] == backend}
-        xs = [j + i * width for j in range(len(lengths))]
-        mid = [(by_len[n].get("speedup_vs_eager") or 0.0) if n in by_len else 0.0 for n in lengths]
-        lo = [max(m - (by_len[n].get("speedup_low") or m), 0.0) if n in by_len else 0.0
-              for n, m in zip(lengths, mid)]
-        hi = [max((by_len[n].get("speedup_high") or m) - m, 0.0) if n in by_len else 0.0
-              for n, m in zip(lengths, mid)]
-        ax.bar(xs, mid, width, yerr=[lo, hi], capsize=3, label=backend)
+        by_len = {r["input_len"]: r["speedup"] or {} for r in rows if r["backend"] == backend}
+        mid = [by_len.get(n, {}).get("over_eager") or 0.0 for n in lengths]
+        lo = [max(m - (by_len.get(n, {}).get("low") or m), 0.0) for n, m in zip(lengths, mid)]
+        hi = [max((by_len.get(n, {}).get("high") or m) - m, 0.0) for n, m in zip(lengths, mid)]
+        ax.bar([j + i * width for j in range(len(lengths))], mid, width, yerr=[lo, hi], capsize=3, label=backend,
+               color=colors[backend])
     ax.axhline(1.0, color="k", lw=0.8)
     ax.set_xticks([j + width * (len(backends) - 1) / 2 for j in range(len(lengths))])
     ax.set_xticklabels([str(n) for n in lengths])
     ax.set_xlabel("input length (tokens)")
     ax.set_ylabel("speedup over eager (x)")
     ax.set_title(title or "Prefill speedup over eager")
-    if backends:
-        ax.legend()
-    return _save(fig, path)
+    _legend_below(ax, ncol=3)
+    fig.tight_layout()
+    return fig
 
 
-def plot_memory(rows: Sequence[dict], path: str | os.PathLike, title: str = "") -> Path:
+def memory_figure(rows: Sequence[dict], title: str = "") -> Any:
     """Memory above the no-graph baseline per capture ceiling: device-level total and resident graph memory.
 
     Example::
 
-        plot_memory(results["memory"]["rows"], "out/bench/memory.png")
+        memory_figure(results["memory"]["rows"]).savefig("memory.png")
     """
     plt = _plt()
     rows = [r for r in rows if r.get("available")]
@@ -145,22 +149,19 @@ def plot_memory(rows: Sequence[dict], path: str | os.PathLike, title: str = "") 
     ax.set_ylabel("GiB")
     ax.set_title(title or "Memory after one chunk-sized prefill")
     ax.legend()
-    return _save(fig, path)
-
-
-def plot_analyze(analysis: dict[str, Any], path: str | os.PathLike, title: str = "") -> Path:
-    """Two panels: eager vs breakable forward time (stacked by segment / island / outside), and the forward-size
-    histogram of the length distribution split by replayed vs eager, with the bucket ceiling marked.
-
-    Example::
-
-        plot_analyze(analysis_json, "out/analyze/analyze.png")
-    """
-    return _save(analyze_figure(analysis, title), path)
+    fig.tight_layout()
+    return fig
 
 
 def analyze_figure(analysis: dict[str, Any], title: str = "") -> Any:
-    """The matplotlib figure of :func:`plot_analyze`, unsaved (legends under the panels, whole-number counts)."""
+    """Two panels: eager vs breakable forward time (stacked by segment / island / outside), and the forward-size
+    histogram of the length distribution split by replayed vs eager, with the bucket ceiling marked (legends under
+    the panels, whole-number counts).
+
+    Example::
+
+        analyze_figure(json.loads(Path("out/analyze/results.json").read_text())).savefig("analyze.png")
+    """
     from matplotlib.ticker import MaxNLocator
 
     plt = _plt()
@@ -207,3 +208,39 @@ def analyze_figure(analysis: dict[str, Any], title: str = "") -> Any:
         fig.suptitle(title)
     fig.tight_layout()
     return fig
+
+
+def bench_figures(results: dict[str, Any], title: str) -> dict[str, Callable[[], Any]]:
+    """The figures of a ``bcg bench`` results dict, by file name: latency and speedup when rows were measured, memory
+    when it was (CUDA)."""
+    rows, mem = results["rows"], results["memory"]
+    if not rows:
+        return {}
+    note = f"\n{CPU_PLOT_NOTE}" if results["environment"]["emulated"] else ""
+    figures = {"latency.png": lambda: latency_figure(rows, title),
+               "speedup.png": lambda: speedup_figure(rows, title + note)}
+    if mem is not None and mem["available"]:
+        figures["memory.png"] = lambda: memory_figure(mem["rows"], title)
+    return figures
+
+
+def write_plots(figures: dict[str, Callable[[], Any]], out: str | os.PathLike, known: Sequence[str]) -> list[str]:
+    """Draws and saves each figure under ``out``; returns the paths written. A figure that fails is reported on stderr
+    and skipped (the measurements stand). Every PNG of ``known`` this run did not write is removed, so a previous
+    run's figures never sit beside results that have none.
+
+    Example::
+
+        write_plots(bench_figures(results, "tiny-dense on cpu"), "out/bench", BENCH_PLOTS)
+    """
+    written: list[str] = []
+    for name, draw in figures.items():
+        try:
+            written.append(str(_save(draw(), Path(out) / name)))
+        except Exception as e:  # a failed figure must not lose the measurements
+            print(f"bcg: could not draw {name}: {first_line(e)}", file=sys.stderr)
+    for name in known:
+        stale = Path(out) / name
+        if str(stale) not in written:
+            stale.unlink(missing_ok=True)
+    return written

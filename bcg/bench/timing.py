@@ -1,4 +1,4 @@
-"""Timing utilities: median wall time over runs, per-step marks, and GPU kernel time from the profiler.
+"""Timing utilities: the summary of timed runs, per-step marks, and the device busy time from the profiler.
 
 On CUDA, times come from CUDA events on the current stream (the device timeline, which includes the idle gaps
 while the host is still launching: exactly the launch overhead graphs remove). On a CPU they come from
@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-__all__ = ["Marks", "Timing", "gpu_kernel_ms", "sync", "time_fn"]
+__all__ = ["Marks", "Stats", "gpu_kernel_ms", "sync", "time_fn"]
 
 
 def sync(device: torch.device | str) -> None:
@@ -29,61 +29,43 @@ def sync(device: torch.device | str) -> None:
         torch.cuda.synchronize(device)
 
 
-@dataclass
-class Timing:
-    """Samples of one timed function, in milliseconds.
+@dataclass(frozen=True)
+class Stats:
+    """Summary of timed runs in milliseconds: the median with its interquartile range (``q1_ms``-``q3_ms``, the
+    spread one stray run cannot move), the extremes, the mean and the standard deviation.
 
     Example::
 
-        >>> t = Timing([3.0, 1.0, 2.0])
-        >>> t.median_ms, t.min_ms, t.q1_ms, t.q3_ms
-        (2.0, 1.0, 1.5, 2.5)
+        >>> s = Stats.of([3.0, 1.0, 2.0])
+        >>> s.median_ms, s.min_ms, s.q1_ms, s.q3_ms, s.runs
+        (2.0, 1.0, 1.5, 2.5, 3)
     """
 
-    samples_ms: list[float] = field(default_factory=list)
+    median_ms: float
+    min_ms: float
+    q1_ms: float
+    q3_ms: float
+    max_ms: float
+    mean_ms: float
+    stdev_ms: float
+    runs: int
+
+    @classmethod
+    def of(cls, samples_ms: Sequence[float]) -> Stats:
+        """The summary of ``samples_ms`` (at least one)."""
+        xs = list(samples_ms)
+        q1, _, q3 = statistics.quantiles(xs, n=4, method="inclusive") if len(xs) > 1 else xs * 3
+        return cls(median_ms=statistics.median(xs), min_ms=min(xs), q1_ms=q1, q3_ms=q3, max_ms=max(xs),
+                   mean_ms=statistics.fmean(xs), stdev_ms=statistics.stdev(xs) if len(xs) > 1 else 0.0, runs=len(xs))
 
     @property
-    def median_ms(self) -> float:
-        return statistics.median(self.samples_ms)
-
-    @property
-    def min_ms(self) -> float:
-        return min(self.samples_ms)
-
-    @property
-    def max_ms(self) -> float:
-        return max(self.samples_ms)
-
-    @property
-    def q1_ms(self) -> float:
-        """First quartile: with ``q3_ms`` the interquartile range, the spread that one stray run cannot move."""
-        return self._quartiles()[0]
-
-    @property
-    def q3_ms(self) -> float:
-        return self._quartiles()[2]
-
-    def _quartiles(self) -> list[float]:
-        if len(self.samples_ms) < 2:
-            return [self.samples_ms[0]] * 3
-        return statistics.quantiles(self.samples_ms, n=4, method="inclusive")
-
-    @property
-    def mean_ms(self) -> float:
-        return statistics.fmean(self.samples_ms)
-
-    @property
-    def stdev_ms(self) -> float:
-        return statistics.stdev(self.samples_ms) if len(self.samples_ms) > 1 else 0.0
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"median_ms": self.median_ms, "min_ms": self.min_ms, "q1_ms": self.q1_ms, "q3_ms": self.q3_ms,
-                "max_ms": self.max_ms, "mean_ms": self.mean_ms, "stdev_ms": self.stdev_ms,
-                "runs": len(self.samples_ms)}
+    def spread(self) -> float | None:
+        """Interquartile range over the median (0.1: the middle half of the runs spans 10%); None at a 0 median."""
+        return (self.q3_ms - self.q1_ms) / self.median_ms if self.median_ms > 0 else None
 
 
-def time_fn(fn: Callable[[], Any], device: torch.device | str, runs: int = 10, warmup: int = 3) -> Timing:
-    """Times ``fn()`` ``runs`` times after ``warmup`` untimed calls; returns every sample.
+def time_fn(fn: Callable[[], Any], device: torch.device | str, runs: int = 10, warmup: int = 3) -> Stats:
+    """Times ``fn()`` ``runs`` times after ``warmup`` untimed calls; returns the summary of the runs.
 
     Example::
 
@@ -103,7 +85,7 @@ def time_fn(fn: Callable[[], Any], device: torch.device | str, runs: int = 10, w
         fn()
         marks.mark()
         samples.append(marks.deltas_ms()[0])
-    return Timing(samples)
+    return Stats.of(samples)
 
 
 class Marks:
@@ -170,6 +152,8 @@ def gpu_kernel_ms(fn: Callable[[], Any], device: torch.device | str, warmup: int
 
     This is the floor a perfect launch path could reach: the time the GPU actually computed. Returns ``None`` on a
     CPU, or when the profiler records no device activity (e.g. CUPTI unavailable), rather than a misleading 0.
+    Once used, CUPTI stays loaded in the process (kineto does not tear it down) and slows later host work, so the
+    benchmarks profile only after every timed run.
 
     Example::
 

@@ -1,9 +1,10 @@
 """What ``bcg bench`` compares: a backend with its kernels and its compiler, named like ``breakable+fused``.
 
 A variant name is a backend followed by ``+`` options: ``fused`` (the fused kernels; without it, plain torch ops),
-``inductor`` (the layer stack compiled by Inductor) or ``traced`` (compiled by dynamo alone, no code generated).
-``tc_piecewise`` compiles itself and takes no compile option. The plain ``eager`` variant is the baseline of every
-speedup: the model as a user runs it without bcg.
+``inductor`` (the layer stack compiled by Inductor: ``compile="inductor"``) or ``traced`` (traced by dynamo alone, no
+code generated: ``compile="traced"``). ``tc_piecewise`` compiles its pieces itself and takes no compile option; its
+compiler is the run's ``tc_compiler`` (``bcg bench --tc-compiler``). The plain ``eager`` variant is the baseline of
+every speedup: the model as a user runs it without bcg.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ class Variant:
     backend: str
     kernels: str = "torch"
     compile: str | None = None
+    tc_compiler: str = "inductor"  # what compiles tc_piecewise's pieces (no other backend reads it)
 
     @property
     def name(self) -> str:
@@ -44,11 +46,11 @@ class Variant:
     def compile_label(self) -> str:
         """What compiles it, for tables: tc_piecewise's Inductor, the compile option, or nothing."""
         if self.backend == "tc_piecewise":
-            return "inductor (pieces)"
+            return f"{self.tc_compiler} (pieces)"
         return self._compile_token if self.compile else "-"
 
 
-def parse_variant(text: str) -> Variant:
+def parse_variant(text: str, tc_compiler: str = "inductor") -> Variant:
     """A :class:`Variant` from ``backend[+fused][+inductor|+traced]``; raises ValueError naming what is wrong.
 
     Example::
@@ -70,4 +72,4 @@ def parse_variant(text: str) -> Variant:
             compile_ = _COMPILERS[option]
         else:
             raise ValueError(f"{text!r}: unknown option +{option}; use +fused, +inductor or +traced")
-    return Variant(backend, kernels, compile_)
+    return Variant(backend, kernels, compile_, tc_compiler)

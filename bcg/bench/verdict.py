@@ -1,16 +1,16 @@
-"""The judgment of ``bcg analyze``: the verdict sentence and the readable report of an analysis dict.
+"""The judgment of ``bcg analyze``: does breakable pay, with which capture ceiling, in one sentence.
 
 :mod:`bcg.bench.analyze` measures; this module only reads its plain-data result, so the judgment can be tested
-without an engine.
+without an engine (:mod:`bcg.bench.text` prints it with the rest of the analysis).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from bcg.bench.report import fmt, fmt_bytes, table
+from bcg.bench.tables import fmt
 
-__all__ = ["MEMORY_SHARE_LIMIT", "PAYS_THRESHOLD", "format_analysis", "verdict"]
+__all__ = ["MEMORY_SHARE_LIMIT", "PAYS_THRESHOLD", "verdict"]
 
 # Below a 5% gain the extra capture time and resident memory are not worth it.
 PAYS_THRESHOLD = 1.05
@@ -67,55 +67,3 @@ def verdict(a: dict[str, Any]) -> dict[str, Any]:
                     f"{cov['graph_fraction']:.0%} of forwards replay, {len(cov['never_fired'])} of "
                     f"{cov['num_buckets']} buckets never fire.")
     return {"pays": pays, "recommended_ceiling": ceiling, "sentence": sentence}
-
-
-def format_analysis(a: dict[str, Any]) -> str:
-    """The analysis as readable text: timing, islands, coverage, memory and the verdict."""
-    t, am, rep, cov, mem = a["timing"], a["amdahl"], a["replay"], a["coverage"], a["memory"]
-    m = a["model"]
-    out = [f"bcg analyze: {m['name']} ({m['arch']}, {m['num_layers']} layers, {m['num_params'] / 1e6:.1f}M params, "
-           f"{m['dtype']} on {m['device']})", ""]
-    out.append(table(["quantity", "value"], [
-        ["input length (tokens)", t["length"]],
-        ["eager forward (ms)", fmt(t["eager_forward_ms"], 3)],
-        ["eager kernel time (ms)", fmt(t["eager_kernel_ms"], 3)],
-        ["launch-gap share", fmt(t["launch_gap_share"], 3)],
-        ["bound without fusion (eager / kernel)", fmt(t.get("launch_bound"), 2, "x")],
-        ["breakable forward (ms)", fmt(t["breakable_forward_ms"], 3)],
-        ["p (island share of replay)", fmt(am.get("p"), 3)],
-        ["S_max = 1/p", fmt(am.get("s_max"), 2, "x")],
-        ["S_max over eager", fmt(am.get("s_max_over_eager"), 2, "x")],
-        ["predicted speedup", fmt(am.get("predicted_speedup"), 2, "x")],
-        ["measured speedup", fmt(t["measured_speedup"], 2, "x")],
-        ["prediction error", fmt(am.get("prediction_error"), 3)],
-    ], title="Timing and Amdahl"))
-    if rep.get("bucket") is not None:
-        rows = [[i["name"], i["count"], fmt(i["ms"], 3), fmt(i["share"], 3)] for i in rep["islands"]]
-        rows.append(["(segments)", rep["num_segments"], fmt(rep["segments_ms"], 3), "-"])
-        rows.append(["(outside graph)", "-", fmt(rep["outside_ms"], 3), "-"])
-        out += ["", table(["step", "count", "ms", "share of replay"], rows,
-                          title=f"Replay of bucket {rep['bucket']}: islands, costliest first")]
-        ratio = rep["host_over_device"]
-        bound = ("CPU emulation: the host runs everything" if a["environment"].get("emulated")
-                 else "host-bound: cheaper islands would pay" if ratio > 0.9
-                 else "device-bound: island host work is hidden")
-        out.append(f"Replay launch on the host {fmt(rep['replay_host_ms'], 3)} ms vs {fmt(rep['replay_ms'], 3)} ms "
-                   f"on the device (host/device {fmt(ratio, 2)}; {bound}).")
-    never = cov["never_fired"]
-    out += ["", table(["quantity", "value"], [
-        ["prompts / forwards", f"{cov['num_prompts']} / {cov['num_forwards']}"],
-        ["forwards replaying a graph", fmt(cov["graph_fraction"], 3)],
-        ["tokens through a graph", fmt(cov["graph_token_fraction"], 3)],
-        ["padding waste", fmt(cov["padding_waste"], 3)],
-        ["ladder reaches chunk", f"{fmt(cov['reaches_chunk'])} (max bucket {cov['max_bucket']}, "
-                                 f"chunk {cov['chunked_prefill_size']})"],
-        ["eager reasons", ", ".join(f"{k}: {v}" for k, v in cov["eager_reasons"].items()) or "-"],
-        ["buckets never fired", f"{len(never)} of {cov['num_buckets']}"
-                                + (f" ({', '.join(map(str, never[:12]))}{' ...' if len(never) > 12 else ''})"
-                                   if never else "")],
-        ["resident graph memory", fmt_bytes(mem["graph_memory_bytes"])],
-        ["free device memory", fmt_bytes(mem["free_bytes"])],
-        ["graph share of free", fmt(mem["graph_share_of_free"], 4)],
-    ], title="Coverage and memory")]
-    out += ["", "Verdict: " + a["verdict"]["sentence"]]
-    return "\n".join(out)

@@ -6,10 +6,10 @@ real token count, request boundaries, KV slots) lives in a context that the runn
 ``ContextVar`` (not a global) keeps the contexts of different threads apart; the static buffers a graph replays are
 shared, though, so the runner serialises its forwards (``Runner.lock``).
 
-Two kinds of context exist, and the attention path is whatever the installed one says: the live
-:class:`~bcg.ops.attention.BatchContext` of one packed batch (its ``attend`` runs FlashAttention or SDPA over the
-live metadata, eagerly, between graph segments) and the :class:`~bcg.ops.static_attention.StaticContext` of a
-whole-graph capture (its ``attend`` is fixed-shape, over device buffers). Islands never ask which one they hold.
+Which attention runs is whatever the installed context says (its backend, :mod:`bcg.ops.attention`): the live
+:class:`~bcg.ops.attention.base.BatchContext` of one packed batch, whose island attends eagerly between graph
+segments over the live metadata, or the :class:`~bcg.ops.attention.static.StaticContext` of a whole-graph capture,
+which attends inside the graph over fixed-size fields. Islands never ask which one they hold.
 """
 
 from __future__ import annotations
@@ -61,19 +61,25 @@ class AttentionFeatures:
 
 
 class ForwardContext(ABC):
-    """What every forward context offers the islands.
+    """What every forward context offers the layers and the islands.
 
     Attributes:
         num_padded_tokens: rows the layer stack runs on (the bucket).
         kv_pool: the pool the islands read and write.
+        attends_in_graph: whether :meth:`attend` is captured inside the graph (else it runs in an island).
     """
 
     num_padded_tokens: int
     kv_pool: KVPool
+    attends_in_graph: bool = False
+
+    @abstractmethod
+    def store_kv(self, layer_id: int, k: Tensor, v: Tensor) -> None:
+        """Writes every row's K/V of layer ``layer_id`` into the pool (fixed shapes: captured in the segment)."""
 
     @abstractmethod
     def attend(self, q: Tensor, k: Tensor, v: Tensor, out: Tensor, layer_id: int) -> None:
-        """Writes this batch's K/V of layer ``layer_id`` and its causal attention into ``out`` (padded rows 0)."""
+        """This batch's causal attention of layer ``layer_id`` into ``out`` (its K/V already stored)."""
 
     def attend_with(self, q: Tensor, k: Tensor, v: Tensor, out: Tensor, layer_id: int,
                     features: AttentionFeatures) -> None:

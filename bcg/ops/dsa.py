@@ -5,10 +5,10 @@ one weight per head. The score of query ``i`` for key ``j`` is ``sum_h w_ih * re
 request (cached prefix included). Each query keeps its ``index_topk`` best keys; ties go to the earlier key (stable
 sort), so the selection does not depend on how requests are packed.
 
-Both steps are eager islands because both read the live batch. The sparse attention is also genuinely
-uncapturable: it compacts the valid (query, key) pairs with ``nonzero`` (a data-dependent count), then runs a
-segment softmax over the pairs of each query: FlashAttention varlen on CUDA in half precision (each query's pairs
-form one sequence), explicit segment reductions elsewhere (the exact reference).
+Both steps are eager islands because both read the live batch (its key ranges size their work). Neither reads a
+value back to the host, so a replay never drains the GPU at a DSA layer: the sparse attention handles each query's
+``index_topk`` picks at a fixed size, unused picks masked (FlashAttention varlen over the valid picks, packed on
+the device, on CUDA in half precision; an explicit masked softmax elsewhere, the exact reference).
 """
 
 from __future__ import annotations
@@ -18,11 +18,11 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from bcg import eager_on_graph
-from bcg.ops.attention import BatchContext, write_and_gather_kv
+from bcg.ops.attention import BatchContext
 from bcg.ops.context import get_forward_context
 from bcg.ops.flash import flash_varlen, is_varlen_usable
 
-__all__ = ["UNCAPTURABLE", "segment_attention", "select_topk", "sparse_attention"]
+__all__ = ["UNCAPTURABLE", "picked_attention", "select_topk", "sparse_attention"]
 
 # Bounds the memory of the pair tensors in sparse attention (each is pairs x num_heads x head_dim).
 MAX_PAIRS_PER_CHUNK = 1 << 18
@@ -30,8 +30,7 @@ MAX_PAIRS_PER_CHUNK = 1 << 18
 MAX_SCORES_PER_CHUNK = 1 << 25
 # Why neither island fits a whole-layer-stack graph (raised when one meets the "full" backend's static context).
 UNCAPTURABLE = ("the DSA indexer select_topk sizes its scores by the live batch's packed key ranges, and "
-                "sparse_attention compacts the selected (query, key) pairs with nonzero, whose output shape depends "
-                "on the data")
+                "sparse_attention gathers the selected keys from those ranges")
 
 
 @eager_on_graph
@@ -52,7 +51,7 @@ def select_topk(index_q: Tensor, index_k: Tensor, head_weights: Tensor, group_id
     ctx: BatchContext = get_forward_context().live("bcg.ops.dsa.select_topk", UNCAPTURABLE)
     num_tokens, device = ctx.num_tokens, index_q.device
     cache = ctx.kv_pool.index_k[group_id]
-    cache.index_copy_(0, ctx.write_slots, index_k[:num_tokens])
+    cache.index_copy_(0, ctx.write_slots, index_k)  # every row: padded ones write the scratch slot
     # fp32 so the ranking does not hinge on bf16 rounding. Keys are every request's range, packed.
     keys = (cache[ctx.read_slots] if ctx.has_prefix else index_k[:num_tokens]).float()
     num_keys = keys.shape[0]
@@ -86,11 +85,15 @@ def sparse_attention(q: Tensor, k: Tensor, v: Tensor, selection: Tensor, out: Te
         q: ``(T_pad, num_heads, head_dim)``; k, v: ``(T_pad, num_kv_heads, head_dim)``.
         selection: ``(T_pad, topk)`` from :func:`select_topk`.
         out: ``(T_pad, num_heads, head_dim)``; real rows get the result, padded rows zeros.
-        layer_id: which layer's KV cache to use (real rows' K/V are written there first).
+        layer_id: which layer's KV cache to use (every row's K/V is written there first).
+
+    Nothing here reads a value back to the host: every shape follows from the batch's host ints and ``topk``, so
+    the host keeps launching the next segment while the GPU works.
     """
     ctx: BatchContext = get_forward_context().live("bcg.ops.dsa.sparse_attention", UNCAPTURABLE)
     num_tokens = ctx.num_tokens
-    keys, values = write_and_gather_kv(ctx, layer_id, k, v)
+    ctx.store_kv(layer_id, k, v)
+    keys, values = ctx.keys_values(layer_id, k, v)
     # Offset of each query's request in the packed keys, so a position maps to a packed row.
     key_starts = torch.repeat_interleave(
         ctx.cu_seqlens_k[:-1].long(), ctx.cu_seqlens_q.diff(), output_size=num_tokens
@@ -100,66 +103,61 @@ def sparse_attention(q: Tensor, k: Tensor, v: Tensor, selection: Tensor, out: Te
     for start in range(0, num_tokens, rows_per_chunk):
         stop = min(num_tokens, start + rows_per_chunk)
         picks = selection[start:stop]
-        is_valid = picks >= 0
-        # The uncapturable step: how many pairs survive depends on the data. nonzero yields them
-        # in row-major order, i.e. grouped by query row as segment_attention wants.
-        rows, cols = is_valid.nonzero(as_tuple=True)
-        key_rows = key_starts[start:stop][rows] + picks[rows, cols]
-        out[start:stop] = _attend_pairs(q[start:stop], rows, is_valid.sum(1), keys[key_rows], values[key_rows], topk)
-    out[num_tokens:].zero_()
+        key_rows = key_starts[start:stop, None] + picks.clamp_min(0)  # unused picks point at a valid key, masked
+        out[start:stop] = _attend_picks(q[start:stop], picks >= 0, key_rows, keys, values)
+    if num_tokens < out.shape[0]:
+        out[num_tokens:].zero_()
 
 
-def _attend_pairs(
-    q: Tensor, rows: Tensor, lengths: Tensor, k_pairs: Tensor, v_pairs: Tensor, max_pairs_per_row: int
-) -> Tensor:
-    """Each query row attends over its run of compacted pairs.
+def _attend_picks(q: Tensor, is_valid: Tensor, key_rows: Tensor, keys: Tensor, values: Tensor) -> Tensor:
+    """Each query row attends over its valid picks (``is_valid``/``key_rows``: ``(M, topk)``); fixed shapes.
 
-    On CUDA in half precision the runs are exactly a varlen batch (one query per sequence, the
-    row's pairs as its keys), so FlashAttention does the segment softmax without materialising
-    per-pair products; elsewhere :func:`segment_attention` computes the same thing explicitly.
+    :func:`select_topk` sorts each row's picks best first, so a row's valid picks are a prefix of it. On CUDA in half
+    precision they are packed row after row (a scatter to positions from a device-side prefix sum, no host read of
+    how many there are) and FlashAttention varlen does the softmax with each row as one sequence; elsewhere
+    :func:`picked_attention` computes the same thing over the ``(M, topk)`` picks with the unused ones masked.
     """
     if not is_varlen_usable(q):
-        return segment_attention(q, rows, lengths, k_pairs, v_pairs, q.shape[-1] ** -0.5)
-    cu_seqlens_q = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device)
+        return picked_attention(q, is_valid, keys[key_rows], values[key_rows], q.shape[-1] ** -0.5)
+    num_rows, topk = is_valid.shape
+    lengths = is_valid.sum(1, dtype=torch.int32)
     cu_seqlens_k = F.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0))
-    # An upper bound on the longest run (no host read of lengths.max()) is enough for max_seqlen_k.
-    return flash_varlen(q, k_pairs, v_pairs, cu_seqlens_q, cu_seqlens_k, 1, max_pairs_per_row, is_causal=False)
+    # Pair (i, j) goes to cu_seqlens_k[i] + j; unused pairs go to a dump slot past the end.
+    dest = cu_seqlens_k[:-1, None].long() + torch.arange(topk, device=q.device)
+    dest = torch.where(is_valid, dest, num_rows * topk)
+    packed = torch.zeros(num_rows * topk + 1, dtype=torch.int64, device=q.device)
+    packed.scatter_(0, dest.flatten(), key_rows.flatten())
+    packed = packed[:-1]
+    cu_seqlens_q = torch.arange(num_rows + 1, dtype=torch.int32, device=q.device)
+    return flash_varlen(q, keys[packed], values[packed], cu_seqlens_q, cu_seqlens_k, 1, topk, is_causal=False)
 
 
-def segment_attention(q: Tensor, rows: Tensor, lengths: Tensor, k_pairs: Tensor, v_pairs: Tensor,
-                      scale: float) -> Tensor:
-    """Attention over a list of (query row, key) pairs, softmax taken per query row.
+def picked_attention(q: Tensor, is_valid: Tensor, k_picks: Tensor, v_picks: Tensor, scale: float) -> Tensor:
+    """Attention of each query row over its own ``topk`` picked keys, unused picks masked; the exact reference.
 
     Args:
         q: ``(M, num_heads, head_dim)`` queries.
-        rows: ``(P,)`` query row of each pair, ascending (pairs grouped by row).
-        lengths: ``(M,)`` pairs per row; every row needs at least one.
-        k_pairs, v_pairs: ``(P, num_kv_heads, head_dim)`` key/value of each pair.
+        is_valid: ``(M, topk)`` bool; every row needs at least one valid pick.
+        k_picks, v_picks: ``(M, topk, num_kv_heads, head_dim)`` the picked keys/values.
         scale: score scale.
 
     Returns:
-        ``(M, num_heads, head_dim)`` in ``q.dtype``; scores are summed and the softmax and the
-        weighted sum are computed in fp32.
-
-    Segment reductions (not ``index_add_``, whose float atomics on GPU sum in a varying order)
-    keep the result bit-identical from run to run, so graph replay can be checked against eager.
+        ``(M, num_heads, head_dim)`` in ``q.dtype``; scores, softmax and the weighted sum in fp32. No atomics,
+        so the result is the same from run to run (graph replay is checked against eager bit for bit).
 
     Example:
-        >>> q, kv = torch.randn(2, 2, 4), torch.randn(3, 1, 4)
-        >>> segment_attention(q, torch.tensor([0, 1, 1]), torch.tensor([1, 2]), kv, kv, 0.5).shape
+        >>> q, kv = torch.randn(2, 2, 4), torch.randn(2, 3, 1, 4)
+        >>> picked_attention(q, torch.tensor([[True, False, False], [True, True, False]]), kv, kv, 0.5).shape
         torch.Size([2, 2, 4])
     """
     num_rows, num_heads, head_dim = q.shape
-    num_kv_heads = k_pairs.shape[1]
+    num_kv_heads = k_picks.shape[2]
     group = num_heads // num_kv_heads
-    q_pairs = q.view(num_rows, num_kv_heads, group, head_dim)[rows]
-    # Elementwise product + fp32 sum rather than einsum (which would become a batched matmul of
-    # P * num_kv_heads tiny products, far slower); no fp32 copies of the pair tensors, which are
-    # the bulk of this island's memory traffic.
-    scores = (q_pairs * k_pairs[:, :, None, :]).sum(-1, dtype=torch.float32).flatten(1) * scale
-    row_max = torch.segment_reduce(scores, "max", lengths=lengths, unsafe=True)
-    probs = (scores - row_max[rows]).exp_()
-    denom = torch.segment_reduce(probs, "sum", lengths=lengths, unsafe=True)
-    weighted = probs.view(-1, num_kv_heads, group, 1) * v_pairs[:, :, None, :]  # promotes to fp32
-    acc = torch.segment_reduce(weighted, "sum", lengths=lengths, unsafe=True)
-    return (acc.view(num_rows, num_heads, head_dim) / denom[..., None]).to(q.dtype)
+    qg = q.view(num_rows, num_kv_heads, group, head_dim).float()
+    scores = torch.einsum("mhgd,mthd->mhgt", qg, k_picks.float()) * scale
+    scores.masked_fill_(~is_valid[:, None, None, :], float("-inf"))
+    probs = scores.softmax(-1)
+    # An unused pick's value is weighted 0, and 0 * NaN is NaN: whatever it points at must not reach the row.
+    v_picks = torch.where(is_valid[:, :, None, None], v_picks.float(), 0.0)
+    out = torch.einsum("mhgt,mthd->mhgd", probs, v_picks)
+    return out.reshape(num_rows, num_heads, head_dim).to(q.dtype)

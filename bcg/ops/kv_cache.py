@@ -163,8 +163,11 @@ class KVPool:
             self._is_free[slots] = False
         return torch.from_numpy(slots)
 
-    def free(self, slots: Tensor) -> None:
+    def free(self, slots: Tensor, check: bool = True) -> None:
         """Return ``slots`` to the pool (their cached contents become garbage).
+
+        ``check=False`` skips the range and duplicate checks, for a caller returning slots it was handed by
+        :meth:`alloc` (the engine's lease); an allocated-twice check stays.
 
         Raises:
             ValueError: a slot is out of range, duplicated, or not allocated; nothing is freed.
@@ -173,10 +176,11 @@ class KVPool:
         if slots.numel() == 0:
             return
         idx = slots.numpy()
-        if int(idx.min()) < 0 or int(idx.max()) >= self.num_slots:
-            raise ValueError(f"slot out of range [0, {self.num_slots}) in free()")
-        if np.unique(idx).size != idx.size:
-            raise ValueError("free() got a duplicated slot or one that is not allocated")
+        if check:
+            if int(idx.min()) < 0 or int(idx.max()) >= self.num_slots:
+                raise ValueError(f"slot out of range [0, {self.num_slots}) in free()")
+            if np.unique(idx).size != idx.size:
+                raise ValueError("free() got a duplicated slot or one that is not allocated")
         with self._lock:
             if bool(self._is_free[idx].any()):
                 raise ValueError("free() got a duplicated slot or one that is not allocated")

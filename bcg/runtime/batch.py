@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -9,8 +10,10 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from bcg.ops.attention import BatchContext
+from bcg.ops.attention import AttentionBackend, attention_backend, default_attention_backend
+from bcg.ops.context import ForwardContext
 from bcg.ops.kv_cache import KVPool
+from bcg.ops.staging import Layout, Staged
 
 
 def _as_cpu_long(values: Sequence[int] | Tensor) -> Tensor:
@@ -74,86 +77,135 @@ class PrefillItem:
 
 
 class PrefillBatch:
-    """The new tokens of several requests packed back to back, plus their KV bookkeeping.
+    """The new tokens of several requests packed back to back, plus their KV bookkeeping, on the host.
 
-    All device tensors come from a single host-to-device copy (pinned and non-blocking on CUDA).
+    Everything is numpy (the ``host_*`` arrays): this runs before every forward while the GPU may sit idle, and
+    numpy's per-call cost is a fraction of torch's on CPU tensors. The runner stages these arrays into its static
+    fields and moves them to the device in one copy (:mod:`bcg.runtime.runner.inputs`); :meth:`to_context` and the
+    device attributes below do the same for tools and tests that run a batch by hand.
+
+    Args:
+        items: the requests' shares, in order.
+        kv_pool: the pool their slots belong to.
+        logit_requests: the requests whose last token's logits are wanted (default: all); a chunk that does not end
+            its request wants none.
+        check: verify that every slot is in the pool's range and used once (the engine, whose slots come from its own
+            lease, skips it).
 
     Attributes:
-        input_ids: int64 ``(num_tokens,)`` on the pool's device.
-        positions: int64 ``(num_tokens,)``, ``prefix_len + arange(n)`` per request.
-        logits_indices: int64 ``(num_requests,)``, row of each request's last new token.
-        seq_lens_q, prefix_lens: per-request host ints; has_prefix: whether any request has a cached prefix.
+        num_tokens, num_requests, seq_lens_q, prefix_lens, has_prefix, max_seqlen_q, max_seqlen_k: host values.
+        host_input_ids, host_positions (``prefix_len + arange(n)`` per request), host_write_slots, host_read_slots
+        (each request's prefix slots then its new slots), host_cu_seqlens_q, host_cu_seqlens_k, host_logit_rows
+        (the row of each wanted request's last token): numpy int64 arrays.
 
     Example:
         >>> pool = KVPool(num_slots=16, num_layers=1, num_kv_heads=1, head_dim=4, dtype=torch.float32)
         >>> batch = PrefillBatch([PrefillItem([1, 2, 3], pool.alloc(3)), PrefillItem([4], pool.alloc(1))], pool)
-        >>> batch.positions.tolist(), batch.logits_indices.tolist()
+        >>> batch.host_positions.tolist(), batch.host_logit_rows.tolist()
         ([0, 1, 2, 0], [2, 3])
         >>> batch.to_context(num_padded_tokens=8).cu_seqlens_q.tolist()
         [0, 3, 4]
     """
 
-    def __init__(self, items: Sequence[PrefillItem], kv_pool: KVPool) -> None:
+    def __init__(self, items: Sequence[PrefillItem], kv_pool: KVPool, logit_requests: Sequence[int] | None = None,
+                 check: bool = True) -> None:
         if not items:
             raise ValueError("a prefill batch needs at least one item")
         self.kv_pool = kv_pool
         self.seq_lens_q = [item.num_new_tokens for item in items]
         self.prefix_lens = [item.prefix_len for item in items]
         self.num_tokens = total = sum(self.seq_lens_q)
-        # Host metadata in numpy: this runs before every forward while the GPU may sit idle, and numpy's per-call
-        # cost is a fraction of torch's on CPU tensors. Nothing here grows per request except the concatenations.
         seq_q = np.array(self.seq_lens_q, dtype=np.int64)
         prefix = np.array(self.prefix_lens, dtype=np.int64)
         cu_q = np.zeros(len(items) + 1, dtype=np.int64)
         cu_k = np.zeros(len(items) + 1, dtype=np.int64)
         np.cumsum(seq_q, out=cu_q[1:])
         np.cumsum(seq_q + prefix, out=cu_k[1:])
-        positions = np.arange(total, dtype=np.int64) + np.repeat(prefix - cu_q[:-1], seq_q)
-        write_slots = np.concatenate([item.new_slots.numpy() for item in items])
-        has_prefix = any(self.prefix_lens)
-        read_slots = (np.concatenate([s.numpy() for item in items for s in (item.prefix_slots, item.new_slots)])
-                      if has_prefix else write_slots)
-        check_slots(read_slots, kv_pool.num_slots)
-        # cu_seqlens are int32 on the device: pack them as int32 pairs reinterpreted as int64, so one transfer
-        # carries everything and no cast kernel runs on the device.
-        cu32 = np.concatenate([cu_q, cu_k]).astype(np.int32)
-        if cu32.size % 2:
-            cu32 = np.append(cu32, np.int32(0))
-        parts = [np.concatenate([item.token_ids.numpy() for item in items]), positions, write_slots,
-                 read_slots if has_prefix else write_slots[:0], cu_q[1:] - 1, cu32.view(np.int64)]
-        packed = torch.from_numpy(np.concatenate(parts))
-        if kv_pool.device.type == "cuda":
-            # Pinned and non-blocking: a pageable copy would make the host wait for the GPU's queued work.
-            packed = packed.pin_memory().to(kv_pool.device, non_blocking=True)
-        (self.input_ids, self.positions, self.write_slots, read, self.logits_indices, cu) = packed.split(
-            [p.size for p in parts])
-        self.read_slots = read if has_prefix else self.write_slots
-        cu = cu.view(torch.int32)
-        self.cu_seqlens_q, self.cu_seqlens_k = cu[: len(items) + 1], cu[len(items) + 1 : 2 * len(items) + 2]
+        self.host_cu_seqlens_q, self.host_cu_seqlens_k = cu_q, cu_k
+        self.host_positions = np.arange(total, dtype=np.int64) + np.repeat(prefix - cu_q[:-1], seq_q)
+        self.host_input_ids = (items[0].token_ids.numpy() if len(items) == 1
+                               else np.concatenate([item.token_ids.numpy() for item in items]))
+        self.host_write_slots = (items[0].new_slots.numpy() if len(items) == 1
+                                 else np.concatenate([item.new_slots.numpy() for item in items]))
+        self.has_prefix = any(self.prefix_lens)
+        self.host_read_slots = (np.concatenate([s.numpy() for item in items for s in (item.prefix_slots,
+                                                                                         item.new_slots)])
+                                if self.has_prefix else self.host_write_slots)
+        if check:
+            check_slots(self.host_read_slots, kv_pool.num_slots)
+        last_rows = cu_q[1:] - 1
+        self.host_logit_rows = last_rows if logit_requests is None else last_rows[np.asarray(logit_requests,
+                                                                                             dtype=np.int64)]
         self.max_seqlen_q = max(self.seq_lens_q)
         self.max_seqlen_k = int((seq_q + prefix).max())
-        self.has_prefix = has_prefix
 
     @property
     def num_requests(self) -> int:
         """Number of requests in the batch."""
         return len(self.seq_lens_q)
 
-    def to_context(self, num_padded_tokens: int) -> BatchContext:
-        """The live forward context for running this batch padded to ``num_padded_tokens`` rows."""
-        return BatchContext(
-            num_tokens=self.num_tokens,
-            num_padded_tokens=num_padded_tokens,
-            seq_lens_q=self.seq_lens_q,
-            prefix_lens=self.prefix_lens,
-            cu_seqlens_q=self.cu_seqlens_q,
-            cu_seqlens_k=self.cu_seqlens_k,
-            max_seqlen_q=self.max_seqlen_q,
-            max_seqlen_k=self.max_seqlen_k,
-            write_slots=self.write_slots,
-            read_slots=self.read_slots,
-            kv_pool=self.kv_pool,
-        )
+    @property
+    def num_logit_rows(self) -> int:
+        """Rows whose logits the forward computes (one per wanted request)."""
+        return len(self.host_logit_rows)
+
+    @functools.cached_property
+    def _device(self) -> dict[str, Tensor]:
+        # For tools and tests: the batch's own arrays on the device, in one copy (the runner stages its own).
+        parts = {"input_ids": self.host_input_ids, "positions": self.host_positions,
+                 "write_slots": self.host_write_slots, "read_slots": self.host_read_slots,
+                 "logits_indices": self.host_logit_rows}
+        packed = torch.from_numpy(np.concatenate(list(parts.values())))
+        if self.kv_pool.device.type == "cuda":
+            packed = packed.pin_memory().to(self.kv_pool.device, non_blocking=True)
+        cu = torch.from_numpy(np.concatenate([self.host_cu_seqlens_q, self.host_cu_seqlens_k]).astype(np.int32))
+        cu = cu.to(self.kv_pool.device)
+        views = dict(zip(parts, packed.split([len(a) for a in parts.values()])))
+        r = self.num_requests
+        views["cu_seqlens_q"], views["cu_seqlens_k"] = cu[: r + 1], cu[r + 1 :]
+        return views
+
+    @property
+    def input_ids(self) -> Tensor:
+        return self._device["input_ids"]
+
+    @property
+    def positions(self) -> Tensor:
+        return self._device["positions"]
+
+    @property
+    def write_slots(self) -> Tensor:
+        return self._device["write_slots"]
+
+    @property
+    def read_slots(self) -> Tensor:
+        return self._device["read_slots"]
+
+    @property
+    def logits_indices(self) -> Tensor:
+        return self._device["logits_indices"]
+
+    @property
+    def cu_seqlens_q(self) -> Tensor:
+        return self._device["cu_seqlens_q"]
+
+    @property
+    def cu_seqlens_k(self) -> Tensor:
+        return self._device["cu_seqlens_k"]
+
+    def to_context(self, num_padded_tokens: int, backend: AttentionBackend | None = None) -> ForwardContext:
+        """The forward context for running this batch padded to ``num_padded_tokens`` rows, through ``backend``
+        (default: the live backend for the pool's device and dtype), its fields in fresh device memory."""
+        if not 0 < self.num_tokens <= num_padded_tokens:
+            raise ValueError(f"need 0 < num_tokens <= num_padded_tokens, got num_tokens={self.num_tokens}, "
+                             f"num_padded_tokens={num_padded_tokens}")
+        if backend is None:
+            pool = self.kv_pool
+            dtype = next((t.dtype for t in pool.k if t is not None), torch.float32)
+            backend = attention_backend(default_attention_backend(pool.device, dtype))(pool)
+        staged = Staged(Layout(*backend.fields(num_padded_tokens)), backend.tail_lengths(self), self.kv_pool.device)
+        backend.stage(self, num_padded_tokens, staged)
+        return backend.context(self, num_padded_tokens, staged.upload())
 
 
 def check_slots(slots: Tensor | np.ndarray, num_slots: int) -> None:

@@ -1,4 +1,8 @@
-"""Engine configuration: one dataclass, mapped 1:1 to CLI flags."""
+"""Engine configuration: one dataclass, every field checked when it is made.
+
+The ``bcg`` command maps the fields a benchmark varies to flags of the same name (``bcg bench --help``); the others
+are set in Python.
+"""
 
 from __future__ import annotations
 
@@ -10,20 +14,21 @@ import torch
 
 from bcg.leaks import LEAK_CHECK_MODES
 from bcg.models.model_impl import check_model_impl
+from bcg.ops.attention import ATTENTION_BACKENDS
+from bcg.runtime.backends import ALIASES, REGISTRY
 from bcg.runtime.compile import COMPILERS
 
 __all__ = ["BACKENDS", "EngineConfig", "resolve_backend"]
 
 # Names follow SGLang's --cuda-graph-backend-prefill values; "disabled" is an alias of "eager".
-BACKENDS = ("eager", "breakable", "full", "tc_piecewise")
-_ALIASES = {"disabled": "eager"}
+BACKENDS = tuple(REGISTRY)
 
 
 def resolve_backend(name: str) -> str:
     """Canonical backend name; raises ValueError naming the valid choices."""
     if not isinstance(name, str):
         raise TypeError(f"backend must be a string, one of {', '.join(BACKENDS)}; got {name!r}")
-    name = _ALIASES.get(name, name)
+    name = ALIASES.get(name, name)
     if name not in BACKENDS:
         raise ValueError(f"unknown backend {name!r}; choose one of {', '.join(BACKENDS)} (or 'disabled')")
     return name
@@ -36,6 +41,12 @@ def _int(name: str, value: Any, minimum: int | None, optional: bool = False) -> 
         raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
     if minimum is not None and value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
+
+
+def _bool(name: str, value: Any) -> None:
+    # Not truthiness: debug="no" or verify="false" would switch the option on.
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {value!r} ({type(value).__name__})")
 
 
 def _number(name: str, value: Any, low: float, high: float = math.inf, low_open: bool = False) -> None:
@@ -116,6 +127,11 @@ class EngineConfig:
         prefix_capacity: cached-prefix keys (summed over a batch's requests) a "full" graph can attend to: bucket
             ``b`` reads ``b + prefix_capacity`` key slots per layer. None means ``chunked_prefill_size``; a batch
             with more keys runs eagerly (reason "too_many_keys").
+        attention_backend: the attention kernel of the islands ("varlen": FlashAttention varlen, CUDA in half
+            precision; "sdpa": per-request SDPA, any device) or "static" (inside the graph: backend "full"'s); None
+            picks "static" for "full", else "varlen" where it runs and "sdpa" elsewhere (``bcg.ops.attention``).
+        max_logit_rows: rows of the LM head inside a captured graph (bucket ``b`` computes ``min(b, max_logit_rows)``
+            requests' logits); a batch that ends more requests computes the rest eagerly after the replay.
         tc_compiler: "inductor" or "traced" (no compilation), used by "tc_piecewise".
         kernels: the models' non-matmul ops: "fused" (the fused kernels of ``bcg.ops.kernels``: Triton on CUDA, their
             plain-torch references elsewhere) or "torch" (plain torch ops); None picks "fused" on CUDA, "torch" else.
@@ -156,6 +172,8 @@ class EngineConfig:
     kv_memory_fraction: float = 0.5
     max_requests: int | None = None
     prefix_capacity: int | None = None
+    attention_backend: str | None = None
+    max_logit_rows: int = 64
     tc_compiler: str = "inductor"
     kernels: str | None = None
     compile: str | None = None
@@ -184,7 +202,13 @@ class EngineConfig:
         _number("kv_memory_fraction", self.kv_memory_fraction, 0.0, 1.0, low_open=True)
         _int("max_requests", self.max_requests, 1, optional=True)
         _int("prefix_capacity", self.prefix_capacity, 0, optional=True)
+        _int("max_logit_rows", self.max_logit_rows, 1)
+        if self.attention_backend is not None and self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {', '.join(sorted(ATTENTION_BACKENDS))} or None "
+                             f"(chosen for the device), got {self.attention_backend!r}")
         _int("warmup", self.warmup, 0)
+        for name in ("auto_islands", "debug", "verify", "progress"):
+            _bool(name, getattr(self, name))
         for name in ("compile", "tc_compiler"):
             if getattr(self, name) == "eager":  # the old spelling, which also names a backend
                 raise ValueError(f"{name}='eager' is now spelled {name}='traced' (dynamo's trace, no code generated)")

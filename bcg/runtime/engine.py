@@ -19,7 +19,7 @@ from bcg.ops.kv_cache import KVPoolFullError
 from bcg.ops.parallel import init_tensor_parallel
 from bcg.runtime.batch import PrefillBatch, PrefillItem
 from bcg.runtime.config import EngineConfig
-from bcg.runtime.kv_slots import SlotLease, default_kv_tokens
+from bcg.runtime.kv_slots import SlotLease, default_kv_tokens, make_kv_pool
 from bcg.runtime.model_source import load_model
 from bcg.runtime.prompts import validate_prompts
 from bcg.runtime.runner import Runner
@@ -83,6 +83,9 @@ class Engine:
         unknown = sorted(set(kwargs) - names)
         if unknown:
             raise TypeError(f"unknown Engine option(s) {unknown}; valid options: {sorted(names)}")
+        if config is not None and not isinstance(config, EngineConfig):
+            raise TypeError(f"config must be an EngineConfig (or None, with options as keyword arguments), got "
+                            f"{config!r} ({type(config).__name__})")
         base = {f.name: getattr(config, f.name) for f in fields(EngineConfig)} if config else {}
         requested = EngineConfig(**{**base, **kwargs})
         if requested.torch_device.type == "cuda" and not torch.cuda.is_available():
@@ -112,7 +115,7 @@ class Engine:
             cfg.kv_memory_fraction)
         if self.tp.is_parallel:  # every rank allocates the same slots, so every pool has the size of the smallest
             kv_tokens = RankAgreement(self.tp).agree_min(kv_tokens, "the KV pool size")
-        self.kv_pool = self.model.make_kv_pool(kv_tokens, self.device, self.dtype)
+        self.kv_pool = make_kv_pool(self.model, kv_tokens, per_token, self.device, self.dtype)
         # Prefills in flight (and those holding KV leases), a recapture in progress, and the condition prefills
         # wait on for slots and recaptures wait on for quiet.
         self._num_active = self._num_leases = self._num_recaptures = 0
@@ -132,17 +135,17 @@ class Engine:
         """Per-bucket build records and per-batch replay records."""
         return self.runner.telemetry
 
-    def enable_bucket(self, num_tokens: int) -> None:
-        """Replays bucket ``num_tokens`` again after replay failures disabled it (see ``max_replay_failures``).
+    def enable_bucket(self, bucket: int) -> None:
+        """Replays ``bucket`` again after replay failures disabled it (see ``max_replay_failures``).
 
         Raises:
             ValueError: no such bucket, or its capture failed (no graph to replay): :meth:`recapture` it.
         """
-        self.runner.enable_bucket(num_tokens)
+        self.runner.enable_bucket(bucket)
 
-    def recapture(self, num_tokens: int) -> BucketRecord:
-        """Captures bucket ``num_tokens`` anew and replays it from now on; returns its record (``disabled_reason``
-        says why if this capture failed as well).
+    def recapture(self, bucket: int) -> BucketRecord:
+        """Captures ``bucket`` anew and replays it from now on; returns its record (``disabled_reason`` says why if
+        this capture failed as well). All or nothing: an interrupted capture leaves the bucket disabled, saying so.
 
         Prefills in flight finish first and new ones wait: on CUDA another thread's host syncs and allocations
         during a capture would invalidate it.
@@ -157,7 +160,7 @@ class Engine:
             while self._num_active:
                 self._slots_freed.wait()
         try:
-            return self.runner.recapture(num_tokens)
+            return self.runner.recapture(bucket)
         finally:
             with self._slots_freed:
                 self._num_recaptures -= 1
@@ -186,6 +189,8 @@ class Engine:
     def _prefill(self, prompts: Sequence[Prompt]) -> PrefillResult:
         config = self.model.config
         ids, lengths = validate_prompts(prompts, config.vocab_size, config.max_position_embeddings, self.device)
+        if self.runner.agreement is not None:  # tensor parallel: the same prompts on every rank, or nothing runs
+            self.runner.agreement.agree_prompts(ids)
         plan = plan_batches(lengths, self.config.chunked_prefill_size)
         lease = SlotLease(self.kv_pool, plan, on_free=self._notify_slots_freed)
         try:  # all or nothing: every exit path, KeyboardInterrupt included, returns the lease
@@ -193,17 +198,14 @@ class Engine:
             records: list[BatchRecord] = []
             logits = torch.empty(len(ids), config.vocab_size, dtype=torch.float32, device=self.device)
             for index, chunks in enumerate(plan):
-                batch = PrefillBatch([self._item(ids[c.request], lease, c) for c in chunks], self.kv_pool)
                 last = [i for i, c in enumerate(chunks) if c.is_last]
-                with self.runner.lock:  # the forward's output is a view of the runner's static buffers
-                    hidden = self.runner.forward(batch)
-                    records.append(self.runner.last_record)
+                items = [self._item(ids[c.request], lease, c) for c in chunks]
+                batch = PrefillBatch(items, self.kv_pool, None if len(last) == len(chunks) else last, check=False)
+                with self.runner.lock:  # a replay's logits are a view of the runner's static buffers
+                    out = self.runner.forward(batch)
+                    records.append(out.record)
                     if last:
-                        # Common case, every request ends here in order: slices, no index tensors copied.
-                        rows = batch.logits_indices if len(last) == len(chunks) else batch.logits_indices[last]
-                        reqs = [chunks[i].request for i in last]
-                        dest = slice(reqs[0], reqs[-1] + 1) if reqs[-1] - reqs[0] == len(reqs) - 1 else reqs
-                        logits[dest] = self.model.compute_logits(hidden[rows]).float()
+                        self._place(logits, [chunks[i].request for i in last], out.logits)
                 lease.finish(index)
         finally:
             if lease.release():
@@ -211,6 +213,16 @@ class Engine:
                     self._num_leases -= 1
                     self._slots_freed.notify_all()
         return PrefillResult(logits, logits.argmax(dim=-1), records)
+
+    @staticmethod
+    def _place(logits: torch.Tensor, requests: list[int], rows: torch.Tensor) -> None:
+        """Copies the logits of ``requests`` (in order) into their rows of the result."""
+        first, last = requests[0], requests[-1]
+        if last - first == len(requests) - 1:  # the common case: consecutive requests, one copy
+            logits[first : last + 1].copy_(rows)
+            return
+        for row, request in enumerate(requests):  # a chunked request in between ends later: no index tensor
+            logits[request].copy_(rows[row])
 
     def _reserve(self, lease: SlotLease) -> None:
         """Reserves the lease's peak, waiting while other prefills of this engine hold the slots it needs."""

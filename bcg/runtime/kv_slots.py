@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -21,7 +22,7 @@ from torch import Tensor
 from bcg.ops.kv_cache import KVPool
 from bcg.runtime.scheduler import Chunk
 
-__all__ = ["SlotLease", "default_kv_tokens", "slots_held"]
+__all__ = ["SlotLease", "default_kv_tokens", "make_kv_pool", "slots_held"]
 
 
 def _available_host_bytes() -> int | None:
@@ -53,6 +54,29 @@ def default_kv_tokens(per_token: int, context_length: int, chunked_prefill_size:
         if available is not None:
             tokens = min(tokens, available // 4 // per_token)
     return max(tokens, min_tokens)
+
+
+def make_kv_pool(model: Any, kv_tokens: int, per_token: int, device: torch.device, dtype: torch.dtype) -> KVPool:
+    """``model``'s KV pool of ``kv_tokens`` slots, or a ValueError naming ``kv_tokens`` when the memory is not there
+    (checked before allocating on the CPU, where an oversized allocation would not fail cleanly, and on CUDA from
+    the allocator's own refusal)."""
+    need = kv_tokens * per_token
+    available = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else _available_host_bytes()
+
+    def refuse() -> ValueError:
+        have = f"{available / 2**30:.1f} GiB free" if available is not None else "not that much free"
+        return ValueError(f"kv_tokens={kv_tokens} needs {need / 2**30:.1f} GiB of memory for the KV pool "
+                          f"({per_token} bytes a token) and the {device.type} has {have}; lower kv_tokens (or leave "
+                          "it unset to size the pool from free memory)")
+
+    if available is not None and need > available:
+        raise refuse()
+    try:
+        return model.make_kv_pool(kv_tokens, device, dtype)
+    except (torch.OutOfMemoryError, RuntimeError) as e:
+        if "memory" not in str(e).lower() and not isinstance(e, torch.OutOfMemoryError):
+            raise
+        raise refuse() from e
 
 
 def slots_held(plan: Sequence[Sequence[Chunk]]) -> list[int]:
@@ -178,6 +202,6 @@ class SlotLease:
         if slots.size:
             if slots.size > 1 and not bool((slots[1:] > slots[:-1]).all()):
                 slots = np.sort(slots)  # ascending: the pool then hands the lowest out first again
-            self.pool.free(torch.from_numpy(slots))
+            self.pool.free(torch.from_numpy(slots), check=False)  # handed out by this pool: sorted, distinct
             if self.on_free is not None:
                 self.on_free()

@@ -56,6 +56,10 @@ def load_model(model: Any, cfg: EngineConfig, tp: TensorParallel) -> tuple[torch
         raise ValueError(f"model_impl='transformers' needs a checkpoint folder or a transformers model, not "
                          f"{model!r} (presets, ModelConfigs and built models are bcg's own)")
     if isinstance(model, torch.nn.Module):
+        if not isinstance(model, CausalLM):
+            raise TypeError(f"{type(model).__name__} is not a bcg CausalLM: pass a model built by "
+                            "bcg.models.build_model or load_checkpoint, a transformers *ForCausalLM, a preset name, a "
+                            "ModelConfig or a checkpoint folder")
         built = getattr(model, "tp", None)
         if built is not None and built.size != tp.size:
             raise ValueError(f"the model was built for tp_size={built.size}, but the engine runs tp_size={tp.size}; "

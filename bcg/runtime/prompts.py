@@ -35,8 +35,9 @@ def _from_tensor(i: int, p: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 def _from_sequence(i: int, p: Sequence[Any], vocab: int) -> torch.Tensor:
-    if not all(isinstance(x, int) and not isinstance(x, bool) for x in p):
-        raise TypeError(f"prompt {i} must contain Python ints (token ids)")
+    # numpy's integer scalars are ids too, as a numpy array of them is (np.bool_ is no np.integer).
+    if not all(isinstance(x, (int, np.integer)) and not isinstance(x, bool) for x in p):
+        raise TypeError(f"prompt {i} must contain Python ints or numpy integer scalars (token ids)")
     try:
         return torch.tensor(p if isinstance(p, list) else list(p), dtype=torch.long)
     except (OverflowError, RuntimeError, ValueError):  # an id beyond int64: name it as what it is

@@ -6,18 +6,22 @@ import doctest
 import importlib
 import json
 import math
+import re
 
 import pytest
 
-from bcg.bench import analyze, bench_report, checks, report, timing
+from bcg.bench import analyze, checks, results, tables, text, timing
 from bcg.bench.config import AnalyzeConfig, BenchConfig
-from bcg.bench.engines import BuildRecord, split_tokens
-from bcg.bench.latency import LatencyResult, LatencyRow, fill_speedups
+from bcg.bench.engines import BuildRecord, EngineSpec, split_tokens
+from bcg.bench.latency import LatencyResult
 from bcg.bench.memory import ceilings_for, run_memory
+from bcg.bench.rows import CPU_SPEEDUP_NOTE, LatencyRow, TokenCheck, compare_with_eager, geomean_speedups
+from bcg.bench.timing import Stats
+from bcg.bench.verdict import verdict
 
 
-@pytest.mark.parametrize("name", ["amdahl", "report", "timing", "config", "checks", "engines", "memory",
-                                  "analyze"])
+@pytest.mark.parametrize("name", ["amdahl", "tables", "results", "text", "timing", "config", "checks", "engines",
+                                  "memory", "analyze"])
 def test_doctests(name: str) -> None:
     mod = importlib.import_module(f"bcg.bench.{name}")
     result = doctest.testmod(mod, optionflags=doctest.ELLIPSIS)
@@ -27,7 +31,7 @@ def test_doctests(name: str) -> None:
 def test_time_fn_and_marks_on_cpu() -> None:
     calls = []
     t = timing.time_fn(lambda: calls.append(1), "cpu", runs=4, warmup=2)
-    assert len(calls) == 6 and len(t.samples_ms) == 4 and t.min_ms <= t.median_ms
+    assert len(calls) == 6 and t.runs == 4 and t.min_ms <= t.median_ms
     marks = timing.Marks("cpu")
     for _ in range(3):
         marks.mark()
@@ -43,14 +47,13 @@ def test_union_of_kernel_intervals_counts_overlap_once() -> None:
 
 
 def test_table_aligns_numbers_right() -> None:
-    text = report.table(["name", "ms"], [["a", "1.5"], ["long name", "10.25"]])
-    lines = text.splitlines()
+    lines = tables.table(["name", "ms"], [["a", "1.5"], ["long name", "10.25"]]).splitlines()
     assert lines[2].endswith(" 1.5") and lines[3].endswith("10.25")
     assert len({len(line) for line in lines[1:]}) == 1
 
 
 def test_json_has_no_nan_or_inf(tmp_path) -> None:
-    path = report.write_json(tmp_path / "x" / "r.json", {"a": math.inf, "b": [math.nan, 1.0]})
+    path = results.write_json(tmp_path / "x" / "r.json", {"a": math.inf, "b": [math.nan, 1.0]})
     assert json.loads(path.read_text()) == {"a": None, "b": [None, 1.0]}
 
 
@@ -62,7 +65,9 @@ def test_split_tokens_and_ceilings() -> None:
 
 
 def test_memory_on_cpu_is_none_with_a_note() -> None:
-    res = run_memory("tiny-dense", "cpu", None, seed=0, chunk=64, progress=False)
+    from bcg.runtime.config import EngineConfig
+
+    res = run_memory(EngineSpec("tiny-dense", EngineConfig(device="cpu", chunked_prefill_size=64, progress=False)))
     assert not res.available and "CUDA" in res.note
     assert [r.ceiling for r in res.rows] == [None, 16, 32, 64]
     assert all(r.device_used_above_baseline_bytes is None for r in res.rows)
@@ -91,79 +96,102 @@ def test_check_out_dir_creates_and_proves_the_folder(tmp_path) -> None:
         checks.check_out_dir(str(tmp_path / "f"))
 
 
-def _row(backend: str, median: float, q1: float, q3: float, **kw) -> LatencyRow:
-    return LatencyRow(backend=backend, input_len=16, num_requests=1, num_tokens=16, median_ms=median, min_ms=q1,
-                      q1_ms=q1, q3_ms=q3, max_ms=q3, mean_ms=median, stdev_ms=0.0, runs=20,
-                      graph_used=backend != "eager", bucket=16 if backend != "eager" else None,
+def _row(backend: str, median: float, q1: float, q3: float, input_len: int = 16, **kw) -> LatencyRow:
+    return LatencyRow(backend=backend, input_len=input_len, num_requests=1, num_tokens=input_len,
+                      wall=Stats(median, q1, q1, q3, q3, median, 0.0, 20), graph_used=backend != "eager",
+                      bucket=16 if backend != "eager" else None,
                       reason="graph" if backend != "eager" else "backend_eager", **kw)
 
 
 def test_bench_report_labels_cpu_speedups_and_marks_noisy_rows() -> None:
     rows = [_row("eager", 2.0, 1.9, 2.1), _row("breakable", 1.0, 0.5, 1.5)]
-    fill_speedups(rows)
-    assert rows[1].speedup_vs_eager == 2.0
-    assert rows[1].speedup_low == pytest.approx(1.9 / 1.5) and rows[1].speedup_high == pytest.approx(2.1 / 0.5)
-    assert rows[0].speedup_low is None  # eager against itself has no range
-    assert bench_report.spread(rows[1]) == pytest.approx(1.0)
+    compare_with_eager(rows)
+    assert rows[1].speedup.over_eager == 2.0
+    assert rows[1].speedup.low == pytest.approx(1.9 / 1.5) and rows[1].speedup.high == pytest.approx(2.1 / 0.5)
+    assert rows[0].speedup.low is None  # eager against itself has no range
+    assert rows[1].wall.spread == pytest.approx(1.0)
     builds = [BuildRecord("eager"), BuildRecord("breakable"),
               BuildRecord("full", available=False, error="refused: why", refused_reason="refused: why")]
     lat = LatencyResult(builds=builds, rows=rows)
     cfg = BenchConfig(device="cpu", backends=["eager", "breakable", "full"], lengths=[16])
-    text = bench_report.format_bench(cfg, lat, None, emulated=True)
-    assert "Latency, one request (CPU emulation)" in text
-    assert "Unavailable (not measured, in no speedup):\n  full: refused: why" in text
-    assert "1 row(s) marked noisy" in text and text.count("noisy") >= 2
-    assert f"breakable 2.00x ({bench_report.CPU_SPEEDUP_NOTE})." in text
-    assert "full" not in bench_report.geomean_speedups(rows, cfg.backends)
-    gpu = bench_report.format_bench(cfg, lat, None, emulated=False)
+    out = text.format_bench(cfg, lat, None, emulated=True)
+    assert "Latency, one request (CPU emulation)" in out
+    assert "Unavailable (not measured, in no speedup):\n  full: refused: why" in out
+    assert "1 row(s) marked noisy" in out and out.count("noisy") >= 2
+    assert f"breakable 2.00x ({CPU_SPEEDUP_NOTE})." in out
+    assert "full" not in geomean_speedups(rows, cfg.backends)
+    gpu = text.format_bench(cfg, lat, None, emulated=False)
     assert "CPU emulation" not in gpu and "kernel floor" in gpu and "breakable 2.00x." in gpu
 
 
+def test_every_latency_column_has_a_header() -> None:
+    rows = [_row("eager", 2.0, 1.9, 2.1), _row("breakable", 1.0, 0.5, 1.5)]
+    compare_with_eager(rows)
+    out = text.format_bench(BenchConfig(device="cpu", backends=["eager", "breakable"], lengths=[16]),
+                            LatencyResult(rows=rows), None, emulated=True)
+    head, rule, *_ = out.split("Latency, one request (CPU emulation)\n", 1)[1].splitlines()
+    names = re.split(r"\s{2,}", head.strip())
+    assert len(names) == len(rule.split()) and names[-1] == "note"  # the last column, whose cells say "noisy"
+
+
+def test_device_time_and_host_overhead_per_row() -> None:
+    rows = [_row("eager", 4.0, 3.9, 4.1), _row("breakable", 2.0, 1.9, 2.1)]
+    compare_with_eager(rows, {("eager", 16, 1): 1.6, ("breakable", 16, 1): 1.0, ("eager+fused", 16, 1): 1.2})
+    eager, breakable = rows
+    assert eager.device.ms == eager.device.floor_ms == 1.6 and breakable.device.floor_ms == 1.6
+    assert breakable.device.ms == 1.0 and breakable.device.host_ms == pytest.approx(1.0)
+    assert breakable.device.wall_over_device == pytest.approx(2.0) and breakable.device.fused_floor_ms == 1.2
+    assert breakable.device.launch_gap_share == pytest.approx(1 - 1.6 / 2.0)
+    cfg = BenchConfig(device="cpu", backends=["eager", "breakable"], lengths=[16])
+    out = text.format_bench(cfg, LatencyResult(rows=rows), None, emulated=False)
+    head = next(line for line in out.splitlines() if "median ms" in line)
+    assert "device ms" in head and "host ms" in head and "wall/device" in head
+    line = next(line for line in out.splitlines() if line.startswith("breakable"))
+    assert " 1.000 " in line and " 2.00x " in line  # device 1.000 ms, host 1.000 ms, wall/device 2.00x
+    assert "host ms = median - device" in out
+    assert "device ms" not in text.format_bench(cfg, LatencyResult(rows=rows), None, emulated=True)
+
+
+def test_geomean_counts_the_lengths_each_variant_was_measured_at() -> None:
+    rows = [_row("eager", 2.0, 1.9, 2.1, n) for n in (16, 32)]
+    rows += [_row("breakable", 1.0, 0.9, 1.1, n) for n in (16, 32)] + [_row("full", 1.0, 0.9, 1.1, 16)]
+    compare_with_eager(rows)
+    cfg = BenchConfig(device="cpu", backends=["eager", "breakable", "full"], lengths=[16, 32])
+    out = text.format_bench(cfg, LatencyResult(rows=rows), None, emulated=False)
+    assert "each over its measured lengths: breakable 2.00x (2 lengths), full 2.00x (1 length)." in out
+    alone = text.format_bench(cfg, LatencyResult(rows=rows[:4]), None, emulated=False)
+    assert "Geomean speedup over eager, one request, 2 lengths: breakable 2.00x." in alone
+
+
 def test_a_different_greedy_token_is_flagged_with_eagers_gap() -> None:
-    rows = [_row("eager", 2.0, 1.9, 2.1, next_tokens=[7, 9], eager_top2_gap=0.0625),
-            _row("breakable", 1.0, 0.9, 1.1, next_tokens=[7, 9]), _row("full", 1.0, 0.9, 1.1, next_tokens=[7, 3])]
-    fill_speedups(rows)
-    assert [r.tokens_equal_eager for r in rows] == [True, True, False]
+    rows = [_row("eager", 2.0, 1.9, 2.1, greedy=TokenCheck([7, 9], eager_top2_gap=0.0625)),
+            _row("breakable", 1.0, 0.9, 1.1, greedy=TokenCheck([7, 9])),
+            _row("full", 1.0, 0.9, 1.1, greedy=TokenCheck([7, 3]))]
+    compare_with_eager(rows)
+    assert [r.greedy.equal_eager for r in rows] == [True, True, False]
     lat = LatencyResult(builds=[BuildRecord(r.backend) for r in rows], rows=rows)
     cfg = BenchConfig(device="cpu", backends=["eager", "breakable", "full"], lengths=[16])
-    text = bench_report.format_bench(cfg, lat, None, emulated=True)
-    assert "tokens = eager" in text
-    assert "1 row(s) chose a different greedy token than eager: full at 16 tokens (eager's top-2 gap 0.0625)" in text
+    out = text.format_bench(cfg, lat, None, emulated=True)
+    assert "tokens = eager" in out
+    assert "1 row(s) chose a different greedy token than eager: full at 16 tokens (eager's top-2 gap 0.0625)" in out
+
+
+def test_the_header_names_the_device_the_model_code_and_the_tensor_parallel_size() -> None:
+    from types import SimpleNamespace
+
+    env = {"device_name": "NVIDIA H200", "model_impl": "transformers", "torch_threads": 16}
+    gpu = text.header("bench", SimpleNamespace(model="/ckpt", device="cuda", emulated=False, tp=2), env)
+    assert gpu == ("bcg bench: /ckpt on NVIDIA H200 (cuda), transformers model code (--model-impl), tensor parallel "
+                   "size 2 (--tp), 16 torch threads (--threads).")
+    analyze = text.header("analyze", SimpleNamespace(model="tiny-dense", device="cuda:1", emulated=False), env)
+    assert analyze.startswith("bcg analyze: tiny-dense on NVIDIA H200 (cuda:1), transformers model code")
+    assert "tensor parallel" not in analyze  # analyze runs on one device
 
 
 def test_reasons_read_as_words() -> None:
-    assert report.describe_reason(True, "graph", 32) == "yes (bucket 32)"
-    assert report.describe_reason(False, "backend_refused") == "no: backend refused the model"
-    assert report.describe_reason(False, "some_new_code") == "no: some new code"
-
-
-def _analysis_for_plot() -> dict:
-    sizes = [4, 8, 8, 12, 16, 16, 16, 30, 32, 32]
-    return {
-        "replay": {"outside_ms": 0.3, "segments_ms": 1.0, "p": 0.4,
-                   "islands": [{"name": "attention", "ms": 0.5}, {"name": "topk", "ms": 0.2}]},
-        "timing": {"eager_forward_ms": 3.0, "eager_kernel_ms": 1.2, "breakable_forward_ms": 2.1, "length": 16},
-        "coverage": {"forward_sizes": sizes, "forward_graph": [s <= 16 for s in sizes], "max_bucket": 16,
-                     "graph_fraction": 0.7, "padding_waste": 0.1},
-    }
-
-
-def test_analyze_figure_counts_whole_forwards_and_keeps_legends_off_the_bars() -> None:
-    from bcg.bench.plots import analyze_figure
-
-    fig = analyze_figure(_analysis_for_plot(), "tiny-dense on cpu")
-    fig.canvas.draw()
-    renderer = fig.canvas.get_renderer()
-    ax1, ax2 = fig.axes[:2]
-    ticks = [t for t in ax2.get_yticks() if ax2.get_ylim()[0] <= t <= ax2.get_ylim()[1]]
-    assert ticks and all(float(t).is_integer() for t in ticks)
-    for ax in (ax1, ax2):
-        legend = ax.get_legend().get_window_extent(renderer)
-        bars = [p.get_window_extent(renderer) for p in ax.patches if p.get_height() > 0]
-        assert bars and not any(legend.overlaps(b) for b in bars)
-    import matplotlib.pyplot as plt
-
-    plt.close(fig)
+    assert tables.describe_reason(True, "graph", 32) == "yes (bucket 32)"
+    assert tables.describe_reason(False, "backend_refused") == "no: backend refused the model"
+    assert tables.describe_reason(False, "some_new_code") == "no: some new code"
 
 
 def _analysis(speedup: float, share: float | None, emulated: bool = False) -> dict:
@@ -178,19 +206,19 @@ def _analysis(speedup: float, share: float | None, emulated: bool = False) -> di
 
 
 def test_verdict_sentences() -> None:
-    yes = analyze.verdict(_analysis(1.8, 0.01))
+    yes = verdict(_analysis(1.8, 0.01))
     assert yes["pays"] is True and yes["sentence"].startswith("Breakable graphs pay here: 1.80x")
     assert "set the capture ceiling to 2048 (= chunked_prefill_size)" in yes["sentence"]
-    no = analyze.verdict(_analysis(1.01, 0.01))
+    no = verdict(_analysis(1.01, 0.01))
     assert no["pays"] is False and "do not pay" in no["sentence"] and "10% launch gap" in no["sentence"]
-    big = analyze.verdict(_analysis(1.8, 0.5))
+    big = verdict(_analysis(1.8, 0.5))
     assert big["pays"] is True and "50% of free memory" in big["sentence"]
-    cpu = analyze.verdict(_analysis(1.8, None, emulated=True))
+    cpu = verdict(_analysis(1.8, None, emulated=True))
     assert cpu["pays"] is None and cpu["sentence"].startswith("CPU emulation")
     assert "without fusing kernels" not in yes["sentence"]  # no kernel time measured, no bound claimed
     bounded = _analysis(1.8, 0.01)
     bounded["timing"]["launch_bound"] = 2.4
-    assert "no graph beats eager by more than 2.40x here without fusing kernels" in analyze.verdict(bounded)["sentence"]
+    assert "no graph beats eager by more than 2.40x here without fusing kernels" in verdict(bounded)["sentence"]
 
 
 def test_sample_lengths_is_seeded_and_bounded() -> None:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from bcg.bench.config import AnalyzeConfig, BenchConfig
+from bcg.bench.config import AnalyzeConfig, BenchConfig, VerifyConfig
 from bcg.cli import build_parser, main
 
 FAST = ["--device", "cpu", "--runs", "1", "--warmup", "0", "--no-progress"]
@@ -29,6 +29,7 @@ def test_bench_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
     out = captured.out
     banner = out.splitlines()[0]  # the emulation banner comes first, naming what runs
     assert banner.startswith("bcg bench: tiny-dense on the CPU") and "1 torch thread" in banner
+    assert "native model code (--model-impl)" in banner and "tensor parallel size 1 (--tp)" in banner
     assert "not what graphs save on a GPU" in banner
     summary = last_json(out)
     assert summary["kind"] == "bench" and summary["emulated"] is True
@@ -44,19 +45,24 @@ def test_bench_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
     assert {"schema", "config", "environment", "builds", "rows", "batch_rows", "memory", "plots"} <= set(data)
     keys = [(r["backend"], r["input_len"]) for r in data["rows"]]
     assert sorted(keys) == sorted({(b, n) for b in ("eager", "breakable") for n in (8, 16)})
-    for r in data["rows"]:
-        for field in ("median_ms", "speedup_vs_eager", "kernel_floor_ms", "num_tokens", "graph_used", "reason"):
-            assert field in r
-        assert r["median_ms"] > 0 and r["num_requests"] == 1
-        assert r["min_ms"] <= r["q1_ms"] <= r["median_ms"] <= r["q3_ms"] <= r["max_ms"]
+    assert data["schema"] == "bcg.bench/3"
+    for r in data["rows"]:  # the row layout bcg/bench/results.py documents
+        assert set(r) == {"backend", "input_len", "num_requests", "num_tokens", "wall", "graph_used", "bucket",
+                          "reason", "speedup", "device", "greedy"}
+        w = r["wall"]
+        assert w["median_ms"] > 0 and r["num_requests"] == 1 and w["runs"] == 1
+        assert w["min_ms"] <= w["q1_ms"] <= w["median_ms"] <= w["q3_ms"] <= w["max_ms"]
+        assert set(r["device"]) == {"ms", "host_ms", "wall_over_device", "floor_ms", "fused_floor_ms",
+                                    "launch_gap_share"}
+        assert all(v is None for v in r["device"].values())  # no device time on a CPU
     for r in data["rows"]:
         if r["backend"] == "breakable":
-            assert r["speedup_low"] <= r["speedup_vs_eager"] <= r["speedup_high"]
+            assert r["speedup"]["low"] <= r["speedup"]["over_eager"] <= r["speedup"]["high"]
     assert data["config"]["threads"] == 1 and data["environment"]["torch_threads"] == 1
     assert all(r["graph_used"] for r in data["rows"] if r["backend"] == "breakable")
-    assert all(r["tokens_equal_eager"] and len(r["next_tokens"]) == r["num_requests"]
+    assert all(r["greedy"]["equal_eager"] and len(r["greedy"]["next_tokens"]) == r["num_requests"]
                for r in data["rows"] + data["batch_rows"])
-    assert all(r["speedup_vs_eager"] == 1.0 for r in data["rows"] if r["backend"] == "eager")
+    assert all(r["speedup"]["over_eager"] == 1.0 for r in data["rows"] if r["backend"] == "eager")
     assert {(r["backend"], r["num_requests"]) for r in data["batch_rows"]} == {("eager", 4), ("breakable", 4)}
     build = {b["backend"]: b for b in data["builds"]}
     assert build["breakable"]["num_captured"] > 0 and build["breakable"]["ceiling"] == 16
@@ -103,7 +109,7 @@ def test_analyze_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
     assert summary["pays"] is None  # CPU timings cannot judge launch overhead
     data = json.loads((tmp_path / "results.json").read_text())
     assert {"timing", "replay", "amdahl", "coverage", "memory", "verdict", "model", "build"} <= set(data)
-    assert data["replay"]["bucket"] == 16 and data["replay"]["islands"][0]["name"].endswith("attention")
+    assert data["replay"]["bucket"] == 16 and data["replay"]["islands"][0]["name"].endswith("attention_island")
     assert data["replay"]["islands"][0]["count"] == 2  # one attention island per layer of tiny-dense
     assert data["replay"]["replay_host_ms"] > 0 and data["replay"]["host_over_device"] > 0
     cov = data["coverage"]
@@ -113,6 +119,13 @@ def test_analyze_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
     assert isinstance(cov["never_fired"], list)
     assert data["amdahl"]["prediction_error"] is not None
     assert (tmp_path / "analyze.png").stat().st_size > 1000
+    assert "Wall and device time" not in out and data["timing"]["breakable_kernel_ms"] is None  # no profiler on a CPU
+    from bcg.bench.text import format_analysis
+
+    data["timing"].update(eager_forward_ms=0.6, eager_kernel_ms=0.3, breakable_forward_ms=0.5, breakable_kernel_ms=0.25)
+    text = format_analysis(data)  # as on CUDA: wall, device, host = wall - device, wall/device per forward
+    assert "eager        0.600      0.300    0.300        2.00x" in text
+    assert "breakable    0.500      0.250    0.250        2.00x" in text
 
 
 def test_analyze_lengths_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -166,7 +179,7 @@ def test_bad_flags_exit_2(argv: list[str], message: str, capsys: pytest.CaptureF
 def test_flags_map_one_to_one_to_config_fields() -> None:
     parser = build_parser()
     subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    for name, cls in (("bench", BenchConfig), ("analyze", AnalyzeConfig)):
+    for name, cls in (("bench", BenchConfig), ("analyze", AnalyzeConfig), ("verify", VerifyConfig)):
         dests = {a.dest for a in subparsers.choices[name]._actions if a.dest != "help"}
         assert dests == {f.name for f in fields(cls)}
 
@@ -209,78 +222,6 @@ def test_many_request_rows_of_full_say_why_they_ran_eagerly(tmp_path: Path,
     assert "no: more requests than the graph's request slots" in out
 
 
-def _checkpoint(folder: Path, config: dict | None, weights: bytes | None = None) -> Path:
-    folder.mkdir()
-    if config is not None:
-        (folder / "config.json").write_text(json.dumps(config))
-    if weights is not None:
-        (folder / "model.safetensors").write_bytes(weights)
-    return folder
-
-
-LLAMA = {"model_type": "llama", "vocab_size": 256, "hidden_size": 64, "num_hidden_layers": 2,
-         "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 128}
-
-
-@pytest.mark.parametrize("command", ["bench", "analyze"])
-@pytest.mark.parametrize("config, weights, message", [
-    (None, None, "has no config.json, so it is not a Hugging Face checkpoint folder"),
-    ({"model_type": "no-such-arch"}, None,
-     "model_type 'no-such-arch' is neither one bcg implements natively nor one transformers"),
-    (LLAMA, None, "has config.json but no *.safetensors weights"),
-])
-def test_bad_checkpoint_folder_exits_2_with_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str],
-                                                     command: str, config: dict | None, weights: bytes | None,
-                                                     message: str) -> None:
-    folder = _checkpoint(tmp_path / "ckpt", config, weights)
-    with pytest.raises(SystemExit) as exc:
-        main([command, *FAST, "--model", str(folder), "--out", str(tmp_path / "out")])
-    assert exc.value.code == 2
-    captured = capsys.readouterr()
-    errors = [line for line in captured.err.splitlines() if "error:" in line]
-    assert len(errors) == 1 and message in errors[0] and f"--model {str(folder)!r}" in errors[0]
-    assert "Traceback" not in captured.err and captured.out == ""  # nothing ran
-
-
-@pytest.mark.parametrize(("argv", "message"), [
-    (["--model-impl", "native"], "unsupported model_type 'gpt2'; supported: llama, qwen3, qwen3_moe; "
-                                 "model_impl='transformers' runs"),
-    (["--model-impl", "transformers", "--model", "tiny-dense"],
-     "--model 'tiny-dense' is a preset (one of bcg's own models); --model-impl transformers needs a checkpoint"),
-])
-def test_model_impl_is_checked_up_front(tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str],
-                                        message: str) -> None:
-    folder = _checkpoint(tmp_path / "ckpt", {"model_type": "gpt2"}, b"weights")
-    with pytest.raises(SystemExit) as exc:
-        main(["bench", *FAST, "--model", str(folder), *argv, "--out", str(tmp_path / "out")])
-    assert exc.value.code == 2 and message in capsys.readouterr().err
-
-
-def test_unloadable_checkpoint_exits_1_with_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    # Passes the up-front checks, but its weights file is garbage: the eager baseline cannot be built.
-    folder = _checkpoint(tmp_path / "ckpt", LLAMA, b"not a safetensors file")
-    for command in ("bench", "analyze"):
-        rc = main([command, *FAST, "--model", str(folder), "--no-plots", "--out", str(tmp_path / command)])
-        assert rc == 1
-        err = capsys.readouterr().err.strip().splitlines()
-        assert err[-1].startswith(f"bcg {command}: error: ") and "could not be built" in err[-1]
-        assert "Traceback" not in "\n".join(err)
-        assert not (tmp_path / command / "results.json").exists()
-
-
-def test_unwritable_out_is_refused_before_anything_runs(tmp_path: Path,
-                                                        capsys: pytest.CaptureFixture[str]) -> None:
-    blocker = tmp_path / "a-file"
-    blocker.write_text("")
-    for out, reason in ((blocker, "it is a file, not a folder"), (blocker / "sub", "Not a directory")):
-        with pytest.raises(SystemExit) as exc:
-            main(["bench", *FAST, "--out", str(out)])
-        assert exc.value.code == 2
-        captured = capsys.readouterr()
-        assert f"--out {str(out)!r} is not a writable folder ({reason})" in captured.err
-        assert captured.out == ""  # no banner: nothing was built or measured
-
-
 def test_version(capsys: pytest.CaptureFixture[str]) -> None:
     import bcg
 
@@ -293,18 +234,29 @@ def test_version(capsys: pytest.CaptureFixture[str]) -> None:
 def test_help_shows_defaults_and_presets(capsys: pytest.CaptureFixture[str]) -> None:
     from bcg.models.config import PRESETS
 
-    for command in ("bench", "analyze"):
+    for command in ("bench", "analyze", "verify"):
         with pytest.raises(SystemExit):
             main([command, "--help"])
         text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
-        for default in ("(default: 20)", "(default: 5)", "(default: 0)", "1 on the CPU",
-                        "2048 on CUDA, 256 on the CPU, for bench and analyze alike", "on when stderr is a terminal"):
+        for default in ("(default: 0)", "2048 on CUDA, 256 on the CPU, for every command alike",
+                        "on when stderr is a terminal", "(default: auto)"):
             assert default in text, (command, default)
+        if command != "verify":
+            assert all(d in text for d in ("(default: 20)", "(default: 5)", "1 on the CPU")), command
         assert all(name in text for name in PRESETS)
     with pytest.raises(SystemExit):
         main(["bench", "--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert "(default: 16)" in text and "eager,breakable on the CPU" in text
+
+
+def test_every_flag_says_its_default() -> None:
+    parser = build_parser()
+    subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    for name, sub in subparsers.choices.items():
+        for action in sub._actions:
+            if action.dest not in ("help", "parser", "func", "config"):
+                assert "default" in (action.help or ""), (name, action.option_strings)
 
 
 def test_progress_defaults_to_whether_stderr_is_a_terminal(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -31,7 +31,7 @@ def test_verify_exits_1_and_names_the_segment(capsys: pytest.CaptureFixture[str]
         graph = original(self, n)
         if n == 16:  # the last segment of bucket 16 writes a wrong output
             last = [s for s in graph.steps if not isinstance(s, EagerStep)][-1]
-            real, out = last.replay, self.resources.static_output
+            real, out = last.replay, self.resources.inputs.static_output
 
             def faulty() -> None:
                 real()

@@ -35,7 +35,7 @@ def test_both_ways_measure_the_same_rows(interleave: bool, calls: list[str]) -> 
     assert sorted((r.backend, r.input_len) for r in res.rows) == [("breakable", 8), ("breakable", 16),
                                                                      ("eager", 8), ("eager", 16)]
     assert {(r.backend, r.num_requests) for r in res.batch_rows} == {("eager", 2), ("breakable", 2)}
-    assert all(r.runs == 2 and r.tokens_equal_eager for r in res.rows + res.batch_rows)
+    assert all(r.wall.runs == 2 and r.greedy.equal_eager for r in res.rows + res.batch_rows)
     switches = sum(a != b for a, b in zip(calls, calls[1:]))
     if interleave:  # the variants take turns (an untimed and a timed call each) in every round of every shape
         assert switches >= (1 + 2) * 2 * 2  # (warmup + runs) rounds x 2 lengths x 2 shapes, a switch in each
@@ -57,3 +57,47 @@ def test_a_variant_failing_part_way_keeps_the_others(interleave: bool, monkeypat
     record = next(b for b in res.builds if b.backend == "breakable")
     assert record.error == "failed at input length 16: RuntimeError: boom at 16"
     assert sorted((r.backend, r.input_len) for r in res.rows) == [("breakable", 8), ("eager", 8), ("eager", 16)]
+
+
+def test_nothing_measured_is_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    from bcg.bench.config import BenchError
+
+    def prefill(self, prompts, *args, **kw):
+        raise RuntimeError("no row")
+
+    monkeypatch.setattr(Engine, "prefill", prefill)
+    with pytest.raises(BenchError, match="nothing was measured .eager: failed at input length 8: RuntimeError: no"):
+        run_latency(_cfg())
+
+
+def test_every_row_gets_its_own_variants_device_time_from_a_fresh_engine(monkeypatch: pytest.MonkeyPatch) -> None:
+    from bcg.bench import latency
+
+    cfg = _cfg(backends=["eager", "breakable", "breakable+fused"])
+    res = run_latency(cfg)
+    profiled: list[tuple[str, int]] = []
+
+    def gpu_kernel_ms(fn, device, warmup=1):  # the profiler on a CPU: the variant and tokens of each profiled call
+        before = len(calls)
+        fn()
+        profiled.append((calls[before][0], calls[before][1]))
+        return 1.0 + len(profiled)
+
+    calls: list[tuple[str, int]] = []
+    original = Engine.prefill
+
+    def prefill(self, prompts, *args, **kw):
+        calls.append((self.config.backend + ("+fused" if self.config.kernels == "fused" else ""),
+                      sum(len(p) for p in prompts)))
+        return original(self, prompts, *args, **kw)
+
+    monkeypatch.setattr(Engine, "prefill", prefill)
+    monkeypatch.setattr(latency, "gpu_kernel_ms", gpu_kernel_ms)
+    broken = next(r for r in res.rows if r.backend == "breakable" and r.input_len == 16)
+    broken.graph_used = False  # as if its capture had failed in the fresh engine: its device time would lie
+    device = latency._profile(cfg, cfg.engine_spec(), res)
+    # eager first (the floors), eager on the fused kernels at eager's shapes (the fused floor), then the variants
+    assert [v for v, _ in profiled] == ["eager"] * 4 + ["eager+fused"] * 4 + ["breakable"] * 3 + ["breakable+fused"] * 4
+    assert ("breakable", 16, 1) not in device and device[("breakable", 8, 1)] > 0
+    assert set(device) == {(v, n, k) for v in ("eager", "eager+fused", "breakable+fused") for n in (8, 16)
+                           for k in (1, 2)} | {("breakable", 8, 1), ("breakable", 8, 2), ("breakable", 16, 2)}

@@ -50,7 +50,7 @@ def test_tp_compare_checks_the_multi_gpu_targets() -> None:
         sys.path.pop(0)
 
     def bench(tp: int, breakable_ms: float, capture_ms: float) -> dict:
-        rows = [{"backend": b, "input_len": n, "median_ms": ms, "speedup_vs_eager": 10.0 / ms}
+        rows = [{"backend": b, "input_len": n, "wall": {"median_ms": ms}, "speedup": {"over_eager": 10.0 / ms}}
                 for n in (64, 512) for b, ms in (("eager", 10.0), ("breakable", breakable_ms))]
         return {"config": {"tp": tp}, "rows": rows, "builds": [{"backend": "breakable", "capture_ms": capture_ms}]}
 

@@ -45,7 +45,8 @@ def _island_ptrs(graph) -> set[int]:
 def test_every_bucket_and_layer_shares_the_same_island_buffers() -> None:
     eng = Engine("tiny-dense", backend="breakable", device="cpu", buckets=[8, 16, 32], progress=False)
     ptrs = [_island_ptrs(eng.runner.handles[n]) for n in (8, 16, 32)]
-    assert ptrs[0] == ptrs[1] == ptrs[2] and len(ptrs[0]) == 3  # q and k side by side in one buffer, v, out
+    # q and k side by side in one buffer, v, out, and the write slots of the metadata arena
+    assert ptrs[0] == ptrs[1] == ptrs[2] and len(ptrs[0]) == 4
     ref = Engine("tiny-dense", backend="eager", device="cpu", progress=False)
     prompts = [[1, 2, 3, 4, 5, 6], [7] * 13, [9] * 30, [3, 4, 5]]
     for p in prompts + prompts[::-1]:  # interleave buckets 8, 16, 32

@@ -8,7 +8,7 @@ import torch
 from bcg.models.config import ModelConfig, get_preset
 from bcg.ops import dsa as dsa_module
 from bcg.ops.context import forward_context
-from bcg.ops.dsa import segment_attention, select_topk, sparse_attention
+from bcg.ops.dsa import picked_attention, select_topk, sparse_attention
 from bcg.ops.kv_cache import KVPool
 from bcg.runtime.batch import PrefillBatch, PrefillItem
 
@@ -68,22 +68,23 @@ def test_dsa_selection_and_sparse_attention_match_masked_dense():
         row += len_q
 
 
-def test_segment_attention_handles_uneven_segments():
+def test_picked_attention_masks_unused_picks():
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(3, 4, 8, generator=gen)
-    rows = torch.tensor([0, 1, 1, 1, 2, 2])
-    k, v = torch.randn(6, 2, 8, generator=gen), torch.randn(6, 2, 8, generator=gen)
-    out = segment_attention(q, rows, torch.tensor([1, 3, 2]), k, v, scale=0.5)
+    is_valid = torch.tensor([[True, False, False], [True, True, True], [True, True, False]])
+    k, v = torch.randn(3, 3, 2, 8, generator=gen), torch.randn(3, 3, 2, 8, generator=gen)
+    k[~is_valid], v[~is_valid] = float("nan"), float("nan")  # an unused pick may point anywhere: never read
+    out = picked_attention(q, is_valid, k, v, scale=0.5)
     for m in range(3):
-        sel = rows == m
-        kk, vv = k[sel].repeat_interleave(2, dim=1), v[sel].repeat_interleave(2, dim=1)
+        sel = is_valid[m]
+        kk, vv = k[m][sel].repeat_interleave(2, dim=1), v[m][sel].repeat_interleave(2, dim=1)
         probs = torch.softmax(torch.einsum("hd,khd->hk", q[m], kk) * 0.5, dim=-1)
         assert torch.allclose(out[m], torch.einsum("hk,khd->hd", probs, vv), atol=TOL)
 
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_sparse_attention_flash_path_matches_segment_reference_bf16(monkeypatch):
+def test_sparse_attention_flash_path_matches_the_reference_bf16(monkeypatch):
     config = get_preset("tiny-dsa")
     ctx = _dsa_context(config, [5, 40, 1], [0, 30, 9], 64, device="cuda", dtype=torch.bfloat16)
     gen = torch.Generator().manual_seed(3)

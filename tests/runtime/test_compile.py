@@ -34,7 +34,7 @@ def test_replay_runs_no_compiled_code() -> None:
     eng = engine("tiny-dense", "breakable", compile="traced")
     batch = prompts([6, 7])
     expected = eng.prefill(batch).logits.clone()
-    compiled, calls = eng.runner.layers, []
+    compiled, calls = eng.runner.step.layers, []
     compiled._fn, real = (lambda *a: calls.append(a) or real(*a)), compiled._fn
     try:
         res = eng.prefill(batch)
@@ -62,7 +62,7 @@ def test_compiled_dsa_captures_where_tc_piecewise_refuses() -> None:
 
 def test_inductor_under_emulation_falls_back_uncompiled_with_the_reason() -> None:
     eng = engine("tiny-dense", "breakable", compile="inductor")
-    assert "compile='traced'" in eng.telemetry.compile_error and eng.runner.layers == eng.model.forward_layers
+    assert "compile='traced'" in eng.telemetry.compile_error and eng.runner.step.layers == eng.model.forward_layers
     batch = prompts([5, 9])
     res = eng.prefill(batch)
     assert res.batches[0].graph_used
@@ -93,7 +93,7 @@ def test_inductor_compiled_graphs_match_eager_in_bf16(preset: str, backend: str)
     eng = Engine(config, backend=backend, compile="inductor", **kw, **full_kw)
     ref = Engine(config, backend="eager", **kw)
     assert eng.telemetry.compile_error is None and eng.telemetry.num_captured == 3
-    compiled, calls = eng.runner.layers, []
+    compiled, calls = eng.runner.step.layers, []
     for lengths in ([3, 7, 12, 1], [40, 9], [64], [150]):
         batch = prompts(lengths, seed=2)
         res, want = eng.prefill(batch), ref.prefill(batch)
@@ -111,7 +111,7 @@ def _num_graphs(model, **kw) -> int:
     eng = Engine(model, backend="breakable", compile="traced", device="cpu", buckets=[8, 16], chunked_prefill_size=16,
                  kv_tokens=64, progress=False, seed=0, **kw)
     assert eng.telemetry.compile_error is None
-    return eng.runner.layers.num_graphs
+    return eng.runner.step.layers.num_graphs
 
 
 @pytest.mark.parametrize(("preset", "graphs"), [("tiny-dense", 2), ("tiny-moe", 2), ("tiny-dsa", 3)])
@@ -153,4 +153,4 @@ def test_a_layer_dynamo_cannot_trace_is_refused_in_one_line(caplog: pytest.LogCa
                                                   "_TokenCountBranch, layer 1")
     assert "makes the token count a constant" in error and "Fix: run without compile=" in error
     assert [r.name for r in caplog.records] == ["bcg"]  # one line from bcg; dynamo's own log stays quiet
-    assert eng.runner.layers == model.forward_layers and eng.telemetry.num_captured == 2  # served uncompiled
+    assert eng.runner.step.layers == model.forward_layers and eng.telemetry.num_captured == 2  # served uncompiled

@@ -42,7 +42,8 @@ def test_replay_is_identical_to_eager_at_the_padded_shape(preset: str) -> None:
             with runner.replay_context(batch) as (bucket, handle):
                 handle.replay()
                 graph_out = runner.static_output[:bucket].clone()
-                eager_out = eng.model.forward_layers(runner.static_hidden[:bucket], runner.static_positions[:bucket])
+                runner.run_step_eagerly(bucket)  # the same fields, eagerly
+                eager_out = runner.static_output[:bucket].clone()
     finally:
         eng.kv_pool.free(slots)
     assert bucket == 16
@@ -191,15 +192,15 @@ def test_disabled_is_an_alias_of_eager() -> None:
     assert eng.config.backend == "eager" and eng.prefill(prompts([4])).batches[0].reason == "backend_eager"
 
 
-def test_padded_rows_do_not_write_kv() -> None:
+def test_padded_rows_write_only_the_scratch_slot() -> None:
     eng = engine("tiny-dense", "breakable")
     for k in eng.kv_pool.k:
         k.zero_()
     eng.prefill(prompts([5]))  # replays bucket 8: three padded rows
     # which slots the request got depends on the cached engine's history; how many were written does not
     written = eng.kv_pool.k[0].flatten(1).abs().sum(1) != 0
-    assert written.sum().item() == 5  # the request's five slots, and nothing for the padded rows
-    assert eng.kv_pool.k[0][eng.kv_pool.scratch_slot].abs().sum().item() == 0
+    assert written[eng.kv_pool.scratch_slot]  # the padded rows' K/V write, captured in the graph, lands there
+    assert written.sum().item() == 5 + 1  # the request's five slots and the scratch slot, nothing else
 
 
 def test_forward_context_is_not_leaked() -> None:
@@ -246,3 +247,49 @@ def test_leak_check_reaches_every_capture(monkeypatch: pytest.MonkeyPatch) -> No
     monkeypatch.setattr(bcg, "breakable_graph", spy)
     Engine("tiny-dense", device="cpu", buckets=[8, 16], leak_check="warn", progress=False)
     assert seen and set(seen) == {"warn"}  # every bucket's capture, from the option, not the environment
+
+
+def test_an_island_replays_only_the_attention_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under the emulation, with a stand-in for FlashAttention (one aten op, as the kernel is one launch): each
+    island of a replay dispatches that op and nothing else; the K/V write ran in the segment before it."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from bcg.ops.attention import ATTENTION_BACKENDS, AttentionBackend, VarlenAttention, island, varlen
+
+    class StubVarlen(VarlenAttention):
+        name = "stub-varlen"
+
+        @classmethod
+        def is_usable(cls, device, dtype):
+            return None
+
+        def __init__(self, kv_pool):
+            AttentionBackend.__init__(self, kv_pool)  # no CUDA probes
+
+    def flash(q, k, v, cu_q, cu_k, max_q, max_k, *, is_causal, out=None):
+        return out.copy_(q)
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            ops.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    real_attend = island._attend
+
+    def counted(*args):
+        with Count():
+            real_attend(*args)
+        per_island.append(list(ops))
+        ops.clear()
+
+    monkeypatch.setitem(ATTENTION_BACKENDS, StubVarlen.name, StubVarlen)
+    monkeypatch.setattr(varlen, "flash_varlen", flash)
+    eng = Engine("tiny-dense", device="cpu", attention_backend="stub-varlen", buckets=[8, 16], progress=False)
+    ops, per_island = [], []
+    monkeypatch.setattr(island, "_attend", counted)
+    for cache in eng.kv_pool.k:
+        cache.zero_()
+    res = eng.prefill(prompts([9, 7]))  # fills bucket 16
+    assert res.batches[0].bucket == 16 and res.batches[0].graph_used
+    assert per_island == [["copy_"]] * eng.model.config.num_layers
+    assert all((cache.flatten(1).abs().sum(1) != 0).sum() == 16 for cache in eng.kv_pool.k)  # written in segments

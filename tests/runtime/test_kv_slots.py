@@ -44,10 +44,10 @@ def _interrupt_runner(monkeypatch: pytest.MonkeyPatch, eng: Engine) -> None:
 
 
 def _fail_logits(monkeypatch: pytest.MonkeyPatch, eng: Engine) -> None:
-    def compute_logits(hidden):
-        raise Injected("LM head failed")
+    def place(logits, requests, rows):  # the LM head runs in the graph: fail where its logits are read out
+        raise Injected("reading the logits out failed")
 
-    monkeypatch.setattr(eng.model, "compute_logits", compute_logits)
+    monkeypatch.setattr(Engine, "_place", staticmethod(place))
 
 
 def _fail_batch(monkeypatch: pytest.MonkeyPatch, eng: Engine) -> None:
@@ -61,7 +61,7 @@ def _fail_batch(monkeypatch: pytest.MonkeyPatch, eng: Engine) -> None:
 
 INJECTIONS = {"logits_alloc": (_fail_logits_alloc, torch.OutOfMemoryError),
               "keyboard_interrupt": (_interrupt_runner, KeyboardInterrupt),
-              "lm_head": (_fail_logits, Injected), "batch": (_fail_batch, Injected)}
+              "logits": (_fail_logits, Injected), "batch": (_fail_batch, Injected)}
 
 
 @pytest.mark.parametrize("where", INJECTIONS)

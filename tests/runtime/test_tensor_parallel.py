@@ -101,7 +101,7 @@ def test_the_debug_switch_runs_all_reduces_as_islands(pool):
     ref = _reference("tiny-dense")
     for res in pool.run(_all_reduce_islands_on_rank):
         segments, breaks, reason = res["buckets"][16]
-        assert reason is None and breaks == 2 + 2 * 2  # per layer: attention and its two all-reduces
+        assert reason is None and breaks == 1 + 2 * 3  # the embedding's all-reduce; per layer attention and two
         assert res["batches"] == [(16, True, "graph")]
         assert np.abs(res["logits"] - ref.logits.numpy()).max() <= 1e-5
 
@@ -218,6 +218,26 @@ def test_a_bucket_chosen_on_one_rank_only_runs_eagerly_everywhere(pool):
     assert zero["batches"] == one["batches"] == [(None, False, "ranks_disagree")]
     assert np.abs(zero["logits"] - ref.logits.numpy()).max() <= 1e-5
     assert np.array_equal(zero["logits"], one["logits"])
+
+
+def _different_prompts_per_rank(same_lengths: bool) -> dict:
+    eng = Engine("tiny-dense", backend="breakable", tp_size=2, **OPTIONS)
+    lengths = [3, 7, 2] if same_lengths or _rank() == 0 else [5, 9]
+    errors = []
+    for _ in range(2):  # refused on both ranks, and the group is still usable for the next call
+        try:
+            eng.prefill(random_prompts(lengths, seed=_rank()))
+        except TensorParallelError as e:
+            errors.append(str(e))
+    return {"errors": errors, "after": _summary(eng, eng.prefill(PROMPTS))}
+
+
+@pytest.mark.parametrize("same_lengths", [True, False], ids=["same-lengths", "different-lengths"])
+def test_ranks_given_different_prompts_refuse_them_naming_the_mismatch(pool, same_lengths):
+    ref = _reference("tiny-dense")
+    for res in pool.run(_different_prompts_per_rank, same_lengths):
+        assert len(res["errors"]) == 2 and all("different prompts" in e and "rank 1" in e for e in res["errors"])
+        assert np.abs(res["after"]["logits"] - ref.logits.numpy()).max() <= 1e-5
 
 
 def _verified() -> dict:

@@ -55,15 +55,20 @@ def test_eager_engine_serves_two_threads() -> None:
     work = [random_prompts([9, 4], seed=1), random_prompts([17], seed=2)]
     expected = [eng.prefill(p).logits for p in work]
     out: dict[int, list[torch.Tensor]] = {0: [], 1: []}
+    errors: list[str] = []
 
     def run(t: int) -> None:
-        for _ in range(5):
-            out[t].append(eng.prefill(work[t]).logits)
+        try:
+            for _ in range(5):
+                out[t].append(eng.prefill(work[t]).logits)
+        except BaseException as e:  # surfaced in the main thread (an empty list would pass the check below)
+            errors.append(f"thread {t}: {type(e).__name__}: {e}")
 
     threads = [threading.Thread(target=run, args=(t,)) for t in (0, 1)]
     for th in threads:
         th.start()
     for th in threads:
         th.join(timeout=300)
+    assert errors == [] and [len(out[0]), len(out[1])] == [5, 5]
     assert all(torch.equal(x, expected[t]) for t in (0, 1) for x in out[t])
     assert eng.kv_pool.num_free == eng.kv_pool.num_slots

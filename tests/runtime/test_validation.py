@@ -43,8 +43,11 @@ def test_sequences_and_integer_arrays_are_prompts() -> None:
 
     eng = engine("tiny-dense", "breakable")
     expected = eng.prefill([[4, 5, 6]]).logits
-    for prompt in ((4, 5, 6), range(4, 7), np.array([4, 5, 6], dtype=np.int32), torch.tensor([4, 5, 6])):
+    for prompt in ((4, 5, 6), range(4, 7), np.array([4, 5, 6], dtype=np.int32), torch.tensor([4, 5, 6]),
+                   [np.int64(4), np.int32(5), 6]):  # numpy's integer scalars, as numpy's integer arrays
         assert torch.equal(eng.prefill([prompt]).logits, expected)
+    with pytest.raises(TypeError, match="prompt 0 must contain Python ints or numpy integer scalars"):
+        eng.prefill([[4, np.bool_(True)]])
 
 
 @pytest.mark.parametrize(
@@ -75,6 +78,12 @@ def test_sequences_and_integer_arrays_are_prompts() -> None:
         ({"seed": "0"}, TypeError, "seed must be an int"),
         ({"max_tokens": 2.5}, TypeError, "max_tokens must be an int"),
         ({"leak_check": "loud"}, ValueError, "leak_check must be one of off, warn, raise"),
+        ({"debug": "no"}, TypeError, "debug must be True or False, got 'no'"),
+        ({"verify": "false"}, TypeError, "verify must be True or False"),
+        ({"auto_islands": 1}, TypeError, "auto_islands must be True or False"),
+        ({"progress": None}, TypeError, "progress must be True or False"),
+        ({"attention_backend": "flash3"}, ValueError, "attention_backend must be one of sdpa, static, varlen"),
+        ({"max_logit_rows": 0}, ValueError, "max_logit_rows must be >= 1"),
     ],
     ids=lambda v: str(v) if not isinstance(v, dict) else "-".join(f"{k}={v[k]!r}" for k in v),
 )
@@ -103,6 +112,21 @@ def test_a_torch_dtype_is_accepted() -> None:
 def test_bad_models_are_named(model, error, match) -> None:
     with pytest.raises(error, match=match):
         Engine(model, device="cpu", progress=False)
+
+
+def test_a_module_that_is_not_a_language_model_is_named() -> None:
+    with pytest.raises(TypeError, match="Linear is not a bcg CausalLM.*build_model.*ForCausalLM"):
+        Engine(torch.nn.Linear(2, 2), device="cpu", progress=False)
+
+
+def test_a_config_that_is_not_an_engine_config_is_named() -> None:
+    with pytest.raises(TypeError, match="config must be an EngineConfig.*got 'x'"):
+        Engine("tiny-dense", config="x")
+
+
+def test_a_kv_pool_beyond_memory_names_kv_tokens() -> None:
+    with pytest.raises(ValueError, match=r"kv_tokens=10000000000000 needs .* of memory.*lower kv_tokens"):
+        Engine("tiny-dense", device="cpu", kv_tokens=10**13, progress=False)
 
 
 def test_a_file_instead_of_a_checkpoint_folder_is_named(tmp_path: Path) -> None:

@@ -34,7 +34,7 @@ from bcg.models.hf import UnsupportedModelError, require_transformers
 from bcg.models.regions import REGION_FLAG
 from bcg.ops import bridge
 from bcg.ops.attention import attention
-from bcg.ops.attention_features import request_attention, visible_keys
+from bcg.ops.attention.features import request_attention, visible_keys
 from bcg.ops.region_islands import region_attention
 
 __all__ = ["NAME", "AttentionCall", "bcg_attention", "module_island_mode", "recording_calls", "register"]

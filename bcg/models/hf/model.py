@@ -49,6 +49,9 @@ from bcg.probe import ProbeReport, find_uncapturable
 __all__ = ["HFCausalLM", "HFModelConfig"]
 
 logger = logging.getLogger("bcg")
+_RESTORED = ("the {} this engine serves was given back with restore() (by this engine or another on the same model): "
+             "its attention and modules are transformers' again, so this engine cannot prefill with it. Build a new "
+             "Engine(model) to serve it again")
 
 
 @dataclass(frozen=True)
@@ -113,8 +116,8 @@ class HFCausalLM(nn.Module):
         if embed.weight.shape[0] != vocab:
             raise UnsupportedModelError(f"{name}: the input embedding has {embed.weight.shape[0]} rows but the LM head "
                                         f"{vocab} outputs; bcg needs one vocabulary")
-        self.config = HFModelConfig(f"transformers:{cfg.model_type}", cfg.model_type, vocab, cfg.hidden_size,
-                                    cfg.num_hidden_layers, getattr(cfg, "max_position_embeddings", 0) or 0)
+        self._config = HFModelConfig(f"transformers:{cfg.model_type}", cfg.model_type, vocab, cfg.hidden_size,
+                                     cfg.num_hidden_layers, getattr(cfg, "max_position_embeddings", 0) or 0)
         self.tail = LogitTail.from_config(cfg)
         self._probing = False
         shared = Adaptation.of(hf_model, body, auto_islands, fuse)
@@ -188,6 +191,20 @@ class HFCausalLM(nn.Module):
         return self.state.previous_attn_implementation
 
     @property
+    def config(self) -> HFModelConfig:
+        """What the runtime reads of the model (vocabulary, width, depth, context length).
+
+        Raises:
+            RuntimeError: the model was given back (:meth:`restore`). The engine reads this at every prefill, graph
+                replays included, so a restored engine refuses to prefill rather than run modules that are not
+                bcg's any more.
+        """
+        state = self.__dict__.get("state")  # None while the adapter is being built
+        if state is not None and state.restored:
+            raise RuntimeError(_RESTORED.format(type(self.hf).__name__))
+        return self._config
+
+    @property
     def is_restored(self) -> bool:
         """Whether the model was given back (:meth:`restore`, by this engine or another on the same model)."""
         return self.state.restored
@@ -258,10 +275,7 @@ class HFCausalLM(nn.Module):
                 an engine on it would compute something else; build a new engine.
         """
         if self.state.restored:
-            raise RuntimeError(
-                f"the {type(self.hf).__name__} this engine serves was given back with restore() (by this engine or "
-                "another on the same model): its attention and modules are transformers' again, so this engine "
-                "cannot prefill with it. Build a new Engine(model) to serve it again")
+            raise RuntimeError(_RESTORED.format(type(self.hf).__name__))
         return self.embed_tokens(input_ids)
 
     def forward_layers(self, hidden: Tensor, positions: Tensor) -> Tensor:

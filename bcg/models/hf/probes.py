@@ -16,7 +16,7 @@ from torch import Tensor
 
 from bcg.models.hf import UnsupportedModelError
 from bcg.models.hf.attention import AttentionCall, recording_calls
-from bcg.ops.attention import BatchContext
+from bcg.ops.attention import single_request_context
 from bcg.ops.context import forward_context
 
 __all__ = ["one_request", "probe_layers"]
@@ -27,10 +27,7 @@ def one_request(model: Any, num_tokens: int) -> Iterator[tuple[Tensor, Tensor]]:
     """A forward context of one request of ``num_tokens`` over a small pool of its own (``model.make_kv_pool``),
     under inference mode; yields seeded random token ids and their positions."""
     device = model.device
-    pool = model.make_kv_pool(num_tokens, device, model.dtype)
-    slots = torch.arange(num_tokens, device=device)
-    cu = torch.tensor([0, num_tokens], dtype=torch.int32, device=device)
-    ctx = BatchContext(num_tokens, num_tokens, [num_tokens], [0], cu, cu, num_tokens, num_tokens, slots, slots, pool)
+    ctx = single_request_context(num_tokens, model.make_kv_pool(num_tokens, device, model.dtype), model.dtype)
     ids = torch.randint(0, model.config.vocab_size, (num_tokens,), generator=torch.Generator().manual_seed(0))
     with torch.inference_mode(), forward_context(ctx):
         yield ids.to(device), torch.arange(num_tokens, device=device)

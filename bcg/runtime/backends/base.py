@@ -3,21 +3,22 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
-from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
-from torch import Tensor
 
-from bcg.ops.context import ForwardContext
+from bcg.ops.attention import AttentionBackend, attention_backend
 from bcg.ops.kv_cache import KVPool
 from bcg.runtime.backends.capture import GraphPool
-from bcg.runtime.config import EngineConfig
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from bcg.runtime.batch import PrefillBatch
+    from bcg.runtime.config import EngineConfig
+    from bcg.runtime.runner.inputs import StaticInputs
+    from bcg.runtime.runner.step import ModelStep
 
 __all__ = ["BackendRefused", "GraphBackend", "GraphResources"]
 
@@ -31,60 +32,81 @@ class GraphResources:
     """What a graph backend captures and replays with; the runner owns every one of these.
 
     Attributes:
-        model: the model whose layer stack is captured.
-        layers: the layer stack to capture and run, ``layers(hidden, positions)``: ``model.forward_layers``, or
-            its compiled form when the engine compiles (``config.compile``).
-        config: the engine's options (backend name, debug, compiler, request slots, prefix capacity, warmup).
-        kv_pool: the KV pool the islands (or a captured attention) write.
-        bucket_sizes: the token buckets, ascending.
-        static_hidden, static_positions: ``(max_bucket, hidden)`` / ``(max_bucket,)`` inputs of every graph.
-        static_output: ``(max_bucket, hidden)``; every bucket writes its rows here.
+        step: the step every bucket captures (embedding, layer stack, LM head: :class:`~bcg.runtime.runner.step.
+            ModelStep`); its ``layers`` are the compiled stack when the engine compiles (``config.compile``).
+        inputs: the static inputs and outputs (:class:`~bcg.runtime.runner.inputs.StaticInputs`): ``step_args(n)``
+            are what bucket ``n``'s step reads and writes, ``dummy(n)`` installs a one-request batch of ``n`` tokens
+            for warmup, capture and compilation.
+        config: the engine's options.
         pool: the graph memory pool (its handle changes after a failed capture: read ``pool.handle`` each time).
         capture_stream: the stream captures run on (None when emulating).
         is_emulated: graphs are CPU emulations (no CUDA).
-        dummy_context: ``dummy_context(n)`` is a context manager that installs a one-request batch of ``n`` tokens
-            (with real KV slots) for warmup, capture and compilation.
         barrier_fn: under tensor parallel, called at capture before each island to align the ranks (breakable
             graphs); None on one rank.
     """
 
-    model: torch.nn.Module
-    layers: Callable[[Tensor, Tensor], Tensor]
+    step: ModelStep
+    inputs: StaticInputs
     config: EngineConfig
-    kv_pool: KVPool
-    bucket_sizes: list[int]
-    static_hidden: Tensor
-    static_positions: Tensor
-    static_output: Tensor
     pool: GraphPool
     capture_stream: torch.cuda.Stream | None
     is_emulated: bool
-    dummy_context: Callable[[int], AbstractContextManager[Any]]
     barrier_fn: Callable[[], None] | None = None
+
+    @property
+    def bucket_sizes(self) -> list[int]:
+        return sorted(self.inputs.layouts)
 
     @property
     def max_bucket(self) -> int:
         return self.bucket_sizes[-1]
 
-    def inputs(self, num_tokens: int) -> tuple[Tensor, Tensor]:
-        """The static inputs of bucket ``num_tokens``: ``(static_hidden[:n], static_positions[:n])``."""
-        return self.static_hidden[:num_tokens], self.static_positions[:num_tokens]
+    def run(self, num_tokens: int) -> None:
+        """Runs bucket ``num_tokens``'s step on the static buffers (what warmup runs and capture records)."""
+        self.step(*self.inputs.step_args(num_tokens))
 
 
 class GraphBackend(ABC):
     """Builds one replayable handle per token bucket and replays it against the runner's static buffers.
 
     The runner owns the static buffers, the pool, the bucket table, the forward context and all fallbacks, and
-    hands the backend a :class:`GraphResources`; a backend only knows how to capture and replay a bucket.
+    hands the backend a :class:`GraphResources`; a backend only knows how to capture and replay a bucket, and
+    which attention backend its graphs need (:meth:`make_attention`).
     """
 
-    name: str = "?"
-    uses_graphs: bool = True
+    name: ClassVar[str] = "?"
+    uses_graphs: ClassVar[bool] = True
 
     def __init__(self, resources: GraphResources | None) -> None:
         self.resources = resources
 
-    def prepare(self) -> None:  # noqa: B027 - optional hook, deliberately empty
+    @classmethod
+    def make_attention(cls, kv_pool: KVPool, config: EngineConfig, device: torch.device,
+                       dtype: torch.dtype) -> AttentionBackend:
+        """The attention backend this backend's graphs run (by default the live one, :meth:`live_attention`)."""
+        return cls.live_attention(kv_pool, config, device, dtype)
+
+    @staticmethod
+    def live_attention(kv_pool: KVPool, config: EngineConfig, device: torch.device,
+                       dtype: torch.dtype) -> AttentionBackend:
+        """The island attention every eager batch runs: ``config.attention_backend`` when it is an island backend,
+        else the default for the device and dtype ("varlen" on CUDA in half precision, else "sdpa")."""
+        from bcg.ops.attention import default_attention_backend
+
+        asked = config.attention_backend
+        if asked is not None and not attention_backend(asked).is_island:
+            asked = None  # "static": the graphs' attention; eager batches run the live default
+        name = asked or default_attention_backend(device, dtype)
+        cls_ = attention_backend(name)
+        if not cls_.is_island:
+            raise ValueError(f"attention_backend={name!r} attends inside a whole-layer-stack graph, which only "
+                             "backend='full' captures; leave attention_backend unset for this backend")
+        reason = cls_.is_usable(device, dtype)
+        if reason is not None:
+            raise ValueError(f"attention_backend={name!r} cannot run here: {reason}")
+        return cls_(kv_pool)
+
+    def prepare(self) -> None:  # noqa: B027 - an optional hook, deliberately empty
         """One-time work before any capture (compilation); its time is reported as compile time."""
 
     def can_run(self, batch: PrefillBatch, bucket: int) -> str | None:
@@ -95,25 +117,17 @@ class GraphBackend(ABC):
         """
         return None
 
-    def load_batch(self, batch: PrefillBatch, bucket: int) -> ForwardContext:
-        """The forward context to install while bucket ``bucket`` runs ``batch`` (warmup, capture and replay).
-
-        By default the live context, which the attention islands read eagerly; a backend that captures the
-        attention too copies the batch into its static metadata here and returns a context over those buffers.
-        """
-        return batch.to_context(bucket)
-
     def warmup(self, num_tokens: int) -> None:
         """One uncaptured forward at bucket size (kernel selection, lazy init) before the capture."""
-        self.resources.layers(*self.resources.inputs(num_tokens))
+        self.resources.run(num_tokens)
 
     @abstractmethod
     def capture(self, num_tokens: int) -> Any:
-        """Captures bucket ``num_tokens``: afterwards replaying the handle writes ``static_output[:num_tokens]``."""
+        """Captures bucket ``num_tokens``: afterwards replaying the handle runs the bucket's step on its fields."""
 
     @abstractmethod
     def replay(self, handle: Any, num_tokens: int) -> None:
-        """Replays a handle; the live forward context is already set and static inputs are filled."""
+        """Replays a handle; the batch is loaded into the bucket's fields and its forward context is installed."""
 
     def describe(self, handle: Any) -> tuple[int, int]:
         """(segments, breaks) of a captured handle, for telemetry."""

@@ -12,10 +12,10 @@ __all__ = ["BreakableBackend"]
 
 
 class BreakableBackend(GraphBackend):
-    """Captures the layer stack per bucket with :func:`bcg.breakable_graph` into the runner's shared pool.
+    """Captures each bucket's step with :func:`bcg.breakable_graph` into the runner's shared pool.
 
-    In debug mode the whole layer stack is one eager break: the runner, static buffers and replay path stay the
-    same while nothing of the model is captured, so a bug that disappears in debug mode is a capture bug.
+    In debug mode the whole step is one eager break: the runner, static buffers and replay path stay the same while
+    nothing of the model is captured, so a bug that disappears in debug mode is a capture bug.
 
     Island inputs and outputs go through one set of bridge buffers shared by every layer and bucket
     (:mod:`bcg.ops.bridge`), so the tensors each graph must keep alive do not add up over the ladder.
@@ -28,28 +28,24 @@ class BreakableBackend(GraphBackend):
     name = "breakable"
 
     def prepare(self) -> None:
-        r = self.resources
-        self.bridge = BridgeBuffers(r.max_bucket)
-        if r.config.tp_size > 1:
-            self.replay = self._replay_draining  # type: ignore[method-assign]
+        self.bridge = BridgeBuffers(self.resources.max_bucket)
 
     def capture(self, num_tokens: int) -> bcg.BreakableCUDAGraph:
         r = self.resources
         pool = r.pool.handle
         graph = bcg.BreakableCUDAGraph(pool=pool, emulate=r.is_emulated)
-        layers = bcg.eager_on_graph(r.layers) if r.config.debug else r.layers
+        step = bcg.eager_on_graph(r.step) if r.config.debug else r.step
         with bridge_buffers(self.bridge), bcg.breakable_graph(graph, pool=pool, stream=r.capture_stream,
                                                               barrier_fn=r.barrier_fn,
                                                               leak_check=r.config.leak_check):
-            out = layers(*r.inputs(num_tokens))
-            r.static_output[:num_tokens].copy_(out)
+            step(*r.inputs.step_args(num_tokens))
         return graph
 
     def replay(self, handle: Any, num_tokens: int) -> None:
-        handle.replay()
-
-    def _replay_draining(self, handle: Any, num_tokens: int) -> None:
-        handle.replay_draining()
+        if self.resources.config.tp_size > 1:
+            handle.replay_draining()
+        else:
+            handle.replay()
 
     def describe(self, handle: Any) -> tuple[int, int]:
         return (handle.num_segments, handle.num_breaks)

@@ -1,30 +1,32 @@
-"""The full backend: one plain CUDA graph per token bucket holding the whole layer stack, attention included."""
+"""The full backend: one plain CUDA graph per token bucket holding the whole step, attention included."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from bcg.ops.static_attention import StaticContext, static_varlen_usable
+import torch
+
+from bcg.ops.attention import AttentionBackend, StaticAttention
+from bcg.ops.kv_cache import KVPool
 from bcg.runtime.backends.base import GraphBackend
 from bcg.runtime.backends.capture import capturing, new_graph
-from bcg.runtime.backends.static_metadata import StaticMetadata
 
 if TYPE_CHECKING:
     from bcg.runtime.batch import PrefillBatch
+    from bcg.runtime.config import EngineConfig
 
 __all__ = ["FullBackend"]
 
 
 class FullBackend(GraphBackend):
-    """Captures ``forward_layers`` per bucket with no break: the attention island runs inside the graph.
+    """Captures each bucket's step with no break: the attention runs inside the graph.
 
-    It can, because under a :class:`~bcg.ops.static_attention.StaticContext` the island takes a fixed-shape path
-    whose metadata (cumulative lengths, KV write/read slots, per-row and per-key request ids and positions) lives in
-    static buffers sized for ``config.max_requests`` request slots and a key capacity of
-    ``bucket + config.prefix_capacity``.
-    ``load_batch`` rewrites those buffers for every replay; a batch that does not fit (more requests than slots,
-    more keys than the capacity) runs eagerly with the reason recorded. Models whose islands cannot be captured
-    (DSA) are refused with the op named, and the engine serves them eagerly.
+    It can, because its attention backend is :class:`~bcg.ops.attention.static.StaticAttention`, whose fixed-shape
+    path reads metadata (cumulative lengths, KV write/read slots, per-row and per-key request ids and positions)
+    from fields sized for ``config.max_requests`` request slots and a key capacity of ``bucket +
+    config.prefix_capacity``. The runner rewrites those fields for every replay; a batch that does not fit (more
+    requests than slots, more keys than the capacity) runs eagerly with the reason recorded. Models whose islands
+    cannot be captured (DSA) are refused with the op named, and the engine serves them eagerly.
 
     Example::
 
@@ -34,28 +36,27 @@ class FullBackend(GraphBackend):
 
     name = "full"
 
-    def prepare(self) -> None:
-        r = self.resources
-        use_varlen = not r.is_emulated and static_varlen_usable(r.static_hidden.device, r.static_hidden.dtype)
-        chunk = r.config.chunked_prefill_size
+    @classmethod
+    def make_attention(cls, kv_pool: KVPool, config: EngineConfig, device: torch.device,
+                       dtype: torch.dtype) -> AttentionBackend:
+        if config.attention_backend not in (None, StaticAttention.name):
+            raise ValueError(f"backend='full' captures its attention inside the graph with attention_backend="
+                             f"'static'; attention_backend={config.attention_backend!r} attends in islands, which "
+                             "backend='breakable' runs")
+        chunk = config.chunked_prefill_size
         # Defaults: one slot per 512 tokens of a chunk, and a whole chunk of cached prefix keys.
-        max_requests = r.config.max_requests or max(chunk // 512, 1)
-        prefix_capacity = r.config.prefix_capacity if r.config.prefix_capacity is not None else chunk
-        self.metadata = StaticMetadata(r.kv_pool, r.bucket_sizes, max_requests, prefix_capacity,
-                                       r.static_positions, use_varlen)
+        max_requests = config.max_requests or max(chunk // 512, 1)
+        prefix_capacity = config.prefix_capacity if config.prefix_capacity is not None else chunk
+        return StaticAttention(kv_pool, max_requests, prefix_capacity)  # varlen inside the graph where it probes right
 
     def can_run(self, batch: PrefillBatch, bucket: int) -> str | None:
-        return self.metadata.check(batch, bucket)
-
-    def load_batch(self, batch: PrefillBatch, bucket: int) -> StaticContext:
-        return self.metadata.load(batch, bucket)
+        return self.resources.inputs.attention.check(batch, bucket)
 
     def capture(self, num_tokens: int) -> Any:
         r = self.resources
         graph = new_graph(r.is_emulated)
         with capturing(graph, r.pool.handle, r.capture_stream):
-            out = r.layers(*r.inputs(num_tokens))
-            r.static_output[:num_tokens].copy_(out)
+            r.run(num_tokens)
         return graph
 
     def replay(self, handle: Any, num_tokens: int) -> None:

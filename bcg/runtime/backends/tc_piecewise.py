@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import types
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,10 +26,10 @@ class PiecewiseHandle:
 class TcPiecewiseBackend(GraphBackend):
     """The torch.compile route (SGLang's piecewise CUDA graphs, built from public torch APIs).
 
-    ``prepare`` traces ``forward_layers`` once with ``torch.compile(fullgraph=True)``, token dimension dynamic,
-    through :class:`~bcg.runtime.backends.piecewise.PiecewiseCompiler`, which splits the graph at the attention
-    op and compiles each piece (its time is the reported compile time). ``capture(n)`` then calls the compiled
-    function in capture mode: each piece captures its own graph for bucket ``n`` in the shared pool while the
+    ``prepare`` traces the step (embedding, layer stack, LM head) once with ``torch.compile(fullgraph=True)``, token
+    dimension dynamic, through :class:`~bcg.runtime.backends.piecewise.PiecewiseCompiler`, which splits the graph at
+    the attention op and compiles each piece (its time is the reported compile time). ``capture(bucket)`` then calls
+    the compiled function in capture mode: each piece captures its own graph for the bucket in the shared pool while the
     islands run eagerly between them. ``replay`` calls the compiled function again, guards included, and the
     pieces replay their graphs. Models that torch.compile cannot take (DSA) are refused with the reason.
 
@@ -53,75 +51,62 @@ class TcPiecewiseBackend(GraphBackend):
 
         self.runtime = PieceRuntime(pool=r.pool, is_emulated=r.is_emulated)
         self.compiler = PiecewiseCompiler(self.runtime, r.config.tc_compiler)
-        self.compiled = torch.compile(_private_step(r.model), fullgraph=True, backend=self.compiler)
+        self.compiled = torch.compile(r.step.function(), fullgraph=True, backend=self.compiler)
         n = r.max_bucket
         # Trace and compile now, under the grad mode of capture and replay, so the guards match them.
-        with torch.inference_mode(), r.dummy_context(n):
+        with torch.inference_mode(), r.inputs.dummy(n):
             try:
                 self._run(n, mark_dynamic=True)
             except BackendRefused:
                 raise
             except Exception as e:  # a trace failure means: serve eagerly, with dynamo's reason
-                raise BackendRefused(f"torch.compile could not trace {type(r.model).__name__}.forward_layers as "
-                                     f"one graph: {first_line(e)}") from e
+                raise BackendRefused(f"torch.compile could not trace {type(r.step.model).__name__}'s step as one "
+                                     f"graph: {first_line(e)}") from e
         if self.compiler.num_compiles == 0:
             raise BackendRefused("torch.compile ran the layer stack without calling the bcg compile backend "
                                  "(recompile limit reached?)")
 
-    def _run(self, n: int, mark_dynamic: bool = False) -> None:
-        r = self.resources
-        args = (*r.inputs(n), r.static_output[:n])
+    def _run(self, bucket: int, mark_dynamic: bool = False) -> None:
+        args = self.resources.inputs.step_args(bucket)
         if mark_dynamic:
             for t in args:
-                torch._dynamo.mark_dynamic(t, 0)
+                if t.shape[0] > 1:  # the head's rows may be a single one, which dynamo specialises
+                    torch._dynamo.mark_dynamic(t, 0)
         self.compiled(*args)
 
-    def warmup(self, num_tokens: int) -> None:
-        self._run(num_tokens)
+    def warmup(self, bucket: int) -> None:
+        self._run(bucket)
 
-    def capture(self, num_tokens: int) -> PiecewiseHandle:
+    def capture(self, bucket: int) -> PiecewiseHandle:
         rt = self.runtime
-        rt.mode, rt.bucket, rt.captured = "capture", num_tokens, 0
+        rt.mode, rt.bucket, rt.captured = "capture", bucket, 0
         stream = self.resources.capture_stream
         try:
             if stream is None:
-                self._run(num_tokens)
+                self._run(bucket)
             else:
                 stream.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(stream):
-                    self._run(num_tokens)
+                    self._run(bucket)
                 torch.cuda.current_stream().wait_stream(stream)
         finally:
             rt.mode = "eager"
         if rt.captured == 0:
-            raise RuntimeError(f"bucket {num_tokens}: the compiled layer stack ran no piece in capture mode")
-        return PiecewiseHandle(num_tokens, rt.captured, self.compiler.num_islands)
+            raise RuntimeError(f"bucket {bucket}: the compiled layer stack ran no piece in capture mode")
+        return PiecewiseHandle(bucket, rt.captured, self.compiler.num_islands)
 
-    def replay(self, handle: Any, num_tokens: int) -> None:
+    def replay(self, handle: Any, bucket: int) -> None:
         rt = self.runtime
-        rt.mode, rt.bucket = "replay", num_tokens
+        rt.mode, rt.bucket = "replay", bucket
         try:
             if torch.is_inference_mode_enabled():
-                self._run(num_tokens)
+                self._run(bucket)
             else:  # the guards were made under inference mode; anything else would recompile
                 with torch.inference_mode():
-                    self._run(num_tokens)
+                    self._run(bucket)
         finally:
             rt.mode = "eager"
 
     def describe(self, handle: Any) -> tuple[int, int]:
         return (handle.num_graphs, handle.num_islands)
 
-
-def _private_step(model: torch.nn.Module) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]:
-    """``out.copy_(model.forward_layers(hidden, positions))`` as a function with a code object of its own.
-
-    Dynamo keeps compiled code and guards per code object; one copy per backend keeps engines in one process from
-    evaluating each other's guards at every replay and from sharing one recompile limit.
-    """
-
-    def step(hidden: torch.Tensor, positions: torch.Tensor, out: torch.Tensor) -> None:
-        out.copy_(model.forward_layers(hidden, positions))
-
-    return types.FunctionType(step.__code__.replace(), step.__globals__, step.__name__, step.__defaults__,
-                              step.__closure__)

@@ -10,6 +10,9 @@ decision is exchanged over the host (gloo) group, small int64 CPU tensors that n
   ``[phase, failed]``, so a rank that fails mid-capture (and skips its remaining barriers) meets its peers'
   next barrier with ``END`` and they abort too, instead of waiting for barriers that never come. Then every rank
   shares ``[status, segments, breaks]``: the bucket is kept only if every rank captured the same graph.
+* Prefill: before anything else, the ranks compare what they were given (the number of prompts, of tokens, and a
+  checksum of every id): ranks handed different prompts would each compute garbage or, with different lengths,
+  wait in collectives of different sizes; every rank raises :class:`~bcg.ops.parallel.TensorParallelError` instead.
 * Forward: the chosen bucket (0 for eager) is all-reduced as ``max`` and ``-min``; if ranks differ, all run
   eagerly ("ranks_disagree"). After a replay one all-reduce tells every rank whether any replay raised; then every
   rank reruns the batch eagerly and disables the bucket.
@@ -20,11 +23,13 @@ Every exchange is bounded by the group's timeout and fails as :class:`~bcg.ops.p
 from __future__ import annotations
 
 import logging
+import zlib
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
-from bcg.ops.parallel import TensorParallel
+from bcg.ops.parallel import TensorParallel, TensorParallelError
 from bcg.runtime.backends import BackendRefused
 
 __all__ = ["PeerFailure", "RankAgreement", "capture_verdict"]
@@ -150,6 +155,19 @@ class RankAgreement:
         return [bool(v) for v in self._all_reduce_max([int(d) for d in disabled], f"the buckets after {what}")]
 
     # ---------------------------------------------------------------- forward
+    def agree_prompts(self, ids: list[torch.Tensor]) -> None:
+        """Every rank was given the same prompts (their count, their lengths' sum and a CRC-32 of every id, in one
+        exchange), or every rank raises :class:`TensorParallelError` naming what differs."""
+        every = np.concatenate([t.numpy() for t in ids]) if len(ids) > 1 else ids[0].numpy()
+        mine = [len(ids), int(every.size), zlib.crc32(np.ascontiguousarray(every).view(np.uint8))]
+        rows = self._all_gather(mine, "the prompts of a prefill")
+        if all(row == rows[0] for row in rows):
+            return
+        listed = "; ".join(f"rank {r}: {n} prompt(s), {t} tokens, checksum {c:08x}" for r, (n, t, c) in enumerate(rows))
+        raise TensorParallelError(
+            f"tensor parallel ranks were given different prompts ({listed}). Every rank of a group must call "
+            "prefill with the same prompts in the same order (broadcast them from rank 0); nothing was run")
+
     def agree_choice(self, bucket: int | None, reason: str) -> tuple[int | None, str]:
         """The bucket every rank replays (the one each chose), or eager on all when they differ."""
         code = bucket or 0

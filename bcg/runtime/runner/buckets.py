@@ -8,11 +8,14 @@ record and replay failures (the :class:`BucketRecord` telemetry reports), and wh
 from __future__ import annotations
 
 import bisect
+import logging
 import math
 from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = ["Bucket", "BucketChoice", "BucketRecord", "BucketTable", "default_ladder"]
+
+logger = logging.getLogger("bcg")
 
 # (start, stop, step) rungs, in tokens; beyond the last rung the ladder continues in steps of 512.
 _RUNGS = ((4, 32, 4), (48, 256, 16), (288, 512, 32), (576, 1024, 64), (1280, 4096, 256))
@@ -43,7 +46,7 @@ class BucketRecord:
     """How one bucket was built and how its replays went: capture time, resident memory it added, its shape, why
     it is disabled, and its replay failures (consecutive ones decide the disable, see :class:`BucketTable`)."""
 
-    num_tokens: int
+    bucket: int
     capture_ms: float = 0.0
     memory_bytes: int = 0
     num_segments: int = 0
@@ -124,7 +127,7 @@ class BucketTable:
         _check_policy("max_padding_tokens", self.max_padding_tokens, 0, integer=True)
         _check_policy("max_replay_failures", self.max_replay_failures, 1, integer=True)
         self.sizes = sorted(set(self.sizes))
-        self.buckets = {n: Bucket(BucketRecord(num_tokens=n)) for n in self.sizes}
+        self.buckets = {b: Bucket(BucketRecord(bucket=b)) for b in self.sizes}
 
     @property
     def max_bucket(self) -> int:
@@ -153,8 +156,9 @@ class BucketTable:
         entry.record.consecutive_failures = 0
 
     def disable(self, bucket: int, reason: str) -> None:
-        """Stops replaying ``bucket`` (its batches run eagerly or move up the ladder) and records why."""
+        """Stops replaying ``bucket`` (its batches run eagerly or move up the ladder), records why and logs it."""
         self.buckets[bucket].record.disabled_reason = reason
+        logger.warning("bcg: bucket %d disabled: %s", bucket, reason)
 
     def enable(self, bucket: int) -> None:
         """Replays ``bucket``'s captured graph again (after a transient fault); its failure count starts over.
@@ -176,10 +180,11 @@ class BucketTable:
         self.refused_reason = reason
         for entry in self.buckets.values():
             entry.handle, entry.record.disabled_reason = None, reason
+        logger.warning("bcg: %s; serving every batch eagerly", reason)
 
-    def record_failure(self, bucket: int, error: str) -> bool:
+    def count_failure(self, bucket: int, error: str) -> bool:
         """Counts a failed replay of ``bucket``; returns True when this failure disabled it (the
-        ``max_replay_failures``-th in a row)."""
+        ``max_replay_failures``-th in a row; logged)."""
         record = self.buckets[bucket].record
         record.consecutive_failures += 1
         record.num_replay_failures += 1
@@ -190,7 +195,7 @@ class BucketTable:
         self.disable(bucket, f"replay failed{runs}: {error}")
         return True
 
-    def record_success(self, bucket: int) -> None:
+    def count_success(self, bucket: int) -> None:
         """A good replay of ``bucket``: its consecutive failures start over."""
         record = self.buckets[bucket].record
         if record.consecutive_failures:

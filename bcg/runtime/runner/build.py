@@ -11,8 +11,8 @@ from __future__ import annotations
 import gc
 import logging
 import time
-from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 
 import torch
 from tqdm.auto import tqdm
@@ -24,12 +24,13 @@ from bcg.runtime.backends import BackendRefused, GraphBackend, GraphResources
 from bcg.runtime.config import EngineConfig
 from bcg.runtime.runner.agreement import RankAgreement
 from bcg.runtime.runner.buckets import BucketTable
+from bcg.runtime.runner.inputs import StaticInputs
+from bcg.runtime.runner.step import ModelStep
 from bcg.runtime.runner.telemetry import BucketRecord, Telemetry
 
 __all__ = ["GraphBuilder", "frozen_gc"]
 
 logger = logging.getLogger("bcg")
-Layers = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def is_uncapturable(e: BaseException) -> bool:
@@ -55,7 +56,8 @@ def frozen_gc() -> Iterator[None]:
         gc.unfreeze()
 
 
-def free_memory(device: torch.device) -> int:
+def free_device_bytes(device: torch.device) -> int:
+    """Free bytes of a CUDA device (0 elsewhere): what a capture's memory is measured by."""
     return torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else 0
 
 
@@ -63,28 +65,29 @@ class GraphBuilder:
     """Prepares the backend, compiles the layer stack and captures the buckets of one runner.
 
     Args:
-        model: the model; its ``forward_layers`` is the uncompiled layer stack.
+        step: the step every path runs; compiling replaces its ``layers`` (and failing to compile puts the
+            uncompiled stack back).
+        inputs: the static inputs (``dummy(n)`` installs a one-request batch of ``n`` tokens for warmup, capture and
+            compilation).
         backend: the runner's backend.
         resources: what the backend captures with (None for a backend without graphs).
         table: the bucket table, which receives each capture's handle, record or disabled reason, and a refusal.
         telemetry: receives the compile and capture times, the graph memory and why compiling failed.
         config: the engine's options.
-        dummy_context: ``dummy_context(n)`` installs a one-request batch of ``n`` tokens for warmup, capture and
-            compilation.
         agreement: under tensor parallel, makes every outcome the same on every rank; None on one rank.
     """
 
-    def __init__(self, model: torch.nn.Module, backend: GraphBackend, resources: GraphResources | None,
-                 table: BucketTable, telemetry: Telemetry, config: EngineConfig,
-                 dummy_context: Callable[[int], AbstractContextManager[None]], agreement: RankAgreement | None) -> None:
-        self.model, self.backend, self.resources = model, backend, resources
+    def __init__(self, step: ModelStep, inputs: StaticInputs, backend: GraphBackend, resources: GraphResources | None,
+                 table: BucketTable, telemetry: Telemetry, config: EngineConfig, agreement: RankAgreement | None
+                 ) -> None:
+        self.step, self.inputs, self.backend, self.resources = step, inputs, backend, resources
         self.table, self.telemetry, self.config = table, telemetry, config
-        self.dummy_context, self.agreement = dummy_context, agreement
+        self.agreement = agreement
         self.device, self.dtype = config.torch_device, config.torch_dtype
 
-    def prepare(self, layers: Layers) -> Layers:
-        """Runs the backend's preparation, then compiles ``layers`` when asked; returns the layer stack every path
-        runs from now on (``layers``, or the uncompiled stack if compiling failed)."""
+    def prepare(self) -> None:
+        """Runs the backend's preparation, then compiles the step's layer stack when asked (the uncompiled stack
+        stays if compiling fails, and telemetry says why)."""
         t0 = time.perf_counter()
         try:
             if self.backend.uses_graphs:
@@ -100,16 +103,15 @@ class GraphBuilder:
             if self.config.compile:  # after prepare: the first compiled call runs under the backend's context
                 compile_error: BaseException | None = None
                 try:
-                    self._compile(layers)
+                    self._compile()
                 except Exception as e:  # run and capture the uncompiled stack instead, loudly
                     compile_error = e
                 if self.agreement is not None:  # tensor parallel: compiled on every rank or on none
                     compile_error = self.agreement.agree_outcome(compile_error, "compiling the layer stack")
                 if compile_error is not None:
-                    layers = self._uncompile(compile_error)
+                    self._uncompile(compile_error)
         finally:
             self.telemetry.compile_ms = (time.perf_counter() - t0) * 1e3
-        return layers
 
     def capture_all(self) -> None:
         """Captures every bucket, largest first, into one shared pool (nothing for a backend without graphs or a
@@ -119,41 +121,41 @@ class GraphBuilder:
         sizes = sorted(self.table.sizes, reverse=True)
         bar = tqdm(sizes, desc=f"Capturing {self.config.backend}", disable=not self.config.progress,
                    unit="bucket", leave=False)
-        start_free = free_memory(self.device)
+        start_free = free_device_bytes(self.device)
         t_all = time.perf_counter()
         with frozen_gc(), torch.inference_mode():
-            for n in bar:
-                record = self.capture(n)
-                free = f"{free_memory(self.device) / 2**30:.1f}" if self.device.type == "cuda" else "-"
-                bar.set_postfix(num_tokens=n, capture_ms=f"{record.capture_ms:.1f}", free_gib=free)
+            for bucket in bar:
+                record = self.capture(bucket)
+                free = f"{free_device_bytes(self.device) / 2**30:.1f}" if self.device.type == "cuda" else "-"
+                bar.set_postfix(bucket=bucket, capture_ms=f"{record.capture_ms:.1f}", free_gib=free)
                 if self.table.refused_reason is not None:
                     break
         bar.close()
         self.telemetry.capture_ms = (time.perf_counter() - t_all) * 1e3
-        self.telemetry.graph_memory_bytes = max(start_free - free_memory(self.device), 0)
+        self.telemetry.graph_memory_bytes = max(start_free - free_device_bytes(self.device), 0)
         logger.info("bcg: %s captured %d/%d buckets in %.0f ms (compile %.0f ms), graph memory %.1f MiB",
                     self.config.backend, self.telemetry.num_captured, len(sizes), self.telemetry.capture_ms,
                     self.telemetry.compile_ms, self.telemetry.graph_memory_bytes / 2**20)
 
-    def capture(self, n: int) -> BucketRecord:
-        """Warms up and captures bucket ``n``; its record says what it cost, or why it is disabled."""
-        res, record = self.resources, self.table.record(n)
-        free0 = free_memory(self.device)
+    def capture(self, bucket: int) -> BucketRecord:
+        """Warms up and captures ``bucket``; its record says what it cost, or why it is disabled."""
+        res, record = self.resources, self.table.record(bucket)
+        free0 = free_device_bytes(self.device)
         t0 = time.perf_counter()
         handle, error = None, None
         if self.agreement is not None:
-            self.agreement.begin_capture(n)
+            self.agreement.begin_capture(bucket)
         try:
-            with self.dummy_context(n):
+            with self.inputs.dummy(bucket):
                 stream = res.capture_stream
                 if stream is not None:  # the static buffers were just filled on the current stream
                     stream.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(stream) if stream is not None else nullcontext():
                     for _ in range(self.config.warmup):
-                        self.backend.warmup(n)
+                        self.backend.warmup(bucket)
                 if stream is not None:
                     torch.cuda.current_stream().wait_stream(stream)
-                handle = self.backend.capture(n)
+                handle = self.backend.capture(bucket)
         except Exception as e:  # one bucket failing must not take the others down
             error = e
             if self.device.type == "cuda":
@@ -163,20 +165,20 @@ class GraphBuilder:
                 res.pool.renew()
         if self.agreement is not None:  # tensor parallel: kept only if every rank captured the same graph
             shape = self.backend.describe(handle) if handle is not None else None
-            error = self.agreement.agree_capture(n, error, error is not None and is_uncapturable(error), shape)
+            error = self.agreement.agree_capture(bucket, error, error is not None and is_uncapturable(error), shape)
         if error is not None:
             if is_uncapturable(error):
                 self.refuse(error)
             else:
-                self.disable(n, f"capture failed: {first_line(error)}")
+                self.table.disable(bucket, f"capture failed: {first_line(error)}")
             return record
         record.capture_ms = (time.perf_counter() - t0) * 1e3
-        record.memory_bytes = max(free0 - free_memory(self.device), 0)
+        record.memory_bytes = max(free0 - free_device_bytes(self.device), 0)
         record.num_segments, record.num_breaks = self.backend.describe(handle)
-        self.table.set_handle(n, handle)
+        self.table.set_handle(bucket, handle)
         return record
 
-    def _compile(self, layers: Layers) -> None:
+    def _compile(self) -> None:
         """Traces and compiles the layer stack now, at the largest bucket, so build time says what compiling costs
         and no batch pays for it; under inference mode, as every later call runs."""
         if self.resources is not None and self.resources.is_emulated:
@@ -188,19 +190,15 @@ class GraphBuilder:
                 raise RuntimeError(f"this torch ({torch.__version__}) cannot record compiled code under the CPU graph "
                                    "emulation (no TorchDispatchMode.ignore_compile_internals); use a newer torch")
         n = self.table.max_bucket
-        hidden = torch.zeros(n, self.model.config.hidden_size, device=self.device, dtype=self.dtype)
-        positions = torch.arange(n, device=self.device)
-        with torch.inference_mode(), self.dummy_context(n):
-            layers(hidden, positions)
+        with torch.inference_mode(), self.inputs.dummy(n) as loaded:
+            views = loaded.views
+            self.step.layers(self.step.model.embed(views["input_ids"]), views["positions"])
 
-    def _uncompile(self, e: BaseException) -> Layers:
+    def _uncompile(self, e: BaseException) -> None:
         """The layer stack did not compile: every path runs (and captures) the uncompiled one, and says why."""
-        layers = self.model.forward_layers
-        if self.resources is not None:
-            self.resources.layers = layers
+        self.step.layers = self.step.model.forward_layers
         self.telemetry.compile_error = f"compile={self.config.compile!r} failed: {first_line(e)}"
         logger.warning("bcg: %s; running the uncompiled layer stack", self.telemetry.compile_error)
-        return layers
 
     def refuse(self, e: BaseException) -> None:
         """The backend cannot capture this model: every batch runs eagerly from now on, and the log says why."""
@@ -208,9 +206,3 @@ class GraphBuilder:
         if self.config.backend != "breakable":
             msg += " Use backend='breakable', which runs such ops in eager islands."
         self.table.refuse(msg)
-        logger.warning("bcg: %s; serving every batch eagerly", msg)
-
-    def disable(self, n: int, reason: str) -> None:
-        """Stops replaying bucket ``n`` (its batches move up the ladder or run eagerly) and records why."""
-        self.table.disable(n, reason)
-        logger.warning("bcg: bucket %d disabled: %s", n, reason)

@@ -172,11 +172,10 @@ def _step_through(handle: BreakableCUDAGraph, calls: list[EagerCall], output: to
 def compare_segments(runner: Runner, handle: Any, bucket: int, num_tokens: int, tolerance: float) -> SegmentReport:
     """The comparison behind :func:`~bcg.runtime.runner.verify.verify_segments`, with the batch loaded into the
     static buffers of ``bucket`` and its forward context installed (inside ``runner.replay_context``)."""
-    hidden, positions = runner.static_hidden[:bucket], runner.static_positions[:bucket]
-    inputs = hidden.clone()
+    # The step reads only the bucket's fields, which neither run writes: the replay starts from the same inputs.
     with record_eager_calls() as calls:
-        eager_out = runner.model.forward_layers(hidden, positions)[:num_tokens].clone()
-    hidden.copy_(inputs)  # the replay starts from the very same inputs
+        runner.run_step_eagerly(bucket)
+    eager_out = runner.static_output[:num_tokens].clone()
     report = SegmentReport(runner.config.backend, bucket, num_tokens, tolerance)
     checks = _Checks(tolerance)
     islands = [s.name for s in handle.steps if isinstance(s, EagerStep)] if isinstance(

@@ -44,6 +44,7 @@ class Telemetry:
     capture_ms: float = 0.0
     graph_memory_bytes: int = 0
     compile_error: str | None = None  # the layer stack was asked to compile and did not (it runs uncompiled)
+    attention_backend: str = ""  # the attention backend every batch runs (bcg.ops.attention)
     # Modules of a transformers model run as automatic islands ("path (Class): op at source"), and what the model
     # said about how it runs (bcg.models.hf); empty for native models.
     auto_islands: list[str] = field(default_factory=list)
@@ -80,8 +81,9 @@ class Telemetry:
         return 0 if self.table is None else len(self.table.handles)
 
     def to_dict(self) -> dict:
-        d = {f: getattr(self, f) for f in ("backend", "num_batches", "max_batches", "compile_ms", "capture_ms",
-                                           "graph_memory_bytes", "compile_error", "auto_islands", "notes")}
+        d = {f: getattr(self, f) for f in ("backend", "attention_backend", "num_batches", "max_batches", "compile_ms",
+                                           "capture_ms", "graph_memory_bytes", "compile_error", "auto_islands",
+                                           "notes")}
         d["batches"] = [asdict(r) for r in self.batches]
         d["buckets"] = [asdict(r) for r in self.buckets.values()]
         d["refused_reason"] = self.refused_reason

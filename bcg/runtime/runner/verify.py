@@ -66,7 +66,7 @@ def verify_buckets(runner: Runner, tolerance: float | None = None, seed: int = 0
         diffs[n] = diff
         runner.table.record(n).verify_diff = diff
         if not diff <= tol:  # also catches NaN
-            runner.disable(n, f"verify failed: replay differs from eager by {diff:.3g} (tolerance {tol:.3g})")
+            runner.table.disable(n, f"verify failed: replay differs from eager by {diff:.3g} (tolerance {tol:.3g})")
     logger.info("bcg: verified %d buckets of %s, worst relative difference %.3g", len(diffs),
                 runner.config.backend, max(diffs.values(), default=0.0))
     return diffs

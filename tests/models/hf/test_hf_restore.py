@@ -51,12 +51,13 @@ def test_two_engines_on_one_model_both_stay_right_until_one_restores():
 
 def test_a_second_engine_with_other_settings_is_refused_when_built():
     hf = make_model("qwen3")
-    Engine(hf, backend="eager", kernels="torch", **SMALL)
+    first = Engine(hf, backend="eager", kernels="torch", **SMALL)  # still serving the model
     with pytest.raises(ValueError, match="another engine on this Qwen3ForCausalLM runs its fused modules with "
                                          "kernels='torch'"):
         Engine(hf, backend="eager", kernels="fused", **SMALL)
     with pytest.raises(UnsupportedModelError, match="already serves another engine with auto_islands=True"):
         Engine(hf, backend="eager", auto_islands=False, **SMALL)
+    assert first.prefill(prompts([5])).logits.shape == (1, 256)  # the first one is unharmed
 
 
 def test_an_adaptation_no_engine_uses_any_more_gives_way():

@@ -33,7 +33,7 @@ def test_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     for path in ("tf", "native", "tf_compiled", "native_compiled"):
         rows = llama[path]["by_length"]
         assert set(rows) == {"8", "16"} and all(r["graph_used"] and r["ms"] > 0 for r in rows.values()), path
-    assert llama["tf_compiled"]["layer_graphs"] == 2 and llama["tf"]["notes"][0].startswith("fused at load")
+    assert llama["tf_compiled"]["layer_graphs"] == 1 and llama["tf"]["notes"][0].startswith("fused at load")
     assert set(summary["results"]["archs"]["gpt_oss"]["tf"]["by_length"]) == {"8", "16"}
     text = capsys.readouterr().out
     assert "| llama-3.2-1b | 16 |" in text and "| gpt_oss |" in text

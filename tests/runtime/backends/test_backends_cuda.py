@@ -56,8 +56,8 @@ def test_breakable_replay_is_identical_to_eager_at_the_padded_shape(preset: str)
         with torch.inference_mode(), eng.runner.replay_context(batch) as (bucket, handle):
             handle.replay()
             graph_out = eng.runner.static_output[:bucket].clone()
-            r = eng.runner
-            eager_out = eng.model.forward_layers(r.static_hidden[:bucket], r.static_positions[:bucket])
+            eng.runner.run_step_eagerly(bucket)  # the same fields, eagerly
+            eager_out = eng.runner.static_output[:bucket].clone()
     finally:
         eng.kv_pool.free(slots)
     assert bucket == 32 and torch.equal(graph_out[:21], eager_out[:21])
@@ -80,7 +80,7 @@ def test_full_uses_varlen_with_static_metadata_and_sentinels() -> None:
 
     eng, ref = engine("tiny-dense", "full"), engine("tiny-dense", "eager")
     expected = varlen_attn is not None and varlen_causal_is_bottom_right(torch.device("cuda", 0))
-    assert eng.runner.backend.metadata.use_varlen == expected
+    assert eng.runner.inputs.attention.use_varlen == expected
     for lengths in ([3, 4, 2, 5, 1], [6, 5], [3, 4, 2, 5, 1], [6, 5]):  # sentinels must not leak
         res = eng.prefill(prompts(lengths, seed=len(lengths)))
         assert res.batches[0].graph_used
@@ -91,7 +91,7 @@ def test_full_uses_varlen_with_static_metadata_and_sentinels() -> None:
 
 def test_full_fp32_uses_the_masked_path() -> None:
     eng, ref = engine("tiny-moe", "full", dtype="float32"), engine("tiny-moe", "eager", dtype="float32")
-    assert not eng.runner.backend.metadata.use_varlen
+    assert not eng.runner.inputs.attention.use_varlen
     for lengths in COMPOSITIONS:
         res, expected = eng.prefill(prompts(lengths)), ref.prefill(prompts(lengths))
         assert (res.logits - expected.logits).abs().max().item() <= 1e-4
@@ -132,3 +132,22 @@ def test_breakable_verify_finds_every_bucket_identical_to_eager(preset: str) -> 
 
     diffs = verify_buckets(engine(preset, "breakable").runner)
     assert set(diffs) == set(BUCKETS) and all(d == 0.0 for d in diffs.values())
+
+
+@pytest.mark.parametrize("preset", ["tiny-dense", "tiny-moe", "tiny-dsa"])
+def test_a_breakable_prefill_never_waits_for_the_gpu(preset: str) -> None:
+    """No host synchronisation from the call to the result: not in the islands (DSA's included), not around the
+    replay; the host keeps launching ahead of the device until the caller reads the result."""
+    eng, ref = engine(preset, "breakable"), engine(preset, "eager")
+    compositions = [prompts([5, 17, 3]), prompts([150]), prompts([64])]  # [150]: chunks with a cached prefix
+    for batch in compositions:  # every lazy, once-per-device probe has run
+        eng.prefill(batch)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        results = [eng.prefill(batch) for batch in compositions]
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    for batch, res in zip(compositions, results):
+        assert all(b.graph_used for b in res.batches), res.batches
+        assert_matches(res, ref.prefill(batch))

@@ -8,10 +8,10 @@ from engine_cache import EngineCache, max_diff, random_prompts
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from bcg.ops.attention import StaticAttention, StaticContext, attention
+from bcg.ops.attention.static import PAD_KEY, PAD_QUERY
 from bcg.ops.context import forward_context
 from bcg.ops.kv_cache import KVPool
-from bcg.ops.static_attention import PAD_KEY, PAD_QUERY, static_attention
-from bcg.runtime.backends.static_metadata import StaticMetadata
 from bcg.runtime.batch import PrefillBatch, PrefillItem
 
 BUCKETS = [8, 16, 32]
@@ -46,10 +46,8 @@ def test_one_graph_per_bucket_and_graphs_are_used(preset: str) -> None:
 
 
 def test_attention_replays_inside_the_graph(monkeypatch: pytest.MonkeyPatch) -> None:
-    import bcg.ops.static_attention as static_module
-
     eng, calls = engine("tiny-moe", "full"), []
-    monkeypatch.setattr(static_module, "static_attention", lambda *args: calls.append(args))
+    monkeypatch.setattr(StaticContext, "attend", lambda *args: calls.append(args))
     batch = prompts([9, 4, 2])
     res = eng.prefill(batch)
     assert res.batches[0].graph_used and calls == []  # no Python attention ran: the graph holds it
@@ -76,7 +74,8 @@ def test_sentinel_slots_never_leak_between_batches() -> None:
         assert res.batches[0].graph_used and res.batches[0].bucket == 16
         assert max_diff(res.logits, ref.prefill(batch).logits) <= 1e-5
     # After the 2-request batch every unused slot, row and key of bucket 16 holds its sentinel.
-    ctx = eng.runner.backend.metadata.context(16)
+    runner = eng.runner
+    ctx = runner.inputs.attention.context(None, 16, runner.inputs.layouts[16].views)
     cu_q, cu_k = ctx.cu_seqlens_q.tolist(), ctx.cu_seqlens_k.tolist()
     assert cu_q[:3] == [0, 6, 11] and cu_q[3:] == [11] * (SLOTS - 2)
     assert cu_k[:3] == [0, 6, 11] and cu_k[3:] == [11] * (SLOTS - 2)
@@ -115,7 +114,7 @@ def test_padded_rows_write_only_the_scratch_slot() -> None:
 def test_dsa_is_refused_with_the_op_named_and_served_eagerly() -> None:
     eng = engine("tiny-dsa", "full")
     reason = eng.telemetry.refused_reason
-    assert reason is not None and "select_topk" in reason and "nonzero" in reason and "breakable" in reason
+    assert reason is not None and "select_topk" in reason and "key ranges" in reason and "breakable" in reason
     assert not eng.runner.handles and all(r.disabled_reason == reason for r in eng.telemetry.buckets.values())
     batch = prompts([3, 7, 12, 1])
     res = eng.prefill(batch)
@@ -123,10 +122,20 @@ def test_dsa_is_refused_with_the_op_named_and_served_eagerly() -> None:
     assert max_diff(res.logits, engine("tiny-dsa", "eager").prefill(batch).logits) == 0
 
 
+def test_a_non_finite_scratch_slot_cannot_poison_real_rows() -> None:
+    eng, ref = engine("tiny-dense", "full"), engine("tiny-dense", "eager")
+    batch = prompts([5, 3])  # fills bucket 8 (no padded row rewrites the scratch slot); key capacity 8 + 32
+    scratch = eng.kv_pool.scratch_slot
+    for cache in (*eng.kv_pool.k, *eng.kv_pool.v):
+        cache[scratch] = float("nan")
+    eng.runner.inputs.attention.use_varlen = False  # the masked path reads the unused key slots (scratch)
+    res = eng.prefill(batch)
+    assert res.batches[0].graph_used and res.logits.isfinite().all()
+    assert max_diff(res.logits, ref.prefill(batch).logits) <= 1e-5
+
+
 @pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(4, 4), (4, 2)])
 def test_static_attention_matches_the_live_island(num_heads: int, num_kv_heads: int) -> None:
-    from bcg.ops.attention import attention
-
     head_dim, layout, bucket = 16, [(4, 3), (1, 0), (7, 10), (2, 1)], 16
     pools = [KVPool(64, 1, num_kv_heads, head_dim, torch.float32) for _ in range(2)]
     gen = torch.Generator().manual_seed(0)
@@ -143,11 +152,10 @@ def test_static_attention_matches_the_live_island(num_heads: int, num_kv_heads: 
     out_live, out_static = torch.full_like(q, float("nan")), torch.full_like(q, float("nan"))
     with forward_context(live.to_context(bucket)):
         attention(q, k, v, out_live, 0)
-    positions = torch.zeros(bucket, dtype=torch.long)
-    positions[: live.num_tokens] = live.positions
-    meta = StaticMetadata(pools[1], [bucket], max_requests=6, prefix_capacity=16, positions=positions, use_varlen=False)
-    static = PrefillBatch(items, pools[1])
-    static_attention(q, k, v, out_static, 0, meta.load(static, bucket))
+    static = StaticAttention(pools[1], max_requests=6, prefix_capacity=16, use_varlen=False)
+    with forward_context(PrefillBatch(items, pools[1]).to_context(bucket, static)) as ctx:
+        assert isinstance(ctx, StaticContext)
+        attention(q, k, v, out_static, 0)
     assert max_diff(out_static, out_live) <= 1e-5 and (out_static[live.num_tokens:] == 0).all()
     n = live.num_tokens
     assert torch.equal(pools[1].k[0][:64], pools[0].k[0][:64])  # same KV writes, padded rows aside

@@ -68,11 +68,11 @@ def test_choose_moves_up_past_a_disabled_bucket_within_the_padding_rule() -> Non
 
 def test_replay_failures_disable_a_bucket_only_when_consecutive() -> None:
     table = BucketTable([8, 16], max_replay_failures=3)
-    assert table.record_failure(16, "RuntimeError: flaky") is False
-    assert table.record_failure(16, "RuntimeError: flaky") is False
-    table.record_success(16)  # a good replay resets the count
+    assert table.count_failure(16, "RuntimeError: flaky") is False
+    assert table.count_failure(16, "RuntimeError: flaky") is False
+    table.count_success(16)  # a good replay resets the count
     assert table.record(16).consecutive_failures == 0 and table.record(16).num_replay_failures == 2
-    assert [table.record_failure(16, "RuntimeError: flaky") for _ in range(3)] == [False, False, True]
+    assert [table.count_failure(16, "RuntimeError: flaky") for _ in range(3)] == [False, False, True]
     rec = table.record(16)
     assert rec.disabled_reason is not None and "3 replays in a row" in rec.disabled_reason
     assert rec.num_replay_failures == 5 and rec.last_failure == "RuntimeError: flaky"

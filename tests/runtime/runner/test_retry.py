@@ -68,7 +68,7 @@ def test_repeated_failures_disable_the_bucket_once_and_batches_move_up(caplog: p
         assert (moved.graph_used, moved.bucket) == (True, 32)
         _check(eng, [14])
     assert sum("bucket 16 disabled" in r.getMessage() for r in caplog.records) == 1
-    as_dict = {b["num_tokens"]: b for b in eng.telemetry.to_dict()["buckets"]}
+    as_dict = {b["bucket"]: b for b in eng.telemetry.to_dict()["buckets"]}
     assert as_dict[16]["num_replay_failures"] == 3 and as_dict[16]["disabled_reason"] == rec.disabled_reason
     assert 16 not in eng.runner.handles
 
@@ -119,3 +119,28 @@ def test_retry_policy_is_an_engine_option() -> None:
     with pytest.raises(ValueError, match="max_replay_failures"):
         _engine(max_replay_failures=0)
     assert _engine(max_replay_failures=5).runner.table.max_replay_failures == 5
+
+
+def test_an_interrupted_recapture_leaves_the_bucket_disabled_not_half_captured(monkeypatch) -> None:
+    from bcg.runtime.backends.breakable import BreakableBackend
+
+    eng = _engine()
+    real = BreakableBackend.capture
+
+    def interrupted(self, bucket):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(BreakableBackend, "capture", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        eng.recapture(16)
+    record = eng.telemetry.buckets[16]
+    assert record.disabled_reason is not None and "interrupted" in record.disabled_reason
+    assert 16 not in eng.runner.handles
+    with pytest.raises(ValueError, match="recapture"):
+        eng.enable_bucket(16)  # no graph to enable: it says to recapture
+    # The next batches never meet a bucket without a graph: they move up the ladder (no replay fails).
+    moved = _check(eng, [9, 4])
+    assert (moved.bucket, moved.graph_used) == (32, True)
+    monkeypatch.setattr(BreakableBackend, "capture", real)
+    assert eng.recapture(16).disabled_reason is None
+    assert _check(eng, [9, 4]).bucket == 16

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bcg.ops import attention_features
 from bcg.ops.attention import attention
-from bcg.ops.attention_features import AttentionFeatures, feature_attention, reference_attention, visible_keys
+from bcg.ops.attention import features as attention_features
+from bcg.ops.attention.features import AttentionFeatures, feature_attention, reference_attention, visible_keys
 from bcg.ops.context import forward_context
 from bcg.ops.kv_cache import KVPool
 from bcg.runtime.batch import PrefillBatch, PrefillItem
@@ -86,7 +86,7 @@ def test_island_with_features_matches_naive(spec, num_heads, num_kv_heads, v_dim
     n = ctx.num_tokens
     torch.testing.assert_close(out[:n].double(), _naive(ctx, items, q, f), atol=1e-5, rtol=1e-5)
     assert torch.equal(out[n:], torch.zeros_like(out[n:]))  # padded rows zeroed
-    assert torch.equal(ctx.kv_pool.k[1][ctx.write_slots], k[:n])  # real rows' K/V written
+    assert torch.equal(ctx.kv_pool.k[1][ctx.write_slots[:n]], k[:n])  # real rows' K/V written
 
 
 def test_each_feature_matters():
@@ -119,9 +119,8 @@ def test_flash_path_matches_reference_in_bf16(spec):
     f = _features(spec, sinks)
     assert attention_features.flash_features_usable(q.device), "FlashAttention with a window should work on CUDA"
     n = ctx.num_tokens
-    from bcg.ops.attention import write_and_gather_kv
-
-    keys, values = write_and_gather_kv(ctx, 1, k, v)
+    ctx.store_kv(1, k, v)
+    keys, values = ctx.keys_values(1, k, v)
     got, want = torch.empty_like(q[:n]), torch.empty_like(q[:n])
     assert attention_features._use_flash(q[:n], values, ctx, f)
     feature_attention(q[:n], keys, values, ctx, f, got)

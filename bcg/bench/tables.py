@@ -1,20 +1,15 @@
-"""Readable text tables and JSON output for ``bcg bench`` and ``bcg analyze``.
+"""Plain-text tables and the cell formats of every report (:mod:`bcg.bench.text`, and the benchmark scripts).
 
-Tables are plain text with aligned columns so they read the same in a terminal, a CI log or a pasted issue.
-JSON is written with every non-finite float turned into ``null`` so any JSON reader accepts it.
+Tables have aligned columns so they read the same in a terminal, a CI log or a pasted issue.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import math
-import os
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
-__all__ = ["describe_reason", "fmt", "fmt_bytes", "jsonable", "summary_line", "table", "write_json"]
+__all__ = ["describe_reason", "fmt", "fmt_bytes", "table"]
 
 # The runner's per-batch reason codes, as a reader of the table would say them.
 _REASONS = {
@@ -122,50 +117,3 @@ def _looks_numeric(text: str) -> bool:
     except ValueError:
         return stripped == "inf"
     return True
-
-
-def jsonable(obj: Any) -> Any:
-    """Converts dataclasses, paths, tuples and non-finite floats into plain JSON values.
-
-    Example::
-
-        >>> jsonable({"a": float("inf"), "b": (1, 2), "c": Path("x")})
-        {'a': None, 'b': [1, 2], 'c': 'x'}
-    """
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return jsonable(dataclasses.asdict(obj))
-    if isinstance(obj, dict):
-        return {str(k): jsonable(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple, set)):
-        return [jsonable(v) for v in obj]
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else None
-    if isinstance(obj, (os.PathLike,)):
-        return os.fspath(obj)
-    if obj is None or isinstance(obj, (str, int, bool)):
-        return obj
-    return str(obj)
-
-
-def write_json(path: str | os.PathLike, data: Any) -> Path:
-    """Writes ``data`` as indented JSON (creating parent folders) and returns the path.
-
-    Example::
-
-        write_json("out/bench/results.json", {"rows": rows})
-    """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(jsonable(data), indent=2) + "\n")
-    return path
-
-
-def summary_line(data: dict[str, Any]) -> str:
-    """One compact JSON line (the last line a CLI command prints, for scripts to parse).
-
-    Example::
-
-        >>> summary_line({"speedup": 1.5, "bad": float("nan")})
-        '{"speedup": 1.5, "bad": null}'
-    """
-    return json.dumps(jsonable(data), separators=(", ", ": "))

@@ -1,0 +1,114 @@
+"""The JSON of ``bcg bench`` and ``bcg analyze``: ``results.json`` and the one-line summary each command prints last.
+
+Every non-finite float is written as ``null``, so any JSON reader accepts the files. The ``results.json`` of
+``bcg bench`` (schema ``bcg.bench/3``) holds:
+
+- ``config``: the resolved :class:`~bcg.bench.config.BenchConfig` (every flag); ``environment``: torch, Python,
+  platform, CUDA, device name, torch threads, whether the graphs were emulated, the model implementation.
+- ``builds``: one :class:`~bcg.bench.engines.BuildRecord` per variant: ``available``, ``error``, ``refused_reason``,
+  ``ceiling``, ``load_ms``, ``build_ms`` (= ``compile_ms`` + ``capture_ms`` and the rest), ``num_buckets``,
+  ``num_captured``, ``graph_memory_bytes`` (CUDA), ``num_segments``/``num_breaks`` of the largest captured bucket.
+- ``rows`` (one request per length) and ``batch_rows`` (``batch_requests`` requests of the same total tokens): one
+  :class:`~bcg.bench.rows.LatencyRow` each, with ``backend`` (the variant name), ``input_len``, ``num_requests``,
+  ``num_tokens``; ``wall`` (``median_ms``, ``min_ms``, ``q1_ms``, ``q3_ms``, ``max_ms``, ``mean_ms``, ``stdev_ms``,
+  ``runs``); ``graph_used``, ``bucket`` and ``reason`` (the runner's reason code); ``speedup`` (``over_eager``,
+  ``low``, ``high``; ``null`` without an eager row of the same shape); ``device`` (``ms``, ``host_ms``,
+  ``wall_over_device``, ``floor_ms``, ``fused_floor_ms``, ``launch_gap_share``: ``null`` on a CPU or with
+  ``--no-profile``); ``greedy`` (``next_tokens``, ``equal_eager``, ``eager_top2_gap``).
+- ``memory``: the :class:`~bcg.bench.memory.MemoryResult` (``null`` with ``--no-memory``); ``speedup_note``: what
+  the speedups cannot show (CPU emulation), or ``null``; ``plots``: the PNGs written beside it.
+
+The ``results.json`` of ``bcg analyze`` (schema ``bcg.analyze/1``) is the dict :func:`bcg.bench.analyze.run_analyze`
+returns, with its ``config`` and ``plots``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+from bcg.bench.rows import CPU_SPEEDUP_NOTE, geomean_speedups
+
+__all__ = ["analyze_summary", "bench_results", "bench_summary", "jsonable", "summary_line", "write_json"]
+
+BENCH_SCHEMA = "bcg.bench/3"
+
+
+def jsonable(obj: Any) -> Any:
+    """Converts dataclasses, paths, tuples and non-finite floats into plain JSON values.
+
+    Example::
+
+        >>> jsonable({"a": float("inf"), "b": (1, 2), "c": Path("x")})
+        {'a': None, 'b': [1, 2], 'c': 'x'}
+    """
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return jsonable(dataclasses.asdict(obj))
+    if isinstance(obj, dict):
+        return {str(k): jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple, set)):
+        return [jsonable(v) for v in obj]
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, (os.PathLike,)):
+        return os.fspath(obj)
+    if obj is None or isinstance(obj, (str, int, bool)):
+        return obj
+    return str(obj)
+
+
+def write_json(path: str | os.PathLike, data: Any) -> Path:
+    """Writes ``data`` as indented JSON (creating parent folders) and returns the path.
+
+    Example::
+
+        write_json("out/bench/results.json", {"rows": rows})
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(jsonable(data), indent=2) + "\n")
+    return path
+
+
+def summary_line(data: dict[str, Any]) -> str:
+    """One compact JSON line (the last line a CLI command prints, for scripts to parse).
+
+    Example::
+
+        >>> summary_line({"speedup": 1.5, "bad": float("nan")})
+        '{"speedup": 1.5, "bad": null}'
+    """
+    return json.dumps(jsonable(data), separators=(", ", ": "))
+
+
+def bench_results(cfg: Any, environment: dict[str, Any], lat: Any, mem: Any) -> dict[str, Any]:
+    """The content of ``bcg bench``'s results.json as plain data (its ``plots`` filled in when they are drawn)."""
+    return jsonable({"schema": BENCH_SCHEMA, "kind": "bench", "config": vars(cfg), "environment": environment,
+                     "speedup_note": CPU_SPEEDUP_NOTE if cfg.emulated else None, "builds": lat.builds,
+                     "rows": lat.rows, "batch_rows": lat.batch_rows, "memory": mem, "plots": []})
+
+
+def bench_summary(cfg: Any, results: dict[str, Any], lat: Any, path: Path | None) -> dict[str, Any]:
+    """The fields of the one-line summary ``bcg bench`` prints last."""
+    env = results["environment"]
+    return {"kind": "bench", "model": cfg.model, "device": env["device_name"], "emulated": cfg.emulated,
+            "tp": cfg.tp, "lengths": cfg.lengths, "geomean_speedup": geomean_speedups(lat.rows, cfg.backends),
+            "speedup_note": results["speedup_note"],
+            "unavailable": {b.backend: b.error for b in lat.builds if not b.available},
+            "results": str(path), "plots": results["plots"]}
+
+
+def analyze_summary(cfg: Any, a: dict[str, Any], path: Path) -> dict[str, Any]:
+    """The fields of the one-line summary ``bcg analyze`` prints last."""
+    am, t = a["amdahl"], a["timing"]
+    return {"kind": "analyze", "model": cfg.model, "device": a["environment"]["device_name"],
+            "emulated": cfg.emulated, "p": am.get("p"), "s_max": am.get("s_max"),
+            "launch_gap_share": t["launch_gap_share"], "predicted_speedup": am.get("predicted_speedup"),
+            "measured_speedup": t["measured_speedup"], "prediction_error": am.get("prediction_error"),
+            "coverage": a["coverage"]["graph_fraction"], "recommended_ceiling": a["verdict"]["recommended_ceiling"],
+            "pays": a["verdict"]["pays"], "verdict": a["verdict"]["sentence"], "results": str(path),
+            "plots": a["plots"]}

@@ -1,0 +1,211 @@
+"""Is a prefill device-bound? Wall time against device time, per model and length, and whether the host ever waits.
+
+For each model (a preset, a checkpoint folder, or one of the real-model shapes below built with random weights) and
+backend, one engine is built and kept; at each length one request of that many tokens is prefilled:
+
+* **wall**: median ms of whole ``Engine.prefill`` calls, each followed by a device sync (what a caller sees);
+* **host**: median ms until ``prefill`` returns (it does not wait for the GPU);
+* **device**: the GPU's busy time during one prefill (the union of its kernels' intervals, from the profiler);
+* **wall/device**: 1.0 means the host hides entirely behind the GPU;
+* **syncs**: whether a prefill runs under ``torch.cuda.set_sync_debug_mode("error")`` (no host synchronisation
+  from the call to the result), checked once per model.
+
+With ``--timeline`` one prefill per model at the first length is written as a Chrome trace (host and device
+timelines side by side: load it in chrome://tracing or Perfetto). Build time and graph memory come from the engine's
+telemetry. The last line printed is one JSON object with every number.
+
+Usage::
+
+    python benchmarks/device_bound.py --models llama-dense,gptoss-moe,glm-dsa,llama-3.2-1b,qwen3-0.6b \\
+        --lengths 64,256,1024,2048 --out OUT/device_bound
+
+Without CUDA it runs tiny-dense on the CPU as a smoke test: CPU timings say nothing about launch overhead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+try:
+    import bcg  # noqa: F401
+except ImportError:  # run from a checkout without installing it
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bcg.errors import first_line
+from bcg.models.config import ModelConfig
+from bcg.runtime import Engine
+
+# Real models' shapes, random weights (the native classes; the same compute as their checkpoints by path).
+SHAPES = {
+    "llama-3.2-1b": ModelConfig(arch="dense", vocab_size=128256, hidden_size=2048, num_layers=16, num_heads=32,
+                                num_kv_heads=8, head_dim=64, intermediate_size=8192, rms_norm_eps=1e-5,
+                                rope_theta=500000.0, max_position_embeddings=131072, tie_word_embeddings=True),
+    "qwen3-0.6b": ModelConfig(arch="dense", vocab_size=151936, hidden_size=1024, num_layers=28, num_heads=16,
+                              num_kv_heads=8, head_dim=128, intermediate_size=3072, rms_norm_eps=1e-6,
+                              rope_theta=1000000.0, max_position_embeddings=40960, tie_word_embeddings=True,
+                              qk_norm=True),
+}
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def device_ms(fn: Any, device: torch.device) -> float | None:
+    """The GPU's busy time during one call of ``fn`` (the union of kernel/memcpy intervals), in ms."""
+    if device.type != "cuda":
+        return None
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    sync(device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        sync(device)
+    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                   if e.device_type == DeviceType.CUDA and e.time_range.end > e.time_range.start)
+    total, end = 0.0, None
+    for start, stop in spans:
+        if end is None or start > end:
+            total += stop - start
+            end = stop
+        elif stop > end:
+            total += stop - end
+            end = stop
+    return total / 1e3 if spans else None
+
+
+def times(eng: Engine, prompts: list[torch.Tensor], runs: int) -> tuple[float, float]:
+    host, wall = [], []
+    for i in range(runs + 3):
+        sync(eng.device)
+        t0 = time.perf_counter()
+        eng.prefill(prompts)
+        t1 = time.perf_counter()
+        sync(eng.device)
+        t2 = time.perf_counter()
+        if i >= 3:
+            host.append((t1 - t0) * 1e3)
+            wall.append((t2 - t0) * 1e3)
+    return statistics.median(host), statistics.median(wall)
+
+
+def sync_free(eng: Engine, prompts: list[torch.Tensor]) -> str:
+    """"yes", or where the first host synchronisation happened."""
+    if eng.device.type != "cuda":
+        return "n/a (CPU)"
+    eng.prefill(prompts)
+    sync(eng.device)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        eng.prefill(prompts)
+    except RuntimeError as e:
+        return f"no: {first_line(e)}"
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    return "yes"
+
+
+def measure(name: str, backend: str, lengths: list[int], runs: int, out: Path | None, timeline: bool,
+            engine_args: dict[str, Any]) -> dict[str, Any]:
+    model: Any = SHAPES.get(name, name)
+    t0 = time.perf_counter()
+    eng = Engine(model, backend=backend, progress=False, **engine_args)
+    build_s = time.perf_counter() - t0
+    tele = eng.telemetry
+    vocab = eng.model.config.vocab_size
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for n in lengths:
+        prompts = [torch.randint(0, vocab, (n,), generator=gen)]
+        host, wall = times(eng, prompts, runs)
+        dev = device_ms(lambda p=prompts, e=eng: e.prefill(p), eng.device)
+        bucket = eng.prefill(prompts).batches[0]
+        rows.append({"tokens": n, "wall_ms": wall, "host_ms": host, "device_ms": dev,
+                     "wall_over_device": wall / dev if dev else None, "bucket": bucket.bucket,
+                     "graph_used": bucket.graph_used})
+    prompts = [torch.randint(0, vocab, (lengths[0],), generator=gen)]
+    result = {"model": name, "backend": backend, "kernels": engine_args.get("kernels") or "default",
+              "attention_backend": getattr(tele, "attention_backend", "?"),  # (older engines do not say)
+              "build_s": build_s, "capture_ms": tele.capture_ms,
+              "compile_ms": tele.compile_ms, "graph_memory_mib": tele.graph_memory_bytes / 2**20,
+              "buckets": tele.num_captured, "sync_free": sync_free(eng, prompts), "rows": rows}
+    if timeline and out is not None and eng.device.type == "cuda":
+        from torch.profiler import ProfilerActivity, profile
+
+        eng.prefill(prompts)
+        sync(eng.device)
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            eng.prefill(prompts)
+            sync(eng.device)
+        path = out / f"timeline-{name.replace('/', '_')}-{backend}-{lengths[0]}.json"
+        prof.export_chrome_trace(str(path))
+        result["timeline"] = path.name
+    del eng
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    cuda = torch.cuda.is_available()
+    p.add_argument("--models", default="llama-dense,gptoss-moe,glm-dsa,llama-3.2-1b,qwen3-0.6b" if cuda
+                   else "tiny-dense", help="comma list: presets, checkpoint folders, or " + ", ".join(SHAPES))
+    p.add_argument("--backends", default="breakable", help="comma list of backends")
+    p.add_argument("--lengths", default="64,256,1024,2048" if cuda else "16,64")
+    p.add_argument("--runs", type=int, default=20 if cuda else 3)
+    p.add_argument("--kernels", default=None, help="fused or torch (default: the engine's)")
+    p.add_argument("--attention-backend", default=None)
+    p.add_argument("--chunked-prefill-size", type=int, default=2048 if cuda else 256)
+    p.add_argument("--timeline", action="store_true", help="write one prefill per model as a Chrome trace")
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args(argv)
+    if not cuda:
+        print("device_bound: no CUDA, a smoke test on the CPU; these timings say nothing about launch overhead")
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+    lengths = [int(x) for x in args.lengths.split(",")]
+    engine_args = {"kernels": args.kernels, "chunked_prefill_size": args.chunked_prefill_size}
+    if args.attention_backend:  # (older engines have no such option)
+        engine_args["attention_backend"] = args.attention_backend
+    results = []
+    for name in args.models.split(","):
+        for backend in args.backends.split(","):
+            try:
+                results.append(measure(name, backend, lengths, args.runs, args.out, args.timeline, engine_args))
+            except Exception as e:  # one model failing must not lose the others
+                results.append({"model": name, "backend": backend, "error": first_line(e)})
+                print(f"{name} {backend}: {first_line(e)}", flush=True)
+                continue
+            r = results[-1]
+            print(f"\n{name} / {backend} ({r['attention_backend']} attention): build {r['build_s']:.1f} s, "
+                  f"graph memory {r['graph_memory_mib']:.0f} MiB, {r['buckets']} buckets, sync-free: "
+                  f"{r['sync_free']}", flush=True)
+            print(f"  {'tokens':>6} {'wall ms':>8} {'host ms':>8} {'device ms':>9} {'wall/device':>11}")
+            for row in r["rows"]:
+                dev = "-" if row["device_ms"] is None else f"{row['device_ms']:.3f}"
+                ratio = "-" if row["wall_over_device"] is None else f"{row['wall_over_device']:.2f}"
+                print(f"  {row['tokens']:>6} {row['wall_ms']:>8.3f} {row['host_ms']:>8.3f} {dev:>9} {ratio:>11}",
+                      flush=True)
+    summary = {"kind": "device_bound", "torch": torch.__version__,
+               "device": torch.cuda.get_device_name() if cuda else "cpu", "results": results}
+    if args.out is not None:
+        (args.out / "device_bound.json").write_text(json.dumps(summary, indent=1))
+    print(json.dumps(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
