@@ -6,15 +6,18 @@ Configuration is :class:`~bcg.runtime.config.EngineConfig` and the command's fla
 * ``BCG_FLASH=wrapper``: the attention islands call ``varlen_attn`` instead of the aten flash op it wraps.
 * ``BCG_TP_ALLREDUCE=island``: every tensor parallel all-reduce runs as an eager island, outside the segments.
 * ``BCG_LEAK_CHECK=off|warn|raise``: the leak check of captures that do not choose one (read at each capture).
+* ``BCG_HF_FUSION=off``: transformers models run every module as written (no load-time fusion; read at each load).
+* ``BCG_COMPILE_LOG=1``: torch.compile's own log of bcg's compiles reaches the terminal (by default a failed trace is
+  reported in one line by bcg, and dynamo's log of the attempt is kept quiet).
 
-The first three are read once, at import: they are asked on hot paths, where an environment lookup per call costs.
+The first four are read once, at import: they are asked on hot paths, where an environment lookup per call costs.
 """
 
 from __future__ import annotations
 
 import os
 
-__all__ = ["DEBUG", "FLASH_WRAPPER", "TP_ALLREDUCE_ISLAND", "leak_check_mode"]
+__all__ = ["COMPILE_LOG", "DEBUG", "FLASH_WRAPPER", "TP_ALLREDUCE_ISLAND", "hf_fusion", "leak_check_mode"]
 
 
 def _flag(name: str) -> bool:
@@ -24,6 +27,7 @@ def _flag(name: str) -> bool:
 DEBUG: bool = _flag("BCG_DEBUG")
 FLASH_WRAPPER: bool = os.environ.get("BCG_FLASH", "").lower() == "wrapper"
 TP_ALLREDUCE_ISLAND: bool = os.environ.get("BCG_TP_ALLREDUCE", "").lower() == "island"
+COMPILE_LOG: bool = _flag("BCG_COMPILE_LOG")
 
 
 def leak_check_mode() -> str:
@@ -34,3 +38,13 @@ def leak_check_mode() -> str:
         True
     """
     return os.environ.get("BCG_LEAK_CHECK", "") or "off"
+
+
+def hf_fusion() -> bool:
+    """Whether transformers models are fused at load: ``BCG_HF_FUSION`` unset, or anything but ``off``/``0``.
+
+    Example:
+        >>> isinstance(hf_fusion(), bool)
+        True
+    """
+    return os.environ.get("BCG_HF_FUSION", "").lower() not in ("off", "0")

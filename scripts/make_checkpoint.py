@@ -4,7 +4,7 @@ The GPU machine has no internet, so benchmarks that load "a Qwen3-0.6B-shaped ch
 transformers builds the model from its own config class, initialises it with its own init, and saves config.json and
 safetensors exactly as a downloaded checkpoint would look.
 
-Usage: python scripts/make_checkpoint.py SHAPE OUTDIR   (SHAPE: qwen3-0.6b, gpt-oss-small)
+Usage: python scripts/make_checkpoint.py SHAPE OUTDIR   (SHAPE: qwen3-0.6b, llama-3.2-1b, gpt-oss-small)
 """
 
 from __future__ import annotations
@@ -21,6 +21,12 @@ SHAPES = {
                                        num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
                                        head_dim=128, max_position_embeddings=40960, rope_theta=1000000.0,
                                        rms_norm_eps=1e-6, tie_word_embeddings=True)),
+    # Llama-3.2-1B: hidden 2048, 16 layers, 32 query / 8 KV heads of 64, rope_theta 500000, tied embeddings (without
+    # its llama3 RoPE scaling: other frequencies, the same work).
+    "llama-3.2-1b": ("LlamaConfig", dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192,
+                                         num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+                                         head_dim=64, max_position_embeddings=131072, rope_theta=500000.0,
+                                         rms_norm_eps=1e-5, tie_word_embeddings=True)),
     # gpt-oss-20b's layer shape (hidden 2880, 64/8 heads of 64, 32 experts top-4, sliding window every other
     # layer, attention sinks) with 12 layers instead of 24, so it fits a quick benchmark.
     "gpt-oss-small": ("GptOssConfig", dict(vocab_size=201088, hidden_size=2880, intermediate_size=2880,

@@ -23,6 +23,7 @@ from torch import Tensor, nn
 from bcg.models.config import ModelConfig
 from bcg.models.layers import RMSNorm, RotaryEmbedding
 from bcg.models.parallel_layers import check_tensor_parallel, embedding, lm_head, shard_specs
+from bcg.models.regions import LayerIds, run_layer
 from bcg.ops.kv_cache import KVPool
 from bcg.ops.parallel import SINGLE, TensorParallel, kv_head_range
 
@@ -94,12 +95,13 @@ class CausalLM(nn.Module):
 
         Rows past the real token count are padding: they flow through the dense ops like any row
         but the attention islands ignore them and never let them touch the KV pool. Needs a
-        :func:`bcg.ops.context.forward_context` around the call.
+        :func:`bcg.ops.context.forward_context` around the call. Each layer runs through
+        :func:`bcg.models.regions.run_layer`, so a compiled stack compiles one layer per structure.
         """
         rope = self.rotary.rope(positions)
         residual = None
-        for layer in self.layers:
-            hidden, residual = layer(hidden, residual, rope)
+        for i, layer in enumerate(self.layers):
+            hidden, residual = run_layer(layer, LayerIds(attention=i), hidden, residual, rope)
         return hidden + residual
 
     def compute_logits(self, hidden_last: Tensor) -> Tensor:

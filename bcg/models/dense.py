@@ -18,6 +18,7 @@ from bcg.ops import bridge
 from bcg.ops import kernels as fused
 from bcg.ops.attention import attention
 from bcg.ops.parallel import SINGLE, TensorParallel, kv_head_range
+from bcg.ops.region_islands import region_attention
 
 
 class QKVProjection(nn.Module):
@@ -103,10 +104,13 @@ class Attention(nn.Module):
         self.qkv = QKVProjection(config, tp)
         self.o_proj = row_linear(config.num_heads * config.head_dim, config.hidden_size, config.attention_bias, tp)
 
-    def forward(self, x: Tensor, rope: Rope) -> Tensor:
+    def forward(self, x: Tensor, rope: Rope, bcg_region: bool = False) -> Tensor:
         q, k, v = self.qkv.carried(x, rope)
         out = bridge.output_like("attn", q)  # a shared bridge buffer while the runner captures, else a fresh tensor
-        attention(q, k, v, out, self.layer_id)
+        if bcg_region:  # a compiled region shared by every layer: the island learns its layer when it runs
+            region_attention(q, k, v, out)
+        else:
+            attention(q, k, v, out, self.layer_id)
         return self.o_proj(out.flatten(1))
 
 
@@ -132,13 +136,14 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = mlp
 
-    def forward(self, hidden: Tensor, residual: Tensor | None, rope: Rope) -> tuple[Tensor, Tensor]:
+    def forward(self, hidden: Tensor, residual: Tensor | None, rope: Rope,
+                bcg_region: bool = False) -> tuple[Tensor, Tensor]:
         if residual is None:
-            attn_out = self.self_attn(self.input_layernorm(hidden), rope)
+            attn_out = self.self_attn(self.input_layernorm(hidden), rope, bcg_region)
             normed, residual = self.post_attention_layernorm.add(attn_out, hidden, inplace=False)
         else:
             normed, residual = self.input_layernorm.add(hidden, residual)
-            normed, residual = self.post_attention_layernorm.add(self.self_attn(normed, rope), residual)
+            normed, residual = self.post_attention_layernorm.add(self.self_attn(normed, rope, bcg_region), residual)
         return self.mlp(normed), residual
 
 

@@ -15,9 +15,11 @@ from bcg.models.dense import DecoderLayer, QKVProjection
 from bcg.models.layers import Rope, SwiGLUMLP
 from bcg.models.moe import MoEFFN, prepare_experts
 from bcg.models.parallel_layers import row_linear
+from bcg.models.regions import LayerIds, run_layer
 from bcg.ops.bridge import carry, output_like
 from bcg.ops.dsa import select_topk, sparse_attention
 from bcg.ops.parallel import SINGLE, TensorParallel
+from bcg.ops.region_islands import region_select_topk, region_sparse_attention
 
 
 class Indexer(nn.Module):
@@ -37,10 +39,12 @@ class Indexer(nn.Module):
         # Index queries, index key and head weights from one matmul.
         self.proj = nn.Linear(config.hidden_size, sum(self.split_sizes), bias=False)
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, bcg_region: bool = False) -> Tensor:
         index_q, index_k, head_weights = self.proj(x).split(self.split_sizes, dim=-1)
         index_q = index_q.reshape(x.shape[0], self.num_heads, self.head_dim)
         index_q, index_k, head_weights = carry("index", index_q, index_k, head_weights)
+        if bcg_region:  # a compiled region: the island learns its group when it runs
+            return region_select_topk(index_q, index_k, head_weights, self.topk)
         return select_topk(index_q, index_k, head_weights, self.group_id, self.topk)
 
 
@@ -65,14 +69,18 @@ class SparseAttention(nn.Module):
         is_group_leader = layer_id % config.index_share == 0
         self.indexer = Indexer(config, layer_id // config.index_share) if is_group_leader else None
 
-    def forward(self, x: Tensor, rope: Rope, selection: Tensor | None) -> tuple[Tensor, Tensor]:
+    def forward(self, x: Tensor, rope: Rope, selection: Tensor | None,
+                bcg_region: bool = False) -> tuple[Tensor, Tensor]:
         if self.indexer is not None:
-            selection = self.indexer(x)
+            selection = self.indexer(x, bcg_region)
         if selection is None:
             raise RuntimeError(f"layer {self.layer_id} has no indexer and was given no selection")
         q, k, v = self.qkv.carried(x, rope)  # shared bridge buffers while capturing
         out = output_like("attn", q)
-        sparse_attention(q, k, v, selection, out, self.layer_id)
+        if bcg_region:
+            region_sparse_attention(q, k, v, selection, out)
+        else:
+            sparse_attention(q, k, v, selection, out, self.layer_id)
         return self.o_proj(out.flatten(1)), selection
 
 
@@ -80,14 +88,14 @@ class SparseDecoderLayer(DecoderLayer):
     """Pre-norm block around :class:`SparseAttention`; threads the residual stream and the selection through."""
 
     def forward(  # type: ignore[override]
-        self, hidden: Tensor, residual: Tensor | None, rope: Rope, selection: Tensor | None
+        self, hidden: Tensor, residual: Tensor | None, rope: Rope, selection: Tensor | None, bcg_region: bool = False
     ) -> tuple[Tensor, Tensor, Tensor]:
         if residual is None:  # the first layer reads the stack's input and never writes it
-            attn_out, selection = self.self_attn(self.input_layernorm(hidden), rope, selection)
+            attn_out, selection = self.self_attn(self.input_layernorm(hidden), rope, selection, bcg_region)
             normed, residual = self.post_attention_layernorm.add(attn_out, hidden, inplace=False)
         else:
             normed, residual = self.input_layernorm.add(hidden, residual)
-            attn_out, selection = self.self_attn(normed, rope, selection)
+            attn_out, selection = self.self_attn(normed, rope, selection, bcg_region)
             normed, residual = self.post_attention_layernorm.add(attn_out, residual)
         return self.mlp(normed), residual, selection
 
@@ -111,8 +119,9 @@ class DSALM(CausalLM):
         rope = self.rotary.rope(positions)
         residual: Tensor | None = None
         selection: Tensor | None = None
-        for layer in self.layers:
-            hidden, residual, selection = layer(hidden, residual, rope, selection)
+        for i, layer in enumerate(self.layers):
+            ids = LayerIds(attention=i, index_group=getattr(layer.self_attn.indexer, "group_id", None))
+            hidden, residual, selection = run_layer(layer, ids, hidden, residual, rope, selection)
         return hidden + residual
 
     def post_init(self) -> None:

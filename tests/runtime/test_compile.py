@@ -105,3 +105,52 @@ def test_inductor_compiled_graphs_match_eager_in_bf16(preset: str, backend: str)
         assert eng.prefill(prompts([20])).batches[0].graph_used and calls == []
     finally:
         compiled._fn = real
+
+
+def _num_graphs(model, **kw) -> int:
+    eng = Engine(model, backend="breakable", compile="traced", device="cpu", buckets=[8, 16], chunked_prefill_size=16,
+                 kv_tokens=64, progress=False, seed=0, **kw)
+    assert eng.telemetry.compile_error is None
+    return eng.runner.step.layers.num_graphs
+
+
+@pytest.mark.parametrize(("preset", "graphs"), [("tiny-dense", 2), ("tiny-moe", 2), ("tiny-dsa", 3)])
+def test_one_graph_per_layer_structure_whatever_the_depth(preset: str, graphs: int) -> None:
+    """The first layer (no residual yet) and the others, and for DSA the layers with and without an indexer: the
+    number of traces does not grow with the number of layers."""
+    from dataclasses import replace
+
+    from bcg.models import get_preset
+
+    for num_layers in (8, 16):
+        assert _num_graphs(replace(get_preset(preset), num_layers=num_layers)) == graphs
+
+
+class _TokenCountBranch(torch.nn.Module):
+    """Wraps a layer with code that makes the token count a constant (dynamo specialises it)."""
+
+    def __init__(self, layer: torch.nn.Module) -> None:
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, hidden, residual, rope, bcg_region: bool = False):
+        if hidden.shape[0] == 16:
+            hidden = hidden * 1.0
+        return self.layer(hidden, residual, rope, bcg_region)
+
+
+def test_a_layer_dynamo_cannot_trace_is_refused_in_one_line(caplog: pytest.LogCaptureFixture) -> None:
+    from bcg.models import get_preset
+    from bcg.models.registry import build_model
+
+    model = build_model(get_preset("tiny-dense"), "cpu", torch.float32, seed=0)
+    model.layers[1] = _TokenCountBranch(model.layers[1])
+    with caplog.at_level("WARNING"):
+        eng = Engine(model, backend="breakable", compile="traced", device="cpu", buckets=[8, 16],
+                     chunked_prefill_size=16, kv_tokens=64, progress=False)
+    error = eng.telemetry.compile_error
+    assert "\n" not in error and error.startswith("compile='traced' failed: CompileRefused: torch.compile cannot trace "
+                                                  "_TokenCountBranch, layer 1")
+    assert "makes the token count a constant" in error and "Fix: run without compile=" in error
+    assert [r.name for r in caplog.records] == ["bcg"]  # one line from bcg; dynamo's own log stays quiet
+    assert eng.runner.step.layers == model.forward_layers and eng.telemetry.num_captured == 2  # served uncompiled

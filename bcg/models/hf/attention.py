@@ -31,9 +31,11 @@ import torch
 from torch import Tensor, nn
 
 from bcg.models.hf import UnsupportedModelError, require_transformers
+from bcg.models.regions import REGION_FLAG
 from bcg.ops import bridge
 from bcg.ops.attention import attention
 from bcg.ops.attention.features import request_attention, visible_keys
+from bcg.ops.region_islands import region_attention
 
 __all__ = ["NAME", "AttentionCall", "bcg_attention", "module_island_mode", "recording_calls", "register"]
 
@@ -41,7 +43,7 @@ NAME = "bcg"
 # Attention kwargs that carry nothing a prefill attention needs: transformers' cache bookkeeping (bcg's pool and
 # forward context replace it) and flags. Any other kwarg that is set is refused by name.
 _IGNORED = frozenset({"position_ids", "cache_position", "use_cache", "output_attentions", "past_key_values", "cache",
-                      "past_key_value", "is_causal"})
+                      "past_key_value", "is_causal", REGION_FLAG})
 
 
 @dataclass(frozen=True)
@@ -133,7 +135,10 @@ def bcg_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, 
     scale = None if scaling == query.shape[-1] ** -0.5 else float(scaling)
     if sinks is not None:
         sinks = sinks.float()  # cast inside the graph segment, not at every replay of the island
-    attention(q, k, v, out, module.layer_idx, scale, window, softcap, sinks)
+    if kwargs.get(REGION_FLAG):  # a compiled region shared by layers: the island learns its layer when it runs
+        region_attention(q, k, v, out, scale, window, softcap, sinks)
+    else:
+        attention(q, k, v, out, module.layer_idx, scale, window, softcap, sinks)
     return out[None], None
 
 

@@ -15,9 +15,9 @@ import os
 import torch
 from torch import nn
 
-from bcg.models.hf import require_transformers
+from bcg.models.hf import UnsupportedModelError, require_transformers
 
-__all__ = ["from_pretrained", "place"]
+__all__ = ["check_devices", "from_pretrained", "place"]
 
 logger = logging.getLogger("bcg")
 
@@ -48,7 +48,12 @@ def place(model: nn.Module, device: str | None, dtype: str | None) -> tuple[torc
     Example::
 
         place(hf_model, None, None)          # (device(type='cuda', index=0), torch.bfloat16): where it is
+
+    Raises:
+        UnsupportedModelError: the model has no weights (the meta device).
+        ValueError: ``dtype`` is not the model's.
     """
+    check_devices(model, one_device=False)  # before moving: a meta model has nothing to move
     have_dtype = _model_dtype(model)
     if dtype is not None and getattr(torch, dtype, None) != have_dtype:
         have = str(have_dtype).removeprefix("torch.")
@@ -66,3 +71,20 @@ def place(model: nn.Module, device: str | None, dtype: str | None) -> tuple[torc
         model.to(want)
         have_device = next(model.parameters()).device
     return have_device, have_dtype
+
+
+def check_devices(model: nn.Module, one_device: bool = True) -> None:
+    """Refuses a model built without weights (the meta device) or, with ``one_device``, spread over devices, naming
+    the fix."""
+    name = type(model).__name__
+    tensors = [*model.parameters(), *model.buffers()]
+    if any(t.is_meta for t in tensors):
+        raise UnsupportedModelError(
+            f"{name}'s weights are on the meta device (it was built without weights: under torch.device('meta') "
+            "or init_empty_weights, or loaded with device_map='meta'), so there is nothing to run; load it with "
+            "its weights, e.g. AutoModelForCausalLM.from_pretrained(path, dtype=...), or pass the checkpoint "
+            "folder to Engine")
+    devices = {t.device for t in tensors}
+    if one_device and len(devices) != 1:
+        raise UnsupportedModelError(f"{name} has parameters on {sorted(map(str, devices))}; bcg runs a model on "
+                                    "one device: load it without device_map, then .to(device)")

@@ -7,9 +7,13 @@ Nothing of the model is converted: its modules and weights run as its authors wr
 * makes DSA attention modules module islands (:mod:`bcg.models.hf.dsa`);
 * probes one short forward to learn, per layer, what the attention function receives (K/V shapes for the pool,
   window, soft-cap, sinks), refusing what it cannot honour before anything is captured;
+* fuses, at load, the modules that match a known pattern (q/k/v and gate/up GEMMs, RMSNorm, RoPE, residual adds on
+  bcg's kernels, each checked against the original: :mod:`bcg.models.hf.fusion`);
 * probes one forward for ops a CUDA graph cannot capture (:mod:`bcg.probe`) and runs the offending modules as
   automatic islands (:mod:`bcg.models.hf.islands`), or, with ``auto_islands=False``, refuses graph capture naming
   module, op and fix;
+* routes each decoder layer through :func:`bcg.models.regions.run_layer`, so ``compile=`` compiles one layer per
+  structure (:mod:`bcg.models.hf.layer_regions`);
 * checks its two ends against the model's own forward on the same tokens (:meth:`HFCausalLM.check_tail`).
 
 The decoder body runs as the captured layer stack: ``body(inputs_embeds=(1, T_pad, hidden), position_ids=(1, T_pad),
@@ -19,28 +23,35 @@ use_cache=False)`` applies the final norm itself, so ``compute_logits`` is the L
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 
+from bcg import env
 from bcg.capture_rules import UncapturableOpError
 from bcg.islands import is_capturing
 from bcg.models.hf import UnsupportedModelError, require_transformers
-from bcg.models.hf.attention import NAME, AttentionCall, recording_calls, register
+from bcg.models.hf.adaptation import Adaptation
+from bcg.models.hf.attention import NAME, AttentionCall, register
 from bcg.models.hf.dsa import install_dsa_islands
+from bcg.models.hf.fusion import fuse as fuse_modules
 from bcg.models.hf.islands import body_refusal, explain, install_auto_islands, restore_islands
+from bcg.models.hf.layer_regions import install_layer_regions
+from bcg.models.hf.load import check_devices
+from bcg.models.hf.probes import one_request, probe_layers
 from bcg.models.hf.support import LogitTail, check_config, check_layer_calls
-from bcg.ops.attention import single_request_context
-from bcg.ops.context import forward_context
 from bcg.ops.kv_cache import KVPool
 from bcg.probe import ProbeReport, find_uncapturable
 
 __all__ = ["HFCausalLM", "HFModelConfig"]
 
 logger = logging.getLogger("bcg")
+_RESTORED = ("the {} this engine serves was given back with restore() (by this engine or another on the same model): "
+             "its attention and modules are transformers' again, so this engine cannot prefill with it. Build a new "
+             "Engine(model) to serve it again")
 
 
 @dataclass(frozen=True)
@@ -63,12 +74,16 @@ class HFCausalLM(nn.Module):
         hf_model: the model, in eval mode or not (it is put in eval mode), on one device, in the dtype it will run.
         auto_islands: run modules a CUDA graph cannot capture as islands; False refuses graph capture instead.
         probe_tokens: tokens of the construction-time probe forwards.
+        fuse: fuse what matches a known pattern at load (:mod:`bcg.models.hf.fusion`); False runs every module as
+            written; None (default) fuses unless the debug switch ``BCG_HF_FUSION=off`` is set.
 
     Raises:
-        UnsupportedModelError: the model does something bcg cannot honour (the message names it and the fix).
+        UnsupportedModelError: the model does something bcg cannot honour (the message names it and the fix), or
+            another engine adapted it with another ``auto_islands`` / ``fuse`` setting.
 
-    The model is changed in place (its attention implementation, and instance ``forward`` overrides for islands);
-    :meth:`restore` undoes both.
+    The model is changed in place (its attention implementation, instance ``forward`` overrides for islands and
+    for its layers' compiled regions, fused stand-ins for the modules that matched); :meth:`restore` undoes all of
+    it. A second adapter on the same model shares the first one's changes (:class:`Adaptation`).
 
     Example::
 
@@ -79,17 +94,16 @@ class HFCausalLM(nn.Module):
             hidden = model.forward_layers(model.embed(batch.input_ids), batch.positions)
     """
 
-    def __init__(self, hf_model: nn.Module, *, auto_islands: bool = True, probe_tokens: int = 16) -> None:
+    def __init__(self, hf_model: nn.Module, *, auto_islands: bool = True, probe_tokens: int = 16,
+                 fuse: bool | None = None) -> None:
         super().__init__()
+        fuse = env.hf_fusion() if fuse is None else fuse
         require_transformers("bcg's transformers path")
         register()
         cfg = hf_model.config
         name = type(hf_model).__name__
         check_config(cfg)
-        devices = {p.device for p in hf_model.parameters()} | {b.device for b in hf_model.buffers()}
-        if len(devices) != 1 or next(iter(devices)).type == "meta":
-            raise UnsupportedModelError(f"{name} has parameters on {sorted(map(str, devices))}; bcg runs a model on "
-                                        "one device: load it without device_map, then .to(device)")
+        check_devices(hf_model)
         self.hf = hf_model.eval().requires_grad_(False)
         body = hf_model.get_decoder() if hasattr(hf_model, "get_decoder") else getattr(hf_model, "model", None)
         embed, head = hf_model.get_input_embeddings(), hf_model.get_output_embeddings()
@@ -97,41 +111,103 @@ class HFCausalLM(nn.Module):
             raise UnsupportedModelError(f"{name} is not a *ForCausalLM with a decoder body, an input embedding and an "
                                         "LM head; load it with AutoModelForCausalLM")
         self._parts = {"body": body, "embed": embed, "head": head}  # not registered twice: they live in self.hf
-        # A model adapted before (another engine) starts clean: no islands, and the attention it had originally.
-        restore_islands(body)
-        if cfg._attn_implementation != NAME:
-            hf_model.bcg_previous_attn_implementation = cfg._attn_implementation
-        self.previous_attn_implementation = getattr(hf_model, "bcg_previous_attn_implementation", "sdpa")
-        hf_model.set_attn_implementation(NAME)
-        if cfg._attn_implementation != NAME:
-            raise UnsupportedModelError(f"{name} cannot switch its attention to {NAME!r} (it does not dispatch "
-                                        "through transformers' AttentionInterface)")
         self.device, self.dtype = embed.weight.device, embed.weight.dtype
         vocab = head.weight.shape[0]
         if embed.weight.shape[0] != vocab:
             raise UnsupportedModelError(f"{name}: the input embedding has {embed.weight.shape[0]} rows but the LM head "
                                         f"{vocab} outputs; bcg needs one vocabulary")
-        self.config = HFModelConfig(f"transformers:{cfg.model_type}", cfg.model_type, vocab, cfg.hidden_size,
-                                    cfg.num_hidden_layers, getattr(cfg, "max_position_embeddings", 0) or 0)
+        self._config = HFModelConfig(f"transformers:{cfg.model_type}", cfg.model_type, vocab, cfg.hidden_size,
+                                     cfg.num_hidden_layers, getattr(cfg, "max_position_embeddings", 0) or 0)
         self.tail = LogitTail.from_config(cfg)
-        self.notes: list[str] = []  # how this model runs differently from a native one, for telemetry
-        self.capture_refusal: str | None = None  # why graph capture is refused (set by the capturability probe)
         self._probing = False
-        self.island_kv_shapes: dict[int, dict[str, tuple[int, ...]]] = {}
-        self.dsa_islands = install_dsa_islands(body, self.island_kv_shapes, lambda: self._probing)
-        self.layer_calls = self._probe_layers(probe_tokens)
-        check_layer_calls(cfg, name, self.layer_calls, list(self.island_kv_shapes))
-        self.report = self._probe_capturability(probe_tokens)
-        self.auto_islands: list[str] = []
-        self.capture_refusal = body_refusal(body, self.report)
-        if self.report and self.capture_refusal is None:
-            if auto_islands:
-                self.auto_islands = install_auto_islands(body, self.report)
-                logger.warning("bcg: %s runs %d modules as automatic islands (eager at replay):\n%s", name,
-                               len(self.auto_islands), explain(self.report, hf_model))
-            else:
-                self.capture_refusal = f"{name} cannot be captured as written: {explain(self.report, hf_model)}"
+        shared = Adaptation.of(hf_model, body, auto_islands, fuse)
+        if shared is not None:
+            self.state = shared  # the model is adapted: this engine runs the same modules
+            shared.attach(hf_model, self)
+        else:
+            self.state = Adaptation(auto_islands, fuse)
+            try:
+                self._adapt(probe_tokens, fuse)
+            except BaseException:  # refused half way: the model is given back as it was, not half adapted
+                self.state.restore(hf_model, body)
+                raise
+            self.state.attach(hf_model, self)
+        self.notes: list[str] = list(self.state.fusion.notes)  # how this model runs, for telemetry
         self.check_tail(min(probe_tokens, 8))
+
+    def _adapt(self, probe_tokens: int, fuse: bool) -> None:
+        """Switches the attention, installs the islands, probes, fuses and routes the layers (see the module doc)."""
+        hf_model, body, state, cfg = self.hf, self.body, self.state, self.hf.config
+        name = type(hf_model).__name__
+        restore_islands(body)
+        if cfg._attn_implementation != NAME:
+            state.previous_attn_implementation = cfg._attn_implementation or "sdpa"
+        hf_model.set_attn_implementation(NAME)
+        if cfg._attn_implementation != NAME:
+            raise UnsupportedModelError(f"{name} cannot switch its attention to {NAME!r} (it does not dispatch "
+                                        "through transformers' AttentionInterface)")
+        state.dsa_islands = install_dsa_islands(body, state.island_kv_shapes, lambda: self._probing)
+        state.layer_calls = self._probe_layers(probe_tokens)
+        check_layer_calls(cfg, name, state.layer_calls, list(state.island_kv_shapes))
+        if fuse and state.dsa_islands:
+            # A DSA indexer ranks keys: in half precision a rounding the fused kernels do differently anywhere
+            # upstream can change which keys it picks, so these models run as written.
+            state.fusion.notes = ["not fused: the DSA indexer's top-k could pick other keys after the fused "
+                                  "kernels' different roundings; every module runs as written"]
+        elif fuse:
+            calls = {c.layer_idx: c for c in state.layer_calls}
+            state.fusion = fuse_modules(body, cfg, calls, set(state.island_kv_shapes),
+                                        lambda: self._one_request_run(probe_tokens))
+        state.report = self._probe_capturability(probe_tokens)
+        state.capture_refusal = body_refusal(body, state.report)
+        if state.report and state.capture_refusal is None:
+            if state.auto_islands_enabled:
+                state.auto_islands = install_auto_islands(body, state.report)
+                logger.warning("bcg: %s runs %d modules as automatic islands (eager at replay):\n%s", name,
+                               len(state.auto_islands), explain(state.report, hf_model))
+            else:
+                state.capture_refusal = f"{name} cannot be captured as written: {explain(state.report, hf_model)}"
+        install_layer_regions(body, self.config.num_layers)
+
+    # What the adaptation found, read through the shared state.
+    @property
+    def layer_calls(self) -> list[AttentionCall]:
+        return self.state.layer_calls
+
+    @property
+    def dsa_islands(self) -> list[str]:
+        return self.state.dsa_islands
+
+    @property
+    def auto_islands(self) -> list[str]:
+        return self.state.auto_islands
+
+    @property
+    def capture_refusal(self) -> str | None:
+        return self.state.capture_refusal
+
+    @property
+    def previous_attn_implementation(self) -> str:
+        return self.state.previous_attn_implementation
+
+    @property
+    def config(self) -> HFModelConfig:
+        """What the runtime reads of the model (vocabulary, width, depth, context length).
+
+        Raises:
+            RuntimeError: the model was given back (:meth:`restore`). The engine reads this at every prefill, graph
+                replays included, so a restored engine refuses to prefill rather than run modules that are not
+                bcg's any more.
+        """
+        state = self.__dict__.get("state")  # None while the adapter is being built
+        if state is not None and state.restored:
+            raise RuntimeError(_RESTORED.format(type(self.hf).__name__))
+        return self._config
+
+    @property
+    def is_restored(self) -> bool:
+        """Whether the model was given back (:meth:`restore`, by this engine or another on the same model)."""
+        return self.state.restored
 
     @property
     def body(self) -> nn.Module:
@@ -146,38 +222,25 @@ class HFCausalLM(nn.Module):
     def lm_head(self) -> nn.Module:
         return self._parts["head"]
 
-    # ------------------------------------------------------------------ probes
+    # ------------------------------------------------------------------ probes (bcg.models.hf.probes)
     def _probe_layers(self, num_tokens: int) -> list[AttentionCall]:
-        """One forward that records every attention call (computing nothing) and the DSA islands' cache shapes."""
-        self._probing = True
+        self._probing = True  # the DSA islands record what they cache
         try:
-            with torch.inference_mode(), recording_calls() as calls:
-                ids = torch.arange(num_tokens, device=self.device) % self.config.vocab_size
-                self.forward_layers(self.embed(ids), torch.arange(num_tokens, device=self.device))
+            return probe_layers(self, num_tokens)
         finally:
             self._probing = False
-        name = type(self.hf).__name__
-        seen = sorted(c.layer_idx for c in calls)  # DSA module islands run the model's module, which calls it too
-        if seen != list(range(self.config.num_layers)):
-            raise UnsupportedModelError(
-                f"{name}: the attention function ran for layers {seen}, expected one call for each of the "
-                f"{self.config.num_layers} layers; some attention modules bypass transformers' AttentionInterface")
-        dtypes = {c.dtype for c in calls}
-        if len(dtypes) > 1:
-            raise UnsupportedModelError(f"{name}: its layers' keys come in several dtypes {sorted(map(str, dtypes))}")
-        return sorted(calls, key=lambda c: c.layer_idx)
+
+    def _one_request(self, num_tokens: int) -> AbstractContextManager[tuple[Tensor, Tensor]]:
+        return one_request(self, num_tokens)
 
     @contextmanager
-    def _one_request(self, num_tokens: int) -> Iterator[tuple[Tensor, Tensor]]:
-        """A forward context of one request of ``num_tokens`` over a small pool of its own; yields (ids, positions)."""
-        pool = self.make_kv_pool(num_tokens, self.device, self.dtype)
-        ctx = single_request_context(num_tokens, pool, self.dtype)
-        ids = torch.randint(0, self.config.vocab_size, (num_tokens,), generator=torch.Generator().manual_seed(0))
-        with torch.inference_mode(), forward_context(ctx):
-            yield ids.to(self.device), torch.arange(num_tokens, device=self.device)
+    def _one_request_run(self, num_tokens: int) -> Iterator[Callable[[], None]]:
+        """:func:`~bcg.models.hf.probes.one_request`, yielding a function that runs the decoder body on it."""
+        with one_request(self, num_tokens) as (ids, positions):
+            yield lambda: self.forward_layers(self.embed(ids), positions)
 
     def _probe_capturability(self, num_tokens: int) -> ProbeReport:
-        with self._one_request(num_tokens) as (ids, positions):
+        with one_request(self, num_tokens) as (ids, positions):
             hidden = self.embed(ids)
             with find_uncapturable(self.body) as report:
                 self.forward_layers(hidden, positions)
@@ -191,7 +254,7 @@ class HFCausalLM(nn.Module):
             UnsupportedModelError: the model does something before its decoder body or after it (a logit scale,
                 soft-capping, an input scale) that the adapter does not reproduce.
         """
-        with self._one_request(num_tokens) as (ids, positions):
+        with one_request(self, num_tokens) as (ids, positions):
             ours = self.compute_logits(self.forward_layers(self.embed(ids), positions))
             theirs = self.hf(input_ids=ids[None], position_ids=positions[None], use_cache=False).logits[0].float()
         rel = ((ours - theirs).abs().max() / theirs.abs().max().clamp_min(1e-12)).item()
@@ -205,7 +268,14 @@ class HFCausalLM(nn.Module):
 
     # ------------------------------------------------------------------ the CausalLM interface
     def embed(self, input_ids: Tensor) -> Tensor:
-        """Token ids ``(T,)`` -> ``(T, hidden)`` through the model's own input embedding (eager)."""
+        """Token ids ``(T,)`` -> ``(T, hidden)`` through the model's own input embedding (eager).
+
+        Raises:
+            RuntimeError: the model was given back (:meth:`restore`): its modules no longer run bcg's attention, so
+                an engine on it would compute something else; build a new engine.
+        """
+        if self.state.restored:
+            raise RuntimeError(_RESTORED.format(type(self.hf).__name__))
         return self.embed_tokens(input_ids)
 
     def forward_layers(self, hidden: Tensor, positions: Tensor) -> Tensor:
@@ -224,24 +294,32 @@ class HFCausalLM(nn.Module):
         the keys' dtype: ``dtype`` is the engine's and is used only when the probe saw no keys)."""
         shapes = [{"k": (c.key[1], c.key[3]), "v": (c.value[1], c.value[3])} for c in self.layer_calls]
         by_layer = {c.layer_idx: s for c, s in zip(self.layer_calls, shapes)}
-        by_layer.update(self.island_kv_shapes)
+        by_layer.update(self.state.island_kv_shapes)
         layers = [by_layer[i] for i in range(self.config.num_layers)]
         kv_dtype = self.layer_calls[0].dtype if self.layer_calls else dtype
         return KVPool.for_layers(layers, num_slots, device, kv_dtype)
 
     def set_kernels(self, impl: str) -> None:
-        """The fused kernels are the native models': a transformers model's modules run as written whatever
-        ``impl`` is, and ``"fused"`` says so (log and :attr:`notes`) rather than do nothing silently."""
+        """Runs the fused stand-ins' non-matmul ops with ``impl``: ``"fused"`` (bcg's kernels: Triton on CUDA, their
+        references elsewhere) or ``"torch"`` (the references); the modules left as written run as written.
+
+        Raises:
+            ValueError: ``impl`` is neither, or another engine on the same model runs the other one.
+        """
         if impl not in ("fused", "torch"):
             raise ValueError(f"kernels must be 'fused' or 'torch', got {impl!r}")
-        if impl == "fused":
-            note = ("kernels='fused' has no effect on a transformers model: its modules run as written (the fused "
-                    "kernels are the native models')")
-            if note not in self.notes:
-                self.notes.append(note)
-            logger.warning("bcg: %s", note)
+        others = [a for a in self.state.adapters if a is not self]
+        if self.state.kernels not in (None, impl) and others:
+            raise ValueError(
+                f"another engine on this {type(self.hf).__name__} runs its fused modules with "
+                f"kernels={self.state.kernels!r}; engines sharing a model object share its modules, so use the same "
+                "kernels, or run a copy of the model (copy.deepcopy(model))")
+        self.state.kernels = impl
+        self.state.fusion.set_kernels(impl)
 
     def restore(self) -> None:
-        """Gives the model back as it was: its previous attention implementation, no islands."""
-        restore_islands(self.body)
-        self.hf.set_attn_implementation(self.previous_attn_implementation)
+        """Gives the model back as it was: its previous attention implementation, its own modules and weights (each
+        parameter in its own storage again), no islands. Every engine on the model refuses to prefill from now on
+        (build a new one to serve it again). Idempotent."""
+        self.state.restore(self.hf, self.body)
+

@@ -1,6 +1,9 @@
 """Tiny random transformers models of every architecture the transformers path is tested on, and their references.
 
-Each config turns on what makes its architecture different: q/k norms (qwen3), experts (qwen3_moe, glm4_moe, gpt_oss),
+Each config turns on what makes its architecture different: sliding windows (mistral), q/k/v biases (qwen2), partial
+rotary in a fused qkv projection (phi3), q/k norms per head (qwen3) or over the whole projection with norms after
+each sublayer (olmo2), residual, attention and embedding multipliers and a logit scale (granite), gemma3's (1 + w)
+q/k norms and per-layer-type RoPE, experts (qwen3_moe, glm4_moe, gpt_oss, mixtral),
 partial rotary and shared experts with a routing bias (glm4_moe), sinks, alternating sliding windows and yarn RoPE
 (gpt_oss), MLA with a sparse indexer and cross-layer top-k sharing (glm_moe_dsa, deepseek_v32; 8 index heads so the
 indexer's top-k has no ties), and gemma2, which bcg's native path does not know: logit soft-capping in attention and
@@ -19,11 +22,13 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-ARCHS = ["llama", "qwen3", "qwen3_moe", "glm4_moe", "gpt_oss", "glm_moe_dsa", "deepseek_v32", "gemma2"]
-MOE_ARCHS = ("qwen3_moe", "glm4_moe", "gpt_oss", "glm_moe_dsa", "deepseek_v32")
+ARCHS = ["llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "phi3", "gemma2", "gemma3_text", "olmo2", "granite",
+         "gpt_oss", "glm4_moe", "mixtral", "glm_moe_dsa", "deepseek_v32"]
+MOE_ARCHS = ("qwen3_moe", "glm4_moe", "gpt_oss", "mixtral", "glm_moe_dsa", "deepseek_v32")
 VOCAB = 256
 COMMON = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
               intermediate_size=128, max_position_embeddings=256, tie_word_embeddings=False)
+TOKENS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)  # within the tiny vocabulary
 MOE = dict(moe_intermediate_size=32, num_experts_per_tok=2)
 DSA = dict(q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=12, index_topk=4,
            index_head_dim=16, index_n_heads=8, n_group=1, topk_group=1, first_k_dense_replace=1, n_routed_experts=8,
@@ -39,6 +44,24 @@ def make_config(arch: str, **overrides: Any) -> Any:
     T = transformers
     if arch == "llama":
         cfg = T.LlamaConfig(**COMMON)
+    elif arch == "mistral":
+        cfg = T.MistralConfig(**COMMON, head_dim=16, sliding_window=8)
+    elif arch == "qwen2":
+        cfg = T.Qwen2Config(**COMMON)  # q/k/v biases
+    elif arch == "phi3":
+        cfg = T.Phi3Config(**COMMON, **TOKENS, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                                       "partial_rotary_factor": 0.5})
+    elif arch == "gemma3_text":
+        cfg = T.Gemma3TextConfig(**{**COMMON, "num_hidden_layers": 4}, head_dim=16, sliding_window=4,
+                                 layer_types=["sliding_attention", "full_attention"] * 2, query_pre_attn_scalar=12,
+                                 final_logit_softcapping=3.0)
+    elif arch == "olmo2":
+        cfg = T.Olmo2Config(**COMMON, **TOKENS)  # q/k norms over the whole projection, norms after each sublayer
+    elif arch == "granite":
+        cfg = T.GraniteConfig(**COMMON, residual_multiplier=0.5, attention_multiplier=0.3, embedding_multiplier=2.0,
+                              logits_scaling=4.0)
+    elif arch == "mixtral":
+        cfg = T.MixtralConfig(**COMMON, head_dim=16, num_local_experts=4, num_experts_per_tok=2)
     elif arch == "qwen3":
         cfg = T.Qwen3Config(**COMMON, head_dim=16)
     elif arch == "qwen3_moe":

@@ -1,6 +1,6 @@
-"""Engine(transformers model): every architecture gives transformers' own logits and greedy tokens on a packed batch
-and on chunked prefill, through breakable graphs (emulated) and eagerly; islands are named; backends that cannot
-serve a model refuse it by name."""
+"""Engine(transformers model): every architecture, fused at load, gives transformers' own logits and greedy tokens on a
+packed batch and on chunked prefill, through breakable graphs (emulated) and eagerly; islands are named; backends that
+cannot serve a model refuse it by name."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import torch
 from engine_cache import EngineCache, max_diff
 from hf_cases import ARCHS, expected, make_model, one_thread, prompts, reference_copy, reference_logits
 
+from bcg.models.hf.fused import FusedModule
 from bcg.models.hf.model import HFCausalLM
 
 TOL = 1e-4  # fp32 on the CPU
@@ -56,6 +57,7 @@ def test_breaks_per_layer():
 def test_a_dropped_feature_changes_the_logits(feature, monkeypatch):
     """Negative control: the comparison above fails when gpt-oss's sinks or window are not honoured."""
     import bcg.models.hf.attention as hf_attention
+    import bcg.models.hf.fused_attention as fused_attention
 
     real = hf_attention.attention
 
@@ -65,7 +67,8 @@ def test_a_dropped_feature_changes_the_logits(feature, monkeypatch):
         real(q, k, v, out, layer_id, **kwargs)
 
     eng = engines("gpt_oss", "eager")
-    monkeypatch.setattr(hf_attention, "attention", without)
+    monkeypatch.setattr(hf_attention, "attention", without)  # as written
+    monkeypatch.setattr(fused_attention, "attention", without)  # fused at load
     res = eng.prefill(prompts())
     assert max_diff(res.logits, expected("gpt_oss")) > 1e-2
 
@@ -126,8 +129,8 @@ def test_tc_piecewise_and_compiled_breakable():
         assert all(b.graph_used for b in res.batches)
 
 
-def test_fused_kernels_say_they_do_nothing():
-    eng = engines("llama", "eager", kernels="fused")
-    assert eng.telemetry.notes == ["kernels='fused' has no effect on a transformers model: its modules run as "
-                                   "written (the fused kernels are the native models')"]
-    assert engines("llama", "eager").telemetry.notes == []
+def test_kernels_option_reaches_the_fused_modules():
+    eng = engines("llama", "eager", kernels="fused")  # the references on a CPU: the same numbers
+    assert {m.kernels for m in eng.model.hf.modules() if isinstance(m, FusedModule)} == {"fused"}
+    _check(eng.prefill(prompts()), expected("llama"))
+    assert engines("llama", "eager").config.kernels == "torch"  # the default where Triton does not run

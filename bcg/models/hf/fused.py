@@ -1,0 +1,173 @@
+"""Fused stand-ins for a transformers decoder's RMSNorms, gate/up MLPs and decoder layers (attention: see
+:mod:`bcg.models.hf.fused_attention`).
+
+Each stand-in is built from the module it replaces, registers that module's own children and parameters under the
+same names (the state dict does not change), keeps the original for :meth:`bcg.models.hf.fusion.Fusion.restore`,
+answers any other attribute from it, and runs bcg's fused kernels (:mod:`bcg.ops.kernels`: Triton on CUDA with
+``kernels="fused"``, their plain-torch references elsewhere). Which module may be replaced is decided by
+:mod:`bcg.models.hf.fusion`, which checks every stand-in against the original on a recorded input.
+
+* :class:`FusedRMSNorm`: ``w * x / rms(x)`` or gemma's ``(1 + w) * x / rms(x)`` (the kernel's weight is then the
+  fp32 ``1 + w``, which gemma computes in fp32 too), one kernel.
+* :class:`FusedMLP`: ``down(act(gate(x)) * up(x))`` with gate and up as one GEMM over their joined weights, and
+  SiLU-and-multiply as one kernel when ``act`` is SiLU (any other activation runs as the module's own).
+* :class:`FusedDecoderLayer`: the pre-norm layer ``h += attn(norm(h)); h += mlp(norm(h))`` with the residual add and
+  the norm after it as one kernel; ``"sandwich"`` (gemma2/3) also norms each sublayer's output before its add.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from bcg.models.hf.joined import JoinedWeight
+from bcg.ops import kernels as fused
+
+__all__ = ["FusedDecoderLayer", "FusedMLP", "FusedModule", "FusedRMSNorm", "NormSpec"]
+
+# The kernels' plain-torch references run F.rms_norm with gemma's fp32 (1 + w) on half-precision rows, which is the
+# arithmetic gemma does; torch notes at every such call that it cannot use its own fused CPU path for mixed dtypes.
+warnings.filterwarnings("ignore", message="Mismatch dtype between input and weight", category=UserWarning)
+
+
+class FusedModule(nn.Module):
+    """Base of the stand-ins: the original (not registered: its parameters are registered once, under their own
+    names), the kernels implementation, and attribute reads the stand-in does not answer sent to the original."""
+
+    kernels: str = "torch"
+
+    def __init__(self, original: nn.Module, children: dict[str, nn.Module | nn.Parameter | None]) -> None:
+        super().__init__()
+        self.joined: list[JoinedWeight] = []
+        # In the original's order (the state dict's), and before the original is set: registering checks that the
+        # name is free, which the fallback to the original's attributes would deny.
+        order = [n for n, _ in original.named_parameters(recurse=False)] + [n for n, _ in original.named_children()]
+        for name in sorted(children, key=lambda n: order.index(n) if n in order else len(order)):
+            if children[name] is not None:
+                setattr(self, name, children[name])
+        self.__dict__["original"] = original
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            original = self.__dict__.get("original")
+            if original is None:
+                raise
+            return getattr(original, name)
+
+    def unjoin(self) -> None:
+        """Gives the joined parameters their own storage back (restore)."""
+        for joined in self.joined:
+            joined.split()
+
+
+class NormSpec:
+    """How an RMSNorm module normalises: the kernel's weight (the module's own, or fp32 ``1 + w``) and its eps."""
+
+    def __init__(self, module: nn.Module, offset: bool) -> None:
+        self.module, self.offset = module, offset
+        self.eps = float(norm_eps(module))
+        self.weight = (1.0 + module.weight.detach().float()) if offset else module.weight
+
+    def __call__(self, x: Tensor, impl: str) -> Tensor:
+        return fused.rms_norm(x, self.weight, self.eps, impl=impl)
+
+
+def norm_eps(module: nn.Module) -> float | None:
+    """The epsilon of an RMSNorm module (transformers names it ``variance_epsilon`` or ``eps``)."""
+    for name in ("variance_epsilon", "eps", "epsilon"):
+        value = getattr(module, name, None)
+        if isinstance(value, float):
+            return value
+    return None
+
+
+class FusedRMSNorm(FusedModule):
+    """An RMSNorm module on the fused kernel (see the module doc)."""
+
+    def __init__(self, spec: NormSpec) -> None:
+        super().__init__(spec.module, {"weight": spec.module.weight})
+        self.spec = spec
+
+    def forward(self, hidden_states: Tensor) -> Tensor:
+        return self.spec(hidden_states, self.kernels)
+
+
+class FusedMLP(FusedModule):
+    """A gate/up MLP with one GEMM for gate and up (see the module doc).
+
+    Args:
+        original: the MLP module.
+        names: its (gate, up, down) Linear children, or (gate_up, down) when gate and up are one already (phi3).
+        act: the activation module, or None for SiLU (then one SiLU-and-multiply kernel).
+    """
+
+    def __init__(self, original: nn.Module, names: tuple[str, ...], act: nn.Module | None) -> None:
+        children = {n: getattr(original, n) for n in names}
+        super().__init__(original, children)
+        self.down_name = names[-1]
+        self.__dict__["act"] = act  # the original's (registered there), or None
+        if len(names) == 3:
+            gate, up = children[names[0]], children[names[1]]
+            weight = JoinedWeight([gate.weight, up.weight])
+            self.joined.append(weight)
+            self.gate_up_weight = weight.tensor
+            self.gate_up_bias = None
+            if gate.bias is not None:
+                bias = JoinedWeight([gate.bias, up.bias])
+                self.joined.append(bias)
+                self.gate_up_bias = bias.tensor
+        else:
+            self.gate_up_weight, self.gate_up_bias = children[names[0]].weight, children[names[0]].bias
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate_up = F.linear(x, self.gate_up_weight, self.gate_up_bias)
+        down = getattr(self, self.down_name)
+        if self.act is None:
+            return down(fused.silu_and_mul(gate_up, impl=self.kernels))
+        gate, up = gate_up.chunk(2, dim=-1)
+        return down(self.act(gate) * up)
+
+
+class FusedDecoderLayer(FusedModule):
+    """A decoder layer whose residual adds ride the fused add + RMSNorm kernel (see the module doc).
+
+    Args:
+        original: the decoder layer.
+        kind: ``"pre_norm"`` (llama: input and post-attention norms) or ``"sandwich"`` (gemma2/3: also a norm after
+            each sublayer and a pre-feedforward norm).
+        norms: the layer's norms by child name.
+    """
+
+    def __init__(self, original: nn.Module, kind: str, norms: dict[str, NormSpec]) -> None:
+        names = ["self_attn", "mlp", *norms]
+        super().__init__(original, {n: getattr(original, n) for n in names})
+        self.kind, self.norms = kind, norms
+
+    def forward(self, hidden_states: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+        impl, n = self.kernels, self.norms
+        attn_out = self.self_attn(n["input_layernorm"](hidden_states, impl), *args, **kwargs)[0]
+        # h = hidden + attn_out (rounded to the residual's dtype) and the next norm of h, in one kernel; the layer's
+        # input is only read (it may be a graph's static input), attn_out is overwritten with the normed rows.
+        residual = torch.empty_like(hidden_states)
+        if self.kind == "sandwich":
+            attn_out = n["post_attention_layernorm"](attn_out, impl)
+            normed, residual = _add_norm(attn_out, hidden_states, n["pre_feedforward_layernorm"], residual, impl)
+            return residual + n["post_feedforward_layernorm"](_first(self.mlp(normed)), impl)
+        normed, residual = _add_norm(attn_out, hidden_states, n["post_attention_layernorm"], residual, impl)
+        return residual + _first(self.mlp(normed))
+
+
+def _first(out: Tensor | tuple) -> Tensor:
+    """An MLP's output (MoE blocks of some models also return their router's scores, which the layer drops)."""
+    return out[0] if isinstance(out, tuple) else out
+
+
+def _add_norm(x: Tensor, residual: Tensor, norm: NormSpec, residual_out: Tensor, impl: str) -> tuple[Tensor, Tensor]:
+    x = x.contiguous()
+    return fused.fused_add_rms_norm(x, residual, norm.weight, norm.eps, residual_out=residual_out, impl=impl)
