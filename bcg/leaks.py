@@ -11,12 +11,14 @@ notes every storage allocated during the call; afterwards, the ones still alive 
 return value and are not an argument's storage are reported. Replay never runs the check, and ``"off"`` (the
 default) runs the function bare.
 
-A lazily built cache that nothing captured reads is reported too (it is harmless); build it before the capture, or
-return it.
+A lazily built cache that nothing captured reads is reported too (it is harmless); build it before the capture,
+return it, or declare it with :func:`mark_private` (tensors only eager functions read, e.g. a per-forward memo of the
+live batch's metadata that several islands share).
 """
 
 from __future__ import annotations
 
+import contextvars
 import gc
 import warnings
 import weakref
@@ -28,7 +30,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from bcg.tensors import storage_key, tensor_leaves
 
-__all__ = ["LEAK_CHECK_MODES", "LeakError", "LeakWarning", "checked_call"]
+__all__ = ["LEAK_CHECK_MODES", "LeakError", "LeakWarning", "checked_call", "mark_private"]
 
 LEAK_CHECK_MODES = ("off", "warn", "raise")
 
@@ -48,6 +50,7 @@ class _Allocations(TorchDispatchMode):
         super().__init__()
         self.fresh: dict[int, str] = {}  # storage address -> the op that allocated it
         self.views: list[weakref.ref] = []
+        self.private: set[int] = set()  # storages the function declared eager-only (mark_private)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -64,6 +67,23 @@ class _Allocations(TorchDispatchMode):
                 if ptr in self.fresh:
                     self.views.append(weakref.ref(t))
         return out
+
+
+_ACTIVE: contextvars.ContextVar[_Allocations | None] = contextvars.ContextVar("bcg_leak_check", default=None)
+
+
+def mark_private(value: Any) -> Any:
+    """Declares the tensors in ``value`` eager-only: kept by the eager function for later eager calls, never read by
+    a graph segment, so the leak check of the call running now does not report them. Returns ``value``.
+
+    Example::
+
+        plan = mark_private(build_plan())   # in an island: reused by the next islands of the forward
+    """
+    allocs = _ACTIVE.get()
+    if allocs is not None:
+        allocs.private.update(storage_key(t) for t in tensor_leaves(value))
+    return value
 
 
 def _kept(allocs: _Allocations, exempt: set[int]) -> dict[int, torch.Tensor]:
@@ -87,9 +107,13 @@ def checked_call(fn: Callable[..., Any], name: str, args: tuple, kwargs: dict, m
         out = checked_call(island, "island", (x,), {}, "raise")
     """
     allocs = _Allocations()
-    with allocs:
-        out = fn(*args, **kwargs)
-    exempt = {storage_key(t) for t in tensor_leaves((out, args, kwargs))}
+    token = _ACTIVE.set(allocs)
+    try:
+        with allocs:
+            out = fn(*args, **kwargs)
+    finally:
+        _ACTIVE.reset(token)
+    exempt = {storage_key(t) for t in tensor_leaves((out, args, kwargs))} | allocs.private
     if not _kept(allocs, exempt):
         return out
     gc.collect()  # a tensor kept only by a reference cycle is garbage, not a leak

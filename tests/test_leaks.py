@@ -9,7 +9,7 @@ import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 import bcg
-from bcg.leaks import LeakError, LeakWarning
+from bcg.leaks import LeakError, LeakWarning, mark_private
 
 STASH: list[torch.Tensor] = []
 
@@ -87,6 +87,18 @@ def test_returned_or_written_tensors_are_not_flagged(fn) -> None:
         g = _capture(fn, x, torch.empty(4, 8), leak_check="raise") if fn is writes_into_arg else \
             _capture(fn, x, leak_check="raise")
     g.replay()
+
+
+@bcg.eager_on_graph
+def caches_privately(x):
+    STASH.append(mark_private(x * 2))  # kept for later eager calls only, and declared so
+    return None
+
+
+def test_a_cache_declared_private_is_not_flagged() -> None:
+    _capture(caches_privately, torch.randn(4, 8), leak_check="raise")
+    assert len(STASH) == 1
+    mark_private(torch.zeros(1))  # outside any check: nothing to tell, no error
 
 
 def test_the_env_var_turns_it_on(monkeypatch: pytest.MonkeyPatch) -> None:

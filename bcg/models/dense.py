@@ -16,7 +16,7 @@ from bcg.models.layers import RMSNorm, Rope, SwiGLUMLP, apply_rotary, rotate
 from bcg.models.parallel_layers import Part, column_linear, even_part, row_linear
 from bcg.ops import bridge
 from bcg.ops import kernels as fused
-from bcg.ops.attention import attention
+from bcg.ops.attention import attention, kv_destination
 from bcg.ops.parallel import SINGLE, TensorParallel, kv_head_range
 from bcg.ops.region_islands import region_attention
 
@@ -71,10 +71,13 @@ class QKVProjection(nn.Module):
             return torch.cat((q, apply_rotary(self.k_norm(qk[:, heads:]), cos, sin)), dim=1), v
         return rotate(qk, cos, sin), v
 
-    def carried(self, x: Tensor, rope: Rope) -> tuple[Tensor, Tensor, Tensor]:
+    def carried(self, x: Tensor, rope: Rope, cache: tuple[Tensor, Tensor, Tensor] | None = None
+                ) -> tuple[Tensor, Tensor, Tensor]:
         """``q, k, v`` in ``x.dtype`` for an attention island: while the runner captures they live in bridge
         buffers shared by all layers and buckets (:mod:`bcg.ops.bridge`), and the fp32 RoPE result is cast in the
-        copy into them (or the fused kernel writes them there directly); otherwise they are plain tensors."""
+        copy into them (or the fused kernel writes them there directly); otherwise they are plain tensors. With
+        ``cache`` (fused kernels only: :func:`bcg.ops.attention.kv_destination`) the kernel also writes k and v into
+        the KV pool."""
         if self.kernels == "fused":
             rows, dim, kw = x.shape[0], self.head_dim, {"dtype": x.dtype, "device": x.device}
             out = (bridge.empty("attn.q", (rows, self.num_heads, dim), **kw),
@@ -84,7 +87,7 @@ class QKVProjection(nn.Module):
             return fused.qkv_norm_rope(
                 self.qkv_proj(x), rope.positions, rope.inv_freq, self.num_heads, self.num_kv_heads,
                 q_weight=self.q_norm.weight if has_norm else None, k_weight=self.k_norm.weight if has_norm else None,
-                eps=self.q_norm.eps if has_norm else 1e-6, out=out, impl="fused")
+                eps=self.q_norm.eps if has_norm else 1e-6, out=out, impl="fused", cache=cache)
         qk, v = bridge.carry("attn", *self.rotated(x, rope.cos, rope.sin), dtype=x.dtype)
         return (*qk.split([self.num_heads, self.num_kv_heads], dim=1), v)
 
@@ -105,12 +108,14 @@ class Attention(nn.Module):
         self.o_proj = row_linear(config.num_heads * config.head_dim, config.hidden_size, config.attention_bias, tp)
 
     def forward(self, x: Tensor, rope: Rope, bcg_region: bool = False) -> Tensor:
-        q, k, v = self.qkv.carried(x, rope)
+        # With the fused kernels the RoPE kernel writes this layer's K/V into the pool too: two launches fewer.
+        dest = kv_destination(self.layer_id) if self.qkv.kernels == "fused" and not bcg_region else None
+        q, k, v = self.qkv.carried(x, rope, cache=dest)
         out = bridge.output_like("attn", q)  # a shared bridge buffer while the runner captures, else a fresh tensor
         if bcg_region:  # a compiled region shared by every layer: the island learns its layer when it runs
             region_attention(q, k, v, out)
         else:
-            attention(q, k, v, out, self.layer_id)
+            attention(q, k, v, out, self.layer_id, kv_stored=dest is not None)
         return self.o_proj(out.flatten(1))
 
 

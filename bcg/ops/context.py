@@ -77,6 +77,14 @@ class ForwardContext(ABC):
     def store_kv(self, layer_id: int, k: Tensor, v: Tensor) -> None:
         """Writes every row's K/V of layer ``layer_id`` into the pool (fixed shapes: captured in the segment)."""
 
+    def kv_destination(self, layer_id: int) -> tuple[Tensor, Tensor, Tensor] | None:
+        """``(k_cache, v_cache, slots)`` of layer ``layer_id`` for a kernel that writes the K/V itself, or None when
+        this context has no such place (a pool whose layer holds other buffers)."""
+        pool = self.kv_pool
+        k, v = pool.k[layer_id], pool.v[layer_id]
+        slots = getattr(self, "write_slots", None)
+        return None if k is None or v is None or slots is None else (k, v, slots)
+
     @abstractmethod
     def attend(self, q: Tensor, k: Tensor, v: Tensor, out: Tensor, layer_id: int) -> None:
         """This batch's causal attention of layer ``layer_id`` into ``out`` (its K/V already stored)."""

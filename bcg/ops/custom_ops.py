@@ -36,23 +36,23 @@ __all__ = ["ISLAND_OPS", "SPLIT_OPS", "UNSPLITTABLE", "is_island_node", "is_spli
 @torch.library.custom_op("bcg::attention", mutates_args=("out",))
 def attention_op(q: Tensor, k: Tensor, v: Tensor, out: Tensor, layer_id: int, scale: Optional[float] = None,
                  window: Optional[int] = None, softcap: Optional[float] = None,
-                 sinks: Optional[Tensor] = None) -> None:
+                 sinks: Optional[Tensor] = None, kv_stored: bool = False) -> None:
     """The attention island as an opaque op: reads the current forward context, writes ``out``."""
-    attention(q, k, v, out, layer_id, scale, window, softcap, sinks)
+    attention(q, k, v, out, layer_id, scale, window, softcap, sinks, kv_stored)
 
 
 @attention_op.register_fake
 def _attention_fake(q: Tensor, k: Tensor, v: Tensor, out: Tensor, layer_id: int, scale: Optional[float] = None,
                     window: Optional[int] = None, softcap: Optional[float] = None,
-                    sinks: Optional[Tensor] = None) -> None:
+                    sinks: Optional[Tensor] = None, kv_stored: bool = False) -> None:
     return None
 
 
 @torch.compiler.substitute_in_graph(attention)
 def _trace_attention(q: Tensor, k: Tensor, v: Tensor, out: Tensor, layer_id: int, scale: Optional[float] = None,
                      window: Optional[int] = None, softcap: Optional[float] = None,
-                     sinks: Optional[Tensor] = None) -> None:
-    torch.ops.bcg.attention(q, k, v, out, layer_id, scale, window, softcap, sinks)
+                     sinks: Optional[Tensor] = None, kv_stored: bool = False) -> None:
+    torch.ops.bcg.attention(q, k, v, out, layer_id, scale, window, softcap, sinks, kv_stored)
 
 
 @torch.library.custom_op("bcg::select_topk", mutates_args=())

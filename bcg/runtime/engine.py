@@ -13,7 +13,6 @@ from typing import Any, get_type_hints
 
 import torch
 
-from bcg.models.base import CausalLM
 from bcg.ops.kernels import fused_available
 from bcg.ops.kv_cache import KVPoolFullError
 from bcg.ops.parallel import init_tensor_parallel
@@ -98,10 +97,9 @@ class Engine:
         self.load_ms = (time.perf_counter() - t0) * 1e3
         self.device, self.dtype = self.config.torch_device, self.config.torch_dtype
         cfg = self.config
-        # The fused kernels are the native models' (a transformers model's modules run as written).
-        is_native = isinstance(self.model, CausalLM)
+        # Fused kernels wherever Triton runs: the native models' ops and a transformers model's fused stand-ins.
         has_fused = fused_available(self.device)
-        kernels = cfg.kernels or ("fused" if has_fused and is_native else "torch")
+        kernels = cfg.kernels or ("fused" if has_fused else "torch")
         if kernels == "fused" and self.device.type == "cuda" and not has_fused:
             raise ValueError("kernels='fused' needs Triton on CUDA, which cannot be imported here; install the triton "
                              "that matches your torch, or pass kernels='torch'")

@@ -19,18 +19,10 @@ from bcg.models.config import PRESETS, ModelConfig, get_preset
 from bcg.models.hf import is_transformers_model
 from bcg.models.model_impl import load_model_folder
 from bcg.models.registry import build_model
-from bcg.ops.kernels import fused_available
 from bcg.ops.parallel import TensorParallel
 from bcg.runtime.config import EngineConfig
 
 __all__ = ["load_model"]
-
-
-def _settle_kernels(cfg: EngineConfig) -> EngineConfig:
-    """A transformers model's fused stand-ins run bcg's kernels as the native models do: Triton where it runs."""
-    if cfg.kernels is not None:
-        return cfg
-    return replace(cfg, kernels="fused" if fused_available(cfg.torch_device) else "torch")
 
 
 def load_model(model: Any, cfg: EngineConfig, tp: TensorParallel) -> tuple[torch.nn.Module, EngineConfig]:
@@ -47,11 +39,10 @@ def load_model(model: Any, cfg: EngineConfig, tp: TensorParallel) -> tuple[torch
 
         device, dtype = place(model, cfg.device, cfg.dtype)
         cfg = replace(cfg, device=str(device), dtype=str(dtype).removeprefix("torch."))
-        return HFCausalLM(model, auto_islands=cfg.auto_islands), _settle_kernels(cfg)
+        return HFCausalLM(model, auto_islands=cfg.auto_islands), cfg
     device, dtype = cfg.torch_device, cfg.torch_dtype
     if isinstance(model, (str, os.PathLike)) and os.path.isdir(model):
-        loaded = load_model_folder(model, cfg.model_impl, device, dtype, cfg.auto_islands, tp)
-        return loaded, cfg if isinstance(loaded, CausalLM) else _settle_kernels(cfg)
+        return load_model_folder(model, cfg.model_impl, device, dtype, cfg.auto_islands, tp), cfg
     if cfg.model_impl == "transformers":
         raise ValueError(f"model_impl='transformers' needs a checkpoint folder or a transformers model, not "
                          f"{model!r} (presets, ModelConfigs and built models are bcg's own)")

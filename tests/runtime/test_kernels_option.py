@@ -59,3 +59,17 @@ def test_fused_kernels_on_cuda_match_torch_in_bf16(preset: str, backend: str) ->
         clear = (top2[:, 0] - top2[:, 1]) > 2 * tol
         assert torch.equal(res.next_tokens[clear], ref.next_tokens[clear])
         assert all(b.graph_used for b in res.batches if b.num_tokens >= 8)
+
+
+@pytest.mark.parametrize("kernels", ["fused", "torch"])
+def test_the_fused_rope_kernel_writes_the_kv_cache_itself(kernels: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from bcg.ops.attention import BatchContext
+
+    eng, ref = engine("tiny-dense", "eager", kernels=kernels), engine("tiny-dense", "eager", kernels="torch")
+    calls = []
+    real = BatchContext.store_kv
+    monkeypatch.setattr(BatchContext, "store_kv", lambda self, *a: calls.append(a[0]) or real(self, *a))
+    batch = random_prompts([9, 30], seed=3)  # [30] then chunked: its second chunk reads the cached prefix
+    res = eng.prefill(batch)
+    assert calls == ([] if kernels == "fused" else list(range(CONFIGS["tiny-dense"].num_layers)) * len(res.batches))
+    assert max_diff(res.logits, ref.prefill(batch).logits) <= 1e-5

@@ -25,7 +25,7 @@ from bcg.ops.attention.base import (
     attention_backend,
     register_attention_backend,
 )
-from bcg.ops.attention.island import attention, attention_island
+from bcg.ops.attention.island import attention, attention_island, kv_destination
 from bcg.ops.attention.sdpa import SdpaAttention, sdpa_attention
 from bcg.ops.attention.static import StaticAttention, StaticContext
 from bcg.ops.attention.varlen import VarlenAttention
@@ -35,8 +35,8 @@ from bcg.ops.staging import Layout, Staged
 
 __all__ = ["ATTENTION_BACKENDS", "AttentionBackend", "AttentionFeatures", "BatchContext", "HostBatch",
            "SdpaAttention", "StaticAttention", "StaticContext", "VarlenAttention", "attention", "attention_backend",
-           "attention_island", "default_attention_backend", "register_attention_backend", "sdpa_attention",
-           "single_request_context"]
+           "attention_island", "default_attention_backend", "kv_destination", "register_attention_backend",
+           "sdpa_attention", "single_request_context"]
 
 
 def default_attention_backend(device: torch.device, dtype: torch.dtype) -> str:

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 import numpy as np
 from torch import Tensor
 
+from bcg.leaks import mark_private
 from bcg.ops.context import AttentionFeatures, ForwardContext
 from bcg.ops.kv_cache import KVPool
 from bcg.ops.staging import Field, Staged
@@ -118,10 +119,11 @@ class BatchContext(ForwardContext):
 
     def memo(self, key: object, make: Callable[[], Any]) -> Any:
         """``make()``, computed once per forward (a context lives for one forward): what several islands of the
-        forward need alike (the DSA indexers' key ranges) is launched once, not once per layer."""
+        forward need alike (the DSA indexers' key ranges) is launched once, not once per layer. Only islands read
+        it, never a graph segment (so the leak check is told it is private)."""
         value = self._memo.get(key, _MISSING)
         if value is _MISSING:
-            value = self._memo[key] = make()
+            value = self._memo[key] = mark_private(make())
         return value
 
     def store_kv(self, layer_id: int, k: Tensor, v: Tensor) -> None:

@@ -10,16 +10,18 @@ therefore launches only what must stay eager: the attention kernel.
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 
 from bcg.islands import eager_on_graph
 from bcg.ops.context import AttentionFeatures, ForwardContext, get_forward_context
 
-__all__ = ["attention", "attention_island"]
+__all__ = ["attention", "attention_island", "kv_destination"]
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, out: Tensor, layer_id: int, scale: float | None = None,
-              window: int | None = None, softcap: float | None = None, sinks: Tensor | None = None) -> None:
+              window: int | None = None, softcap: float | None = None, sinks: Tensor | None = None,
+              kv_stored: bool = False) -> None:
     """Causal self-attention of the current batch, written into ``out``, and the layer's K/V into the pool.
 
     Args:
@@ -30,6 +32,8 @@ def attention(q: Tensor, k: Tensor, v: Tensor, out: Tensor, layer_id: int, scale
         layer_id: which layer's KV cache to use.
         scale, window, softcap, sinks: the layer's :class:`~bcg.ops.context.AttentionFeatures` (softmax scale,
             sliding window, logit soft-cap, per-head sink logits); all None for plain causal attention.
+        kv_stored: the caller's kernel already wrote ``k``/``v`` where :func:`kv_destination` said (the fused RoPE
+            kernel does), so the K/V write is skipped.
 
     Example::
 
@@ -38,11 +42,29 @@ def attention(q: Tensor, k: Tensor, v: Tensor, out: Tensor, layer_id: int, scale
             attention(q, k, v, out, layer_id=1, window=128, sinks=sinks)     # gpt-oss's sliding layers
     """
     ctx = get_forward_context()
-    ctx.store_kv(layer_id, k, v)
+    if not kv_stored:
+        ctx.store_kv(layer_id, k, v)
     if ctx.attends_in_graph:
         _attend(ctx, q, k, v, out, layer_id, scale, window, softcap, sinks)
     else:
         attention_island(q, k, v, out, layer_id, scale, window, softcap, sinks, ctx.write_slots)
+
+
+def kv_destination(layer_id: int) -> tuple[Tensor, Tensor, Tensor] | None:
+    """Where layer ``layer_id``'s K/V go: ``(k_cache, v_cache, slots)``, one slot per row of the forward (padded rows:
+    the scratch slot), for a kernel that writes them itself (then call :func:`attention` with ``kv_stored=True``);
+    None when the current context keeps them another way, or while torch.compile traces (a context variable cannot
+    be traced: the compiled stack writes its K/V in :func:`attention`).
+
+    Example::
+
+        dest = kv_destination(layer_id)
+        q, k, v = qkv_norm_rope(qkv, positions, inv_freq, heads, kv_heads, out=bridged, cache=dest)
+        attention(q, k, v, out, layer_id, kv_stored=dest is not None)
+    """
+    if torch.compiler.is_compiling():
+        return None
+    return get_forward_context().kv_destination(layer_id)
 
 
 @eager_on_graph

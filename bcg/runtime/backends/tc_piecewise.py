@@ -10,6 +10,7 @@ import torch
 from bcg.errors import first_line
 from bcg.runtime.backends.base import BackendRefused, GraphBackend
 from bcg.runtime.backends.piecewise import PieceRuntime, PiecewiseCompiler
+from bcg.runtime.compile import quiet_compile
 
 __all__ = ["PiecewiseHandle", "TcPiecewiseBackend"]
 
@@ -54,7 +55,7 @@ class TcPiecewiseBackend(GraphBackend):
         self.compiled = torch.compile(r.step.function(), fullgraph=True, backend=self.compiler)
         n = r.max_bucket
         # Trace and compile now, under the grad mode of capture and replay, so the guards match them.
-        with torch.inference_mode(), r.inputs.dummy(n):
+        with torch.inference_mode(), r.inputs.dummy(n), quiet_compile():  # a refusal is one line, not dynamo's log
             try:
                 self._run(n, mark_dynamic=True)
             except BackendRefused:
