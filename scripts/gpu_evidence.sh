@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # One GPU session's evidence: the CUDA test tier, `bcg bench` (every variant side by side) and `bcg analyze` per GPU
 # preset, a Qwen3-0.6B-shaped checkpoint loaded by path, the Hugging Face path (scripts/hf_evidence.py), the fused
-# kernels' own cases, and the same bench on the code before the layering change for a side-by-side check. Usage: scripts/gpu_evidence.sh [OUTDIR]
-# (default $OUT, else out/gpu); every step's log is bundled into gpu.tgz after each step, so a run cut short still
-# returns what it measured.
+# kernels' own cases, and the same bench on an earlier commit's code for a side-by-side check.
+# Usage: scripts/gpu_evidence.sh [OUTDIR] (default $OUT, else out/gpu); every step's log is bundled into gpu.tgz
+# after each step, so a run cut short still returns what it measured.
 #   STEPS    which steps, in order (default: tests models checkpoint hf baseline kernel_tests)
 #   MODELS   presets for the models step (default: llama-dense llama-dense-2k gptoss-moe glm-dsa)
 #   ANALYZE_MODELS  presets that also get `bcg analyze` (default: llama-dense)
+#   Other steps: device, device_baseline, host_path, hf_speed (see below); a before/after baseline needs the earlier
+#            commit's bcg/ exported first: mkdir .baseline && git archive COMMIT bcg | tar -x -C .baseline
 #   DEVICE_MODELS / DEVICE_ARGS  models and flags of the device step (benchmarks/device_bound.py: wall against
 #            device time per length, whether a prefill ever synchronises, one timeline); device_baseline runs the
 #            same on the code in .baseline/ (an export of an earlier commit's bcg/) for a before/after
@@ -63,6 +65,8 @@ case $steps in *" device_baseline "*)
     step device_baseline "${T_DEVICE:-240}" env PYTHONPATH="$PWD/.baseline" python3 benchmarks/device_bound.py \
       --models "$device_models" --out "$work/device-baseline" ${DEVICE_ARGS:-}
   fi ;; esac
+case $steps in *" hf_speed "*)  # transformers models against native and their own forward (benchmarks/hf_speed.py)
+  step hf_speed "${T_HF_SPEED:-270}" python3 benchmarks/hf_speed.py --out "$work/hf_speed.json" ${HF_SPEED_ARGS:-} ;; esac
 case $steps in *" host_path "*)
   step host_path 120 python3 benchmarks/host_path.py --model llama-dense --tokens 64 --out "$work/host_path" ;; esac
 case $steps in *" kernel_tests "*)
