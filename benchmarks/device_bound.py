@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -39,6 +38,8 @@ try:
     import bcg  # noqa: F401
 except ImportError:  # run from a checkout without installing it
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from host_path import prefill_times  # this folder is the script's own
 
 from bcg.errors import first_line
 from bcg.models.config import ModelConfig
@@ -85,21 +86,6 @@ def device_ms(fn: Any, device: torch.device) -> float | None:
     return total / 1e3 if spans else None
 
 
-def times(eng: Engine, prompts: list[torch.Tensor], runs: int) -> tuple[float, float]:
-    host, wall = [], []
-    for i in range(runs + 3):
-        sync(eng.device)
-        t0 = time.perf_counter()
-        eng.prefill(prompts)
-        t1 = time.perf_counter()
-        sync(eng.device)
-        t2 = time.perf_counter()
-        if i >= 3:
-            host.append((t1 - t0) * 1e3)
-            wall.append((t2 - t0) * 1e3)
-    return statistics.median(host), statistics.median(wall)
-
-
 def sync_free(eng: Engine, prompts: list[torch.Tensor]) -> str:
     """"yes", or where the first host synchronisation happened."""
     if eng.device.type != "cuda":
@@ -128,7 +114,8 @@ def measure(name: str, backend: str, lengths: list[int], runs: int, out: Path | 
     rows = []
     for n in lengths:
         prompts = [torch.randint(0, vocab, (n,), generator=gen)]
-        host, wall = times(eng, prompts, runs)
+        timed = prefill_times(eng, prompts, runs)
+        host, wall = timed["host_ms"], timed["wall_ms"]
         dev = device_ms(lambda p=prompts, e=eng: e.prefill(p), eng.device)
         bucket = eng.prefill(prompts).batches[0]
         rows.append({"tokens": n, "wall_ms": wall, "host_ms": host, "device_ms": dev,

@@ -165,33 +165,14 @@ class PrefillBatch:
         views["cu_seqlens_q"], views["cu_seqlens_k"] = cu[: r + 1], cu[r + 1 :]
         return views
 
-    @property
-    def input_ids(self) -> Tensor:
-        return self._device["input_ids"]
-
-    @property
-    def positions(self) -> Tensor:
-        return self._device["positions"]
-
-    @property
-    def write_slots(self) -> Tensor:
-        return self._device["write_slots"]
-
-    @property
-    def read_slots(self) -> Tensor:
-        return self._device["read_slots"]
-
-    @property
-    def logits_indices(self) -> Tensor:
-        return self._device["logits_indices"]
-
-    @property
-    def cu_seqlens_q(self) -> Tensor:
-        return self._device["cu_seqlens_q"]
-
-    @property
-    def cu_seqlens_k(self) -> Tensor:
-        return self._device["cu_seqlens_k"]
+    # The batch's own arrays on the device (for tools and tests), made on first use.
+    input_ids = property(lambda self: self._device["input_ids"], doc="int64 ``(num_tokens,)`` token ids.")
+    positions = property(lambda self: self._device["positions"], doc="int64 ``(num_tokens,)`` positions.")
+    write_slots = property(lambda self: self._device["write_slots"], doc="int64 pool slot of each new token.")
+    read_slots = property(lambda self: self._device["read_slots"], doc="int64 key slots, as ``host_read_slots``.")
+    logits_indices = property(lambda self: self._device["logits_indices"], doc="int64 rows of the wanted logits.")
+    cu_seqlens_q = property(lambda self: self._device["cu_seqlens_q"], doc="int32 ``(R + 1,)`` new-token sums.")
+    cu_seqlens_k = property(lambda self: self._device["cu_seqlens_k"], doc="int32 ``(R + 1,)`` key-range sums.")
 
     def to_context(self, num_padded_tokens: int, backend: AttentionBackend | None = None) -> ForwardContext:
         """The forward context for running this batch padded to ``num_padded_tokens`` rows, through ``backend``

@@ -28,6 +28,21 @@ def test_host_path_smoke(tmp_path: Path) -> None:
     assert (out / "host_path.json").exists() and "prefill" in (out / "profile_3req.txt").read_text()
 
 
+def test_device_bound_smoke(tmp_path: Path) -> None:
+    out = tmp_path / "db"
+    result = run_script("device_bound.py", "--models", "tiny-dense,tiny-dsa", "--backends", "breakable,full",
+                        "--lengths", "8,24", "--runs", "1", "--out", str(out))
+    assert result["kind"] == "device_bound" and len(result["results"]) == 4
+    by = {(r["model"], r["backend"]): r for r in result["results"]}
+    assert by[("tiny-dense", "breakable")]["attention_backend"] == "sdpa"
+    assert by[("tiny-dense", "full")]["attention_backend"] == "static"
+    for r in result["results"]:
+        assert [row["tokens"] for row in r["rows"]] == [8, 24] and all(row["wall_ms"] > 0 for row in r["rows"])
+        assert r["sync_free"] == "n/a (CPU)" and r["rows"][0]["device_ms"] is None  # no device time on a CPU
+    assert not by[("tiny-dsa", "full")]["rows"][0]["graph_used"]  # full refuses DSA: eager, with the reason logged
+    assert (out / "device_bound.json").exists()
+
+
 def test_tp_tokens_under_torchrun_matches_one_process(tmp_path: Path) -> None:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            str(ROOT / "benchmarks" / "tp_tokens.py"), "--model", "tiny-moe", "--backends", "breakable",
