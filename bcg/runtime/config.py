@@ -15,7 +15,7 @@ import torch
 from bcg.leaks import LEAK_CHECK_MODES
 from bcg.models.model_impl import check_model_impl
 from bcg.ops.attention import ATTENTION_BACKENDS
-from bcg.runtime.backends import ALIASES, REGISTRY
+from bcg.runtime.backend_registry import ALIASES, REGISTRY
 from bcg.runtime.compile import COMPILERS
 
 __all__ = ["BACKENDS", "EngineConfig", "resolve_backend"]

@@ -3,24 +3,48 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import torch
+from torch import Tensor
 
 from bcg.ops.attention import AttentionBackend, attention_backend
 from bcg.ops.kv_cache import KVPool
 from bcg.runtime.backends.capture import GraphPool
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from contextlib import AbstractContextManager
 
+    from bcg.ops.staging import Layout
     from bcg.runtime.batch import PrefillBatch
     from bcg.runtime.config import EngineConfig
-    from bcg.runtime.runner.inputs import StaticInputs
-    from bcg.runtime.runner.step import ModelStep
 
-__all__ = ["BackendRefused", "GraphBackend", "GraphResources"]
+__all__ = ["BackendRefused", "GraphBackend", "GraphResources", "Step", "StepInputs"]
+
+
+class Step(Protocol):
+    """The step a bucket captures (the runner's :class:`~bcg.runtime.runner.step.ModelStep` is one)."""
+
+    model: torch.nn.Module
+
+    def __call__(self, input_ids: Tensor, positions: Tensor, logit_rows: Tensor, out: Tensor, logits: Tensor
+                 ) -> None: ...
+
+    def function(self) -> Callable[..., None]: ...
+
+
+class StepInputs(Protocol):
+    """The static inputs a backend captures against (the runner's :class:`~bcg.runtime.runner.inputs.StaticInputs`
+    is one): each bucket's fields, the step's arguments per bucket, a dummy batch, the graphs' attention backend."""
+
+    layouts: dict[int, Layout]
+    attention: AttentionBackend
+
+    def step_args(self, bucket: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]: ...
+
+    def dummy(self, bucket: int) -> AbstractContextManager[Any]: ...
 
 
 class BackendRefused(RuntimeError):
@@ -45,8 +69,8 @@ class GraphResources:
             graphs); None on one rank.
     """
 
-    step: ModelStep
-    inputs: StaticInputs
+    step: Step
+    inputs: StepInputs
     config: EngineConfig
     pool: GraphPool
     capture_stream: torch.cuda.Stream | None

@@ -1,0 +1,37 @@
+"""The prefill backends by name, the one list to edit for a new one (its module goes in
+:mod:`bcg.runtime.backends`): the engine's option check (:class:`~bcg.runtime.config.EngineConfig`) and the runner
+read it. Names match SGLang's ``--cuda-graph-backend-prefill`` values. It sits below the config and the backends,
+which both read it; a backend's module is imported when it is chosen, so its own dependencies load only then.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+__all__ = ["ALIASES", "REGISTRY", "backend_class"]
+
+# name -> (module, class)
+REGISTRY = {
+    "eager": ("bcg.runtime.backends.eager", "EagerBackend"),
+    "breakable": ("bcg.runtime.backends.breakable", "BreakableBackend"),
+    "full": ("bcg.runtime.backends.full", "FullBackend"),
+    "tc_piecewise": ("bcg.runtime.backends.tc_piecewise", "TcPiecewiseBackend"),
+}
+# SGLang's name for no graphs.
+ALIASES = {"disabled": "eager"}
+
+
+def backend_class(name: str) -> type:
+    """The :class:`~bcg.runtime.backends.base.GraphBackend` subclass called ``name`` (already validated by
+    EngineConfig), imported on first use.
+
+    Example:
+        >>> backend_class("breakable").__name__
+        'BreakableBackend'
+    """
+    module, cls = REGISTRY[name]
+    try:
+        mod = importlib.import_module(module)
+    except ModuleNotFoundError as e:
+        raise ValueError(f"backend {name!r} is not available in this build ({e})") from e
+    return getattr(mod, cls)
