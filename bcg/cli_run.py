@@ -67,12 +67,10 @@ def run_analyze(cfg: Any) -> dict[str, Any]:
     a = analyze.run_analyze(cfg, env)
     a["config"] = vars(cfg)
     data = jsonable(a)
-    title = _title(cfg, env)
-    replays = cfg.plots and a["replay"].get("bucket") is not None
-    figures = {"analyze.png": lambda: plots.analyze_figure(data, title)} if replays else {}
+    figures = plots.analyze_figures(data, _title(cfg, env)) if cfg.plots else {}
     data["plots"] = plots.write_plots(figures, cfg.out, plots.ANALYZE_PLOTS)
     path = write_json(Path(cfg.out) / "results.json", data)
-    print(text.format_analysis(a))
+    print(text.format_analysis(data))
     return analyze_summary(cfg, data, path)
 
 
