@@ -35,7 +35,7 @@ def _machine(a: dict[str, Any]) -> str:
                                                   f"{fmt_bytes(c['graph_bytes'])}"],
             ["dynamo guards per call (+ per parameter)", f"{fmt(c['guard_us'])} (+{fmt(c['guard_per_param_us'], 3)})"]]
     for compiler, (fixed, per_kernel) in (c.get("compile_ms") or {}).items():
-        rows.append([f"compile with {compiler}: per graph (ms) / per kernel (ms)", f"{fmt(fixed, 0)} / "
+        rows.append([f"compile with {compiler}: fixed (ms) / per kernel (ms)", f"{fmt(fixed, 0)} / "
                                                                                   f"{fmt(per_kernel, 2)}"])
     title = f"Machine (µs unless named; {fmt(c['seconds'], 1)} s of microbenchmarks)"
     if c["emulated"]:
@@ -138,6 +138,8 @@ def format_analysis(a: dict[str, Any]) -> str:
     m = a["model"]
     out = [f"bcg analyze: {m['name']} ({m['arch']}, {m['num_layers']} layers, {m['num_params'] / 1e6:.1f}M params, "
            f"{m['dtype']} on {m['device']})", "", _machine(a), "", _parameters(a), "", _latency(a)]
+    if a.get("notes"):
+        out += [""] + [f"Note: {n}" for n in a["notes"]]
     if a["unavailable"]:
         out += ["", "Predicted unavailable:"] + [f"  {v}: {why}" for v, why in a["unavailable"].items()]
     out += ["", _forecasts(a), ""] + _islands(a) + ["", _options(a)]

@@ -150,6 +150,21 @@ def _budget(cfg: AnalyzeConfig, info: dict[str, Any]) -> float | None:
     return None if free is None else MEMORY_SHARE_LIMIT * free
 
 
+def _trace_notes(m: Measurements) -> list[str]:
+    """What the profile could not attribute: an island none of whose calls got a kernel (every island the models
+    mark launches at least one), so its device time was counted as graph work."""
+    from bcg.bench.trace import regions
+
+    notes = []
+    for setting, by_size in m.profiles.items():
+        rs = [r for r in regions(by_size[m.length].trace) if r.island is not None]
+        names = {r.island.name for r in rs} - {r.island.name for r in rs if r.kernels}
+        notes += [f"{EAGER_OF[setting]}: the profile matched no kernel to island {n} (neither its launches' "
+                  "correlation ids nor their ops were recorded); its kernels count as graph work in the predictions"
+                  for n in sorted(names)]
+    return notes
+
+
 def run_analyze(cfg: AnalyzeConfig, environment: dict[str, Any]) -> dict[str, Any]:
     """Runs ``bcg analyze`` for a resolved ``cfg``; returns the analysis as plain data (results.json's content).
 
@@ -179,7 +194,7 @@ def run_analyze(cfg: AnalyzeConfig, environment: dict[str, Any]) -> dict[str, An
         if cfg.validate:
             bar.set_postfix(step="validate")
             t1 = time.perf_counter()
-            m.measured = measure_variants(cfg.engine_spec(), graph_variants, cfg.predict_lengths, cfg.length,
+            m.measured = measure_variants(cfg.engine_spec(), graph_variants, m.lengths(), cfg.length,
                                           cfg.runs, cfg.warmup, cfg.seed, [None, *m.cores])
             validate_s = time.perf_counter() - t1
         t2 = time.perf_counter()
@@ -194,8 +209,9 @@ def run_analyze(cfg: AnalyzeConfig, environment: dict[str, Any]) -> dict[str, An
     a: dict[str, Any] = {"schema": "bcg.analyze/2", "kind": "analyze", "environment": environment,
                          "model": info["model"], "machine": {str(k): vars(c) for k, c in m.costs.items()},
                          "workload": {"source": m.workload.source, "num_prompts": len(m.workload.lengths)},
-                         "lengths": cfg.predict_lengths, "length": cfg.length}
+                         "lengths": m.lengths(), "length": cfg.length}
     a.update(findings(m))
+    a["notes"] = _trace_notes(m) if not cfg.emulated else []
     predict_s += time.perf_counter() - t2
     a["memory"] = {"free_bytes": info.get("free_bytes"), "total_bytes": info.get("total_bytes"),
                    "budget_bytes": m.budget_bytes,

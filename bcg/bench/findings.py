@@ -64,9 +64,13 @@ class Measurements:
         """The bucket a forward of ``n`` tokens replays with the run's default ladder (None: it runs eagerly)."""
         return BucketTable(default_ladder(self.max_tokens), *self.padding).choose(n).bucket
 
+    def lengths(self) -> list[int]:
+        """The lengths predicted (and validated): ``predict_lengths`` and the representative ``length``."""
+        return sorted({*self.predict_lengths, self.length})
+
     def sizes(self) -> list[int]:
-        """The sizes to profile: every predicted length, the representative one, and the buckets they replay."""
-        wanted = {*self.predict_lengths, self.length}
+        """The sizes to profile: every predicted length and the buckets they replay."""
+        wanted = set(self.lengths())
         return sorted(wanted | {b for n in wanted if (b := self.bucket(n)) is not None})
 
 
@@ -151,7 +155,7 @@ def _parameters(m: Measurements, rec: Recommendation, fcs: dict[str, Forecast], 
     """The seed's four parameters: launch-gap share, dynamic share, bucket coverage, resident graph memory."""
     hosts, profiles = m.hosts[k]["torch"], m.profiles["torch"]
     gap = {n: amdahl.launch_gap_share(profiles[n].trace.device_us / 1e3, hosts[n].forward_ms)
-           for n in m.predict_lengths if n in profiles}
+           for n in m.lengths() if n in profiles}
     h = hosts[m.length]
     stays = h.islands_us + h.load_us + h.prefill_overhead_us
     p = amdahl.island_fraction(stays / 1e3, h.prefill_ms) if h.prefill_ms > 0 else None
@@ -216,7 +220,7 @@ def findings(m: Measurements) -> dict[str, Any]:
         out["predictions"]["breakable"][512], out["recommendation"]["backend"]
     """
     fcs = _forecasts(m, None)
-    predicted = _predictions(m, fcs, None, m.predict_lengths)
+    predicted = _predictions(m, fcs, None, m.lengths())
     rec = _recommend(m, fcs)
     params = _parameters(m, rec, fcs)
     costs = m.costs[None]
@@ -229,7 +233,7 @@ def findings(m: Measurements) -> dict[str, Any]:
                         "build_ms": fc.build_ms(ladder, lambda b, w=wall, h=host: (w(b), h(b)), costs, m.warmup)
                         if fc.available else None, "compile_ms": fc.compile_ms if fc.available else None,
                         "parts": fc.parts.get(m.bucket(m.length) or -1), "graph": {n: m.bucket(n) is not None
-                                                                                   for n in m.predict_lengths}}
+                                                                                   for n in m.lengths()}}
     out: dict[str, Any] = {
         "predictions": predicted,
         "unavailable": {v: fc.reason for v, fc in fcs.items() if not fc.available},

@@ -12,8 +12,8 @@ interpolated. The estimates, each stated in DESIGN.md:
   first) + per bucket, its kernel nodes and graph executables at the measured bytes each; tc_piecewise also keeps
   every piece's outputs per bucket alive (the tensors crossing its islands, per token);
 * build time = per bucket, ``warmup`` eager forwards, one capture (the eager forward's host time plus the measured
-  capture cost per node and per graph), plus the compile when the variant compiles (the measured fixed cost per
-  compiled graph and cost per kernel).
+  capture cost per node and per graph), plus the compile when the variant compiles (the measured fixed cost of a
+  compile and its cost per kernel).
 """
 
 from __future__ import annotations
@@ -183,13 +183,15 @@ def _program(variant: Variant, p: Profiled, ctx: ForecastContext) -> list[Launch
     raise ValueError(f"no program for backend {variant.backend!r}")
 
 
-def _compile_ms(variant: Variant, graphs: int, kernels: int, ctx: ForecastContext) -> float:
+def _compile_ms(variant: Variant, kernels: int, ctx: ForecastContext) -> float:
+    """The compile's fixed cost once plus its cost per kernel: compile= compiles the layer stack once (dynamic token
+    dimension); tc_piecewise compiles every piece, but the pieces of repeated layers are one graph to the compiler's
+    caches, so it costs about what the whole stack does."""
     compiler = variant.tc_compiler if variant.backend == "tc_piecewise" else variant.compile
     if compiler is None:
         return 0.0
     fixed, per_kernel = ctx.costs.compile_ms.get(compiler, (0.0, 0.0))
-    # compile= compiles the layer stack once (dynamic token dimension); tc_piecewise compiles every piece.
-    return fixed * (graphs if variant.backend == "tc_piecewise" else 1) + per_kernel * kernels
+    return fixed + per_kernel * kernels
 
 
 def forecast(name: str, profiles: dict[int, Profiled], ctx: ForecastContext) -> Forecast:
@@ -216,7 +218,7 @@ def forecast(name: str, profiles: dict[int, Profiled], ctx: ForecastContext) -> 
         fc.parts[size] = played.parts
         graph_parts = [v for k, v in played.parts.items() if k in GRAPH_PARTS]
         fc.graphs[size] = sum(int(v["count"]) for v in graph_parts)
-        fc.nodes[size] = _nodes(variant, p, ctx)
+        fc.nodes[size] = sum(int(v["nodes"]) for v in graph_parts)
         full = variant.backend == "full"
         fc.activation[size] = (p.full_activation_bytes if full else p.activation_bytes) or 0.0
     if variant.backend == "tc_piecewise":
@@ -224,17 +226,8 @@ def forecast(name: str, profiles: dict[int, Profiled], ctx: ForecastContext) -> 
         fc.piece_bytes_per_token = sum(any_p.host.island_bytes.get(n, 0.0) * any_p.host.island_calls.get(n, 0)
                                        for n in any_p.host.island_bytes) / max(any_p.size, 1)
     largest = max(profiles)
-    fc.compile_ms = _compile_ms(variant, fc.graphs[largest], len(profiles[largest].trace.kernels), ctx)
+    fc.compile_ms = _compile_ms(variant, len(profiles[largest].trace.kernels), ctx)
     return fc
-
-
-def _nodes(variant: Variant, p: Profiled, ctx: ForecastContext) -> int:
-    """Kernel nodes one bucket's graphs hold (its kernels outside islands, fused when compiled)."""
-    from bcg.bench.trace import regions
-
-    trace = p.full_trace if variant.backend == "full" and p.full_trace is not None else p.trace
-    kernels = [k for r in regions(trace) for k in r.kernels if r.island is None or variant.backend == "full"]
-    return len(fuse(kernels)) if _compiles(variant) else len(kernels)
 
 
 def _compiles(variant: Variant) -> bool:

@@ -48,7 +48,7 @@ class MachineCosts:
         capture_per_node_us / capture_per_graph_us: capture and instantiation time per kernel and per graph.
         graph_node_bytes / graph_bytes: device memory per kernel node and per graph executable (0 on a CPU).
         guard_us / guard_per_param_us: host time dynamo adds to a compiled call, and per parameter tensor.
-        compile_ms: per compiler ("inductor", "traced"), (fixed ms per compiled graph, ms per kernel compiled).
+        compile_ms: per compiler ("inductor", "traced"), (fixed ms of a compile, ms per kernel compiled).
         seconds: how long the benchmarks took.
     """
 
@@ -189,7 +189,7 @@ def _guards(device: torch.device) -> tuple[float, float]:
 
         # A code object of its own, so each traced copy keeps its guards apart from the others.
         fn = types.FunctionType(body.__code__.replace(), body.__globals__, "guard_probe", body.__defaults__)
-        compiled = torch.compile(fn, fullgraph=True, backend=lambda gm, example: gm.forward)
+        compiled = torch.compile(fn, fullgraph=True, backend=_no_codegen)
         x = torch.zeros(1, device=device)
         with torch.inference_mode():
             compiled(x)
@@ -208,11 +208,14 @@ def compile_block(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, norm: tor
     return x + h @ w2
 
 
-def _compile_costs(compiler: str, device: torch.device) -> tuple[float, float]:
-    """(fixed ms per compiled graph, ms per kernel) of ``compiler`` on a stack of 1 and of 4 blocks (after one
-    untimed compile of another size: the compiler's first use in a process imports and warms it)."""
-    from bcg.runtime.compile import _islands_direct
+def _no_codegen(gm: torch.fx.GraphModule, example_inputs: list) -> Callable[..., Any]:
+    """A compile backend that runs dynamo's trace as it is ("traced")."""
+    return gm.forward
 
+
+def _compile_costs(compiler: str, device: torch.device) -> tuple[float, float]:
+    """(fixed ms of a compile, ms per kernel) of ``compiler`` on a stack of 1 and of 4 blocks (after one
+    untimed compile of another size: the compiler's first use in a process imports and warms it)."""
     def stack(blocks: int, hidden: int) -> float:
         ws = [(torch.randn(hidden, hidden, device=device) * 0.01, torch.randn(hidden, hidden, device=device) * 0.01,
                torch.ones(hidden, device=device)) for _ in range(blocks)]
@@ -223,7 +226,7 @@ def _compile_costs(compiler: str, device: torch.device) -> tuple[float, float]:
             return x
 
         fn = types.FunctionType(body.__code__.replace(), body.__globals__, f"compile_probe_{blocks}", body.__defaults__)
-        backend = "inductor" if compiler == "inductor" else _islands_direct
+        backend = "inductor" if compiler == "inductor" else _no_codegen
         compiled = torch.compile(fn, fullgraph=True, backend=backend)
         x = torch.randn(8, hidden, device=device)
         _sync(device)

@@ -49,12 +49,14 @@ ATTENTION_ISLAND = "attention_island"
 @dataclass(frozen=True)
 class Launch:
     """One step of a program: ``host_us`` of host work, then (``on_device``) ``device_us`` of device work it
-    enqueues. ``part`` names what it is ("outside", "segment", "island:<name>", "piece", ...)."""
+    enqueues. ``part`` names what it is ("outside", "segment", "island:<name>", "piece", ...); a graph launch holds
+    ``nodes`` kernel nodes."""
 
     part: str
     host_us: float
     device_us: float = 0.0
     on_device: bool = False
+    nodes: int = 0
 
 
 @dataclass
@@ -86,9 +88,10 @@ def simulate(program: Sequence[Launch]) -> Played:
         if step.host_us < 0 or step.device_us < 0:
             raise ValueError(f"negative time in program step {step}")
         host += step.host_us
-        part = parts.setdefault(step.part, {"host_us": 0.0, "device_us": 0.0, "count": 0})
+        part = parts.setdefault(step.part, {"host_us": 0.0, "device_us": 0.0, "count": 0, "nodes": 0})
         part["host_us"] += step.host_us
         part["count"] += 1
+        part["nodes"] += step.nodes
         if step.on_device:
             device = max(device, host) + step.device_us
             busy += step.device_us
@@ -187,7 +190,7 @@ def in_graph_us(device_us: float, gap_us: float) -> float:
 
 def _graph(part: str, kernels: Sequence[Kernel], costs: Any, launch_us: float) -> Launch:
     device = sum(in_graph_us(k.device_us, costs.graph_gap_us) for k in kernels)
-    return Launch(part, launch_us + costs.graph_launch_per_node_us * len(kernels), device, True)
+    return Launch(part, launch_us + costs.graph_launch_per_node_us * len(kernels), device, True, len(kernels))
 
 
 def _outside(trace_regions: list[Region], host: HostTimes, load_us: float) -> list[Launch]:
