@@ -208,7 +208,8 @@ def run_analyze(cfg: AnalyzeConfig, environment: dict[str, Any]) -> dict[str, An
     m.budget_bytes = _budget(cfg, info)
     a: dict[str, Any] = {"schema": "bcg.analyze/2", "kind": "analyze", "environment": environment,
                          "model": info["model"], "machine": {str(k): vars(c) for k, c in m.costs.items()},
-                         "workload": {"source": m.workload.source, "num_prompts": len(m.workload.lengths)},
+                         "workload": {"source": m.workload.source, "num_prompts": len(m.workload.lengths),
+                                      "lengths": list(m.workload.lengths)},
                          "lengths": m.lengths(), "length": cfg.length}
     a.update(findings(m))
     a["notes"] = _trace_notes(m) if not cfg.emulated else []

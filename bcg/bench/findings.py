@@ -16,7 +16,7 @@ from typing import Any
 from bcg.bench import amdahl
 from bcg.bench.forecast import Forecast, ForecastContext, Profiled, forecast, island_group
 from bcg.bench.predict import HostTimes
-from bcg.bench.recommend import Recommendation, Workload, eager_curve, recommend
+from bcg.bench.recommend import Recommendation, Workload, eager_curve, expected_ms, recommend
 from bcg.bench.trace import regions
 from bcg.bench.validate import Measured, errors
 from bcg.bench.variants import parse_variant
@@ -194,6 +194,25 @@ def _amdahl(m: Measurements, p: float | None, predicted: dict[str, dict[int, flo
     return out
 
 
+def _measured_expected(m: Measurements, measured: dict[str, dict[int, float]]) -> dict[str, float]:
+    """Each measured variant's expected latency per prompt of the workload, from its measured latencies (a forward
+    that would not replay takes its kernels' measured eager latency), as the recommendation weighed the predicted
+    ones; the engine's per-prefill work is not taken off later chunks here, alike for every variant."""
+    ladder = default_ladder(m.max_tokens)
+    table = BucketTable(ladder, *m.padding)
+    eager = {EAGER_OF[s]: eager_curve([(n, h.prefill_ms) for n, h in hosts.items()])
+             for s, hosts in m.hosts[None].items()}
+    out = {}
+    for v, by_len in measured.items():
+        curve = eager_curve(list(by_len.items()))
+        if parse_variant(v).backend == "eager":
+            out[v] = expected_ms(m.workload, m.chunk, curve, curve, lambda n: 0.0, None)
+        else:
+            out[v] = expected_ms(m.workload, m.chunk, curve, eager[EAGER_OF[_setting(v)]], lambda n: 0.0,
+                                 lambda n: (table.choose(n).bucket, table.choose(n).reason))
+    return out
+
+
 def _cores(m: Measurements) -> dict[int, dict[str, Any]]:
     out: dict[int, dict[str, Any]] = {}
     for k in m.cores:
@@ -253,6 +272,7 @@ def findings(m: Measurements) -> dict[str, Any]:
         measured = {v: dict(x.ms) for v, x in m.measured.items() if x.available}
         measured.update({k: v for k, v in predicted.items() if parse_variant(k).backend == "eager"})
         out["measured"] = measured
+        out["measured_expected_ms"] = _measured_expected(m, measured)
         out["errors"] = errors({v: ms for v, ms in predicted.items() if v in m.measured}, m.measured)
         out["validation"] = {v: {"available": x.available, "error": x.error, "graph_used": x.graph_used,
                                  "build_ms": x.build_ms, "graph_memory_bytes": x.graph_memory_bytes,

@@ -21,10 +21,8 @@ MEMORY_SHARE_LIMIT = 0.10
 
 
 def fastest_measured(a: dict[str, Any]) -> tuple[str, float] | None:
-    """The variant whose measured latency is lowest on the workload's representative length, or None."""
-    measured = a.get("measured") or {}
-    n = a["length"]
-    at = {v: ms[n] for v, ms in measured.items() if ms.get(n)}
+    """The variant whose measured expected latency per prompt of the workload is lowest (``--validate``), or None."""
+    at = {v: ms for v, ms in (a.get("measured_expected_ms") or {}).items() if ms is not None}
     return min(at.items(), key=lambda kv: kv[1]) if at else None
 
 
@@ -56,13 +54,12 @@ def verdict(a: dict[str, Any]) -> dict[str, Any]:
              f"memory {fmt_bytes(params['resident_graph_memory_bytes'])}.")
     sentence = head + facts
     fastest = fastest_measured(a)
-    if fastest is not None:
+    got = (a.get("measured_expected_ms") or {}).get(rec["backend"])
+    if fastest is not None and got:
         name, ms = fastest
-        got = (a.get("measured") or {}).get(rec["backend"], {}).get(a["length"])
-        if got:
-            gap = "the recommendation" if name == rec["backend"] else f"{got / ms - 1:+.1%}"
-            sentence += (f" Measured at {a['length']} tokens: {rec['backend']} {fmt(got, 3)} ms, the fastest "
-                         f"{name} {fmt(ms, 3)} ms ({gap}).")
+        gap = "the fastest measured" if name == rec["backend"] else f"{got / ms - 1:+.1%} against the fastest, {name}"
+        sentence += (f" Measured on this workload: {rec['backend']} {fmt(got, 3)} ms per prompt ({gap}, "
+                     f"{fmt(ms, 3)} ms).")
     if a["environment"].get("emulated"):
         # CPU timings carry no launch overhead, so they cannot say whether graphs pay on a GPU.
         sentence = ("CPU emulation: these timings show no kernel-launch overhead, so this judgment reflects the "

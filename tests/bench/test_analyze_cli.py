@@ -77,7 +77,25 @@ def test_validate_and_cpu_cores_end_to_end(tmp_path: Path, capsys: pytest.Captur
     breakable = data["validation"]["breakable"]
     assert breakable["available"] and breakable["predicted_available"] and breakable["replay"]["bucket"] == 16
     assert data["timings"]["validate_s"] > 0 and data["amdahl"]["measured_speedup"] > 0
+    assert set(data["measured_expected_ms"]) == {"eager", *VARIANTS}
     assert (tmp_path / "cpu_cores.png").stat().st_size > 1000
+    capsys.readouterr()
+    assert _targets(str(tmp_path / "results.json")) == 0  # the GPU run's target check reads this file
+    targets = last_json(capsys.readouterr().out)["models"][0]
+    assert targets["model"] == "tiny-dense" and targets["recommended"] == data["recommendation"]["backend"]
+    assert targets["fastest_measured"] in data["measured_expected_ms"] and 0 < targets["predict_share"] < 1
+
+
+def _targets(*argv: str) -> int:
+    import sys
+
+    root = Path(__file__).resolve().parents[2] / "benchmarks"
+    sys.path.insert(0, str(root))
+    try:
+        from analyze_targets import main as targets
+    finally:
+        sys.path.pop(0)
+    return targets(list(argv))
 
 
 def test_workload_trace_and_a_budget_nothing_fits(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -89,7 +107,7 @@ def test_workload_trace_and_a_budget_nothing_fits(tmp_path: Path, capsys: pytest
     summary = last_json(capsys.readouterr().out)
     assert summary["recommendation"] == {"backend": "eager", "ceiling": None, "buckets": []}
     data = json.loads((tmp_path / "out" / "results.json").read_text())
-    assert data["workload"] == {"source": f"--lengths-file {trace}", "num_prompts": 2}
+    assert data["workload"] == {"source": f"--lengths-file {trace}", "num_prompts": 2, "lengths": [12, 5]}
     assert data["recommendation"]["memory_budget_bytes"] == 1024
     assert "fits the graph-memory budget" in data["recommendation"]["reason"]
     assert set(data["predictions"]) == {"eager", "breakable", "full"} and data["plots"] == []

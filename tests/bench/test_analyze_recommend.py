@@ -145,6 +145,9 @@ def test_validated_findings_have_measured_and_errors_shaped_like_predictions() -
         assert set(out["errors"][v]) == set(out["predictions"][v])
         assert out["errors"][v][64] == pytest.approx(out["predictions"][v][64] / 0.7 - 1)
     assert out["validation"]["full"]["predicted_available"] is True
+    # on the workload (50, 100, 300 tokens; chunk 128): buckets 64 (0.7 ms), 112 (0.775, between the measured
+    # lengths) and 128 + 128 + 48 (0.8 + 0.8 + 0.7, flat below the first length)
+    assert out["measured_expected_ms"]["breakable"] == pytest.approx((0.7 + 0.775 + 2.3) / 3)
     assert set(out["cpu_cores"]) == {1, 2}
     row = out["cpu_cores"][2]
     assert row["measured"]["breakable"] == 0.9 and row["measured"]["eager"] == pytest.approx(3.564)
@@ -168,7 +171,7 @@ def test_verdict_names_the_recommendation_and_the_four_parameters() -> None:
         assert words in s
     assert "Measured" not in s
     checked = verdict(_analysis(validated=True))["sentence"]
-    assert "Measured at 64 tokens" in checked and "the fastest" in checked
+    assert "Measured on this workload" in checked and "fastest" in checked
     cpu = verdict(_analysis(emulated=True))
     assert cpu["pays"] is None and cpu["sentence"].startswith("CPU emulation")
 
