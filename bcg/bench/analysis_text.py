@@ -26,6 +26,8 @@ def _machine(a: dict[str, Any]) -> str:
     rows = [["eager launch (host) / kernel (wall)", f"{fmt(c['eager_launch_us'])} / {fmt(c['eager_kernel_us'])}"],
             ["kernel in a replayed graph (device)", fmt(c["graph_kernel_us"])],
             ["tiny kernel alone (device)", fmt(c["tiny_kernel_us"])],
+            ["medium kernel alone / in a graph (device)",
+             f"{fmt(c['medium_kernel_us'])} / {fmt(c['graph_medium_kernel_us'])}"],
             ["graph launch (host) / per node",
              f"{fmt(c['graph_launch_us'])} / {fmt(c['graph_launch_per_node_us'], 3)}"],
             ["break at replay (host)", fmt(c["break_us"])],

@@ -26,6 +26,8 @@ __all__ = ["COMPILE_BLOCK_KERNELS", "MachineCosts", "compile_block", "measure", 
 
 N_KERNELS = 1000  # kernels of the long graph and of the eager launch loop
 N_BREAKS = 16
+N_MEDIUM = 200  # kernels of the medium graph
+MEDIUM_ELEMENTS = {"cuda": 2**20, "cpu": 2**10}  # a 4 MiB add on a GPU (the CPU's: small, to stay quick)
 N_GRAPHS = 64  # one-kernel graphs of the per-graph memory benchmark
 REPS = 15
 # The kernels one eager call of compile_block launches (an RMSNorm, two matmuls, SiLU-and-multiply, a residual add).
@@ -41,6 +43,8 @@ class MachineCosts:
         eager_kernel_us: wall time per kernel of back-to-back eager launches (host and device together).
         tiny_kernel_us: device time of the tiny kernel run eagerly (the profiler's; on a CPU its op time).
         graph_kernel_us: device time per kernel of a replayed graph of tiny kernels.
+        medium_kernel_us / graph_medium_kernel_us: the same two for a kernel that moves a few MiB (None: not
+            measured): between the two sizes a graph's per-kernel gap is interpolated.
         graph_launch_us: host time to launch (replay) a one-kernel graph; graph_launch_per_node_us: host time each
             further kernel node adds to a launch.
         break_us: host time a break adds at replay besides the segment launches and the island's own work.
@@ -66,6 +70,8 @@ class MachineCosts:
     graph_node_bytes: float = 0.0
     graph_bytes: float = 0.0
     tiny_kernel_us: float | None = None
+    medium_kernel_us: float | None = None
+    graph_medium_kernel_us: float | None = None
     guard_us: float = 0.0
     guard_per_param_us: float = 0.0
     compile_ms: dict[str, tuple[float, float]] = field(default_factory=dict)
@@ -76,6 +82,21 @@ class MachineCosts:
         """What a kernel's device time changes by inside a graph: the per-kernel replay cost minus the tiny kernel's
         own device time (0 until :func:`measure_device` ran)."""
         return 0.0 if self.tiny_kernel_us is None else self.graph_kernel_us - self.tiny_kernel_us
+
+    def graph_gap(self, device_us: float) -> float:
+        """What a kernel of ``device_us`` alone changes by inside a graph: the tiny kernel's gap, the medium kernel's
+        at its size, linear between and flat beyond (back-to-back kernels hide part of their start; long ones
+        little)."""
+        tiny = self.graph_gap_us
+        if self.tiny_kernel_us is None or self.medium_kernel_us is None or self.graph_medium_kernel_us is None:
+            return tiny
+        medium = self.graph_medium_kernel_us - self.medium_kernel_us
+        low, high = self.tiny_kernel_us, self.medium_kernel_us
+        if device_us <= low or high <= low:
+            return tiny
+        if device_us >= high:
+            return medium
+        return tiny + (medium - tiny) * (device_us - low) / (high - low)
 
     def tc_call_us(self, num_params: int) -> float:
         """Host time dynamo adds to one call of a compiled function reading ``num_params`` parameter tensors."""
@@ -113,10 +134,10 @@ def _adds(x: torch.Tensor, n: int) -> None:
         x.add_(1.0)
 
 
-def _capture(n: int, emulated: bool, stream: Any) -> Any:
+def _capture(n: int, emulated: bool, stream: Any, elements: int = 1) -> Any:
     from bcg.runtime.backends.capture import capturing, new_graph
 
-    x = torch.zeros(1, device="cpu" if emulated else "cuda")
+    x = torch.zeros(elements, device="cpu" if emulated else "cuda")
     graph = new_graph(emulated)
     with capturing(graph, None, stream):
         _adds(x, n)
@@ -260,6 +281,8 @@ def measure(device: torch.device | str, compilers: tuple[str, ...] = (), guards:
         eager_wall = _wall_us(lambda: _adds(x, N_KERNELS), device, reps=5) / N_KERNELS
         one, many = _capture(1, emulated, stream), _capture(N_KERNELS, emulated, stream)
         graph_kernel = _wall_us(many.replay, device) / N_KERNELS
+        medium = _capture(N_MEDIUM, emulated, stream, MEDIUM_ELEMENTS[device.type])
+        graph_medium = _wall_us(medium.replay, device) / N_MEDIUM
         launch_one = _host_us(one.replay, device)
         per_node = max((_host_us(many.replay, device) - launch_one) / (N_KERNELS - 1), 0.0)
         breakable = _breakable(emulated, stream)
@@ -276,7 +299,8 @@ def measure(device: torch.device | str, compilers: tuple[str, ...] = (), guards:
         device=str(device), emulated=emulated, eager_launch_us=launch, eager_kernel_us=eager_wall,
         graph_kernel_us=graph_kernel, graph_launch_us=launch_one, graph_launch_per_node_us=per_node, break_us=breaks,
         piece_us=piece, capture_per_node_us=max((cap_many - cap_one) / (N_KERNELS - 1), 0.0),
-        capture_per_graph_us=cap_one, graph_node_bytes=node_bytes, graph_bytes=graph_bytes)
+        capture_per_graph_us=cap_one, graph_node_bytes=node_bytes, graph_bytes=graph_bytes,
+        graph_medium_kernel_us=graph_medium)
     if guards:
         costs.guard_us, costs.guard_per_param_us = _guards(device)
     for compiler in compilers:
@@ -286,23 +310,32 @@ def measure(device: torch.device | str, compilers: tuple[str, ...] = (), guards:
 
 
 def measure_device(costs: MachineCosts) -> MachineCosts:
-    """Fills in ``tiny_kernel_us`` (the profiler's device time of one tiny kernel; on a CPU the host time of one
-    add, as the emulation's kernels are its ops). Run it after every host timing of the process."""
+    """Fills in ``tiny_kernel_us`` and ``medium_kernel_us``: the profiler's device time of a tiny and of a medium
+    kernel run eagerly (on a CPU the host time of each add, as the emulation's kernels are its ops). Run it after
+    every host timing of the process."""
     device = torch.device(costs.device)
     x = torch.zeros(1, device=device)
+    y = torch.zeros(MEDIUM_ELEMENTS[device.type], device=device)
     t0 = time.perf_counter()
     if costs.emulated:
         costs.tiny_kernel_us = _host_us(lambda: _adds(x, N_KERNELS), device, reps=5) / N_KERNELS
+        costs.medium_kernel_us = _host_us(lambda: _adds(y, N_MEDIUM), device, reps=5) / N_MEDIUM
     else:
-        from torch.profiler import ProfilerActivity, profile
-
-        _adds(x, 10)
-        _sync(device)
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            _adds(x, 200)
-            _sync(device)
-        spans = [e.time_range.end - e.time_range.start for e in prof.events()
-                 if str(e.device_type).endswith("CUDA") and e.time_range.end > e.time_range.start]
-        costs.tiny_kernel_us = statistics.median(spans) if spans else None
+        costs.tiny_kernel_us = _profiled_us(x, 200, device)
+        costs.medium_kernel_us = _profiled_us(y, 50, device)
     costs.seconds += time.perf_counter() - t0
     return costs
+
+
+def _profiled_us(x: torch.Tensor, n: int, device: torch.device) -> float | None:
+    """The median device time of ``n`` in-place adds on ``x`` in one profile."""
+    from torch.profiler import ProfilerActivity, profile
+
+    _adds(x, 10)
+    _sync(device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        _adds(x, n)
+        _sync(device)
+    spans = [e.time_range.end - e.time_range.start for e in prof.events()
+             if str(e.device_type).endswith("CUDA") and e.time_range.end > e.time_range.start]
+    return statistics.median(spans) if spans else None

@@ -10,8 +10,8 @@ clock (a replay: kernels back to back, about :attr:`~bcg.bench.machine.MachineCo
 Each backend's program, built from the eager trace (:mod:`bcg.bench.trace`) and the host times of the same forward
 (:class:`HostTimes`):
 
-* every backend: the host work around the forward (the engine's prefill steps, loading the batch), then graphs and
-  islands;
+* every backend: the engine's host work before the forward and loading the batch, then graphs and islands, then the
+  engine's host work after the forward (which a device still busy with the forward hides);
 * ``breakable``: one graph launch per segment, the break's own overhead, and each island's measured host time
   spreading its kernels' launches;
 * ``full``: one graph launch for the whole step, whose kernels are those of the step run eagerly under the static
@@ -110,6 +110,8 @@ class HostTimes:
             same into the static attention's fields (``full``), None when not measured.
         island_us: host time per call of each island, by name; island_calls: calls per forward.
         island_bytes: bytes of tensor arguments per call of each island (what crosses a piece boundary).
+        prefill_pre_us / prefill_post_us: the host time ``Engine.prefill`` spends before the forward starts and after it
+            returns (None when not measured: the whole difference to the forward then comes first).
     """
 
     num_tokens: int
@@ -121,6 +123,18 @@ class HostTimes:
     island_us: dict[str, float] = field(default_factory=dict)
     island_calls: dict[str, int] = field(default_factory=dict)
     island_bytes: dict[str, float] = field(default_factory=dict)
+    prefill_pre_us: float | None = None
+    prefill_post_us: float | None = None
+
+    @property
+    def before_us(self) -> float:
+        """The engine's host work before the forward (all of it when the split was not measured)."""
+        return self.prefill_overhead_us if self.prefill_pre_us is None else self.prefill_pre_us
+
+    @property
+    def after_us(self) -> float:
+        """The engine's host work after the forward returned: it overlaps a device still running the forward."""
+        return 0.0 if self.prefill_pre_us is None else (self.prefill_post_us or 0.0)
 
     @property
     def prefill_overhead_us(self) -> float:
@@ -189,14 +203,14 @@ def in_graph_us(device_us: float, gap_us: float) -> float:
 
 
 def _graph(part: str, kernels: Sequence[Kernel], costs: Any, launch_us: float) -> Launch:
-    device = sum(in_graph_us(k.device_us, costs.graph_gap_us) for k in kernels)
+    device = sum(in_graph_us(k.device_us, costs.graph_gap(k.device_us)) for k in kernels)
     return Launch(part, launch_us + costs.graph_launch_per_node_us * len(kernels), device, True, len(kernels))
 
 
 def _outside(trace_regions: list[Region], host: HostTimes, load_us: float) -> list[Launch]:
     """The work before the first graph: the engine's steps and the batch's load, then the copies it enqueues (the
     leading copies of the first region, which leave it)."""
-    program = [Launch("outside", host.prefill_overhead_us + load_us)]
+    program = [Launch("outside", host.before_us + load_us)]
     if trace_regions and trace_regions[0].island is None:
         ks = list(trace_regions[0].kernels)
         while ks and ks[0].is_copy:
@@ -234,7 +248,7 @@ def breakable_program(trace: ForwardTrace, host: HostTimes, costs: Any,
                                       costs.graph_launch_us))
         else:
             program += _island(r, host, costs.break_us)
-    return program
+    return [*program, Launch("after", host.after_us)]
 
 
 def full_program(full_trace: ForwardTrace, host: HostTimes, costs: Any,
@@ -245,7 +259,7 @@ def full_program(full_trace: ForwardTrace, host: HostTimes, costs: Any,
     program = _outside(rs, host, load)
     kernels = [k for r in rs for k in r.kernels]
     program.append(_graph("graph", compiled(kernels) if compiled else kernels, costs, costs.graph_launch_us))
-    return program
+    return [*program, Launch("after", host.after_us)]
 
 
 def _split_kv_writes(rs: list[Region]) -> list[tuple[Region, list[Kernel]]]:
@@ -276,4 +290,4 @@ def tc_piecewise_program(trace: ForwardTrace, host: HostTimes, costs: Any, num_p
                 program.append(_graph("piece", compiled(r.kernels) if compiled else r.kernels, costs, costs.piece_us))
         else:
             program += _island(r, host, costs.piece_us, moved, costs.eager_launch_us)
-    return program
+    return [*program, Launch("after", host.after_us)]

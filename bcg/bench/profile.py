@@ -134,12 +134,46 @@ def host_times(eng: Any, prompt: torch.Tensor, runs: int, warmup: int, full: Ful
                 except Exception:  # full cannot stage this batch: its forecast says why (profiled_forward)
                     full_load = None
         prefill = time_fn(lambda: eng.prefill([prompt]), device, runs=runs, warmup=warmup).median_ms
+        pre, post = _prefill_split(eng, prompt, runs, warmup)
     finally:
         eng.kv_pool.free(slots)
     per_call = {n: statistics.median(run.get(n, 0.0) for run in islands) / max(c, 1) for n, c in calls.items()}
     return HostTimes(num_tokens=prompt.numel(), forward_ms=statistics.median(walls),
                      host_ms=statistics.median(hosts) / 1e3, prefill_ms=prefill, load_us=load_us,
-                     full_load_us=full_load, island_us=per_call, island_calls=calls, island_bytes=dict(timer.bytes))
+                     full_load_us=full_load, island_us=per_call, island_calls=calls, island_bytes=dict(timer.bytes),
+                     prefill_pre_us=pre, prefill_post_us=post)
+
+
+def _prefill_split(eng: Any, prompt: torch.Tensor, runs: int, warmup: int) -> tuple[float, float]:
+    """(µs before, µs after) the forward of the host time of ``Engine.prefill``: its runner's ``forward`` is wrapped
+    with two clock reads for the measurement and given back after."""
+    runner, device = eng.runner, eng.device
+    forward = runner.forward
+    enter: list[float] = []
+    leave: list[float] = []
+
+    def timed(batch: Any) -> Any:
+        enter.append(time.perf_counter())
+        try:
+            return forward(batch)
+        finally:
+            leave.append(time.perf_counter())
+
+    pre, post = [], []
+    runner.forward = timed
+    try:
+        for i in range(warmup + runs):
+            sync(device)
+            t0 = time.perf_counter()
+            eng.prefill([prompt])
+            t1 = time.perf_counter()
+            sync(device)
+            if i >= warmup:
+                pre.append((enter[-1] - t0) * 1e6)
+                post.append((t1 - leave[-1]) * 1e6)
+    finally:
+        del runner.forward  # the class's method again
+    return statistics.median(pre), statistics.median(post)
 
 
 @contextmanager

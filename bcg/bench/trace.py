@@ -182,7 +182,9 @@ def kernels_from_events(events: Iterable[Any], cuda: bool) -> ForwardTrace:
     if cuda:
         launches = {e.id: _span(e)[0] for e in cpu if _is_launch(e.name)}
         op_start = {e.id: _span(e)[0] for e in ops}
-        kernels = sorted((e for e in events if _device(e) == "CUDA"), key=lambda e: _span(e)[0])
+        # Device events of the annotations themselves (kineto's GPU-side user ranges) are not kernels.
+        kernels = sorted((e for e in events if _device(e) == "CUDA" and not e.name.startswith(ISLAND_PREFIX)
+                          and not getattr(e, "is_user_annotation", False)), key=lambda e: _span(e)[0])
         hosts: list[float | None] = []
         for k in kernels:
             host = launches.get(getattr(k, "id", None))

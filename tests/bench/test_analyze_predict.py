@@ -31,6 +31,7 @@ def test_cuda_kernels_are_matched_to_their_launch_and_island_by_correlation_id()
         event("triton_rms", "CUDA", 140, 143, id_=3),
         event("flash_fwd", "CUDA", 120, 128, id_=2),
         event("Memcpy HtoD (Pinned -> Device)", "CUDA", 150, 151, id_=9, linked=102),  # launch not recorded
+        event(island_label("attention_island", 0), "CUDA", 119, 129),  # kineto's GPU-side range: no kernel
     ]
     trace = kernels_from_events(events, cuda=True)
     # in launch order (host clock): the copy has no launch event, so its op's start places it
@@ -198,3 +199,21 @@ def test_forecast_interpolates_between_profiled_sizes() -> None:
     low, high = fc.replay_ms[64], fc.replay_ms[128]
     assert high > low and fc.replay_at(96) == pytest.approx((low + high) / 2)
     assert fc.replay_at(16) == pytest.approx(low)  # flat below the first size
+
+
+def test_the_engines_work_after_the_forward_hides_behind_a_busy_device() -> None:
+    p = profiled()
+    split = host()
+    split.prefill_pre_us, split.prefill_post_us = 400.0, 100.0  # the 500 us of the prefill, measured apart
+    played = simulate(predict.full_program(p.full_trace, split, costs()))
+    # 400 + 25 us before, a 5 us launch, 121 us of graph: the 100 us after run while the device still works
+    assert played.wall_us == pytest.approx(551.0) and played.host_us == pytest.approx(530.0)
+    split.prefill_post_us = 300.0  # longer than what the device has left: the host is last
+    assert simulate(predict.full_program(p.full_trace, split, costs())).wall_us == pytest.approx(730.0)
+
+
+def test_the_graph_gap_is_interpolated_between_a_tiny_and_a_medium_kernel() -> None:
+    c = costs(medium_kernel_us=10.0, graph_medium_kernel_us=10.0)  # tiny: 2 us alone, 1 in a graph; medium: no gap
+    assert c.graph_gap(2.0) == pytest.approx(-1.0) and c.graph_gap(1.0) == pytest.approx(-1.0)
+    assert c.graph_gap(6.0) == pytest.approx(-0.5) and c.graph_gap(50.0) == pytest.approx(0.0)
+    assert costs().graph_gap(50.0) == pytest.approx(-1.0)  # without the medium kernel: the tiny one's gap
