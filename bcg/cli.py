@@ -1,5 +1,6 @@
-"""The ``bcg`` command: ``bcg bench`` (latency, build and memory of every backend), ``bcg analyze`` (should this model
-use breakable graphs here, and with which ceiling) and ``bcg verify`` (where a graph departs from eager).
+"""The ``bcg`` command: ``bcg bench`` (latency, build and memory of every backend), ``bcg analyze`` (every backend
+predicted before capture, and which one to use with which ceiling and buckets) and ``bcg verify`` (where a graph
+departs from eager).
 
 Every flag maps 1:1 to a field of :class:`~bcg.bench.config.BenchConfig`, :class:`~bcg.bench.config.AnalyzeConfig`
 or :class:`~bcg.bench.config.VerifyConfig` (``--no-memory`` sets ``memory=False``), and its help shows its default.

@@ -23,7 +23,7 @@ import torch
 from bcg.bench.engines import one_batch
 from bcg.bench.forecast import Profiled
 from bcg.bench.predict import HostTimes
-from bcg.bench.timing import Marks, sync, time_fn
+from bcg.bench.timing import Marks, sync
 from bcg.bench.trace import ForwardTrace, island_label, kernels_from_events
 from bcg.errors import first_line
 from bcg.islands import observing_islands
@@ -133,8 +133,7 @@ def host_times(eng: Any, prompt: torch.Tensor, runs: int, warmup: int, full: Ful
                     full_load = _median_host_us(lambda: full.load(batch), device, max(runs, 5))
                 except Exception:  # full cannot stage this batch: its forecast says why (profiled_forward)
                     full_load = None
-        prefill = time_fn(lambda: eng.prefill([prompt]), device, runs=runs, warmup=warmup).median_ms
-        pre, post = _prefill_split(eng, prompt, runs, warmup)
+        prefill, pre, post = _prefill(eng, prompt, runs, warmup)
     finally:
         eng.kv_pool.free(slots)
     per_call = {n: statistics.median(run.get(n, 0.0) for run in islands) / max(c, 1) for n, c in calls.items()}
@@ -144,9 +143,9 @@ def host_times(eng: Any, prompt: torch.Tensor, runs: int, warmup: int, full: Ful
                      prefill_pre_us=pre, prefill_post_us=post)
 
 
-def _prefill_split(eng: Any, prompt: torch.Tensor, runs: int, warmup: int) -> tuple[float, float]:
-    """(µs before, µs after) the forward of the host time of ``Engine.prefill``: its runner's ``forward`` is wrapped
-    with two clock reads for the measurement and given back after."""
+def _prefill(eng: Any, prompt: torch.Tensor, runs: int, warmup: int) -> tuple[float, float, float]:
+    """(median wall ms, µs before, µs after the forward) of ``Engine.prefill`` of ``prompt``: the runner's
+    ``forward`` is wrapped with two clock reads for the measurement and given back after."""
     runner, device = eng.runner, eng.device
     forward = runner.forward
     enter: list[float] = []
@@ -159,21 +158,24 @@ def _prefill_split(eng: Any, prompt: torch.Tensor, runs: int, warmup: int) -> tu
         finally:
             leave.append(time.perf_counter())
 
-    pre, post = [], []
+    walls, pre, post = [], [], []
     runner.forward = timed
     try:
         for i in range(warmup + runs):
-            sync(device)
+            marks = Marks(device, capacity=2)
+            marks.mark()
             t0 = time.perf_counter()
             eng.prefill([prompt])
             t1 = time.perf_counter()
-            sync(device)
+            marks.mark()
+            wall = marks.deltas_ms()[0]
             if i >= warmup:
+                walls.append(wall)
                 pre.append((enter[-1] - t0) * 1e6)
                 post.append((t1 - leave[-1]) * 1e6)
     finally:
         del runner.forward  # the class's method again
-    return statistics.median(pre), statistics.median(post)
+    return statistics.median(walls), statistics.median(pre), statistics.median(post)
 
 
 @contextmanager

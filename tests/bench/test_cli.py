@@ -1,4 +1,5 @@
-"""`bcg bench` and `bcg analyze` end to end on tiny-dense under the CPU emulation, and flag errors."""
+"""`bcg bench` end to end on tiny-dense under the CPU emulation, and the flag errors of every command (`bcg analyze`'s
+runs: test_analyze_cli.py)."""
 
 from __future__ import annotations
 
