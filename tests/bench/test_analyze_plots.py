@@ -7,7 +7,7 @@ import matplotlib.pyplot as plt
 import pytest
 from test_analyze_recommend import measurements
 
-from bcg.bench import plots
+from bcg.bench import analysis_plots as plots
 from bcg.bench.findings import findings
 from bcg.bench.results import jsonable
 
