@@ -200,8 +200,8 @@ def run_analyze(cfg: AnalyzeConfig, environment: dict[str, Any]) -> dict[str, An
         t2 = time.perf_counter()
         m.profiles = _profile_phase(cfg, spec, settings, sizes, m.hosts[None], bar)
     machine.measure_device(m.costs[None])
-    for c in m.costs.values():
-        c.tiny_kernel_us = m.costs[None].tiny_kernel_us
+    for c in m.costs.values():  # device times do not depend on the host's cores
+        c.tiny_kernel_us, c.medium_kernel_us = m.costs[None].tiny_kernel_us, m.costs[None].medium_kernel_us
     m.num_params = info["model"]["num_param_tensors"]
     if "free_bytes" in info:
         info["free_bytes"] = max(info["free_bytes"] - info["model"]["weight_bytes"], 0)
