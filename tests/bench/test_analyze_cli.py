@@ -71,6 +71,11 @@ def test_validate_and_cpu_cores_end_to_end(tmp_path: Path, capsys: pytest.Captur
     assert "The host as a variable" in out and "Measured replay of bucket 16" in out
     data = json.loads((tmp_path / "results.json").read_text())
     assert set(data["cpu_cores"]) == {str(k) for k in cores}
+    for k in cores:  # the host's costs per core count; the device's are the same for all
+        machine = data["machine"][str(k)]
+        assert machine["eager_launch_us"] > 0
+        assert (machine["tiny_kernel_us"], machine["medium_kernel_us"]) == (
+            data["machine"]["None"]["tiny_kernel_us"], data["machine"]["None"]["medium_kernel_us"])
     for row in data["cpu_cores"].values():
         assert VARIANTS <= set(row["predictions"]) and VARIANTS <= set(row["measured"])
         assert 0.0 <= row["launch_gap_share"] <= 1.0
