@@ -1,5 +1,6 @@
-"""The ``bcg`` command: ``bcg bench`` (latency, build and memory of every backend), ``bcg analyze`` (should this model
-use breakable graphs here, and with which ceiling) and ``bcg verify`` (where a graph departs from eager).
+"""The ``bcg`` command: ``bcg bench`` (latency, build and memory of every backend), ``bcg analyze`` (every backend
+predicted before capture, and which one to use with which ceiling and buckets) and ``bcg verify`` (where a graph
+departs from eager).
 
 Every flag maps 1:1 to a field of :class:`~bcg.bench.config.BenchConfig`, :class:`~bcg.bench.config.AnalyzeConfig`
 or :class:`~bcg.bench.config.VerifyConfig` (``--no-memory`` sets ``memory=False``), and its help shows its default.
@@ -47,6 +48,15 @@ def _backend_list(text: str) -> list[str]:
         raise argparse.ArgumentTypeError("empty; give e.g. eager,breakable")
     try:
         return [parse_variant(n).name for n in names]
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _size(text: str) -> int:
+    from bcg.bench.checks import parse_size
+
+    try:
+        return parse_size(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
 
@@ -147,23 +157,50 @@ def build_parser() -> argparse.ArgumentParser:
                        help="tensor parallel ranks; launch with torchrun --nproc-per-node TP (default: %(default)s)")
     bench.set_defaults(func=run_bench, parser=bench, config=BenchConfig)
 
-    an = sub.add_parser("analyze", help="measure p, launch gap, coverage and graph memory; give a verdict",
-                        description="Measures the launch-gap share, the island share p of a breakable replay, "
-                        "bucket coverage of a prompt-length distribution and resident graph memory, then says "
-                        "whether breakable graphs pay and which capture ceiling to use.")
+    an = sub.add_parser("analyze", help="predict every backend before capturing anything, and recommend one",
+                        description="Profiles one eager forward per length and microbenchmarks this machine's launch, "
+                        "replay, break and capture costs, then predicts every backend's prefill latency, graph memory "
+                        "and build time without capturing or compiling the model, and recommends a backend, a "
+                        "capture ceiling and buckets for a workload under a graph-memory budget. The seed's four "
+                        "parameters (launch-gap share, dynamic share, bucket coverage, resident graph memory) are "
+                        "named in the report. --validate also captures and measures every backend.")
     _measure_flags(an, "out/analyze")
+    from bcg.bench.config import ANALYZE_BACKENDS
+
+    an.add_argument("--backends", type=_backend_list, default=None,
+                    help="comma list of the variants to predict, named as in bench (e.g. breakable+fused, "
+                    "tc_piecewise, breakable+inductor; eager, and eager+fused when a +fused variant is named, are "
+                    "always measured) (default: "
+                    f"{both(','.join(ANALYZE_BACKENDS['cuda']), ','.join(ANALYZE_BACKENDS['cpu']))})")
     an.add_argument("--lengths", type=int_list("lengths"), default=None,
-                    help="prompt-length distribution, comma list (default: --num-prompts seeded log-uniform "
+                    help="the workload: prompt lengths, comma list (default: --num-prompts seeded log-uniform "
                     "lengths in 16..chunk)")
     an.add_argument("--lengths-file", default=None,
-                    help="prompt lengths, one or more per line (replaces --lengths; default: none)")
+                    help="the workload from a file: lengths (one or more per line) or a trace of requests as JSON or "
+                    "JSON lines (input_len, prompt_tokens, ... or the token ids) (replaces --lengths; default: none)")
     an.add_argument("--num-prompts", type=int, default=256, help="size of the default length sample "
                     "(default: %(default)s)")
+    an.add_argument("--predict-lengths", type=int_list("predict-lengths"), default=None,
+                    help="lengths every backend is predicted (and validated) at, each at most the chunk (default: "
+                    f"{both(','.join(map(str, G.lengths)), ','.join(map(str, C.lengths)))})")
     an.add_argument("--length", type=int, default=None,
-                    help=f"representative input length for the timings, at most --max-tokens (default: "
-                    f"{both(G.length, C.length)})")
+                    help=f"representative input length (the Amdahl point, the --cpu-cores table), at most "
+                    f"--max-tokens (default: {both(G.length, C.length)})")
     an.add_argument("--max-tokens", type=int, default=None,
-                    help="capture ceiling, at most the chunk size (default: the chunk size)")
+                    help="capture ceiling of the predicted (and validated) engines, at most the chunk size "
+                    "(default: the chunk size)")
+    an.add_argument("--tc-compiler", default=None, choices=("inductor", "traced"),
+                    help="what compiles tc_piecewise's pieces (default: inductor on CUDA, traced on the CPU)")
+    an.add_argument("--memory-budget", type=_size, default=None,
+                    help="most graph memory the recommendation may hold, e.g. 2GiB or 512MiB (default: a tenth of "
+                    "the memory the weights leave free on CUDA, no limit on the CPU)")
+    an.add_argument("--validate", action="store_true",
+                    help="also build, capture and measure every backend, and print predicted and measured side by "
+                    "side with the error (default: predict only, nothing captured or compiled)")
+    an.add_argument("--cpu-cores", type=int_list("cpu-cores"), default=None,
+                    help="comma list of core counts: repeat the host measurements (and with --validate the "
+                    "measurements) with the process pinned to that many cores and as many torch threads "
+                    "(default: the process as it is)")
     an.set_defaults(func=run_analyze, parser=an, config=AnalyzeConfig)
     add_verify(sub)
     return parser

@@ -59,7 +59,7 @@ def run_bench(cfg: Any) -> dict[str, Any]:
 
 def run_analyze(cfg: Any) -> dict[str, Any]:
     """``bcg analyze`` with a resolved :class:`~bcg.bench.config.AnalyzeConfig`."""
-    from bcg.bench import analyze, plots, text
+    from bcg.bench import analysis_plots, analyze, plots, text
     from bcg.bench.results import analyze_summary, jsonable, write_json
 
     env = _environment(cfg)
@@ -67,12 +67,10 @@ def run_analyze(cfg: Any) -> dict[str, Any]:
     a = analyze.run_analyze(cfg, env)
     a["config"] = vars(cfg)
     data = jsonable(a)
-    title = _title(cfg, env)
-    replays = cfg.plots and a["replay"].get("bucket") is not None
-    figures = {"analyze.png": lambda: plots.analyze_figure(data, title)} if replays else {}
-    data["plots"] = plots.write_plots(figures, cfg.out, plots.ANALYZE_PLOTS)
+    figures = analysis_plots.analyze_figures(data, _title(cfg, env)) if cfg.plots else {}
+    data["plots"] = plots.write_plots(figures, cfg.out, analysis_plots.ANALYZE_PLOTS)
     path = write_json(Path(cfg.out) / "results.json", data)
-    print(text.format_analysis(a))
+    print(text.format_analysis(data))
     return analyze_summary(cfg, data, path)
 
 

@@ -18,6 +18,8 @@ __all__ = [
     "amdahl_speedup",
     "bucket_coverage",
     "chunk_sizes",
+    "implied_n",
+    "interpolate",
     "island_fraction",
     "launch_gap_share",
     "launch_bound",
@@ -56,6 +58,55 @@ def amdahl_speedup(p: float, n: float) -> float:
     if n <= 0:
         raise ValueError(f"n must be positive, got {n}")
     return 1.0 / (p + (1.0 - p) / n)
+
+
+def implied_n(p: float, speedup: float) -> float:
+    """How much faster the part that does not stay eager ran, given the overall ``speedup``: the ``n`` of
+    :func:`amdahl_speedup` (``inf`` when the speedup reaches ``1 / p``: the rest took no time at all).
+
+    Example::
+
+        >>> round(implied_n(0.1, 5.263), 2)
+        10.0
+    """
+    if not 0.0 <= p <= 1.0:
+        raise ValueError(f"p must lie in [0, 1], got {p}")
+    if speedup <= 0:
+        raise ValueError(f"speedup must be positive, got {speedup}")
+    rest = 1.0 / speedup - p
+    return math.inf if rest <= 0 else (1.0 - p) / rest
+
+
+def interpolate(points: Sequence[tuple[float, float]], x: float, scale_past_end: bool = False) -> float:
+    """``y`` at ``x`` on the piecewise-linear curve through ``points`` (sorted by ``x``): flat before the first point
+    (a launch-bound latency does not fall with fewer tokens), the last slope (never negative) after the last, or with
+    ``scale_past_end`` proportional to ``x`` there (memory that grows with the tokens).
+
+    Example::
+
+        >>> interpolate([(64, 2.0), (128, 3.0)], 96), interpolate([(64, 2.0), (128, 3.0)], 256)
+        (2.5, 5.0)
+        >>> interpolate([(64, 2.0)], 32), interpolate([(64, 2.0)], 128, scale_past_end=True)
+        (2.0, 4.0)
+    """
+    if not points:
+        raise ValueError("interpolate needs at least one point")
+    pts = sorted(points)
+    (x0, y0), (xn, yn) = pts[0], pts[-1]
+    if x <= x0:
+        return y0
+    if x >= xn:
+        if scale_past_end:
+            return yn * x / xn if xn > 0 else yn
+        if len(pts) == 1:
+            return yn
+        (xa, ya) = pts[-2]
+        slope = max((yn - ya) / (xn - xa), 0.0) if xn > xa else 0.0
+        return yn + slope * (x - xn)
+    for (xa, ya), (xb, yb) in zip(pts, pts[1:]):
+        if xa <= x <= xb:
+            return ya if xb == xa else ya + (yb - ya) * (x - xa) / (xb - xa)
+    return yn
 
 
 def island_fraction(island_ms: float, total_ms: float) -> float:

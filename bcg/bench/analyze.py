@@ -1,36 +1,44 @@
-"""``bcg analyze``: should this model on this machine use breakable graphs, and with which capture ceiling?
+"""``bcg analyze``: which backend should this model use on this machine, with which capture ceiling and buckets,
+judged before anything is captured or compiled.
 
-Measures the four quantities the seed's Amdahl argument rests on, then judges:
+The run, in the order CUPTI needs (once the profiler is loaded it slows later host work, so it comes last):
 
-1. launch-gap share of an eager forward (device busy time from the profiler vs wall time);
-2. ``p``, the share of a breakable replay spent in eager islands, per island name (each step of the handle is
-   timed inside ``runner.replay_context``), with ``S_max = 1 / p``; and whether the replay is host-bound (the host
-   time to launch it against its device time);
-3. bucket coverage of a prompt-length distribution, decided by the runner's own ``choose``;
-4. resident graph memory against free device memory.
+1. this machine's launch, replay, break, capture and compile costs (:mod:`bcg.bench.machine`) and, for each kernels
+   setting the variants use, the host times of one eager forward per size (:func:`bcg.bench.profile.host_times`);
+   under ``--cpu-cores`` both again with the process pinned to each core count (:mod:`bcg.bench.cores`);
+2. with ``--validate`` only: every variant built, captured and timed (:mod:`bcg.bench.validate`);
+3. one profiled eager forward per size, and the step ``full`` would capture run eagerly
+   (:func:`bcg.bench.profile.profiled_forward`), then the tiny kernel's device time.
 
-The predicted speedup comes from the measured parts (outside-graph work + islands + replayed segments) and is
-checked against the measured eager-vs-breakable forward times at a representative length.
+:func:`bcg.bench.findings.findings` turns that into predictions, a recommendation and the seed's four parameters;
+:func:`bcg.bench.verdict.verdict` into one sentence.
 """
 
 from __future__ import annotations
 
 import math
-import statistics
 import time
-from collections import defaultdict
-from dataclasses import replace
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
+from tqdm.auto import tqdm
 
-from bcg.bench import amdahl
+from bcg.bench import machine
 from bcg.bench.config import AnalyzeConfig, BenchError
-from bcg.bench.engines import BuildRecord, EngineSpec, engine_for, make_prompts, one_batch
-from bcg.bench.timing import Marks, gpu_kernel_ms, sync, time_fn
-from bcg.bench.verdict import verdict
+from bcg.bench.cores import pinned
+from bcg.bench.engines import BuildRecord, EngineSpec, engine_for
+from bcg.bench.findings import EAGER_OF, Measurements, findings
+from bcg.bench.forecast import Profiled
+from bcg.bench.predict import HostTimes
+from bcg.bench.profile import FullStep, host_times, profiled_forward
+from bcg.bench.recommend import Workload
+from bcg.bench.validate import measure_variants, prompt_for
+from bcg.bench.variants import parse_variant
+from bcg.bench.verdict import MEMORY_SHARE_LIMIT, verdict
 
-__all__ = ["run_analyze", "sample_lengths"]
+__all__ = ["run_analyze", "sample_lengths", "workload"]
 
 
 def sample_lengths(n: int, low: int, high: int, seed: int) -> list[int]:
@@ -49,189 +57,168 @@ def sample_lengths(n: int, low: int, high: int, seed: int) -> list[int]:
     return [min(max(int(round(x)), low), high) for x in xs.tolist()]
 
 
-def _forward_time(eng: Any, prompt: torch.Tensor, cfg: AnalyzeConfig, kernel: bool) -> tuple[float, float | None]:
-    """Median time of ``runner.forward`` on a one-request batch (the engine's per-forward path), and its
-    device kernel time."""
-    batch, slots = one_batch(eng, prompt)
-    try:
-        with torch.inference_mode():
-            def call() -> Any:
-                return eng.runner.forward(batch)
-
-            t = time_fn(call, cfg.device, runs=cfg.runs, warmup=cfg.warmup)
-            k = gpu_kernel_ms(call, cfg.device, warmup=0) if kernel else None
-    finally:
-        eng.kv_pool.free(slots)
-    return t.median_ms, k
-
-
-def _replay_breakdown(eng: Any, prompt: torch.Tensor, cfg: AnalyzeConfig) -> dict[str, Any]:
-    """Times each step of one bucket's breakable replay; islands are grouped by name."""
-    from bcg.graph import EagerStep
-
-    runner = eng.runner
-    bucket, reason = runner.choose(prompt.numel())
-    if bucket is None:
-        return {"bucket": None, "note": f"a {prompt.numel()}-token batch does not replay a graph ({reason})"}
-    batch, slots = one_batch(eng, prompt)
-    try:
-        with torch.inference_mode():
-            outside = time_fn(lambda: _enter_exit(runner, batch), cfg.device, runs=cfg.runs, warmup=cfg.warmup)
-            with runner.replay_context(batch) as (bucket, handle):
-                steps = list(handle.steps)
-                whole = time_fn(handle.replay, cfg.device, runs=cfg.runs, warmup=cfg.warmup)
-                host_ms = _host_launch_ms(handle.replay, cfg)
-                per_run: list[list[float]] = []
-                for i in range(cfg.warmup + cfg.runs):
-                    marks = Marks(cfg.device, capacity=len(steps) + 1)
-                    marks.mark()
-                    for step in steps:
-                        step() if isinstance(step, EagerStep) else step.replay()
-                        marks.mark()
-                    if i >= cfg.warmup:
-                        per_run.append(marks.deltas_ms())
-    finally:
-        eng.kv_pool.free(slots)
-    is_island = [isinstance(s, EagerStep) for s in steps]
-    seg = statistics.median(sum(d for d, isl in zip(run, is_island) if not isl) for run in per_run)
-    names: dict[str, list[int]] = defaultdict(list)
-    for idx, step in enumerate(steps):
-        if is_island[idx]:
-            names[step.name].append(idx)
-    islands = [{"name": name, "count": len(idxs),
-                "ms": statistics.median(sum(run[i] for i in idxs) for run in per_run)} for name, idxs in names.items()]
-    isl = sum(i["ms"] for i in islands)
-    for i in islands:
-        i["share"] = i["ms"] / (seg + isl) if seg + isl > 0 else None
-    islands.sort(key=lambda i: -i["ms"])
-    return {
-        "bucket": bucket, "num_segments": len(steps) - sum(is_island), "num_breaks": sum(is_island),
-        "num_islands": len(islands), "segments_ms": seg, "islands_ms": isl, "outside_ms": outside.median_ms,
-        "replay_ms": whole.median_ms, "replay_host_ms": host_ms, "host_over_device": host_ms / whole.median_ms,
-        "p": amdahl.island_fraction(isl, seg + isl) if seg + isl > 0 else None,
-        "islands": islands,
-    }
-
-
-def _host_launch_ms(fn: Any, cfg: AnalyzeConfig) -> float:
-    """Median host time for ``fn`` to return, from an idle device and without waiting for it: below the device
-    time the islands' host work hides behind the GPU; near it, the replay is host-bound."""
-    samples = []
-    for i in range(cfg.warmup + cfg.runs):
-        sync(cfg.device)
-        t0 = time.perf_counter()
-        fn()
-        if i >= cfg.warmup:
-            samples.append((time.perf_counter() - t0) * 1e3)
-    sync(cfg.device)
-    return statistics.median(samples)
-
-
-def _enter_exit(runner: Any, batch: Any) -> None:
-    # Embedding + loading the static buffers + setting the context: the eager work around a replay.
-    with runner.replay_context(batch):
-        pass
-
-
-def _coverage(eng: Any, lengths: list[int], chunk: int) -> dict[str, Any]:
-    from bcg.runtime.runner.buckets import default_ladder
-
-    runner = eng.runner
-    buckets = list(runner.table.sizes)
-    cov = amdahl.bucket_coverage(lengths, runner.choose, buckets, chunk)
-    out = dict(vars(cov))
-    out["forward_graph"] = [runner.choose(n)[0] is not None for n in cov.forward_sizes]
-    out["num_buckets"] = len(buckets)
-    out["recommended_ceiling"] = amdahl.smallest_covering_ceiling(cov.forward_sizes, default_ladder(chunk), chunk)
-    return out
-
-
-def _memory(eng: Any, record: BuildRecord) -> dict[str, Any]:
-    mem: dict[str, Any] = {"graph_memory_bytes": record.graph_memory_bytes, "num_buckets": record.num_captured,
-                           "capture_ms": record.capture_ms, "free_bytes": None, "total_bytes": None,
-                           "graph_share_of_free": None, "note": None}
-    if eng.device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(eng.device)
-        mem.update(free_bytes=free, total_bytes=total,
-                   graph_share_of_free=(record.graph_memory_bytes or 0) / free if free else None)
-    else:
-        mem["note"] = "no device memory on a CPU; graph memory is only measured on CUDA"
-    return mem
-
-
-def run_analyze(cfg: AnalyzeConfig, environment: dict[str, Any]) -> dict[str, Any]:
-    """Runs every measurement of ``bcg analyze`` for a resolved ``cfg``; returns the analysis as plain data.
-
-    Example::
-
-        a = run_analyze(AnalyzeConfig(model="tiny-dense", device="cpu").resolved(), environment={})
-        a["amdahl"]["p"], a["verdict"]["sentence"]
-    """
-    chunk, length, spec = cfg.chunked_prefill_size, cfg.length, cfg.engine_spec()
-    lengths = cfg.lengths or sample_lengths(cfg.num_prompts, 16, chunk, cfg.seed)
-    a: dict[str, Any] = {"schema": "bcg.analyze/1", "kind": "analyze", "environment": environment}
-    timing: dict[str, Any] = {"length": length}
-    record = BuildRecord("breakable")
-    # Breakable first, eager (with the profiler) last: CUPTI then never runs before a timed forward.
-    with engine_for(spec, "breakable", record) as eng:
-        if eng is None:
-            raise BenchError(f"the breakable engine of {cfg.model!r} could not be built ({record.error})")
-        a["model"] = _describe_model(eng, cfg.model)
-        prompt = make_prompts([length], eng.model.config.vocab_size, cfg.seed)[0]
-        timing["breakable_forward_ms"], _ = _forward_time(eng, prompt, cfg, kernel=False)
-        replay = _replay_breakdown(eng, prompt, cfg)
-        a["coverage"] = _coverage(eng, lengths, chunk)
-        a["memory"] = _memory(eng, record)
-    del eng
-    eager_record = BuildRecord("eager")
-    with engine_for(spec.replace(max_tokens=chunk), "eager", eager_record) as eng:
-        if eng is None:
-            raise BenchError(f"the eager engine of {cfg.model!r} could not be built ({eager_record.error})")
-        timing["eager_forward_ms"], timing["eager_kernel_ms"] = _forward_time(eng, prompt, cfg, kernel=True)
-    del eng
-    timing["breakable_kernel_ms"] = _breakable_kernel_ms(spec, prompt, cfg)
-    a["build"] = vars(record)
-    timing["launch_gap_share"] = amdahl.launch_gap_share(timing["eager_kernel_ms"], timing["eager_forward_ms"])
-    timing["launch_bound"] = amdahl.launch_bound(timing["eager_forward_ms"], timing["eager_kernel_ms"])
-    timing["measured_speedup"] = timing["eager_forward_ms"] / timing["breakable_forward_ms"]
-    a["timing"], a["replay"] = timing, replay
-    a["amdahl"] = _amdahl(timing, replay)
-    a["verdict"] = verdict(a)
-    return a
-
-
-def _breakable_kernel_ms(spec: EngineSpec, prompt: torch.Tensor, cfg: AnalyzeConfig) -> float | None:
-    """The device time of one breakable forward, profiled in a fresh engine after every timed forward (the profiler,
-    once loaded, slows later host work); ``None`` on a CPU or when it no longer replays a graph."""
-    if cfg.emulated:
-        return None
-    with engine_for(spec.replace(progress=False), "breakable") as eng:
-        if eng is None or eng.runner.choose(prompt.numel())[0] is None:
-            return None
-        return _forward_time(eng, prompt, replace(cfg, runs=1, warmup=0), kernel=True)[1]
-
-
-def _amdahl(timing: dict[str, Any], replay: dict[str, Any]) -> dict[str, Any]:
-    if replay.get("bucket") is None:
-        return {"p": None, "s_max": None, "note": replay.get("note")}
-    eager = timing["eager_forward_ms"]
-    # Each step's time already includes its own launch, so no extra per-break overhead is added.
-    pred = amdahl.predict_breakable(eager, replay["islands_ms"], replay["segments_ms"], replay["num_breaks"],
-                                    per_break_ms=0.0, outside_ms=replay["outside_ms"])
-    stays_eager = replay["islands_ms"] + replay["outside_ms"]
-    return {
-        "p": replay["p"], "s_max": amdahl.s_max(replay["p"]),
-        # The Amdahl ceiling over eager: everything but the islands and the outside work made free.
-        "p_of_eager": amdahl.island_fraction(stays_eager, eager),
-        "s_max_over_eager": eager / stays_eager if stays_eager > 0 else math.inf,
-        "per_break_ms": 0.0, "predicted_breakable_ms": pred.breakable_ms, "predicted_speedup": pred.speedup,
-        "measured_breakable_ms": timing["breakable_forward_ms"], "measured_speedup": timing["measured_speedup"],
-        "prediction_error": amdahl.prediction_error(pred.breakable_ms, timing["breakable_forward_ms"]),
-    }
+def workload(cfg: AnalyzeConfig) -> Workload:
+    """The prompt lengths of a resolved config's workload, and where they came from."""
+    if cfg.lengths_file is not None:
+        return Workload(tuple(cfg.lengths or ()), f"--lengths-file {cfg.lengths_file}")
+    if cfg.lengths is not None:
+        return Workload(tuple(cfg.lengths), "--lengths")
+    lengths = sample_lengths(cfg.num_prompts, 16, cfg.chunked_prefill_size, cfg.seed)
+    return Workload(tuple(lengths), f"{cfg.num_prompts} seeded log-uniform lengths in 16..{cfg.chunked_prefill_size}")
 
 
 def _describe_model(eng: Any, name: str) -> dict[str, Any]:
     mc = eng.model.config
+    params = list(eng.model.parameters())
     return {"name": name, "arch": mc.arch, "num_layers": mc.num_layers, "hidden_size": mc.hidden_size,
-            "vocab_size": mc.vocab_size, "num_params": sum(p.numel() for p in eng.model.parameters()),
-            "dtype": str(eng.dtype).replace("torch.", ""), "device": str(eng.device)}
+            "vocab_size": mc.vocab_size, "num_params": sum(p.numel() for p in params),
+            "num_param_tensors": len(params), "weight_bytes": sum(p.numel() * p.element_size() for p in params),
+            "dtype": str(eng.dtype).replace("torch.", ""), "device": str(eng.device),
+            "auto_islands": list(eng.telemetry.auto_islands), "notes": list(eng.telemetry.notes)}
+
+
+@contextmanager
+def _eager(spec: EngineSpec, name: str, model: str) -> Iterator[Any]:
+    """The eager engine ``name`` of ``spec`` (freed on exit); a BenchError when it cannot be built: without the
+    baseline nothing can be predicted."""
+    record = BuildRecord(name)
+    with engine_for(spec, name, record) as eng:
+        if eng is None:
+            raise BenchError(f"the {name} engine of {model!r} could not be built ({record.error})")
+        yield eng
+
+
+def _full_step(eng: Any, size: int) -> FullStep | None:
+    try:
+        return FullStep(eng, size)
+    except Exception:  # full cannot stage this model at all: profiled_forward records why
+        return None
+
+
+Hosts = dict[int | None, dict[str, dict[int, HostTimes]]]  # core count -> kernels setting -> size -> host times
+
+
+def _host_phase(cfg: AnalyzeConfig, spec: EngineSpec, settings: list[str], sizes: list[int], bar: Any,
+                info: dict[str, Any]) -> tuple[dict[int | None, Any], Hosts]:
+    """Step 1: the machine's costs and the eager host times, per core count."""
+    variants = [parse_variant(v, cfg.tc_compiler) for v in cfg.backends]
+    compilers = tuple(sorted({v.compile for v in variants if v.compile} |
+                             {v.tc_compiler for v in variants if v.backend == "tc_piecewise"}))
+    guards = any(v.backend == "tc_piecewise" for v in variants)
+    costs: dict[int | None, Any] = {}
+    hosts: Hosts = {}
+    for k in [None, *(cfg.cpu_cores or [])]:
+        bar.set_postfix(step="machine", cores=k or "all")
+        with pinned(k):
+            costs[k] = machine.measure(cfg.device, compilers if k is None else (), guards)
+        hosts[k] = {}
+        for setting in settings:
+            with _eager(spec, EAGER_OF[setting], cfg.model) as eng:
+                info.setdefault("model", _describe_model(eng, cfg.model))
+                vocab = eng.model.config.vocab_size
+                with pinned(k):
+                    hosts[k][setting] = {}
+                    for n in sizes:
+                        bar.set_postfix(step=f"host times {EAGER_OF[setting]}", tokens=n, cores=k or "all")
+                        hosts[k][setting][n] = host_times(eng, prompt_for(vocab, n, cfg.seed), cfg.runs, cfg.warmup,
+                                                          _full_step(eng, n))
+                        bar.update()
+    return costs, hosts
+
+
+def _profile_phase(cfg: AnalyzeConfig, spec: EngineSpec, settings: list[str], sizes: list[int],
+                   hosts: dict[str, dict[int, HostTimes]], bar: Any) -> dict[str, dict[int, Profiled]]:
+    """Step 3: one profiled eager forward per size (fresh engines, after every timed run)."""
+    out: dict[str, dict[int, Profiled]] = {}
+    for setting in settings:
+        with _eager(spec, EAGER_OF[setting], cfg.model) as eng:
+            vocab = eng.model.config.vocab_size
+            out[setting] = {}
+            for n in sizes:
+                bar.set_postfix(step=f"profile {EAGER_OF[setting]}", tokens=n)
+                out[setting][n] = profiled_forward(eng, prompt_for(vocab, n, cfg.seed), hosts[setting][n], n)
+                bar.update()
+    return out
+
+
+def _budget(cfg: AnalyzeConfig, info: dict[str, Any]) -> float | None:
+    """The graph-memory budget: ``--memory-budget``, else a share of what the weights leave free on CUDA (the memory
+    the KV cache and the graphs share)."""
+    if cfg.memory_budget is not None:
+        return float(cfg.memory_budget)
+    free = info.get("free_bytes")
+    return None if free is None else MEMORY_SHARE_LIMIT * free
+
+
+def _trace_notes(m: Measurements) -> list[str]:
+    """What the profile could not attribute: an island none of whose calls got a kernel (every island the models
+    mark launches at least one), so its device time was counted as graph work."""
+    from bcg.bench.trace import regions
+
+    notes = []
+    for setting, by_size in m.profiles.items():
+        rs = [r for r in regions(by_size[m.length].trace) if r.island is not None]
+        names = {r.island.name for r in rs} - {r.island.name for r in rs if r.kernels}
+        notes += [f"{EAGER_OF[setting]}: the profile matched no kernel to island {n} (neither its launches' "
+                  "correlation ids nor their ops were recorded); its kernels count as graph work in the predictions"
+                  for n in sorted(names)]
+    return notes
+
+
+def run_analyze(cfg: AnalyzeConfig, environment: dict[str, Any]) -> dict[str, Any]:
+    """Runs ``bcg analyze`` for a resolved ``cfg``; returns the analysis as plain data (results.json's content).
+
+    Example::
+
+        a = run_analyze(AnalyzeConfig(model="tiny-dense", device="cpu").resolved(), environment={})
+        a["predictions"]["breakable"], a["recommendation"], a["verdict"]["sentence"]
+    """
+    t0 = time.perf_counter()
+    info: dict[str, Any] = {}
+    if not cfg.emulated:  # before any engine: what the weights will leave is this minus their bytes
+        info["free_bytes"], info["total_bytes"] = torch.cuda.mem_get_info(torch.device(cfg.device))
+    spec = cfg.engine_spec().replace(progress=False)
+    settings = ["torch"] + (["fused"] if any(parse_variant(v).kernels == "fused" for v in cfg.backends) else [])
+    graph_variants = [v for v in cfg.backends if parse_variant(v).backend != "eager"]
+    m = Measurements(variants=graph_variants, chunk=cfg.chunked_prefill_size, max_tokens=cfg.max_tokens,
+                     length=cfg.length, predict_lengths=cfg.predict_lengths, workload=workload(cfg), costs={},
+                     hosts={}, profiles={}, num_params=0, emulated=cfg.emulated, tc_compiler=cfg.tc_compiler,
+                     padding=(spec.config.max_padding_factor, spec.config.max_padding_tokens),
+                     warmup=spec.config.warmup, cores=list(cfg.cpu_cores or []))
+    sizes = m.sizes()
+    steps = len(sizes) * len(settings) * (2 + len(m.cores))
+    with tqdm(total=steps, desc="bcg analyze", unit="step", disable=not cfg.progress) as bar:
+        m.costs, m.hosts = _host_phase(cfg, spec, settings, sizes, bar, info)
+        predict_s = time.perf_counter() - t0
+        validate_s = None
+        if cfg.validate:
+            bar.set_postfix(step="validate")
+            t1 = time.perf_counter()
+            m.measured = measure_variants(cfg.engine_spec(), graph_variants, m.lengths(), cfg.length,
+                                          cfg.runs, cfg.warmup, cfg.seed, [None, *m.cores])
+            validate_s = time.perf_counter() - t1
+        t2 = time.perf_counter()
+        m.profiles = _profile_phase(cfg, spec, settings, sizes, m.hosts[None], bar)
+    machine.measure_device(m.costs[None])
+    for c in m.costs.values():  # device times do not depend on the host's cores
+        c.tiny_kernel_us, c.medium_kernel_us = m.costs[None].tiny_kernel_us, m.costs[None].medium_kernel_us
+    m.num_params = info["model"]["num_param_tensors"]
+    if "free_bytes" in info:
+        info["free_bytes"] = max(info["free_bytes"] - info["model"]["weight_bytes"], 0)
+    m.budget_bytes = _budget(cfg, info)
+    a: dict[str, Any] = {"schema": "bcg.analyze/2", "kind": "analyze", "environment": environment,
+                         "model": info["model"], "machine": {str(k): vars(c) for k, c in m.costs.items()},
+                         "workload": {"source": m.workload.source, "num_prompts": len(m.workload.lengths),
+                                      "lengths": list(m.workload.lengths)},
+                         "lengths": m.lengths(), "length": cfg.length}
+    a.update(findings(m))
+    a["notes"] = _trace_notes(m) if not cfg.emulated else []
+    predict_s += time.perf_counter() - t2
+    a["memory"] = {"free_bytes": info.get("free_bytes"), "total_bytes": info.get("total_bytes"),
+                   "budget_bytes": m.budget_bytes,
+                   "note": None if not cfg.emulated else "no device memory on a CPU: graph memory is an estimate "
+                   "of the model's activations only, and nothing is measured"}
+    a["timings"] = {"predict_s": predict_s, "validate_s": validate_s, "machine_s": m.costs[None].seconds,
+                    "predict_over_validate": predict_s / validate_s if validate_s else None}
+    a["verdict"] = verdict(a)
+    return a

@@ -13,15 +13,21 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["DTYPES", "MAX_CHUNK", "MAX_LENGTH", "check_chunk", "check_context", "check_counts", "check_device",
-           "check_dtype", "check_lengths", "check_model", "check_out_dir", "check_threads", "parse_int_list",
-           "read_lengths_file"]
+__all__ = ["DTYPES", "MAX_CHUNK", "MAX_LENGTH", "TRACE_KEYS", "check_chunk", "check_context", "check_counts",
+           "check_device", "check_dtype", "check_lengths", "check_model", "check_out_dir", "check_threads",
+           "parse_int_list", "parse_size", "read_lengths_file"]
 
 DTYPES = ("bfloat16", "float16", "float32")
 # Bounds on what one flag can make a run do: a chunk of 16384 tokens is a 74-bucket ladder (a 131072-token one
 # would be 298 captures), and a 128k-token prompt is a long-context request, not a typo.
 MAX_CHUNK = 16384
 MAX_LENGTH = 131072
+# The fields of a request in a trace file that give its prompt length, in the order they are looked for (the names
+# benchmark traces use); "prompt" may also be the token ids themselves.
+TRACE_KEYS = ("input_len", "input_length", "prompt_len", "prompt_tokens", "num_prompt_tokens", "prompt_token_ids",
+              "prompt")
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
+          "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}
 
 
 def parse_int_list(text: str) -> list[int]:
@@ -48,12 +54,38 @@ def parse_int_list(text: str) -> list[int]:
     return out
 
 
+def parse_size(text: str) -> int:
+    """Parses a memory size such as ``"2GiB"``, ``"512MiB"``, ``"1.5GB"`` or ``"1000000"`` (bytes) into bytes; raises
+    ValueError naming the bad text.
+
+    Example::
+
+        >>> parse_size("2GiB"), parse_size("1.5 MB"), parse_size("4096")
+        (2147483648, 1500000, 4096)
+    """
+    t = text.strip().lower().replace(" ", "")
+    number = t.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = t[len(number):]
+    try:
+        value = float(number)
+    except ValueError:
+        raise ValueError(f"{text!r} is not a size; give e.g. 2GiB, 512MiB or a number of bytes") from None
+    if unit not in _UNITS:
+        raise ValueError(f"{text!r}: unknown unit {unit!r}; use B, KiB, MiB, GiB (or kB, MB, GB)")
+    if not value > 0 or value != value or value == float("inf"):
+        raise ValueError(f"{text!r} must be a positive size")
+    return int(value * _UNITS[unit])
+
+
 def read_lengths_file(path: str) -> list[int]:
-    """Prompt lengths from a text file: integers separated by whitespace or commas (``#`` starts a comment).
+    """Prompt lengths from a file: integers separated by whitespace or commas (``#`` starts a comment), or a trace of
+    requests as JSON (a list of lengths or of request objects) or JSON lines (one request object per line), each
+    request's length read from the first of :data:`TRACE_KEYS` it has (a list of token ids counts its items).
 
     Example::
 
         read_lengths_file("lengths.txt")   # "128\\n512, 2048  # long ones\\n" -> [128, 512, 2048]
+        read_lengths_file("trace.jsonl")   # '{"input_len": 300, "output_len": 20}\\n...' -> [300, ...]
     """
     try:
         text = Path(path).read_text()
@@ -61,6 +93,8 @@ def read_lengths_file(path: str) -> list[int]:
         raise ValueError(f"--lengths-file {path!r}: {e.strerror}") from None
     except UnicodeDecodeError:
         raise ValueError(f"--lengths-file {path!r} is not a text file") from None
+    if text.lstrip()[:1] in ("[", "{"):
+        return _trace_lengths(path, text)
     tokens = [t for line in text.splitlines() for t in line.split("#", 1)[0].replace(",", " ").split()]
     if not tokens:
         raise ValueError(f"--lengths-file {path!r} holds no lengths")
@@ -68,6 +102,35 @@ def read_lengths_file(path: str) -> list[int]:
         return parse_int_list(",".join(tokens))
     except ValueError as e:
         raise ValueError(f"--lengths-file {path!r}: {e}") from None
+
+
+def _trace_lengths(path: str, text: str) -> list[int]:
+    try:
+        data = json.loads(text)
+        records = data if isinstance(data, list) else [data]
+    except json.JSONDecodeError:
+        try:
+            records = [json.loads(line) for line in text.splitlines() if line.strip()]
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--lengths-file {path!r} is neither JSON nor JSON lines ({e.msg}, line {e.lineno})") \
+                from None
+    out = []
+    for i, r in enumerate(records):
+        n = r if isinstance(r, int) and not isinstance(r, bool) else None
+        if isinstance(r, dict):
+            key = next((k for k in TRACE_KEYS if k in r), None)
+            value = r.get(key) if key else None
+            n = len(value) if isinstance(value, list) else value if isinstance(value, int) else None
+            if isinstance(value, str):
+                raise ValueError(f"--lengths-file {path!r}: request {i} gives its prompt as text ({key!r}); give "
+                                 "token counts (one of " + ", ".join(TRACE_KEYS[:5]) + ") or token ids")
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise ValueError(f"--lengths-file {path!r}: request {i} has no prompt length (a positive integer, or "
+                             f"an object with one of {', '.join(TRACE_KEYS)}): {str(r)[:80]}")
+        out.append(n)
+    if not out:
+        raise ValueError(f"--lengths-file {path!r} holds no requests")
+    return out
 
 
 def check_model(model: str, model_impl: str = "auto") -> str:

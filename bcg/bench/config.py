@@ -24,8 +24,8 @@ if TYPE_CHECKING:
     from bcg.bench.engines import EngineSpec
     from bcg.runtime.config import EngineConfig
 
-__all__ = ["AnalyzeConfig", "BenchConfig", "BenchError", "CPU_DEFAULTS", "CUDA_DEFAULTS", "MachineDefaults",
-           "VerifyConfig", "default_device"]
+__all__ = ["ANALYZE_BACKENDS", "AnalyzeConfig", "BenchConfig", "BenchError", "CPU_DEFAULTS", "CUDA_DEFAULTS",
+           "MachineDefaults", "VerifyConfig", "default_device"]
 
 RUNS, WARMUP = 20, 5
 
@@ -140,24 +140,35 @@ class BenchConfig(_Run):
                      tp_size=self.tp, model_impl=self.model_impl)
 
 
+# The variants bcg analyze predicts by default (eager, and eager on the fused kernels when a +fused variant is
+# asked, are always measured: they are the baseline and every graph variant's fallback).
+ANALYZE_BACKENDS = {"cuda": ("breakable", "breakable+fused", "full", "tc_piecewise", "breakable+inductor"),
+                    "cpu": ("breakable", "full", "tc_piecewise")}
+
+
 @dataclass
 class AnalyzeConfig(_Run):
     """Options of ``bcg analyze``; each field is the CLI flag of the same name.
 
-    ``lengths`` / ``lengths_file`` give the prompt-length distribution for the coverage check (default: a seeded
-    log-uniform sample of ``num_prompts`` lengths in [16, chunked_prefill_size]); ``length`` is the representative
-    input length at which eager and breakable are timed (one forward, so at most the chunk and the ceiling).
+    ``lengths`` / ``lengths_file`` give the workload: the prompt lengths the recommendation is for (a file may also be
+    a JSON or JSON-lines trace of requests; default: a seeded log-uniform sample of ``num_prompts`` lengths in
+    [16, chunked_prefill_size]). ``predict_lengths`` are the lengths every backend is predicted (and with
+    ``validate`` measured) at; ``length`` is the representative one (the Amdahl point and the ``cpu_cores`` table).
+    ``backends`` are the variants predicted; ``memory_budget`` bounds the recommendation's graph memory (bytes; default
+    a tenth of the free device memory on CUDA, none on a CPU).
 
     Example::
 
-        cfg = AnalyzeConfig(model="tiny-dense", device="cpu").resolved()
+        cfg = AnalyzeConfig(model="tiny-dense", device="cpu", validate=True).resolved()
     """
 
     model: str | None = None
     model_impl: str = "auto"
+    backends: list[str] | None = None
     lengths: list[int] | None = None
     lengths_file: str | None = None
     num_prompts: int = 256
+    predict_lengths: list[int] | None = None
     length: int | None = None
     max_tokens: int | None = None
     runs: int = RUNS
@@ -167,12 +178,18 @@ class AnalyzeConfig(_Run):
     dtype: str | None = None
     threads: int | None = None
     chunked_prefill_size: int | None = None
+    tc_compiler: str | None = None  # what compiles tc_piecewise's pieces: "inductor" on CUDA, "traced" on a CPU
+    memory_budget: int | None = None
+    validate: bool = False
+    cpu_cores: list[int] | None = None
     seed: int = 0
     plots: bool = True
     progress: bool | None = None
 
     def resolved(self) -> AnalyzeConfig:
         """A copy with every ``None`` replaced by this machine's default, validated."""
+        from bcg.bench.variants import parse_variant
+
         device, d, model, impl = _resolve_machine(self.device, self.dtype, self.model, self.model_impl)
         chunk = self.chunked_prefill_size if self.chunked_prefill_size is not None else d.chunked_prefill_size
         checks.check_counts(self.runs, self.warmup, chunk)
@@ -193,15 +210,42 @@ class AnalyzeConfig(_Run):
             raise ValueError(f"--length must be in [1, {max_tokens}] (one forward that replays a graph, so at "
                              f"most --max-tokens {max_tokens}), got {length}")
         checks.check_context("--length", [length], model, impl)
+        predict = self.predict_lengths or [n for n in d.lengths if n <= chunk] or [length]
+        checks.check_lengths("--predict-lengths", predict)
+        too_long = [n for n in predict if n > chunk]
+        if too_long:
+            raise ValueError(f"--predict-lengths: {too_long[0]} tokens is more than --chunked-prefill-size {chunk} "
+                             "(one forward is at most a chunk; the workload's longer prompts are added up chunk by "
+                             "chunk); give lengths up to the chunk")
+        checks.check_context("--predict-lengths", predict, model, impl)
+        kind = "cuda" if torch.device(device).type == "cuda" else "cpu"
+        names = list(ANALYZE_BACKENDS[kind]) if self.backends is None else self.backends
+        variants = list(dict.fromkeys(parse_variant(b).name for b in names))
+        if not [v for v in variants if parse_variant(v).backend != "eager"]:
+            raise ValueError("--backends names no graph backend; give e.g. breakable,full,tc_piecewise (eager is "
+                             "always measured)")
+        tc_compiler = self.tc_compiler or ("inductor" if kind == "cuda" else "traced")
+        if tc_compiler not in ("inductor", "traced"):
+            raise ValueError(f"--tc-compiler must be inductor or traced, got {tc_compiler!r}")
+        if self.memory_budget is not None and self.memory_budget < 1:
+            raise ValueError(f"--memory-budget must be a positive size such as 2GiB, got {self.memory_budget}")
+        if self.cpu_cores is not None:
+            from bcg.bench.cores import check_cores
+
+            checks.check_lengths("--cpu-cores", self.cpu_cores)
+            check_cores(self.cpu_cores)
         return replace(self, model=model, device=device, chunked_prefill_size=chunk, lengths=lengths,
                        length=length, max_tokens=max_tokens, threads=self.threads or d.threads,
+                       predict_lengths=sorted(set(predict)), backends=variants, tc_compiler=tc_compiler,
+                       cpu_cores=sorted(set(self.cpu_cores)) if self.cpu_cores else None,
                        progress=_progress(self.progress))
 
     def engine_spec(self) -> EngineSpec:
-        """What the engines of a resolved config are built from (breakable's ceiling is ``max_tokens``)."""
+        """What the engines of a resolved config are built from (every graph variant's ceiling is ``max_tokens``; the
+        KV pool holds the longest predicted length)."""
         return _spec(self.model, device=self.device, dtype=self.dtype, seed=self.seed,
                      chunked_prefill_size=self.chunked_prefill_size, max_tokens=self.max_tokens,
-                     progress=self.progress, model_impl=self.model_impl)
+                     tc_compiler=self.tc_compiler or "inductor", progress=self.progress, model_impl=self.model_impl)
 
 
 @dataclass

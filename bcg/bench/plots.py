@@ -1,4 +1,5 @@
-"""The PNG figures of ``bcg bench`` and ``bcg analyze`` (matplotlib, Agg backend: no display needed).
+"""The PNG figures of ``bcg bench`` (matplotlib, Agg backend: no display needed), and the helpers ``bcg analyze``'s
+figures (:mod:`bcg.bench.analysis_plots`) share.
 
 Each figure takes the plain data ``results.json`` holds (dicts, :mod:`bcg.bench.results`), so it can be redrawn
 from the file alone; one colour per variant in every figure of a run.
@@ -14,11 +15,10 @@ from typing import Any
 
 from bcg.errors import first_line
 
-__all__ = ["ANALYZE_PLOTS", "BENCH_PLOTS", "CPU_PLOT_NOTE", "analyze_figure", "bench_figures", "latency_figure",
-           "memory_figure", "speedup_figure", "write_plots"]
+__all__ = ["BENCH_PLOTS", "CPU_PLOT_NOTE", "bench_figures", "latency_figure", "memory_figure", "speedup_figure",
+           "write_plots"]
 
 BENCH_PLOTS = ("latency.png", "speedup.png", "memory.png")
-ANALYZE_PLOTS = ("analyze.png",)
 CPU_PLOT_NOTE = "CPU emulation: speedups measure the emulation, not launch overhead"
 
 
@@ -150,63 +150,6 @@ def memory_figure(rows: Sequence[dict], title: str = "") -> Any:
     ax.set_ylabel("GiB")
     ax.set_title(title or "Memory after one chunk-sized prefill")
     ax.legend()
-    fig.tight_layout()
-    return fig
-
-
-def analyze_figure(analysis: dict[str, Any], title: str = "") -> Any:
-    """Two panels: eager vs breakable forward time (stacked by segment / island / outside), and the forward-size
-    histogram of the length distribution split by replayed vs eager, with the bucket ceiling marked (legends under
-    the panels, whole-number counts).
-
-    Example::
-
-        analyze_figure(json.loads(Path("out/analyze/results.json").read_text())).savefig("analyze.png")
-    """
-    from matplotlib.ticker import MaxNLocator
-
-    plt = _plt()
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 5.5))
-    rep = analysis["replay"]
-    eager_ms = analysis["timing"]["eager_forward_ms"]
-    ax1.bar([0], [eager_ms], 0.6, color="tab:gray", label="eager forward")
-    bottom = 0.0
-    parts = [("outside graph", rep["outside_ms"], "tab:olive"), ("segments (replayed)", rep["segments_ms"],
-                                                                   "tab:blue")]
-    palette = ["tab:orange", "tab:red", "tab:purple", "tab:brown", "tab:pink", "tab:cyan"]
-    parts += [(f"island {i['name']}", i["ms"], palette[k % len(palette)]) for k, i in enumerate(rep["islands"])]
-    for label, ms, color in parts:
-        ax1.bar([1], [ms], 0.6, bottom=bottom, label=label, color=color)
-        bottom += ms
-    kernel = analysis["timing"].get("eager_kernel_ms")
-    if kernel is not None:
-        ax1.plot([-0.4, 0.4], [kernel, kernel], "k:", label="eager kernel time")
-    measured = analysis["timing"].get("breakable_forward_ms")
-    if measured is not None:
-        ax1.plot([0.6, 1.4], [measured, measured], "k--", label="breakable measured")
-    ax1.set_xticks([0, 1])
-    ax1.set_xticklabels(["eager", "breakable\n(parts)"])
-    ax1.set_ylabel(f"ms per forward ({analysis['timing']['length']} tokens)")
-    ax1.set_title(f"Island share p = {rep['p']:.2f}")
-    _legend_below(ax1, fontsize=7)
-
-    cov = analysis["coverage"]
-    sizes, graph = cov["forward_sizes"], cov["forward_graph"]
-    if sizes:
-        import numpy as np
-
-        bins = np.logspace(np.log2(max(min(sizes), 1)), np.log2(max(sizes) + 1), 30, base=2)
-        ax2.hist([[s for s, g in zip(sizes, graph) if g], [s for s, g in zip(sizes, graph) if not g]], bins=bins,
-                 stacked=True, label=["replays a graph", "runs eagerly"], color=["tab:green", "tab:red"])
-        _log2_axis(ax2, [2**k for k in range(int(np.log2(max(min(sizes), 1))), int(np.log2(max(sizes))) + 2)])
-    ax2.axvline(cov["max_bucket"], color="k", ls="--", label=f"ceiling {cov['max_bucket']}")
-    ax2.set_xlabel("forward size (tokens)")
-    ax2.set_ylabel("forwards")
-    ax2.yaxis.set_major_locator(MaxNLocator(integer=True))  # a count of forwards has no fractions
-    ax2.set_title(f"Coverage {cov['graph_fraction']:.0%}, padding waste {cov['padding_waste']:.0%}")
-    _legend_below(ax2)
-    if title:
-        fig.suptitle(title)
     fig.tight_layout()
     return fig
 

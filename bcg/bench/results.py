@@ -18,8 +18,28 @@ Every non-finite float is written as ``null``, so any JSON reader accepts the fi
 - ``memory``: the :class:`~bcg.bench.memory.MemoryResult` (``null`` with ``--no-memory``); ``speedup_note``: what
   the speedups cannot show (CPU emulation), or ``null``; ``plots``: the PNGs written beside it.
 
-The ``results.json`` of ``bcg analyze`` (schema ``bcg.analyze/1``) is the dict :func:`bcg.bench.analyze.run_analyze`
-returns, with its ``config`` and ``plots``.
+The ``results.json`` of ``bcg analyze`` (schema ``bcg.analyze/2``) is the dict :func:`bcg.bench.analyze.run_analyze`
+returns, with its ``config`` and ``plots`` (lengths are JSON object keys, so strings):
+
+- ``model`` (its sizes, its automatic islands), ``machine`` (the :class:`~bcg.bench.machine.MachineCosts` per core
+  count, ``"None"`` for the process as it ran), ``workload`` (``source``, ``num_prompts``), ``lengths``, ``length``;
+- ``predictions``: variant -> length -> predicted prefill ms of one request (the eager variants measured);
+  ``unavailable``: variant -> why it cannot run the model; ``forecasts``: per variant ``available``, ``reason``,
+  ``graph_memory_bytes``, ``build_ms`` and ``compile_ms`` with the default ladder, ``parts`` (host and device µs per
+  part of the program at the representative length), ``graph`` (length -> whether it replays);
+- ``recommendation``: ``backend``, ``ceiling``, ``buckets``, ``expected_ms`` and ``eager_expected_ms`` per prompt of
+  the workload, ``speedup``, ``graph_memory_bytes``, ``build_ms``, ``memory_budget_bytes``, ``reason``; ``options``:
+  the best ladder of every variant that was weighed;
+- ``parameters``: the seed's four: ``launch_gap_share`` (and ``launch_gap_by_length``), ``dynamic_share`` with
+  ``s_max``, ``bucket_coverage`` (the recommended ladder on the workload: the
+  :class:`~bcg.bench.amdahl.Coverage` fields, ``forward_graph``, ``num_buckets``), ``resident_graph_memory_bytes``
+  (and ``resident_graph_memory_by_variant``); ``islands``: per island ``name``, ``calls``, ``host_us``,
+  ``device_us`` and ``share``; ``amdahl``: ``p``, ``s_max``, ``predicted_speedup``/``predicted_n`` (and measured);
+- with ``--validate``: ``measured`` and ``errors`` (``predicted / measured - 1``) shaped like ``predictions``, and
+  ``validation`` per variant (availability, build time and graph memory measured, the replay's steps);
+- with ``--cpu-cores``: ``cpu_cores``: core count -> ``launch_gap_share``, ``predictions`` (and ``measured``) ms per
+  variant at ``length``;
+- ``memory`` (free and total device memory, the budget), ``timings`` (``predict_s``, ``validate_s``), ``verdict``.
 """
 
 from __future__ import annotations
@@ -103,12 +123,19 @@ def bench_summary(cfg: Any, results: dict[str, Any], lat: Any, path: Path | None
 
 
 def analyze_summary(cfg: Any, a: dict[str, Any], path: Path) -> dict[str, Any]:
-    """The fields of the one-line summary ``bcg analyze`` prints last."""
-    am, t = a["amdahl"], a["timing"]
-    return {"kind": "analyze", "model": cfg.model, "device": a["environment"]["device_name"],
-            "emulated": cfg.emulated, "p": am.get("p"), "s_max": am.get("s_max"),
-            "launch_gap_share": t["launch_gap_share"], "predicted_speedup": am.get("predicted_speedup"),
-            "measured_speedup": t["measured_speedup"], "prediction_error": am.get("prediction_error"),
-            "coverage": a["coverage"]["graph_fraction"], "recommended_ceiling": a["verdict"]["recommended_ceiling"],
-            "pays": a["verdict"]["pays"], "verdict": a["verdict"]["sentence"], "results": str(path),
-            "plots": a["plots"]}
+    """The fields of the one-line summary ``bcg analyze`` prints last: ``predictions`` (variant -> length -> ms),
+    ``recommendation`` (``backend``, ``ceiling``, ``buckets``), and with ``--validate`` ``measured`` and ``errors`` in
+    the shape of ``predictions``; then the four parameters, the verdict and where the files are."""
+    rec, params = a["recommendation"], a["parameters"]
+    out = {"kind": "analyze", "model": cfg.model, "device": a["environment"]["device_name"], "emulated": cfg.emulated,
+           "predictions": a["predictions"],
+           "recommendation": {"backend": rec["backend"], "ceiling": rec["ceiling"], "buckets": rec["buckets"]}}
+    if "measured" in a:
+        out["measured"], out["errors"] = a["measured"], a["errors"]
+    out.update({"unavailable": a["unavailable"], "launch_gap_share": params["launch_gap_share"],
+                "dynamic_share": params["dynamic_share"], "s_max": params["s_max"],
+                "coverage": params["bucket_coverage"]["graph_fraction"],
+                "resident_graph_memory_bytes": params["resident_graph_memory_bytes"], "pays": a["verdict"]["pays"],
+                "verdict": a["verdict"]["sentence"], "timings": a["timings"], "results": str(path),
+                "plots": a["plots"]})
+    return out

@@ -1,5 +1,6 @@
 """What ``bcg bench`` and ``bcg analyze`` print: the header line, the tables, what was not measured and why, the
-geomean speedups labelled for what they measure, and the analysis with its verdict.
+geomean speedups labelled for what they measure; the analysis with its verdict is :mod:`bcg.bench.analysis_text`'s
+(re-exported here as :func:`format_analysis`).
 
 The measuring modules produce the results; this module only formats them, so every line a user reads can be tested
 without an engine.
@@ -10,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from bcg.bench.analysis_text import format_analysis
 from bcg.bench.rows import CPU_SPEEDUP_NOTE, LatencyRow, geomean_speedups
 from bcg.bench.tables import describe_reason, fmt, fmt_bytes, table
 from bcg.bench.variants import parse_variant
@@ -149,67 +151,3 @@ def format_bench(cfg: Any, lat: Any, mem: Any, emulated: bool) -> str:
     if mem is not None:
         out += ["", _memory_table(mem)]
     return "\n".join(out + _geomean_line(lat.rows, cfg.backends, emulated))
-
-
-def _wall_and_device(t: dict[str, Any]) -> list[list[Any]]:
-    rows = []
-    for name in ("eager", "breakable"):
-        wall, device = t[f"{name}_forward_ms"], t.get(f"{name}_kernel_ms")
-        rows.append([name, fmt(wall, 3), fmt(device, 3), fmt(device and wall - device, 3),
-                     fmt(device and wall / device, 2, "x")])
-    return rows
-
-
-def format_analysis(a: dict[str, Any]) -> str:
-    """The analysis as readable text: timing, wall against device time, islands, coverage, memory and the verdict."""
-    t, am, rep, cov, mem = a["timing"], a["amdahl"], a["replay"], a["coverage"], a["memory"]
-    m = a["model"]
-    out = [f"bcg analyze: {m['name']} ({m['arch']}, {m['num_layers']} layers, {m['num_params'] / 1e6:.1f}M params, "
-           f"{m['dtype']} on {m['device']})", ""]
-    out.append(table(["quantity", "value"], [
-        ["input length (tokens)", t["length"]],
-        ["eager forward (ms)", fmt(t["eager_forward_ms"], 3)],
-        ["eager kernel time (ms)", fmt(t["eager_kernel_ms"], 3)],
-        ["launch-gap share", fmt(t["launch_gap_share"], 3)],
-        ["bound without fusion (eager / kernel)", fmt(t.get("launch_bound"), 2, "x")],
-        ["breakable forward (ms)", fmt(t["breakable_forward_ms"], 3)],
-        ["p (island share of replay)", fmt(am.get("p"), 3)],
-        ["S_max = 1/p", fmt(am.get("s_max"), 2, "x")],
-        ["S_max over eager", fmt(am.get("s_max_over_eager"), 2, "x")],
-        ["predicted speedup", fmt(am.get("predicted_speedup"), 2, "x")],
-        ["measured speedup", fmt(t["measured_speedup"], 2, "x")],
-        ["prediction error", fmt(am.get("prediction_error"), 3)],
-    ], title="Timing and Amdahl"))
-    if t.get("eager_kernel_ms") or t.get("breakable_kernel_ms"):  # CUDA: the profiler measured the device
-        out += ["", table(["forward", "wall ms", "device ms", "host ms", "wall/device"], _wall_and_device(t),
-                          title="Wall and device time of one forward (device: one profiled forward; host = wall - "
-                                "device)")]
-    if rep.get("bucket") is not None:
-        rows = [[i["name"], i["count"], fmt(i["ms"], 3), fmt(i["share"], 3)] for i in rep["islands"]]
-        rows.append(["(segments)", rep["num_segments"], fmt(rep["segments_ms"], 3), "-"])
-        rows.append(["(outside graph)", "-", fmt(rep["outside_ms"], 3), "-"])
-        out += ["", table(["step", "count", "ms", "share of replay"], rows,
-                          title=f"Replay of bucket {rep['bucket']}: islands, costliest first")]
-        ratio = rep["host_over_device"]
-        bound = ("CPU emulation: the host runs everything" if a["environment"].get("emulated")
-                 else "host-bound: cheaper islands would pay" if ratio > 0.9
-                 else "device-bound: island host work is hidden")
-        out.append(f"Replay launch on the host {fmt(rep['replay_host_ms'], 3)} ms vs {fmt(rep['replay_ms'], 3)} ms "
-                   f"on the device (host/device {fmt(ratio, 2)}; {bound}).")
-    never = cov["never_fired"]
-    listed = f" ({', '.join(map(str, never[:12]))}{' ...' if len(never) > 12 else ''})" if never else ""
-    out += ["", table(["quantity", "value"], [
-        ["prompts / forwards", f"{cov['num_prompts']} / {cov['num_forwards']}"],
-        ["forwards replaying a graph", fmt(cov["graph_fraction"], 3)],
-        ["tokens through a graph", fmt(cov["graph_token_fraction"], 3)],
-        ["padding waste", fmt(cov["padding_waste"], 3)],
-        ["ladder reaches chunk", f"{fmt(cov['reaches_chunk'])} (max bucket {cov['max_bucket']}, "
-                                 f"chunk {cov['chunked_prefill_size']})"],
-        ["eager reasons", ", ".join(f"{k}: {v}" for k, v in cov["eager_reasons"].items()) or "-"],
-        ["buckets never fired", f"{len(never)} of {cov['num_buckets']}{listed}"],
-        ["resident graph memory", fmt_bytes(mem["graph_memory_bytes"])],
-        ["free device memory", fmt_bytes(mem["free_bytes"])],
-        ["graph share of free", fmt(mem["graph_share_of_free"], 4)],
-    ], title="Coverage and memory")]
-    out += ["", "Verdict: " + a["verdict"]["sentence"]]
-    return "\n".join(out)

@@ -1,6 +1,7 @@
-"""The judgment of ``bcg analyze``: does breakable pay, with which capture ceiling, in one sentence.
+"""The judgment of ``bcg analyze`` in one paragraph: what to run (backend, capture ceiling, buckets) and why, the
+seed's four parameters that decide it, and, after ``--validate``, how the measurement agrees.
 
-:mod:`bcg.bench.analyze` measures; this module only reads its plain-data result, so the judgment can be tested
+:mod:`bcg.bench.findings` computes; this module only reads its plain-data result, so the judgment can be tested
 without an engine (:mod:`bcg.bench.text` prints it with the rest of the analysis).
 """
 
@@ -8,62 +9,60 @@ from __future__ import annotations
 
 from typing import Any
 
-from bcg.bench.tables import fmt
+from bcg.bench.tables import fmt, fmt_bytes
 
-__all__ = ["MEMORY_SHARE_LIMIT", "PAYS_THRESHOLD", "verdict"]
+__all__ = ["MEMORY_SHARE_LIMIT", "PAYS_THRESHOLD", "fastest_measured", "verdict"]
 
 # Below a 5% gain the extra capture time and resident memory are not worth it.
 PAYS_THRESHOLD = 1.05
-# Resident graphs above this share of free memory eat into the KV cache noticeably.
+# Resident graphs above this share of the memory the weights leave free eat into the KV cache noticeably: the default
+# graph-memory budget.
 MEMORY_SHARE_LIMIT = 0.10
 
 
+def fastest_measured(a: dict[str, Any]) -> tuple[str, float] | None:
+    """The variant whose measured expected latency per prompt of the workload is lowest (``--validate``), or None."""
+    at = {v: ms for v, ms in (a.get("measured_expected_ms") or {}).items() if ms is not None}
+    return min(at.items(), key=lambda kv: kv[1]) if at else None
+
+
 def verdict(a: dict[str, Any]) -> dict[str, Any]:
-    """Judges from an analysis dict: does breakable pay, and which capture ceiling to use; one sentence.
+    """Judges from an analysis dict; returns ``pays`` (graphs recommended; None on a CPU), the recommended backend
+    and ceiling, and the sentence.
 
     Example::
 
-        verdict(analysis)["sentence"]   # "Breakable graphs pay here: 1.84x measured ..."
+        verdict(analysis)["sentence"]   # "Use breakable+fused with max_tokens=2048 (42 buckets): predicted ..."
     """
-    t, am, cov, mem = a["timing"], a["amdahl"], a["coverage"], a["memory"]
-    speedup = t.get("measured_speedup")
-    pays = speedup is not None and speedup >= PAYS_THRESHOLD
-    chunk, ceiling = cov["chunked_prefill_size"], cov["recommended_ceiling"]
-    share = mem.get("graph_share_of_free")
-    too_big = share is not None and share > MEMORY_SHARE_LIMIT
-    where = f"at {t['length']} tokens"
-    # S_max = 1/p bounds what capturing the islands too could still win over this replay; the bound over eager
-    # (islands and host work kept, everything else free) is the other number a reader compares with.
-    bound = (f"islands are p={fmt(am.get('p'))} of a replay, so at most S_max={fmt(am.get('s_max'))}x more from "
-             f"capturing them and {fmt(am.get('s_max_over_eager'))}x over eager" if am.get("p") is not None
-             else "p unknown")
-    if t.get("launch_bound") is not None:
-        # What no launch path can beat without fusing kernels: how far a speedup target is reachable at all.
-        bound += f"; no graph beats eager by more than {t['launch_bound']:.2f}x here without fusing kernels"
-    if pays and not too_big:
-        head = (f"Breakable graphs pay here: {speedup:.2f}x measured (predicted {fmt(am.get('predicted_speedup'))}x, "
-                f"{bound}) {where}")
-    elif pays:
-        head = (f"Breakable graphs are faster here ({speedup:.2f}x {where}) but their resident memory is "
-                f"{share:.0%} of free memory; lower the ceiling only if the KV cache needs it")
+    rec, params = a["recommendation"], a["parameters"]
+    cov = params["bucket_coverage"]
+    graphs = rec["ceiling"] is not None
+    if graphs:
+        head = (f"Use {rec['backend']} with max_tokens={rec['ceiling']} ({len(rec['buckets'])} buckets): predicted "
+                f"{fmt(rec['expected_ms'], 3)} ms per prompt on this workload against "
+                f"{fmt(rec['eager_expected_ms'], 3)} ms eager ({fmt(rec['speedup'], 2, 'x')}), "
+                f"{fmt_bytes(rec['graph_memory_bytes'])} of graph memory, {fmt(rec['build_ms'] / 1e3, 1)} s to build; "
+                f"{rec['reason']}.")
     else:
-        head = (f"Breakable graphs do not pay here: {fmt(speedup)}x {where} ({bound}); use backend eager")
-    gap = t.get("launch_gap_share")
-    if not pays and gap is not None:
-        head += f" - the eager forward is only {gap:.0%} launch gap"
-    label = "= chunked_prefill_size" if ceiling == chunk else "covers every forward of this workload"
-    tail = (f"; if you do use them, set the capture ceiling to {ceiling} ({label}): "
-            f"{cov['graph_fraction']:.0%} of forwards replay, {len(cov['never_fired'])} of "
-            f"{cov['num_buckets']} buckets never fire")
-    if pays and not too_big:
-        tail = tail.replace("if you do use them, set", "set")
-    sentence = head + tail + "."
+        head = f"Run eagerly ({rec['backend']}): {rec['reason']}."
+    p = params.get("dynamic_share")
+    gap = params.get("launch_gap_share")
+    facts = (f" The eager forward is {fmt(gap, 2) if gap is None else f'{gap:.0%}'} launch gap; the dynamic share "
+             f"that stays eager is p={fmt(p, 3)} (so at most {fmt(params.get('s_max'), 2, 'x')} over eager); the "
+             f"buckets {'reach' if cov['reaches_chunk'] else 'stop below'} chunked_prefill_size "
+             f"{cov['chunked_prefill_size']} and {cov['graph_fraction']:.0%} of forwards replay; resident graph "
+             f"memory {fmt_bytes(params['resident_graph_memory_bytes'])}.")
+    sentence = head + facts
+    fastest = fastest_measured(a)
+    got = (a.get("measured_expected_ms") or {}).get(rec["backend"])
+    if fastest is not None and got:
+        name, ms = fastest
+        gap = "the fastest measured" if name == rec["backend"] else f"{got / ms - 1:+.1%} against the fastest, {name}"
+        sentence += (f" Measured on this workload: {rec['backend']} {fmt(got, 3)} ms per prompt ({gap}, "
+                     f"{fmt(ms, 3)} ms).")
     if a["environment"].get("emulated"):
         # CPU timings carry no launch overhead, so they cannot say whether graphs pay on a GPU.
-        pays = None
-        sentence = (f"CPU emulation: these timings show no kernel-launch overhead, so whether breakable graphs pay "
-                    f"cannot be judged here (measured {fmt(speedup)}x, {bound} {where}); run bcg analyze on the "
-                    f"GPU. On this workload set the capture ceiling to {ceiling} ({label}): "
-                    f"{cov['graph_fraction']:.0%} of forwards replay, {len(cov['never_fired'])} of "
-                    f"{cov['num_buckets']} buckets never fire.")
-    return {"pays": pays, "recommended_ceiling": ceiling, "sentence": sentence}
+        sentence = ("CPU emulation: these timings show no kernel-launch overhead, so this judgment reflects the "
+                    "emulation, not a GPU; run bcg analyze on the GPU. " + sentence)
+        return {"pays": None, "backend": rec["backend"], "recommended_ceiling": rec["ceiling"], "sentence": sentence}
+    return {"pays": graphs, "backend": rec["backend"], "recommended_ceiling": rec["ceiling"], "sentence": sentence}

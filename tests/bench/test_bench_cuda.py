@@ -1,5 +1,5 @@
-"""The CUDA tier of `bcg bench` and `bcg analyze`: every row's own device time and the host overhead above it, the
-floors, and the analysis's wall against device time of both forwards."""
+"""The CUDA tier of `bcg bench`: every row's own device time and the host overhead above it, and the floors (`bcg
+analyze`'s CUDA tier: test_analyze_cuda.py)."""
 
 from __future__ import annotations
 
@@ -33,12 +33,3 @@ def test_every_bench_row_has_its_variants_device_time(tmp_path: Path, capsys: py
             assert d["ms"] == d["floor_ms"]  # eager's own device time is the floor
         else:
             assert r["graph_used"]
-
-
-def test_analyze_reports_both_forwards_device_time(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    rc = main(["analyze", *FAST, "--chunked-prefill-size", "64", "--length", "32", "--lengths", "8,40,100",
-               "--out", str(tmp_path)])
-    assert rc == 0
-    assert "Wall and device time of one forward" in capsys.readouterr().out
-    timing = json.loads((tmp_path / "results.json").read_text())["timing"]
-    assert timing["eager_kernel_ms"] > 0 and timing["breakable_kernel_ms"] > 0

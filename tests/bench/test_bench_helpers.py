@@ -17,7 +17,6 @@ from bcg.bench.latency import LatencyResult
 from bcg.bench.memory import ceilings_for, run_memory
 from bcg.bench.rows import CPU_SPEEDUP_NOTE, LatencyRow, TokenCheck, compare_with_eager, geomean_speedups
 from bcg.bench.timing import Stats
-from bcg.bench.verdict import verdict
 
 
 @pytest.mark.parametrize("name", ["amdahl", "tables", "results", "text", "timing", "config", "checks", "engines",
@@ -192,33 +191,6 @@ def test_reasons_read_as_words() -> None:
     assert tables.describe_reason(True, "graph", 32) == "yes (bucket 32)"
     assert tables.describe_reason(False, "backend_refused") == "no: backend refused the model"
     assert tables.describe_reason(False, "some_new_code") == "no: some new code"
-
-
-def _analysis(speedup: float, share: float | None, emulated: bool = False) -> dict:
-    return {
-        "environment": {"emulated": emulated},
-        "timing": {"length": 512, "measured_speedup": speedup, "launch_gap_share": 0.1},
-        "amdahl": {"p": 0.2, "s_max": 5.0, "predicted_speedup": speedup * 1.1},
-        "coverage": {"chunked_prefill_size": 2048, "recommended_ceiling": 2048, "graph_fraction": 0.9,
-                     "never_fired": [4, 8], "num_buckets": 42},
-        "memory": {"graph_share_of_free": share},
-    }
-
-
-def test_verdict_sentences() -> None:
-    yes = verdict(_analysis(1.8, 0.01))
-    assert yes["pays"] is True and yes["sentence"].startswith("Breakable graphs pay here: 1.80x")
-    assert "set the capture ceiling to 2048 (= chunked_prefill_size)" in yes["sentence"]
-    no = verdict(_analysis(1.01, 0.01))
-    assert no["pays"] is False and "do not pay" in no["sentence"] and "10% launch gap" in no["sentence"]
-    big = verdict(_analysis(1.8, 0.5))
-    assert big["pays"] is True and "50% of free memory" in big["sentence"]
-    cpu = verdict(_analysis(1.8, None, emulated=True))
-    assert cpu["pays"] is None and cpu["sentence"].startswith("CPU emulation")
-    assert "without fusing kernels" not in yes["sentence"]  # no kernel time measured, no bound claimed
-    bounded = _analysis(1.8, 0.01)
-    bounded["timing"]["launch_bound"] = 2.4
-    assert "no graph beats eager by more than 2.40x here without fusing kernels" in verdict(bounded)["sentence"]
 
 
 def test_sample_lengths_is_seeded_and_bounded() -> None:

@@ -1,4 +1,5 @@
-"""`bcg bench` and `bcg analyze` end to end on tiny-dense under the CPU emulation, and flag errors."""
+"""`bcg bench` end to end on tiny-dense under the CPU emulation, and the flag errors of every command (`bcg analyze`'s
+runs: test_analyze_cli.py)."""
 
 from __future__ import annotations
 
@@ -95,47 +96,6 @@ def test_bench_reports_unavailable_backend(tmp_path: Path, capsys: pytest.Captur
     data = json.loads((tmp_path / "results.json").read_text())
     assert [r["backend"] for r in data["rows"]] == ["eager"]
     assert data["memory"] is None and data["plots"] == []
-
-
-def test_analyze_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    rc = main(["analyze", *FAST, "--chunked-prefill-size", "32", "--length", "16", "--lengths", "5,12,30,70",
-               "--out", str(tmp_path)])
-    assert rc == 0
-    out = capsys.readouterr().out
-    assert "Verdict:" in out
-    summary = last_json(out)
-    assert summary["kind"] == "analyze" and 0.0 < summary["p"] <= 1.0
-    assert summary["s_max"] == pytest.approx(1 / summary["p"])
-    assert summary["pays"] is None  # CPU timings cannot judge launch overhead
-    data = json.loads((tmp_path / "results.json").read_text())
-    assert {"timing", "replay", "amdahl", "coverage", "memory", "verdict", "model", "build"} <= set(data)
-    assert data["replay"]["bucket"] == 16 and data["replay"]["islands"][0]["name"].endswith("attention_island")
-    assert data["replay"]["islands"][0]["count"] == 2  # one attention island per layer of tiny-dense
-    assert data["replay"]["replay_host_ms"] > 0 and data["replay"]["host_over_device"] > 0
-    cov = data["coverage"]
-    assert cov["num_forwards"] == 6  # 70 splits into 32 + 32 + 6
-    assert cov["reaches_chunk"] is True and cov["max_bucket"] == 32
-    assert cov["recommended_ceiling"] == 32
-    assert isinstance(cov["never_fired"], list)
-    assert data["amdahl"]["prediction_error"] is not None
-    assert (tmp_path / "analyze.png").stat().st_size > 1000
-    assert "Wall and device time" not in out and data["timing"]["breakable_kernel_ms"] is None  # no profiler on a CPU
-    from bcg.bench.text import format_analysis
-
-    data["timing"].update(eager_forward_ms=0.6, eager_kernel_ms=0.3, breakable_forward_ms=0.5, breakable_kernel_ms=0.25)
-    text = format_analysis(data)  # as on CUDA: wall, device, host = wall - device, wall/device per forward
-    assert "eager        0.600      0.300    0.300        2.00x" in text
-    assert "breakable    0.500      0.250    0.250        2.00x" in text
-
-
-def test_analyze_lengths_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    f = tmp_path / "lengths.txt"
-    f.write_text("4, 8  # short\n12\n")
-    rc = main(["analyze", *FAST, "--chunked-prefill-size", "16", "--length", "8", "--lengths-file", str(f),
-               "--no-plots", "--out", str(tmp_path / "out")])
-    assert rc == 0
-    data = json.loads((tmp_path / "out" / "results.json").read_text())
-    assert data["coverage"]["num_prompts"] == 3
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -1,4 +1,5 @@
-"""The figures of `bcg bench` and `bcg analyze`: one colour per variant, legends off the bars, no stale PNGs."""
+"""The figures of `bcg bench`: one colour per variant, legends off the bars, no stale PNGs (`bcg analyze`'s:
+test_analyze_plots.py)."""
 
 from __future__ import annotations
 
@@ -67,28 +68,3 @@ def test_no_plots_removes_the_pngs_of_an_earlier_run(tmp_path: Path, capsys: pyt
     assert main([*argv, "--no-plots"]) == 0
     data = json.loads((tmp_path / "results.json").read_text())
     assert data["plots"] == [] and sorted(p.name for p in tmp_path.iterdir()) == ["mine.png", "results.json"]
-
-
-def _analysis_for_plot() -> dict:
-    sizes = [4, 8, 8, 12, 16, 16, 16, 30, 32, 32]
-    return {
-        "replay": {"outside_ms": 0.3, "segments_ms": 1.0, "p": 0.4,
-                   "islands": [{"name": "attention", "ms": 0.5}, {"name": "topk", "ms": 0.2}]},
-        "timing": {"eager_forward_ms": 3.0, "eager_kernel_ms": 1.2, "breakable_forward_ms": 2.1, "length": 16},
-        "coverage": {"forward_sizes": sizes, "forward_graph": [s <= 16 for s in sizes], "max_bucket": 16,
-                     "graph_fraction": 0.7, "padding_waste": 0.1},
-    }
-
-
-def test_analyze_figure_counts_whole_forwards_and_keeps_legends_off_the_bars() -> None:
-    fig = plots.analyze_figure(_analysis_for_plot(), "tiny-dense on cpu")
-    fig.canvas.draw()
-    renderer = fig.canvas.get_renderer()
-    ax1, ax2 = fig.axes[:2]
-    ticks = [t for t in ax2.get_yticks() if ax2.get_ylim()[0] <= t <= ax2.get_ylim()[1]]
-    assert ticks and all(float(t).is_integer() for t in ticks)
-    for ax in (ax1, ax2):
-        legend = ax.get_legend().get_window_extent(renderer)
-        bars = [p.get_window_extent(renderer) for p in ax.patches if p.get_height() > 0]
-        assert bars and not any(legend.overlaps(b) for b in bars)
-    plt.close(fig)

@@ -31,3 +31,6 @@ def test_bench_and_analyze_a_transformers_checkpoint(tmp_path: Path, capsys: pyt
     assert rc == 0
     analysis = json.loads((tmp_path / "analyze" / "results.json").read_text())
     assert analysis["model"]["arch"] == "transformers:gpt_oss" and analysis["model"]["num_layers"] == 4
+    # which modules run as islands, and what each costs: the attention of each of the 4 layers
+    assert [(i["name"], i["calls"]) for i in analysis["islands"]][:1] == [("attention_island", 4)]
+    assert analysis["islands"][0]["host_us"] > 0 and "breakable" in analysis["predictions"]

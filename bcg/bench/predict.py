@@ -1,0 +1,293 @@
+"""The prediction model: every backend's prefill as a program of host work and device work, played on one host and
+one device, from one profiled eager forward and this machine's launch costs.
+
+A program is a list of :class:`Launch` steps. Each takes host time; a step that enqueues device work (a kernel, a
+graph launch) starts it when both the host has issued it and the device has finished what came before, so
+:func:`simulate` is the two-clock pipeline a CUDA stream is: the wall time is whichever clock finishes last. A
+host-bound forward ends on the host clock (eager: every kernel costs a launch), a device-bound one on the device
+clock (a replay: kernels back to back, about :attr:`~bcg.bench.machine.MachineCosts.graph_kernel_us` apart).
+
+Each backend's program, built from the eager trace (:mod:`bcg.bench.trace`) and the host times of the same forward
+(:class:`HostTimes`):
+
+* every backend: the engine's host work before the forward and loading the batch, then graphs and islands, then the
+  engine's host work after the forward (which a device still busy with the forward hides);
+* ``breakable``: one graph launch per segment, the break's own overhead, and each island's measured host time
+  spreading its kernels' launches;
+* ``full``: one graph launch for the whole step, whose kernels are those of the step run eagerly under the static
+  attention (the full trace);
+* ``tc_piecewise``: pieces like breakable's segments, but each piece and each island costs a Python call into the
+  split graph, every forward pays dynamo's guards once, and the K/V write of each attention layer runs eagerly in
+  the island (its split point is the whole ``bcg::attention`` op);
+* compiled variants (``+inductor``, and ``tc_piecewise`` with Inductor): :func:`fuse` merges each run of fusible
+  kernels between matmul-like ones into one kernel.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from bcg.bench.trace import ForwardTrace, Kernel, Region, regions
+
+__all__ = ["FUSION_REST", "HostTimes", "Launch", "Played", "breakable_program", "full_program", "fuse",
+           "in_graph_us", "is_fusible", "simulate", "tc_piecewise_program"]
+
+# A fused group of memory-bound kernels costs its longest member plus this share of the others: the group reads and
+# writes its tensors once, not once per op. A calibration constant, checked by `bcg analyze --validate` on a GPU.
+FUSION_REST = 0.3
+# Ops and kernels Inductor leaves as they are (library matmuls, attention, sorts, data-dependent shapes).
+_EXTERN_OPS = ("mm", "matmul", "linear", "conv", "attention", "flash", "efficient", "cudnn", "sort", "topk",
+               "nonzero", "unique", "histc", "bincount", "embedding_bag")
+_EXTERN_KERNELS = ("gemm", "cutlass", "xmma", "nvjet", "cublas", "flash", "fmha", "sm90", "sm80", "sm100")
+# The K/V write that precedes each attention island (two index_copy_), run eagerly in tc_piecewise's islands.
+_KV_WRITE_OP = "aten::index_copy_"
+ATTENTION_ISLAND = "attention_island"
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One step of a program: ``host_us`` of host work, then (``on_device``) ``device_us`` of device work it
+    enqueues. ``part`` names what it is ("outside", "segment", "island:<name>", "piece", ...); a graph launch holds
+    ``nodes`` kernel nodes."""
+
+    part: str
+    host_us: float
+    device_us: float = 0.0
+    on_device: bool = False
+    nodes: int = 0
+
+
+@dataclass
+class Played:
+    """A simulated program: its wall time, the host and device time it took, and both per part."""
+
+    wall_us: float
+    host_us: float
+    device_us: float
+    parts: dict[str, dict[str, float]] = field(default_factory=dict)
+
+    @property
+    def wall_ms(self) -> float:
+        return self.wall_us / 1e3
+
+
+def simulate(program: Sequence[Launch]) -> Played:
+    """Plays ``program`` on one host and one in-order device; returns when both are done.
+
+    Example::
+
+        >>> p = simulate([Launch("a", 10.0, 5.0, True), Launch("b", 1.0, 50.0, True), Launch("c", 2.0)])
+        >>> p.wall_us, p.host_us, p.device_us
+        (65.0, 13.0, 55.0)
+    """
+    host = device = busy = 0.0
+    parts: dict[str, dict[str, float]] = {}
+    for step in program:
+        if step.host_us < 0 or step.device_us < 0:
+            raise ValueError(f"negative time in program step {step}")
+        host += step.host_us
+        part = parts.setdefault(step.part, {"host_us": 0.0, "device_us": 0.0, "count": 0, "nodes": 0})
+        part["host_us"] += step.host_us
+        part["count"] += 1
+        part["nodes"] += step.nodes
+        if step.on_device:
+            device = max(device, host) + step.device_us
+            busy += step.device_us
+            part["device_us"] += step.device_us
+    return Played(max(host, device), host, busy, parts)
+
+
+@dataclass
+class HostTimes:
+    """Host-side times of one eager forward at ``num_tokens`` (unprofiled, :mod:`bcg.bench.profile`).
+
+    Attributes:
+        forward_ms: median wall time of ``runner.forward``; host_ms: the host time until it returned, from an idle
+            device; prefill_ms: median wall time of ``Engine.prefill`` of the same prompt.
+        load_us: host time to load the batch into its fields (the eager work before a replay); full_load_us: the
+            same into the static attention's fields (``full``), None when not measured.
+        island_us: host time per call of each island, by name; island_calls: calls per forward.
+        island_bytes: bytes of tensor arguments per call of each island (what crosses a piece boundary).
+        prefill_pre_us / prefill_post_us: the host time ``Engine.prefill`` spends before the forward starts and after it
+            returns (None when not measured: the whole difference to the forward then comes first).
+    """
+
+    num_tokens: int
+    forward_ms: float
+    host_ms: float
+    prefill_ms: float
+    load_us: float
+    full_load_us: float | None = None
+    island_us: dict[str, float] = field(default_factory=dict)
+    island_calls: dict[str, int] = field(default_factory=dict)
+    island_bytes: dict[str, float] = field(default_factory=dict)
+    prefill_pre_us: float | None = None
+    prefill_post_us: float | None = None
+
+    @property
+    def before_us(self) -> float:
+        """The engine's host work before the forward (all of it when the split was not measured)."""
+        return self.prefill_overhead_us if self.prefill_pre_us is None else self.prefill_pre_us
+
+    @property
+    def after_us(self) -> float:
+        """The engine's host work after the forward returned: it overlaps a device still running the forward."""
+        return 0.0 if self.prefill_pre_us is None else (self.prefill_post_us or 0.0)
+
+    @property
+    def prefill_overhead_us(self) -> float:
+        """The engine's host work around one forward (prompt checks, scheduling, KV lease, sampling)."""
+        return max(self.prefill_ms - self.forward_ms, 0.0) * 1e3
+
+    @property
+    def islands_us(self) -> float:
+        """Host time of every island call of one forward."""
+        return sum(self.island_us[n] * self.island_calls.get(n, 0) for n in self.island_us)
+
+
+def is_fusible(k: Kernel) -> bool:
+    """Whether a compiler would fuse ``k`` with its neighbours: a pointwise, reduction or indexing op (not a copy,
+    a matmul, attention, a sort, or a kernel launched outside any op, such as a Triton kernel).
+
+    Example::
+
+        >>> is_fusible(Kernel("vectorized_elementwise_kernel", "aten::mul", 2.0))
+        True
+        >>> is_fusible(Kernel("sm90_xmma_gemm", "aten::mm", 9.0))
+        False
+    """
+    if k.is_copy or not k.op:
+        return False
+    op, name = k.op.lower(), k.name.lower()
+    return not any(e in op for e in _EXTERN_OPS) and not any(e in name for e in _EXTERN_KERNELS)
+
+
+def fuse(kernels: Sequence[Kernel], rest: float = FUSION_REST) -> list[Kernel]:
+    """``kernels`` as a compiler would launch them: each run of fusible kernels becomes one kernel costing its
+    longest member plus ``rest`` of the others; the others stay as they are.
+
+    Example::
+
+        >>> ks = [Kernel("mul", "aten::mul", 2.0), Kernel("add", "aten::add", 4.0), Kernel("gemm", "aten::mm", 9.0)]
+        >>> [(k.name, k.device_us) for k in fuse(ks, rest=0.5)]
+        [('fused(2)', 5.0), ('gemm', 9.0)]
+    """
+    out: list[Kernel] = []
+    group: list[Kernel] = []
+
+    def flush() -> None:
+        if not group:
+            return
+        longest = max(k.device_us for k in group)
+        total = sum(k.device_us for k in group)
+        out.append(Kernel(f"fused({len(group)})", "fused", longest + rest * (total - longest), group[0].island,
+                          host_us=group[0].host_us))
+        group.clear()
+
+    for k in kernels:
+        if is_fusible(k):
+            group.append(k)
+        else:
+            flush()
+            out.append(k)
+    flush()
+    return out
+
+
+def in_graph_us(device_us: float, gap_us: float) -> float:
+    """A kernel's device time inside a replayed graph: its eager device time plus the graph's per-kernel gap (which
+    is negative where back-to-back kernels in a graph start sooner than a profiled eager kernel ran)."""
+    return max(device_us + gap_us, 0.0)
+
+
+def _graph(part: str, kernels: Sequence[Kernel], costs: Any, launch_us: float) -> Launch:
+    device = sum(in_graph_us(k.device_us, costs.graph_gap(k.device_us)) for k in kernels)
+    return Launch(part, launch_us + costs.graph_launch_per_node_us * len(kernels), device, True, len(kernels))
+
+
+def _outside(trace_regions: list[Region], host: HostTimes, load_us: float) -> list[Launch]:
+    """The work before the first graph: the engine's steps and the batch's load, then the copies it enqueues (the
+    leading copies of the first region, which leave it)."""
+    program = [Launch("outside", host.before_us + load_us)]
+    if trace_regions and trace_regions[0].island is None:
+        ks = list(trace_regions[0].kernels)
+        while ks and ks[0].is_copy:
+            program.append(Launch("outside", 0.0, ks.pop(0).device_us, True))
+        trace_regions[0] = Region(tuple(ks))
+    return program
+
+
+def _island(region: Region, host: HostTimes, overhead_us: float, extra: Sequence[Kernel] = (),
+            launch_us: float = 0.0) -> list[Launch]:
+    """One island call: its overhead, then its kernels' launches spread over its measured host time (``extra``:
+    kernels that run eagerly with it, each at ``launch_us``)."""
+    assert region.island is not None
+    name = region.island.name
+    part = f"island:{name}"
+    steps = [Launch(part, overhead_us)]
+    steps += [Launch(part, launch_us, k.device_us, True) for k in extra]
+    ks = region.kernels
+    h = host.island_us.get(name, 0.0)
+    if not ks:
+        return [*steps, Launch(part, h)]
+    return steps + [Launch(part, h / len(ks), k.device_us, True) for k in ks]
+
+
+def breakable_program(trace: ForwardTrace, host: HostTimes, costs: Any,
+                      compiled: Callable[[Sequence[Kernel]], list[Kernel]] | None = None) -> list[Launch]:
+    """The breakable replay of the step ``trace`` profiled: a graph launch per segment, each island eagerly; with
+    ``compiled`` (e.g. :func:`fuse`) the segments run the compiled kernels."""
+    rs = regions(trace)
+    program = _outside(rs, host, host.load_us)
+    for r in rs:
+        if r.island is None:
+            if r.kernels:
+                program.append(_graph("segment", compiled(r.kernels) if compiled else r.kernels, costs,
+                                      costs.graph_launch_us))
+        else:
+            program += _island(r, host, costs.break_us)
+    return [*program, Launch("after", host.after_us)]
+
+
+def full_program(full_trace: ForwardTrace, host: HostTimes, costs: Any,
+                 compiled: Callable[[Sequence[Kernel]], list[Kernel]] | None = None) -> list[Launch]:
+    """The full backend's replay: one graph launch of every kernel of the step run under the static attention."""
+    rs = regions(full_trace)
+    load = host.full_load_us if host.full_load_us is not None else host.load_us
+    program = _outside(rs, host, load)
+    kernels = [k for r in rs for k in r.kernels]
+    program.append(_graph("graph", compiled(kernels) if compiled else kernels, costs, costs.graph_launch_us))
+    return [*program, Launch("after", host.after_us)]
+
+
+def _split_kv_writes(rs: list[Region]) -> list[tuple[Region, list[Kernel]]]:
+    """Each region with the K/V-write kernels that tc_piecewise runs in the attention island after it moved out of
+    the graph region before it (at most two index_copy_ right before each attention call)."""
+    out: list[tuple[Region, list[Kernel]]] = []
+    for r in rs:
+        moved: list[Kernel] = []
+        if r.island is not None and r.island.name == ATTENTION_ISLAND and out and out[-1][0].island is None:
+            prev = list(out[-1][0].kernels)
+            while prev and len(moved) < 2 and prev[-1].op == _KV_WRITE_OP:
+                moved.insert(0, prev.pop())
+            out[-1] = (Region(tuple(prev)), out[-1][1])
+        out.append((r, moved))
+    return out
+
+
+def tc_piecewise_program(trace: ForwardTrace, host: HostTimes, costs: Any, num_params: int,
+                         compiled: Callable[[Sequence[Kernel]], list[Kernel]] | None = None) -> list[Launch]:
+    """torch.compile piecewise: dynamo's guards once, then a Python call per piece (which replays its graph) and per
+    island, whose K/V write runs eagerly."""
+    rs = regions(trace)
+    program = _outside(rs, host, host.load_us)
+    program.append(Launch("guards", costs.tc_call_us(num_params)))
+    for r, moved in _split_kv_writes(rs):
+        if r.island is None:
+            if r.kernels:
+                program.append(_graph("piece", compiled(r.kernels) if compiled else r.kernels, costs, costs.piece_us))
+        else:
+            program += _island(r, host, costs.piece_us, moved, costs.eager_launch_us)
+    return [*program, Launch("after", host.after_us)]

@@ -1,0 +1,166 @@
+"""``bcg analyze --validate``: build every predicted variant for real, measure it, and put it next to its prediction.
+
+Each variant's engine is built as ``bcg bench`` builds it (:func:`~bcg.bench.engines.engine_for`: capture ceiling and
+ladder of the run, its kernels and compiler), its build time and resident graph memory are read from its telemetry,
+and one request's prefill is timed at every length (under each ``--cpu-cores`` count too, pinned). For the first
+breakable variant the replay of the representative length is also timed step by step, which gives the island share
+``p`` of a replay as measured. A variant that cannot be built is recorded with its reason, so a wrong availability
+prediction shows.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from bcg.bench import amdahl
+from bcg.bench.cores import pinned
+from bcg.bench.engines import BuildRecord, EngineSpec, engine_for, make_prompts, one_batch
+from bcg.bench.timing import Marks, sync, time_fn
+
+__all__ = ["Measured", "errors", "measure_variants", "replay_breakdown"]
+
+
+@dataclass
+class Measured:
+    """One variant built and timed: available or why not, prefill ms per length (and per core count), whether each
+    length replayed a graph, its build time and resident graph memory, and (plain breakable) its replay's steps."""
+
+    variant: str
+    available: bool
+    error: str | None = None
+    ms: dict[int, float] = field(default_factory=dict)
+    graph_used: dict[int, bool] = field(default_factory=dict)
+    by_cores: dict[int, dict[int, float]] = field(default_factory=dict)
+    build_ms: float | None = None
+    graph_memory_bytes: int | None = None
+    num_segments: int | None = None
+    num_breaks: int | None = None
+    replay: dict[str, Any] | None = None
+
+
+def prompt_for(vocab_size: int, length: int, seed: int) -> torch.Tensor:
+    """The prompt every measurement of ``length`` tokens uses, predicted or measured (as ``bcg bench``'s)."""
+    return make_prompts([length], vocab_size, seed + length)[0]
+
+
+def measure_variants(spec: EngineSpec, variants: Sequence[str], lengths: Sequence[int], length: int, runs: int,
+                     warmup: int, seed: int, cores: Sequence[int | None] = (None,)) -> dict[str, Measured]:
+    """Builds, measures and frees each variant in turn (see the module doc); returns them by name.
+
+    Example::
+
+        got = measure_variants(cfg.engine_spec(), ["breakable", "full"], [64, 512], 512, runs=20, warmup=5, seed=0)
+        got["full"].ms[512], got["breakable"].graph_memory_bytes
+    """
+    out: dict[str, Measured] = {}
+    stepped = next((v for v in variants if v.split("+")[0] == "breakable"), None)  # its replay, step by step
+    for variant in variants:
+        record = BuildRecord(variant)
+        with engine_for(spec, variant, record) as eng:
+            if eng is None:
+                out[variant] = Measured(variant, False, record.error)
+                continue
+            m = Measured(variant, True, build_ms=record.build_ms, graph_memory_bytes=record.graph_memory_bytes,
+                         num_segments=record.num_segments, num_breaks=record.num_breaks)
+            vocab = eng.model.config.vocab_size
+            with torch.inference_mode():
+                for n in lengths:
+                    m.graph_used[n] = all(b.graph_used for b in eng.prefill([prompt_for(vocab, n, seed)]).batches)
+            prompts = {n: prompt_for(vocab, n, seed) for n in {*lengths, length}}
+            for k in cores:
+                with pinned(k):
+                    timed = {n: time_fn(lambda p=prompts[n]: eng.prefill([p]), eng.device, runs=runs,
+                                        warmup=warmup).median_ms for n in (lengths if k is None else [length])}
+                if k is None:
+                    m.ms = timed
+                else:
+                    m.by_cores[k] = timed
+            if variant == stepped:
+                m.replay = replay_breakdown(eng, prompt_for(vocab, length, seed), runs, warmup)
+            out[variant] = m
+    return out
+
+
+def errors(predicted: dict[str, dict[int, float]], measured: dict[str, Measured]) -> dict[str, dict[int, float]]:
+    """``predicted / measured - 1`` per variant and length, where both exist."""
+    out: dict[str, dict[int, float]] = {}
+    for name, by_len in predicted.items():
+        m = measured.get(name)
+        if m is None or not m.available:
+            continue
+        out[name] = {n: amdahl.prediction_error(ms, m.ms[n]) for n, ms in by_len.items() if m.ms.get(n)}
+    return out
+
+
+def replay_breakdown(eng: Any, prompt: torch.Tensor, runs: int, warmup: int) -> dict[str, Any]:
+    """Times each step of one bucket's breakable replay (islands grouped by name), the host time to launch the
+    replay, and the eager work around it; the measured ``p`` is the islands' share of the replay."""
+    from bcg.graph import EagerStep
+
+    runner, device = eng.runner, eng.device
+    bucket, reason = runner.choose(prompt.numel())
+    if bucket is None:
+        return {"bucket": None, "note": f"a {prompt.numel()}-token batch does not replay a graph ({reason})"}
+    batch, slots = one_batch(eng, prompt)
+    try:
+        with torch.inference_mode():
+            outside = time_fn(lambda: _enter_exit(runner, batch), device, runs=runs, warmup=warmup)
+            with runner.replay_context(batch) as (bucket, handle):
+                steps = list(handle.steps)
+                whole = time_fn(handle.replay, device, runs=runs, warmup=warmup)
+                host_ms = _host_launch_ms(handle.replay, device, runs, warmup)
+                per_run: list[list[float]] = []
+                for i in range(warmup + runs):
+                    marks = Marks(device, capacity=len(steps) + 1)
+                    marks.mark()
+                    for step in steps:
+                        step() if isinstance(step, EagerStep) else step.replay()
+                        marks.mark()
+                    if i >= warmup:
+                        per_run.append(marks.deltas_ms())
+    finally:
+        eng.kv_pool.free(slots)
+    is_island = [isinstance(s, EagerStep) for s in steps]
+    seg = statistics.median(sum(d for d, isl in zip(run, is_island) if not isl) for run in per_run)
+    names: dict[str, list[int]] = defaultdict(list)
+    for idx, step in enumerate(steps):
+        if is_island[idx]:
+            names[step.name].append(idx)
+    islands = [{"name": name, "count": len(idxs),
+                "ms": statistics.median(sum(run[i] for i in idxs) for run in per_run)} for name, idxs in names.items()]
+    isl = sum(i["ms"] for i in islands)
+    for i in islands:
+        i["share"] = i["ms"] / (seg + isl) if seg + isl > 0 else None
+    islands.sort(key=lambda i: -i["ms"])
+    return {
+        "bucket": bucket, "num_segments": len(steps) - sum(is_island), "num_breaks": sum(is_island),
+        "segments_ms": seg, "islands_ms": isl, "outside_ms": outside.median_ms, "replay_ms": whole.median_ms,
+        "replay_host_ms": host_ms, "host_over_device": host_ms / whole.median_ms,
+        "p": amdahl.island_fraction(isl, seg + isl) if seg + isl > 0 else None, "islands": islands,
+    }
+
+
+def _host_launch_ms(fn: Any, device: torch.device, runs: int, warmup: int) -> float:
+    """Median host time for ``fn`` to return from an idle device, not waiting for it."""
+    samples = []
+    for i in range(warmup + runs):
+        sync(device)
+        t0 = time.perf_counter()
+        fn()
+        if i >= warmup:
+            samples.append((time.perf_counter() - t0) * 1e3)
+    sync(device)
+    return statistics.median(samples)
+
+
+def _enter_exit(runner: Any, batch: Any) -> None:
+    # Loading the static buffers and setting the context: the eager work around a replay.
+    with runner.replay_context(batch):
+        pass

@@ -1,0 +1,67 @@
+"""The CUDA tier of `bcg analyze`: the profiler's kernels attributed to their island calls and ops, this machine's
+costs measured, and a validated run whose availability predictions agree with the builds. Structure only: the
+prediction error targets are benchmarks (scripts/analyze_evidence.sh), not tests."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from bcg.cli import main
+
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+
+def test_profiled_forward_finds_kernels_islands_and_the_full_step() -> None:
+    from bcg.bench.engines import EngineSpec, engine_for
+    from bcg.bench.profile import host_times, profiled_forward
+    from bcg.bench.trace import regions
+    from bcg.bench.validate import prompt_for
+    from bcg.runtime.config import EngineConfig
+
+    spec = EngineSpec("tiny-dense", EngineConfig(device="cuda", chunked_prefill_size=64, progress=False))
+    with engine_for(spec, "eager") as eng:
+        prompt = prompt_for(eng.model.config.vocab_size, 32, 0)
+        host = host_times(eng, prompt, runs=3, warmup=1)
+        p = profiled_forward(eng, prompt, host, bucket=32)
+    assert host.island_calls == {"attention_island": 2} and host.island_us["attention_island"] > 0
+    assert len(p.trace.calls) == 2
+    rs = regions(p.trace)
+    islands = [r for r in rs if r.island is not None]
+    assert len(islands) == 2 and all(r.kernels for r in islands)  # each island launched its attention kernel
+    graph = [k for r in rs if r.island is None for k in r.kernels]
+    assert sum(k.op == "aten::mm" or "gemm" in k.name.lower() for k in graph) >= 7  # 3 matmuls a layer, the head
+    assert all(k.device_us > 0 for k in p.trace.kernels)
+    assert p.full_error is None and p.full_trace is not None and not p.full_trace.calls
+    assert p.activation_bytes and p.activation_bytes > 0
+
+
+def test_machine_costs_on_cuda() -> None:
+    from bcg.bench import machine
+
+    costs = machine.measure_device(machine.measure("cuda", compilers=(), guards=True))
+    for name in ("eager_launch_us", "eager_kernel_us", "graph_kernel_us", "graph_launch_us", "piece_us",
+                 "capture_per_graph_us", "tiny_kernel_us"):
+        value = getattr(costs, name)
+        assert value is not None and math.isfinite(value) and value > 0, name
+    assert costs.graph_node_bytes >= 0 and costs.graph_bytes >= 0 and not costs.emulated
+
+
+def test_validated_analyze_agrees_on_availability(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rc = main(["analyze", "--device", "cuda", "--model", "tiny-dense", "--runs", "3", "--warmup", "1",
+               "--no-progress", "--chunked-prefill-size", "64", "--predict-lengths", "16,64", "--length", "32",
+               "--lengths", "8,40,100", "--backends", "breakable,breakable+fused,full", "--validate",
+               "--out", str(tmp_path)])
+    assert rc == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    data = json.loads((tmp_path / "results.json").read_text())
+    for v in ("breakable", "breakable+fused", "full"):
+        assert data["validation"][v]["available"] == data["validation"][v]["predicted_available"] is True
+        assert set(summary["errors"][v]) == {"16", "32", "64"}
+    assert set(data["predictions"]) >= {"eager", "eager+fused"}
+    assert data["machine"]["None"]["tiny_kernel_us"] > 0 and data["memory"]["free_bytes"] > 0
+    assert data["parameters"]["launch_gap_share"] is not None
