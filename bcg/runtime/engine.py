@@ -252,8 +252,8 @@ class Engine:
         ids, _ = validate_prompts([prompt], config.vocab_size, config.max_position_embeddings, self.device)
         with self._server_lock:
             if self._server is None:
-                cfg = self.config
-                self._server = Server(self.runner.forward, self.runner.lock, self.kv_pool, self.prefix_cache,
+                cfg, runner = self.config, self.runner  # the runner's forward looked up per call, never the engine
+                self._server = Server(lambda batch: runner.forward(batch), runner.lock, self.kv_pool, self.prefix_cache,
                                       self._gate, cfg.chunked_prefill_size, cfg.schedule_policy,
                                       cfg.max_inflight_batches, self.device)
                 weakref.finalize(self, self._server.close)  # an engine dropped without close() stops its threads

@@ -84,6 +84,7 @@ class PrefixCache:
         # a child, been touched again or been evicted since it was pushed); rebuilt when stale entries pile up.
         self._heap: list[tuple[int, int, _Node]] = []
         self.num_cached_tokens = 0  # slots the tree holds
+        self.num_locked_tokens = 0  # of which in nodes some request locks (the rest can be evicted)
         self.num_nodes = 0
         self.num_evicted_tokens = 0
 
@@ -145,17 +146,33 @@ class PrefixCache:
             n: _Node | None = node
             while n is not None and n is not self._root:
                 n.lock_ref -= 1
+                if n.lock_ref == 0:
+                    self.num_locked_tokens -= len(n.slots)
                 n = n.parent
             if node.lock_ref == 0 and not node.children and node.parent is not None:
                 self._push(node)
 
     # ---------------------------------------------------------------- eviction
     def evict(self, num_tokens: int) -> int:
-        """Frees at least ``num_tokens`` slots to the pool if unlocked entries hold them, least recently used leaves
-        first; returns how many it freed."""
+        """Frees at least ``num_tokens`` slots to the pool, least recently used leaves first, and returns how many it
+        freed; nothing when the unlocked entries hold fewer (an allocation that cannot succeed empties no cache)."""
+        return self._evict(num_tokens, partial=False)
+
+    def clear(self) -> int:
+        """Evicts every unlocked entry; returns the slots freed (entries that running requests lock stay)."""
+        return self._evict(self.num_cached_tokens, partial=True)
+
+    @property
+    def num_evictable_tokens(self) -> int:
+        """Slots an eviction could free now (every unlocked node: what a lock protects is its node's path)."""
+        return self.num_cached_tokens - self.num_locked_tokens
+
+    def _evict(self, num_tokens: int, partial: bool) -> int:
         freed: list[np.ndarray] = []
         total = 0
         with self._lock:
+            if not partial and self.num_cached_tokens - self.num_locked_tokens < num_tokens:
+                return 0
             rebuilt = False
             while total < num_tokens:
                 if not self._heap:
@@ -183,13 +200,8 @@ class PrefixCache:
             self.pool.free(torch.from_numpy(np.sort(np.concatenate(freed))), check=False)
         return total
 
-    def clear(self) -> int:
-        """Evicts every unlocked entry; returns the slots freed (entries that running requests lock stay)."""
-        return self.evict(self.num_cached_tokens)
-
-    @property
-    def num_locked_tokens(self) -> int:
-        """Slots of entries some request locks (walks the tree: for tests and reports)."""
+    def count_locked_tokens(self) -> int:
+        """Slots of entries some request locks, counted by walking the tree (checks :attr:`num_locked_tokens`)."""
         with self._lock:
             stack, total = list(self._root.children.values()), 0
             while stack:
@@ -249,6 +261,8 @@ class PrefixCache:
         n: _Node | None = node
         while n is not None and n is not self._root:
             n.lock_ref += 1
+            if n.lock_ref == 1:
+                self.num_locked_tokens += len(n.slots)
             n = n.parent
 
     def _evictable(self, node: _Node) -> bool:
