@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from bcg.bench.config import LoadConfig
 from bcg.bench.load_report import load_figure
@@ -141,3 +142,37 @@ def test_a_trace_file_that_is_not_one_is_refused(tmp_path: Path) -> None:
         (tmp_path / "empty.txt").write_text("# nothing\n")
         read_trace(str(tmp_path / "empty.txt"))
     assert LoadConfig(device="cpu").resolved().rates == [10.0, 40.0]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_load_on_the_gpu(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, summary, out = run(["load", "--model", "tiny-dense", "--backends", "eager,breakable+fused", "--rates",
+                              "50,200", "--duration", "1", "--lengths", "lognormal:48:8:256", "--shared-prefix", "64",
+                              "--chunked-prefill-size", "512", "--no-progress", "--out", str(tmp_path)], capsys)
+    assert code == 0 and not summary["emulated"] and summary["note"] is None and "smoke" not in out.splitlines()[0]
+    rows = json.loads((tmp_path / "results.json").read_text())["rows"]
+    assert all(r["completed"] == r["submitted"] > 0 and r["cached_share"] > 0.3 for r in rows)
+    assert all(r["graph_share"] > 0.9 for r in rows if r["backend"] == "breakable+fused")
+
+
+def test_the_target_checker_judges_load_results() -> None:
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    try:
+        from load_targets import judge
+    finally:
+        sys.path.pop(0)
+
+    def results(model: str, p99: float, tokens: float, shared: int = 0, p50: float = 10.0) -> dict:
+        rows = [{"backend": "breakable+fused", "rate": rate, "skipped": False, "fell_behind": rate > 900,
+                 "ttft_ms": {"p50": p50, "p99": p99}, "tokens_per_s": tokens * rate / 2000} for rate in (900, 2000)]
+        return {"config": {"model": model, "shared_prefix": shared}, "rows": rows}
+
+    lines, verdict = judge([results("llama-dense", 25.0, 320e3), results("gptoss-moe", 50.0, 300e3)],
+                           results("llama-dense", 9, 1, 1000, p50=4.0), results("llama-dense", 9, 1, 1000, p50=15.0))
+    assert verdict["llama-dense_p99_at_900"] and verdict["llama-dense_saturation"]
+    assert verdict["gptoss-moe_p99_at_900"] is False and verdict["gptoss-moe_saturation"] is False  # 300k < 304k
+    assert verdict["prefix_p50_ratio"] and verdict["prefix_ratios"] == {"900": 4 / 15, "2000": 4 / 15}
+    assert any("p99 TTFT at 900 req/s 50.0 ms (target <= 45 ms): MISSED" in line for line in lines)
