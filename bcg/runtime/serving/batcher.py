@@ -17,7 +17,6 @@ as it was before it, and its requests give back their own slots.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -137,12 +136,9 @@ class Batcher:
     def launched(self, plan: Plan, record: BatchRecord) -> list[Request]:
         """``plan``'s forward was launched: its prefixes join the cache, finished requests give back what the cache
         did not adopt. Returns the finished requests (``plan.finishing``)."""
-        now = time.perf_counter()
         for req, _start, end in plan.chunks:
             req.batches.append(record)
             req.done = end
-            if req.first_launch is None:
-                req.first_launch = now
             if self.cache is not None:
                 node, adopted_from = self.cache.insert(req.tokens[:end], req.slots[:end])
                 req.adopted[adopted_from:end] = True
@@ -152,8 +148,7 @@ class Batcher:
         if plan.finishing:
             done = set(map(id, plan.finishing))
             self.running = [r for r in self.running if id(r) not in done]
-            for req in plan.finishing:
-                self.release(req)
+            self._release_all(plan.finishing)
         return plan.finishing
 
     def failed(self, plan: Plan) -> list[Request]:
@@ -162,26 +157,31 @@ class Batcher:
         reqs = [req for req, _, _ in plan.chunks]
         gone = set(map(id, reqs))
         self.running = [r for r in self.running if id(r) not in gone]
-        for req in reqs:
-            self.release(req)
+        self._release_all(reqs)
         return reqs
 
     def abort(self) -> list[Request]:
         """Stops every waiting and running request, giving their slots back; returns them."""
         reqs = self.running + self.queue.drain()
         self.running = []
-        for req in reqs:
-            self.release(req)
+        self._release_all(reqs)
         return reqs
 
     def release(self, req: Request) -> None:
         """Gives back what ``req`` holds (its lock and its own slots); a request holds nothing afterwards."""
-        if req.slots is None:
-            return
-        if self.cache is not None:
-            self.cache.unlock(req.node)
-            req.node = None
-        own = req.own_slots()
-        if own.size:
-            self.pool.free(torch.from_numpy(np.sort(own)), check=False)
-        req.slots = None
+        self._release_all([req])
+
+    def _release_all(self, reqs: list[Request]) -> None:
+        own = []
+        for req in reqs:
+            if req.slots is None:
+                continue
+            if self.cache is not None:
+                self.cache.unlock(req.node)
+                req.node = None
+            own.append(req.own_slots())
+            req.slots = None
+        if own:
+            slots = np.sort(np.concatenate(own))
+            if slots.size:  # one call for the whole forward, in ascending order (the pool hands out its lowest)
+                self.pool.free(torch.from_numpy(slots), check=False)

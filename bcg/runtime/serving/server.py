@@ -211,17 +211,19 @@ class Server:
                 "free and nothing of this engine holds the rest (allocated outside it); free them or raise kv_tokens")
 
     def _launch(self, plan: Plan) -> None:
+        now = time.perf_counter()
+        for req, _, _ in plan.chunks:
+            if req.first_launch is None:
+                req.first_launch = now
         self.gate.enter()
         try:
             with self._lock:
                 out = self._forward(plan.batch)
-                logits = next_tokens = event = None
+                logits = next_tokens = None
                 if plan.finishing:  # the rows are a view of the graph's static buffers: copy them out now
                     logits = out.logits.clone()
                     next_tokens = logits.argmax(dim=-1)
-                if self.device.type == "cuda":
-                    event = torch.cuda.Event()
-                    event.record()
+                event = self._record_event()
         except Exception as e:  # this forward's requests fail, nobody else's
             self.gate.exit()
             self._inflight.release()
@@ -229,11 +231,25 @@ class Server:
             self._set_holding()
             self.gate.notify()
             return
-        finished = self.batcher.launched(plan, out.record)
+        try:
+            finished = self.batcher.launched(plan, out.record)
+        except BaseException as e:  # a bug in the bookkeeping: this forward's requests fail, then the scheduler stops
+            self._fail([req for req, _, _ in plan.chunks], e)
+            self.gate.exit()
+            self._inflight.release()
+            raise
         self._set_holding()
         if finished:
             self.gate.notify()  # slots freed or evictable: waiting reservations may proceed
         self._completions.put(_Completion(finished, logits, next_tokens, event))
+
+    def _record_event(self) -> Any:
+        """Marks the end of the forward just launched on the device's stream (None on the CPU, where it is over)."""
+        if self.device.type != "cuda":
+            return None
+        event = torch.cuda.Event()
+        event.record()
+        return event
 
     def _set_holding(self) -> None:
         """Counts the scheduler as a holder of slots in the gate while it runs requests (a prefill waiting for
