@@ -229,7 +229,6 @@ class Engine:
             return PrefillItem.unchecked(ids, new_slots, 0, prefix_slots)
         return PrefillItem.unchecked(ids[chunk.start : chunk.end], new_slots, chunk.start, prefix_slots)
 
-
     # ---------------------------------------------------------------- serving
     def submit(self, prompt: Prompt) -> Future[RequestResult]:
         """Queues one prompt for the scheduler thread and returns the future of its :class:`RequestResult`
@@ -241,8 +240,8 @@ class Engine:
         Example::
 
             with Engine("tiny-dense", device="cpu") as eng:
-                futures = [eng.submit(p) for p in ([1, 2, 3, 4], [1, 2, 3, 5])]
-                [f.result().cached_tokens for f in futures]   # [0, 3] once the first was cached before the second
+                eng.submit([1, 2, 3, 4]).result().cached_tokens     # 0
+                eng.submit([1, 2, 3, 5]).result().cached_tokens     # 3: its first three tokens' KV was cached
         """
         if self.tp.is_parallel:
             raise ValueError("submit() serves one process; under tensor parallel every rank must run the same "
