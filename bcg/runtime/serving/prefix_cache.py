@@ -68,9 +68,9 @@ class PrefixCache:
         >>> hit = cache.lookup(np.array([5, 6, 9]), max_tokens=2)  # a later prompt sharing two tokens
         >>> hit.length, hit.slots.tolist()
         (2, [0, 1])
-        >>> cache.evict(16)                                        # locked: nothing to evict
+        >>> cache.evict(4)                                         # locked: nothing to evict
         0
-        >>> cache.unlock(hit.node); cache.evict(16), pool.num_free
+        >>> cache.unlock(hit.node); cache.evict(4), pool.num_free
         (4, 16)
     """
 
