@@ -249,6 +249,8 @@ class Engine:
         self._check_open()
         config = self.model.config
         ids, _ = validate_prompts([prompt], config.vocab_size, config.max_position_embeddings, self.device)
+        if not isinstance(prompt, (list, tuple, range)):  # the caller's tensor or array may change after we return
+            ids[0] = ids[0].clone()
         with self._server_lock:
             if self._server is None:
                 cfg, runner = self.config, self.runner  # the runner's forward looked up per call, never the engine

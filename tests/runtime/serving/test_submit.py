@@ -9,6 +9,7 @@ import threading
 import time
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from engine_cache import EngineCache, max_diff, random_prompts
@@ -328,6 +329,17 @@ def test_submit_refuses_bad_prompts_at_once_and_the_config_refuses_bad_options()
         EngineConfig(schedule_policy="lifo")
     with pytest.raises(ValueError, match="max_inflight_batches must be >= 1"):
         EngineConfig(max_inflight_batches=0)
+
+
+def test_a_prompt_tensor_changed_after_submit_does_not_change_the_request() -> None:
+    eng = engine("tiny-dense", "breakable")
+    prompt = random_prompts([30], seed=40)[0]
+    as_tensor, as_array = torch.tensor(prompt), np.array(prompt, dtype=np.int64)
+    futures = [eng.submit(as_tensor), eng.submit(as_array)]
+    as_tensor.fill_(0)  # the caller reuses its buffers at once
+    as_array.fill(0)
+    ref = reference([prompt])[0]
+    assert all(same(f.result(timeout=60), ref) for f in futures)
 
 
 def test_recapture_while_serving() -> None:
