@@ -400,3 +400,22 @@ def test_the_next_forward_is_launched_while_the_device_runs_the_last(inflight: i
                 e.set()
             time.sleep(0.002)
         assert all(f.exception() is None for f in futures)
+
+
+def test_an_engine_dropped_without_close_stops_its_threads() -> None:
+    import gc
+    import weakref
+
+    def new_threads() -> set:
+        return {t for t in threading.enumerate() if t.name.startswith("bcg-")} - before
+
+    before: set = set()
+    before = new_threads()
+    eng = Engine("tiny-dense", backend="breakable", seed=0, progress=False, **COMMON)
+    assert eng.submit([1, 2, 3]).result(timeout=60).cached_tokens == 0
+    assert {t.name for t in new_threads()} == {"bcg-scheduler", "bcg-completer"}
+    pool = weakref.ref(eng.kv_pool)
+    del eng
+    gc.collect()
+    wait_for(lambda: not new_threads())
+    assert pool() is None  # nothing of the engine is kept alive by its threads
