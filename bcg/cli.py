@@ -1,9 +1,10 @@
 """The ``bcg`` command: ``bcg bench`` (latency, build and memory of every backend), ``bcg analyze`` (every backend
-predicted before capture, and which one to use with which ceiling and buckets) and ``bcg verify`` (where a graph
-departs from eager).
+predicted before capture, and which one to use with which ceiling and buckets), ``bcg verify`` (where a graph
+departs from eager) and ``bcg load`` (time to first token under an open-loop load, every backend side by side).
 
-Every flag maps 1:1 to a field of :class:`~bcg.bench.config.BenchConfig`, :class:`~bcg.bench.config.AnalyzeConfig`
-or :class:`~bcg.bench.config.VerifyConfig` (``--no-memory`` sets ``memory=False``), and its help shows its default.
+Every flag maps 1:1 to a field of :class:`~bcg.bench.config.BenchConfig`, :class:`~bcg.bench.config.AnalyzeConfig`,
+:class:`~bcg.bench.config.VerifyConfig` or :class:`~bcg.bench.config.LoadConfig` (``--no-memory`` sets
+``memory=False``), and its help shows its default.
 Tables go to stdout, progress bars to stderr, and the last line printed is one JSON object summarising the run; the
 full results are in ``--out``/results.json next to the PNGs. Under tensor parallel (``torchrun --nproc-per-node N -m
 bcg bench --tp N``) every rank measures, and only rank 0 prints and writes files. This file parses the flags and
@@ -21,7 +22,7 @@ from collections.abc import Iterator
 from dataclasses import fields
 from typing import Any
 
-from bcg.cli_run import is_main_rank, run_analyze, run_bench
+from bcg.cli_run import is_main_rank, run_analyze, run_bench, run_load
 
 __all__ = ["build_parser", "main"]
 
@@ -123,7 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
                                      "and judge. Without a GPU every graph runs under the CPU emulation; its "
                                      "timings show no kernel-launch overhead.")
     parser.add_argument("--version", action="version", version=_version_line(__version__))
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{bench,analyze,verify}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{bench,analyze,verify,load}")
     bench = sub.add_parser("bench", help="isolated prefill latency, build time and memory of every backend",
                            description="One request at a time, fixed input lengths, every backend; plus a "
                            "many-request batch, build times, the device time of each row (CUDA) and the peak-memory "
@@ -203,7 +204,70 @@ def build_parser() -> argparse.ArgumentParser:
                     "(default: the process as it is)")
     an.set_defaults(func=run_analyze, parser=an, config=AnalyzeConfig)
     add_verify(sub)
+    _add_load(sub)
     return parser
+
+
+def _float_list(text: str) -> list[float]:
+    items = [t.strip() for t in text.split(",") if t.strip()]
+    try:
+        values = [float(t) for t in items]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma list of numbers (e.g. 100,300,900)") from None
+    if not values:
+        raise argparse.ArgumentTypeError("empty; give e.g. 100,300,900")
+    return values
+
+
+def _add_load(sub: Any) -> None:
+    """The flags of ``bcg load`` (:class:`~bcg.bench.config.LoadConfig`, one flag per field)."""
+    from bcg.bench.config import LOAD_CPU_DEFAULTS as LC
+    from bcg.bench.config import LOAD_CUDA_DEFAULTS as LG
+    from bcg.bench.config import LoadConfig
+    from bcg.runtime.config import SCHEDULE_POLICIES
+
+    load = sub.add_parser("load", help="time to first token and throughput under an open-loop load",
+                          description="Poisson arrivals at each offered rate (or a trace) through Engine.submit, "
+                          "every backend in turn on the same requests: TTFT p50/p90/p99, queueing time and tokens/s "
+                          "per backend and rate, a PNG of TTFT against offered load. A backend that falls behind a "
+                          "rate stops there and skips its higher rates. On the CPU it is a smoke test.")
+    engine_flags(load, both("llama-dense", "tiny-dense"))
+    rates = ",".join(f"{r:g}" for r in LG.rates), ",".join(f"{r:g}" for r in LC.rates)
+    variants = ",".join(LG.backends), ",".join(LC.backends)
+    load.add_argument("--backends", type=_backend_list, default=None,
+                      help=f"comma list of variants as in bench (default: {both(*variants)})")
+    load.add_argument("--rates", type=_float_list, default=None,
+                      help=f"offered loads in requests per second, comma list (default: {both(*rates)})")
+    load.add_argument("--trace", default=None,
+                      help="a file of requests, one 'ARRIVAL_S LENGTH' per line, instead of --rates and --lengths "
+                      "(default: none)")
+    load.add_argument("--duration", type=float, default=None,
+                      help=f"seconds of arrivals per rate (default: {both(LG.duration, LC.duration)}; with --trace the "
+                      "whole trace)")
+    load.add_argument("--lengths", default=None,
+                      help="prompt lengths: fixed:N, lognormal:MEDIAN (sigma 1, 16..4000) or lognormal:MEDIAN:MIN:MAX, "
+                      f"or a file of lengths (default: {both(LG.lengths, LC.lengths)})")
+    load.add_argument("--shared-prefix", type=int, default=0,
+                      help="tokens every prompt opens with (a system prompt), before its own --lengths tokens "
+                      "(default: %(default)s)")
+    load.add_argument("--max-wait", type=float, default=None,
+                      help="seconds a request may wait for its first token before the backend counts as fallen "
+                      f"behind that rate (default: {both(LG.max_wait, LC.max_wait)})")
+    load.add_argument("--warmup", type=int, default=16, help="requests run before each backend is measured "
+                      "(default: %(default)s)")
+    load.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=True,
+                      help="reuse cached prompt prefixes (Engine(prefix_cache=...)) (default: on)")
+    load.add_argument("--schedule-policy", default="fifo", choices=list(SCHEDULE_POLICIES),
+                      help="order of admission of waiting requests (default: %(default)s)")
+    load.add_argument("--tc-compiler", default="inductor", choices=("inductor", "traced"),
+                      help="what compiles tc_piecewise's pieces (traced on a CPU) (default: %(default)s)")
+    load.add_argument("--out", default="out/load", help="output folder for results.json and load.png "
+                      "(default: %(default)s)")
+    load.add_argument("--threads", type=int, default=None,
+                      help="torch CPU threads (default: torch's own on CUDA, 1 on the CPU)")
+    load.add_argument("--no-plots", dest="plots", action="store_false",
+                      help="skip load.png, and remove that of an earlier run in --out (default: draw it)")
+    load.set_defaults(func=run_load, parser=load, config=LoadConfig)
 
 
 def _version_line(version: str) -> str:

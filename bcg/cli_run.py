@@ -1,5 +1,6 @@
-"""The runs behind ``bcg bench``, ``bcg analyze`` and ``bcg verify``: each takes its resolved config, prints the
-header, measures, writes results.json and the PNGs, prints the tables, and returns the fields of the one-line summary.
+"""The runs behind ``bcg bench``, ``bcg analyze``, ``bcg verify`` and ``bcg load``: each takes its resolved config,
+prints the header, measures, writes results.json and the PNGs, prints the tables, and returns the fields of the
+one-line summary.
 
 Apart from :mod:`bcg.cli`, which parses the flags into a config and sets the process up (device, threads, tensor
 parallel group). As in :mod:`bcg.cli`, torch and the measurement modules are imported only when a run starts.
@@ -11,7 +12,7 @@ import platform
 from pathlib import Path
 from typing import Any
 
-__all__ = ["is_main_rank", "run_analyze", "run_bench", "run_verify"]
+__all__ = ["is_main_rank", "run_analyze", "run_bench", "run_load", "run_verify"]
 
 
 def is_main_rank() -> bool:
@@ -101,3 +102,38 @@ def run_verify(cfg: Any) -> dict[str, Any]:
             "ok": bool(reports) and all(r.ok for r in reports), "buckets": sorted({r.bucket for r in reports}),
             "skipped": skipped, "max_diff": max((r.max_diff for r in reports), default=None),
             "first_divergence": {str(r.bucket): r.to_dict()["first_divergence"] for r in reports if not r.ok}}
+
+
+def run_load(cfg: Any) -> dict[str, Any]:
+    """``bcg load`` with a resolved :class:`~bcg.bench.config.LoadConfig`: header, every variant at every rate,
+    results.json and load.png, the table; raises BenchError when no variant could be measured (exit status 1)."""
+    import sys
+
+    from bcg.bench import load_report, plots
+    from bcg.bench.config import BenchError
+    from bcg.bench.load import run_load as measure
+    from bcg.bench.results import write_json
+
+    env = _environment(cfg)
+    lengths = cfg.length_spec.describe() if cfg.length_spec is not None else "of the trace's lengths"
+    workload = {"lengths": lengths, "shared_prefix": cfg.shared_prefix, "rates": cfg.rates, "trace": cfg.trace,
+                "duration_s": cfg.duration}
+    print(load_report.load_header(cfg, env, workload), flush=True)
+
+    def progress(text: str) -> None:
+        if cfg.progress:
+            print(f"bcg load: {text}", file=sys.stderr, flush=True)
+
+    result = measure(cfg, progress)
+    workload["per_rate"] = result.workloads
+    if not any(r.completed for r in result.rows):
+        reasons = "; ".join(f"{b.backend}: {b.error}" for b in result.builds if b.error) or "no request was answered"
+        raise BenchError(f"no variant could be measured ({reasons})")
+    results = load_report.load_results(cfg, env, workload, result)
+    note = load_report.CPU_LOAD_NOTE if cfg.emulated else None
+    figures = {"load.png": lambda: load_report.load_figure(results["rows"], _title(cfg, env), note)} if cfg.plots \
+        else {}
+    results["plots"] = plots.write_plots(figures, cfg.out, load_report.LOAD_PLOTS)
+    path = write_json(Path(cfg.out) / "results.json", results)
+    print(load_report.format_load(result.rows, result.builds))
+    return load_report.load_summary(cfg, results, path)

@@ -2,5 +2,6 @@
 
 from bcg.runtime.config import BACKENDS, EngineConfig
 from bcg.runtime.engine import Engine, PrefillResult
+from bcg.runtime.serving import EngineClosedError, RequestResult
 
-__all__ = ["BACKENDS", "Engine", "EngineConfig", "PrefillResult"]
+__all__ = ["BACKENDS", "Engine", "EngineClosedError", "EngineConfig", "PrefillResult", "RequestResult"]

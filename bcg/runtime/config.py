@@ -18,10 +18,12 @@ from bcg.ops.attention import ATTENTION_BACKENDS
 from bcg.runtime.backend_registry import ALIASES, REGISTRY
 from bcg.runtime.compile import COMPILERS
 
-__all__ = ["BACKENDS", "EngineConfig", "resolve_backend"]
+__all__ = ["BACKENDS", "SCHEDULE_POLICIES", "EngineConfig", "resolve_backend"]
 
 # Names follow SGLang's --cuda-graph-backend-prefill values; "disabled" is an alias of "eager".
 BACKENDS = tuple(REGISTRY)
+# The orders of bcg.runtime.serving.policy (named here: the config sits below the serving package).
+SCHEDULE_POLICIES = ("fifo", "shortest")
 
 
 def resolve_backend(name: str) -> str:
@@ -156,6 +158,15 @@ class EngineConfig:
             on one device with no process group. It must divide the model's query heads (and FFN sizes).
         tp_timeout_s: how long a tensor parallel rank waits for the others in any collective or agreement before
             raising (a rank died or hangs); used for the process groups bcg creates.
+        prefix_cache: keep the KV of submitted prompts in the pool so a later request sharing a prefix reuses it
+            (``Engine.submit``; ``bcg.runtime.serving.prefix_cache``); evicted least recently used when the pool runs
+            short. None turns it on wherever it is exact: on one process (under tensor parallel every rank would
+            have to hold the same cache; it is refused there). ``prefill()`` always computes every prompt in full.
+        schedule_policy: the order ``Engine.submit``'s waiting requests are admitted in: "fifo" (first come, first
+            served) or "shortest" (shortest prompt first: a lower median time to first token under load, while a
+            long prompt may wait as long as shorter ones keep coming); ``bcg.runtime.serving.policy``.
+        max_inflight_batches: forwards the serving scheduler launches ahead of the device (at least 1): with 2 it
+            prepares and launches the next forward while the device runs the current one.
     """
 
     backend: str = "breakable"
@@ -186,6 +197,9 @@ class EngineConfig:
     progress: bool = True
     tp_size: int = 1
     tp_timeout_s: float = 600.0
+    prefix_cache: bool | None = None
+    schedule_policy: str = "fifo"
+    max_inflight_batches: int = 2
 
     def __post_init__(self) -> None:
         self.backend = resolve_backend(self.backend)
@@ -224,9 +238,23 @@ class EngineConfig:
             raise ValueError("compile= does not apply to backend='tc_piecewise', which compiles its pieces itself; "
                              "choose its compiler with tc_compiler='inductor' or 'traced'")
         check_model_impl(self.model_impl)
+        if self.prefix_cache is not None:
+            _bool("prefix_cache", self.prefix_cache)
+            if self.prefix_cache and self.tp_size > 1:
+                raise ValueError("prefix_cache=True needs tp_size=1: under tensor parallel every rank would have to "
+                                 "hold the same cache; leave prefix_cache unset (off there) or pass False")
+        if self.schedule_policy not in SCHEDULE_POLICIES:
+            raise ValueError(f"schedule_policy must be one of {', '.join(SCHEDULE_POLICIES)}, got "
+                             f"{self.schedule_policy!r}")
+        _int("max_inflight_batches", self.max_inflight_batches, 1)
         if self.leak_check is not None and self.leak_check not in LEAK_CHECK_MODES:
             raise ValueError(f"leak_check must be one of {', '.join(LEAK_CHECK_MODES)} or None (BCG_LEAK_CHECK), "
                              f"got {self.leak_check!r}")
+
+    @property
+    def uses_prefix_cache(self) -> bool:
+        """Whether served requests share cached prefixes: ``prefix_cache``, or on one process when it is None."""
+        return self.prefix_cache if self.prefix_cache is not None else self.tp_size == 1
 
     @property
     def torch_device(self) -> torch.device:

@@ -1,20 +1,23 @@
 """The prefill engine: validate prompts, schedule chunks, lease KV slots, run the chunks through the runner, sample
 greedily. An engine can be called from several threads: its runner serialises the forwards (from loading the static
-buffers to the LM head) and each prefill leases its KV slots from a thread-safe pool."""
+buffers to the LM head) and each prefill leases its KV slots from a thread-safe pool. ``submit`` serves one prompt
+at a time through a scheduler thread with a prefix cache (:mod:`bcg.runtime.serving`)."""
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import threading
 import time
+import weakref
 from collections.abc import Sequence
+from concurrent.futures import Future
 from dataclasses import MISSING, dataclass, fields
 from typing import Any, get_type_hints
 
 import torch
 
 from bcg.ops.kernels import fused_available
-from bcg.ops.kv_cache import KVPoolFullError
 from bcg.ops.parallel import init_tensor_parallel
 from bcg.runtime.batch import PrefillBatch, PrefillItem
 from bcg.runtime.config import EngineConfig
@@ -27,6 +30,7 @@ from bcg.runtime.runner.buckets import BucketRecord, default_ladder
 from bcg.runtime.runner.telemetry import BatchRecord, Telemetry
 from bcg.runtime.runner.verify import verify_buckets
 from bcg.runtime.scheduler import Chunk, plan_batches
+from bcg.runtime.serving import ActivityGate, EngineClosedError, PrefixCache, RequestResult, Server
 
 __all__ = ["Engine", "PrefillResult"]
 
@@ -75,6 +79,10 @@ class Engine:
     ``device`` unset it stays where it is, and another device moves it (``.to``, dtypes kept). Its attention
     implementation is switched to bcg's and uncapturable modules become islands, in place
     (``engine.model.restore()`` undoes both).
+
+    A server submits one prompt at a time from any thread (:meth:`submit`, :meth:`asubmit`): a scheduler thread packs
+    waiting requests into forwards under ``chunked_prefill_size`` tokens, reusing cached prefixes
+    (``prefix_cache``), and :meth:`close` (or leaving ``with Engine(...) as eng:``) shuts it down.
     """
 
     def __init__(self, model: Any = "tiny-dense", config: EngineConfig | None = None, **kwargs: Any) -> None:
@@ -114,10 +122,8 @@ class Engine:
         if self.tp.is_parallel:  # every rank allocates the same slots, so every pool has the size of the smallest
             kv_tokens = RankAgreement(self.tp).agree_min(kv_tokens, "the KV pool size")
         self.kv_pool = make_kv_pool(self.model, kv_tokens, per_token, self.device, self.dtype)
-        # Prefills in flight (and those holding KV leases), a recapture in progress, and the condition prefills
-        # wait on for slots and recaptures wait on for quiet.
-        self._num_active = self._num_leases = self._num_recaptures = 0
-        self._slots_freed = threading.Condition()
+        # Forwards in flight, holders of KV slots and recaptures: what prefills, the server and recaptures wait on.
+        self._gate = ActivityGate()
         self.runner = Runner(self.model, cfg, self.kv_pool, sizes, self.tp)
         self.runner.telemetry.auto_islands = list(getattr(self.model, "auto_islands", ()))
         self.runner.telemetry.notes = list(getattr(self.model, "notes", ()))
@@ -127,6 +133,13 @@ class Engine:
         if cfg.verify and self.runner.handles:
             verify_buckets(self.runner)
             self.runner.agree_buckets("verify")
+        # The prefix cache gives its unlocked entries back whenever an allocation of the pool falls short.
+        self.prefix_cache = PrefixCache(self.kv_pool) if cfg.uses_prefix_cache else None
+        if self.prefix_cache is not None:
+            self.kv_pool.reclaim = self.prefix_cache.evict
+        self._server: Server | None = None  # started by the first submit
+        self._server_lock = threading.Lock()
+        self._closed = False
 
     @property
     def telemetry(self) -> Telemetry:
@@ -153,16 +166,8 @@ class Engine:
             if eng.telemetry.buckets[16].disabled_reason:
                 eng.recapture(16)
         """
-        with self._slots_freed:
-            self._num_recaptures += 1
-            while self._num_active:
-                self._slots_freed.wait()
-        try:
+        with self._gate.quiet():
             return self.runner.recapture(bucket)
-        finally:
-            with self._slots_freed:
-                self._num_recaptures -= 1
-                self._slots_freed.notify_all()
 
     @torch.inference_mode()
     def prefill(self, prompts: Sequence[Prompt]) -> PrefillResult:
@@ -171,18 +176,12 @@ class Engine:
         Prompts are lists of token ids or 1-D integer tensors (on the CPU or the engine's device), each at most the
         model's context length (``max_position_embeddings``). Prompts longer than ``chunked_prefill_size`` are split
         into chunks; chunks of several prompts are packed per forward, and a prompt's KV slots are reused as soon as
-        its last chunk ran. Safe to call from several threads.
+        its last chunk ran. Safe to call from several threads. Computes every prompt in full (the prefix cache
+        serves :meth:`submit`).
         """
-        with self._slots_freed:
-            while self._num_recaptures:
-                self._slots_freed.wait()
-            self._num_active += 1
-        try:
+        self._check_open()
+        with self._gate.active():
             return self._prefill(prompts)
-        finally:
-            with self._slots_freed:
-                self._num_active -= 1
-                self._slots_freed.notify_all()
 
     def _prefill(self, prompts: Sequence[Prompt]) -> PrefillResult:
         config = self.model.config
@@ -190,9 +189,9 @@ class Engine:
         if self.runner.agreement is not None:  # tensor parallel: the same prompts on every rank, or nothing runs
             self.runner.agreement.agree_prompts(ids)
         plan = plan_batches(lengths, self.config.chunked_prefill_size)
-        lease = SlotLease(self.kv_pool, plan, on_free=self._notify_slots_freed)
+        lease = SlotLease(self.kv_pool, plan, on_free=self._gate.notify)
         try:  # all or nothing: every exit path, KeyboardInterrupt included, returns the lease
-            self._reserve(lease)
+            self._gate.reserve(lease.reserve, lease.peak, self.kv_pool)
             records: list[BatchRecord] = []
             logits = torch.empty(len(ids), config.vocab_size, dtype=torch.float32, device=self.device)
             for index, chunks in enumerate(plan):
@@ -207,9 +206,7 @@ class Engine:
                 lease.finish(index)
         finally:
             if lease.release():
-                with self._slots_freed:
-                    self._num_leases -= 1
-                    self._slots_freed.notify_all()
+                self._gate.release()
         return PrefillResult(logits, logits.argmax(dim=-1), records)
 
     @staticmethod
@@ -222,30 +219,6 @@ class Engine:
         for row, request in enumerate(requests):  # a chunked request in between ends later: no index tensor
             logits[request].copy_(rows[row])
 
-    def _reserve(self, lease: SlotLease) -> None:
-        """Reserves the lease's peak, waiting while other prefills of this engine hold the slots it needs."""
-        pool, need = self.kv_pool, lease.peak
-        if need > pool.num_slots:
-            raise ValueError(f"the prompts need {need} KV slots at once but the pool holds {pool.num_slots}; raise "
-                             "kv_tokens (or kv_memory_fraction on CUDA) or prefill fewer/shorter prompts")
-        with self._slots_freed:
-            while True:
-                try:
-                    lease.reserve()
-                except KVPoolFullError:
-                    if self._num_leases == 0:  # nothing of this engine will free them: held by someone else
-                        raise ValueError(f"the prompts need {need} KV slots but the pool has {pool.num_free} of "
-                                         f"{pool.num_slots} free (the rest are allocated outside prefill); free "
-                                         "them or raise kv_tokens") from None
-                    self._slots_freed.wait()
-                else:
-                    self._num_leases += 1
-                    return
-
-    def _notify_slots_freed(self) -> None:
-        with self._slots_freed:
-            self._slots_freed.notify_all()
-
     @staticmethod
     def _item(ids: torch.Tensor, lease: SlotLease, chunk: Chunk) -> PrefillItem:
         # ids were validated and slots come from the pool, all CPU int64: no per-item normalisation needed.
@@ -253,6 +226,64 @@ class Engine:
         if chunk.start == 0 and chunk.is_last:  # a whole prompt: no slicing ops on the host's per-request path
             return PrefillItem.unchecked(ids, new_slots, 0, prefix_slots)
         return PrefillItem.unchecked(ids[chunk.start : chunk.end], new_slots, chunk.start, prefix_slots)
+
+    # ---------------------------------------------------------------- serving
+    def submit(self, prompt: Prompt) -> Future[RequestResult]:
+        """Queues one prompt for the scheduler thread and returns the future of its :class:`RequestResult`
+        (``logits`` ``(1, vocab)``, ``next_tokens`` ``(1,)``, its ``batches``, ``cached_tokens``, ``queue_ms``,
+        ``ttft_ms``); safe from any thread, never blocks. A bad prompt raises here, like :meth:`prefill`'s; a forward
+        that fails fails the futures of its own requests; :meth:`close` fails those not finished with
+        :class:`EngineClosedError`. A pending future can be cancelled. Not under tensor parallel.
+
+        Example::
+
+            with Engine("tiny-dense", device="cpu") as eng:
+                eng.submit([1, 2, 3, 4]).result().cached_tokens     # 0
+                eng.submit([1, 2, 3, 5]).result().cached_tokens     # 3: its first three tokens' KV was cached
+        """
+        if self.tp.is_parallel:
+            raise ValueError("submit() serves one process; under tensor parallel every rank must run the same "
+                             "batches: call prefill() on every rank with the same prompts")
+        self._check_open()
+        config = self.model.config
+        ids, _ = validate_prompts([prompt], config.vocab_size, config.max_position_embeddings, self.device)
+        if not isinstance(prompt, (list, tuple, range)):  # the caller's tensor or array may change after we return
+            ids[0] = ids[0].clone()
+        with self._server_lock:
+            if self._server is None:
+                cfg, runner = self.config, self.runner  # the runner's forward looked up per call, never the engine
+                self._server = Server(lambda batch: runner.forward(batch), runner.lock, self.kv_pool, self.prefix_cache,
+                                      self._gate, cfg.chunked_prefill_size, cfg.schedule_policy,
+                                      cfg.max_inflight_batches, self.device)
+                weakref.finalize(self, self._server.close)  # an engine dropped without close() stops its threads
+        return self._server.submit(ids[0])
+
+    async def asubmit(self, prompt: Prompt) -> RequestResult:
+        """:meth:`submit` for asyncio: ``res = await eng.asubmit(prompt)``; cancelling the task cancels a request
+        that has not started."""
+        return await asyncio.wrap_future(self.submit(prompt))
+
+    def close(self) -> None:
+        """Stops the scheduler (launched forwards complete; every request not finished fails with
+        :class:`EngineClosedError`) and frees the prefix cache's slots; afterwards :meth:`prefill` and :meth:`submit`
+        raise EngineClosedError. Idempotent."""
+        self._closed = True
+        with self._server_lock:
+            server = self._server
+        if server is not None:
+            server.close()
+        if self.prefix_cache is not None:
+            self.prefix_cache.clear()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise EngineClosedError("the engine is closed; build a new one")
 
 
 def _signature_with_options() -> inspect.Signature:
