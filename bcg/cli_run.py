@@ -105,7 +105,7 @@ def run_verify(cfg: Any) -> dict[str, Any]:
 
 
 def run_load(cfg: Any) -> dict[str, Any]:
-    """``bcg load`` with a resolved :class:`~bcg.bench.config.LoadConfig`: header, every variant at every rate,
+    """``bcg load`` with a resolved :class:`~bcg.bench.load_config.LoadConfig`: header, every variant at every rate,
     results.json and load.png, the table; raises BenchError when no variant could be measured (exit status 1)."""
     import sys
 

@@ -14,13 +14,14 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from bcg.cli_flags import engine_flags, int_list
+
 __all__ = ["add_parser"]
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
     """Adds the ``verify`` subcommand to ``sub`` (argparse subparsers)."""
     from bcg.bench.config import VerifyConfig
-    from bcg.cli import engine_flags, int_list
     from bcg.cli_run import run_verify
 
     p = sub.add_parser("verify", help="replay graphs segment by segment against eager; name the first divergence",

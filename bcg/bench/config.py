@@ -1,4 +1,5 @@
-"""Configuration of ``bcg bench``, ``bcg analyze`` and ``bcg verify``: one dataclass each, its fields named like the
+"""Configuration of ``bcg bench``, ``bcg analyze`` and ``bcg verify`` (``bcg load``'s is :mod:`.load_config`): one
+dataclass each, its fields named like the
 CLI flags (``--chunked-prefill-size`` is ``chunked_prefill_size``).
 
 Fields left ``None`` take a device-dependent default in ``resolved()``, the same for every command
@@ -22,11 +23,10 @@ from bcg.bench import checks
 
 if TYPE_CHECKING:
     from bcg.bench.engines import EngineSpec
-    from bcg.bench.workload import LengthSpec
     from bcg.runtime.config import EngineConfig
 
 __all__ = ["ANALYZE_BACKENDS", "AnalyzeConfig", "BenchConfig", "BenchError", "CPU_DEFAULTS", "CUDA_DEFAULTS",
-           "LoadConfig", "LoadDefaults", "MachineDefaults", "VerifyConfig", "default_device"]
+           "MachineDefaults", "Run", "VerifyConfig", "default_device", "resolve_machine", "show_progress", "spec"]
 
 RUNS, WARMUP = 20, 5
 
@@ -62,7 +62,9 @@ def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-class _Run:
+class Run:
+    """What every command's config has: a device, and whether that means the CPU emulation."""
+
     device: str | None
 
     @property
@@ -72,7 +74,7 @@ class _Run:
 
 
 @dataclass
-class BenchConfig(_Run):
+class BenchConfig(Run):
     """Options of ``bcg bench``; each field is the CLI flag of the same name (``--no-memory`` sets memory=False).
 
     Example::
@@ -106,7 +108,7 @@ class BenchConfig(_Run):
         """A copy with every ``None`` replaced by this machine's default, validated."""
         from bcg.bench.variants import parse_variant
 
-        device, d, model, impl = _resolve_machine(self.device, self.dtype, self.model, self.model_impl)
+        device, d, model, impl = resolve_machine(self.device, self.dtype, self.model, self.model_impl)
         backends = list(d.backends) if self.backends is None else self.backends
         if not backends:
             raise ValueError("--backends is empty; give e.g. eager,breakable")
@@ -123,7 +125,7 @@ class BenchConfig(_Run):
             raise ValueError(f"--tp must be >= 1, got {self.tp}")
         return replace(self, model=model, backends=names, lengths=sorted(set(lengths)), device=device,
                        chunked_prefill_size=chunk, threads=self.threads or d.threads,
-                       progress=_progress(self.progress))
+                       progress=show_progress(self.progress))
 
     @property
     def ceiling(self) -> int:
@@ -135,7 +137,7 @@ class BenchConfig(_Run):
     def engine_spec(self) -> EngineSpec:
         """What every engine of a resolved config is built from: the capture ceiling :attr:`ceiling` and a KV pool
         that holds the longest prompt (the many-request batch has the same total), however long it is."""
-        return _spec(self.model, device=self.device, dtype=self.dtype, seed=self.seed,
+        return spec(self.model, device=self.device, dtype=self.dtype, seed=self.seed,
                      chunked_prefill_size=self.chunked_prefill_size, max_tokens=self.ceiling,
                      kv_tokens=max(self.lengths), tc_compiler=self.tc_compiler, progress=self.progress,
                      tp_size=self.tp, model_impl=self.model_impl)
@@ -148,7 +150,7 @@ ANALYZE_BACKENDS = {"cuda": ("breakable", "breakable+fused", "full", "tc_piecewi
 
 
 @dataclass
-class AnalyzeConfig(_Run):
+class AnalyzeConfig(Run):
     """Options of ``bcg analyze``; each field is the CLI flag of the same name.
 
     ``lengths`` / ``lengths_file`` give the workload: the prompt lengths the recommendation is for (a file may also be
@@ -191,7 +193,7 @@ class AnalyzeConfig(_Run):
         """A copy with every ``None`` replaced by this machine's default, validated."""
         from bcg.bench.variants import parse_variant
 
-        device, d, model, impl = _resolve_machine(self.device, self.dtype, self.model, self.model_impl)
+        device, d, model, impl = resolve_machine(self.device, self.dtype, self.model, self.model_impl)
         chunk = self.chunked_prefill_size if self.chunked_prefill_size is not None else d.chunked_prefill_size
         checks.check_counts(self.runs, self.warmup, chunk)
         checks.check_threads(self.threads)
@@ -239,18 +241,18 @@ class AnalyzeConfig(_Run):
                        length=length, max_tokens=max_tokens, threads=self.threads or d.threads,
                        predict_lengths=sorted(set(predict)), backends=variants, tc_compiler=tc_compiler,
                        cpu_cores=sorted(set(self.cpu_cores)) if self.cpu_cores else None,
-                       progress=_progress(self.progress))
+                       progress=show_progress(self.progress))
 
     def engine_spec(self) -> EngineSpec:
         """What the engines of a resolved config are built from (every graph variant's ceiling is ``max_tokens``; the
         KV pool holds the longest predicted length)."""
-        return _spec(self.model, device=self.device, dtype=self.dtype, seed=self.seed,
+        return spec(self.model, device=self.device, dtype=self.dtype, seed=self.seed,
                      chunked_prefill_size=self.chunked_prefill_size, max_tokens=self.max_tokens,
                      tc_compiler=self.tc_compiler or "inductor", progress=self.progress, model_impl=self.model_impl)
 
 
 @dataclass
-class VerifyConfig(_Run):
+class VerifyConfig(Run):
     """Options of ``bcg verify``; each field is the CLI flag of the same name. ``num_tokens`` and ``tolerance`` are
     the arguments of :func:`~bcg.runtime.runner.verify.verify_segments`, the others fields of the engine's
     :class:`~bcg.runtime.config.EngineConfig` (:meth:`engine_config`).
@@ -278,12 +280,13 @@ class VerifyConfig(_Run):
 
     def resolved(self) -> VerifyConfig:
         """A copy with every ``None`` default filled in for this machine, validated (the engine's fields too)."""
-        device, d, model, _ = _resolve_machine(self.device, self.dtype, self.model, self.model_impl)
+        device, d, model, _ = resolve_machine(self.device, self.dtype, self.model, self.model_impl)
         if self.tolerance is not None and not (math.isfinite(self.tolerance) and self.tolerance >= 0):
             raise ValueError(f"--tolerance must be a finite number >= 0 (a relative difference), got {self.tolerance}")
         chunk = self.chunked_prefill_size if self.chunked_prefill_size is not None else d.chunked_prefill_size
         checks.check_chunk(chunk)
-        cfg = replace(self, model=model, device=device, chunked_prefill_size=chunk, progress=_progress(self.progress))
+        cfg = replace(self, model=model, device=device, chunked_prefill_size=chunk,
+                      progress=show_progress(self.progress))
         try:
             cfg.engine_config()
         except (TypeError, ValueError) as e:
@@ -300,121 +303,12 @@ class VerifyConfig(_Run):
                             progress=self.progress, leak_check=self.leak_check, model_impl=self.model_impl)
 
 
-# ---------------------------------------------------------------- bcg load
-@dataclass(frozen=True)
-class LoadDefaults:
-    """What a ``None`` field of :class:`LoadConfig` becomes on one kind of machine."""
-
-    backends: tuple[str, ...]
-    rates: tuple[float, ...]
-    duration: float
-    lengths: str
-    max_wait: float
-
-
-# CUDA: the issue-22 workload (Poisson arrivals, lognormal lengths of median 180 in 16..4000). CPU: a smoke test
-# that takes seconds; its times measure the emulation.
-LOAD_CUDA_DEFAULTS = LoadDefaults(("eager", "breakable+fused", "full+fused", "tc_piecewise"), (100.0, 300.0, 900.0),
-                                  10.0, "lognormal:180", 5.0)
-LOAD_CPU_DEFAULTS = LoadDefaults(("eager", "breakable"), (10.0, 40.0), 1.5, "lognormal:24:4:96", 2.0)
-
-
-@dataclass
-class LoadConfig(_Run):
-    """Options of ``bcg load``; each field is the CLI flag of the same name (``--no-prefix-cache`` sets
-    prefix_cache=False). ``rates`` (requests per second) or ``trace`` (a file of arrival times and lengths) give the
-    arrivals; ``lengths`` is a :func:`~bcg.bench.workload.parse_lengths` spec; ``max_wait`` is how long a request
-    may wait for its first token before the backend counts as fallen behind that rate.
-
-    Example::
-
-        cfg = LoadConfig(rates=[50, 100], duration=2).resolved()
-        cfg.length_spec, cfg.engine_spec().config.prefix_cache
-    """
-
-    model: str | None = None
-    model_impl: str = "auto"
-    backends: list[str] | None = None
-    rates: list[float] | None = None
-    trace: str | None = None
-    duration: float | None = None
-    lengths: str | None = None
-    shared_prefix: int = 0
-    max_wait: float | None = None
-    warmup: int = 16
-    out: str = "out/load"
-    device: str | None = None
-    dtype: str | None = None
-    threads: int | None = None
-    chunked_prefill_size: int | None = None
-    tc_compiler: str = "inductor"
-    prefix_cache: bool = True
-    schedule_policy: str = "fifo"
-    seed: int = 0
-    plots: bool = True
-    progress: bool | None = None
-
-    def resolved(self) -> LoadConfig:
-        """A copy with every ``None`` replaced by this machine's default, validated."""
-        from bcg.bench.variants import parse_variant
-        from bcg.bench.workload import parse_lengths, read_trace
-        from bcg.runtime.config import SCHEDULE_POLICIES
-
-        device, d, model, impl = _resolve_machine(self.device, self.dtype, self.model, self.model_impl)
-        ld = LOAD_CUDA_DEFAULTS if torch.device(device).type == "cuda" else LOAD_CPU_DEFAULTS
-        names = list(dict.fromkeys(parse_variant(b).name for b in (self.backends or ld.backends)))
-        if self.trace is not None and (self.rates is not None or self.lengths is not None):
-            raise ValueError("--trace gives the arrivals and lengths itself; leave out --rates and --lengths")
-        rates = None if self.trace is not None else list(self.rates or ld.rates)
-        if rates is not None and not all(math.isfinite(r) and 0 < r <= 1e6 for r in rates):
-            raise ValueError(f"--rates must be positive requests per second (at most 1e6), got {rates}")
-        duration = self.duration if self.duration is not None else (math.inf if self.trace else ld.duration)
-        if not duration > 0 or (self.trace is None and not math.isfinite(duration)):
-            raise ValueError(f"--duration must be a positive number of seconds, got {self.duration}")
-        max_wait = self.max_wait if self.max_wait is not None else ld.max_wait
-        if not (math.isfinite(max_wait) and max_wait > 0):
-            raise ValueError(f"--max-wait must be a positive number of seconds, got {self.max_wait}")
-        if self.trace is not None:
-            longest = int(read_trace(self.trace)[1].max())
-        else:
-            longest = parse_lengths(self.lengths or ld.lengths).longest
-        if self.shared_prefix < 0:
-            raise ValueError(f"--shared-prefix must be >= 0 tokens, got {self.shared_prefix}")
-        checks.check_context("--lengths with --shared-prefix", [longest + self.shared_prefix], model, impl)
-        chunk = self.chunked_prefill_size if self.chunked_prefill_size is not None else d.chunked_prefill_size
-        checks.check_chunk(chunk)
-        checks.check_threads(self.threads)
-        if self.warmup < 0:
-            raise ValueError(f"--warmup must be >= 0 requests, got {self.warmup}")
-        if self.schedule_policy not in SCHEDULE_POLICIES:
-            raise ValueError(f"--schedule-policy must be one of {', '.join(SCHEDULE_POLICIES)}")
-        return replace(self, model=model, backends=names, rates=rates, duration=duration,
-                       lengths=None if self.trace else (self.lengths or ld.lengths), max_wait=max_wait,
-                       device=device, chunked_prefill_size=chunk, threads=self.threads or d.threads,
-                       progress=_progress(self.progress))
-
-    @property
-    def length_spec(self) -> LengthSpec | None:
-        """The parsed ``lengths`` of a resolved config (None with a trace)."""
-        from bcg.bench.workload import parse_lengths
-
-        return None if self.lengths is None else parse_lengths(self.lengths)
-
-    def engine_spec(self) -> EngineSpec:
-        """What every engine of a resolved config is built from (the ladder up to the chunk: a forward packs up to
-        ``chunked_prefill_size`` tokens of many requests)."""
-        return _spec(self.model, device=self.device, dtype=self.dtype, seed=self.seed,
-                     chunked_prefill_size=self.chunked_prefill_size, tc_compiler=self.tc_compiler,
-                     progress=self.progress, model_impl=self.model_impl, prefix_cache=self.prefix_cache,
-                     schedule_policy=self.schedule_policy)
-
-
-def _progress(progress: bool | None) -> bool:
+def show_progress(progress: bool | None) -> bool:
     # Bars redraw with carriage returns and escape codes: in a log file or a pipe they are noise.
     return sys.stderr.isatty() if progress is None else progress
 
 
-def _resolve_machine(device: str | None, dtype: str | None, model: str | None,
+def resolve_machine(device: str | None, dtype: str | None, model: str | None,
                      model_impl: str = "auto") -> tuple[str, MachineDefaults, str, str]:
     """(device, this machine's defaults, model, the implementation that runs it) with the defaults filled in and each
     checked."""
@@ -426,7 +320,7 @@ def _resolve_machine(device: str | None, dtype: str | None, model: str | None,
     return device, d, model, checks.check_model(model, model_impl)
 
 
-def _spec(model: str | None, **config: object) -> EngineSpec:
+def spec(model: str | None, **config: object) -> EngineSpec:
     from bcg.bench.engines import EngineSpec
     from bcg.runtime.config import EngineConfig
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from bcg.bench.config import LoadConfig
+from bcg.bench.load_config import LoadConfig
 from bcg.bench.load_report import load_figure
 from bcg.bench.workload import make_workload, parse_lengths, read_trace
 from bcg.cli import main
