@@ -41,6 +41,7 @@ except ImportError:  # run from a checkout without installing it
 
 from host_path import prefill_times  # this folder is the script's own
 
+from bcg.bench.timing import gpu_kernel_ms, sync
 from bcg.errors import first_line
 from bcg.models.config import ModelConfig
 from bcg.runtime import Engine
@@ -55,35 +56,6 @@ SHAPES = {
                               rope_theta=1000000.0, max_position_embeddings=40960, tie_word_embeddings=True,
                               qk_norm=True),
 }
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def device_ms(fn: Any, device: torch.device) -> float | None:
-    """The GPU's busy time during one call of ``fn`` (the union of kernel/memcpy intervals), in ms."""
-    if device.type != "cuda":
-        return None
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
-
-    sync(device)
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        sync(device)
-    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
-                   if e.device_type == DeviceType.CUDA and e.time_range.end > e.time_range.start)
-    total, end = 0.0, None
-    for start, stop in spans:
-        if end is None or start > end:
-            total += stop - start
-            end = stop
-        elif stop > end:
-            total += stop - end
-            end = stop
-    return total / 1e3 if spans else None
 
 
 def sync_free(eng: Engine, prompts: list[torch.Tensor]) -> str:
@@ -116,7 +88,7 @@ def measure(name: str, backend: str, lengths: list[int], runs: int, out: Path | 
         prompts = [torch.randint(0, vocab, (n,), generator=gen)]
         timed = prefill_times(eng, prompts, runs)
         host, wall = timed["host_ms"], timed["wall_ms"]
-        dev = device_ms(lambda p=prompts, e=eng: e.prefill(p), eng.device)
+        dev = gpu_kernel_ms(lambda p=prompts, e=eng: e.prefill(p), eng.device, warmup=0)
         bucket = eng.prefill(prompts).batches[0]
         rows.append({"tokens": n, "wall_ms": wall, "host_ms": host, "device_ms": dev,
                      "wall_over_device": wall / dev if dev else None, "bucket": bucket.bucket,
