@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from bcg.bench import amdahl
+from bcg.bench import amdahl, coverage
 from bcg.bench.forecast import Forecast, ForecastContext, Profiled, forecast, island_group
 from bcg.bench.predict import HostTimes
 from bcg.bench.recommend import Recommendation, Workload, eager_curve, expected_ms, recommend
@@ -162,7 +162,7 @@ def _parameters(m: Measurements, rec: Recommendation, fcs: dict[str, Forecast], 
     fc = fcs.get(rec.backend)
     ladder = rec.buckets or default_ladder(m.chunk)
     table = BucketTable(list(ladder), *m.padding)
-    cov = amdahl.bucket_coverage(m.workload.lengths, lambda n: (table.choose(n).bucket, table.choose(n).reason),
+    cov = coverage.bucket_coverage(m.workload.lengths, lambda n: (table.choose(n).bucket, table.choose(n).reason),
                                  ladder, m.chunk)
     cov_out = dict(vars(cov))
     cov_out["forward_graph"] = [table.choose(n).bucket is not None for n in cov.forward_sizes]

@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from bcg.bench.timing import sync
+
 __all__ = ["COMPILE_BLOCK_KERNELS", "MachineCosts", "compile_block", "measure", "measure_device"]
 
 N_KERNELS = 1000  # kernels of the long graph and of the eager launch loop
@@ -103,22 +105,17 @@ class MachineCosts:
         return self.guard_us + self.guard_per_param_us * num_params
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _host_us(fn: Callable[[], Any], device: torch.device, reps: int = REPS) -> float:
     """Median host time of ``fn`` from an idle device, not waiting for what it enqueues."""
     samples = []
     for i in range(reps + 2):
-        _sync(device)
+        sync(device)
         t0 = time.perf_counter()
         fn()
         t1 = time.perf_counter()
         if i >= 2:
             samples.append((t1 - t0) * 1e6)
-    _sync(device)
+    sync(device)
     return statistics.median(samples)
 
 
@@ -250,11 +247,11 @@ def _compile_costs(compiler: str, device: torch.device) -> tuple[float, float]:
         backend = "inductor" if compiler == "inductor" else _no_codegen
         compiled = torch.compile(fn, fullgraph=True, backend=backend)
         x = torch.randn(8, hidden, device=device)
-        _sync(device)
+        sync(device)
         t0 = time.perf_counter()
         with torch.inference_mode():
             compiled(x)
-        _sync(device)
+        sync(device)
         return (time.perf_counter() - t0) * 1e3
 
     stack(1, 32)
@@ -332,10 +329,10 @@ def _profiled_us(x: torch.Tensor, n: int, device: torch.device) -> float | None:
     from torch.profiler import ProfilerActivity, profile
 
     _adds(x, 10)
-    _sync(device)
+    sync(device)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         _adds(x, n)
-        _sync(device)
+        sync(device)
     spans = [e.time_range.end - e.time_range.start for e in prof.events()
              if str(e.device_type).endswith("CUDA") and e.time_range.end > e.time_range.start]
     return statistics.median(spans) if spans else None

@@ -2,7 +2,7 @@
 under a graph-memory budget, from the forecasts alone.
 
 A workload is a list of prompt lengths; each prompt is prefilled alone, split into chunks of at most
-``chunked_prefill_size`` tokens (:func:`~bcg.bench.amdahl.chunk_sizes`), and each chunk either replays the bucket the
+``chunked_prefill_size`` tokens (:func:`~bcg.bench.coverage.chunk_sizes`), and each chunk either replays the bucket the
 runner's own rule picks (:class:`~bcg.runtime.runner.buckets.BucketTable`) or runs eagerly. Its expected latency is
 the mean over prompts of the chunks' predicted latencies (the engine's per-prefill host work counted once per
 prompt; a later chunk's attention over the earlier ones is not modelled).
@@ -22,7 +22,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from bcg.bench.amdahl import Coverage, bucket_coverage, chunk_sizes, interpolate
+from bcg.bench.amdahl import interpolate
+from bcg.bench.coverage import Coverage, bucket_coverage, chunk_sizes
 from bcg.bench.forecast import Forecast
 from bcg.bench.verdict import PAYS_THRESHOLD
 from bcg.runtime.runner.buckets import BucketTable, default_ladder

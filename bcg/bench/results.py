@@ -32,7 +32,7 @@ returns, with its ``config`` and ``plots`` (lengths are JSON object keys, so str
   the best ladder of every variant that was weighed;
 - ``parameters``: the seed's four: ``launch_gap_share`` (and ``launch_gap_by_length``), ``dynamic_share`` with
   ``s_max``, ``bucket_coverage`` (the recommended ladder on the workload: the
-  :class:`~bcg.bench.amdahl.Coverage` fields, ``forward_graph``, ``num_buckets``), ``resident_graph_memory_bytes``
+  :class:`~bcg.bench.coverage.Coverage` fields, ``forward_graph``, ``num_buckets``), ``resident_graph_memory_bytes``
   (and ``resident_graph_memory_by_variant``); ``islands``: per island ``name``, ``calls``, ``host_us``,
   ``device_us`` and ``share``; ``amdahl``: ``p``, ``s_max``, ``predicted_speedup``/``predicted_n`` (and measured);
 - with ``--validate``: ``measured`` and ``errors`` (``predicted / measured - 1``) shaped like ``predictions``, and

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from bcg.bench import amdahl
+from bcg.bench import amdahl, coverage
 from bcg.runtime.runner.buckets import BucketTable, default_ladder
 
 
@@ -77,14 +77,14 @@ def test_chunk_sizes_match_the_scheduler() -> None:
     from bcg.runtime.scheduler import plan_batches
 
     for length in (1, 7, 2048, 2049, 5000):
-        ours = amdahl.chunk_sizes(length, 2048)
+        ours = coverage.chunk_sizes(length, 2048)
         theirs = [c.end - c.start for batch in plan_batches([length], 2048) for c in batch]
         assert ours == theirs
 
 
 def test_coverage_counts_replays_padding_and_unused_buckets() -> None:
     choose, sizes = table_choose([16, 32, 64])
-    cov = amdahl.bucket_coverage([10, 16, 30, 100], choose, sizes, chunked_prefill_size=128)
+    cov = coverage.bucket_coverage([10, 16, 30, 100], choose, sizes, chunked_prefill_size=128)
     # 10 -> 16, 16 -> 16, 30 -> 32; 100 exceeds the ladder and runs eagerly.
     assert cov.num_forwards == 4
     assert cov.graph_fraction == 0.75
@@ -98,7 +98,7 @@ def test_coverage_counts_replays_padding_and_unused_buckets() -> None:
 
 def test_coverage_splits_long_prompts_into_chunks() -> None:
     choose, sizes = table_choose(default_ladder(256))
-    cov = amdahl.bucket_coverage([600], choose, sizes, chunked_prefill_size=256)
+    cov = coverage.bucket_coverage([600], choose, sizes, chunked_prefill_size=256)
     assert cov.forward_sizes == [256, 256, 88]
     assert cov.graph_fraction == 1.0
     assert cov.reaches_chunk
@@ -106,16 +106,16 @@ def test_coverage_splits_long_prompts_into_chunks() -> None:
 
 def test_coverage_respects_padding_limit_and_disabled_buckets() -> None:
     choose, sizes = table_choose([4, 64], factor=2.0, disabled=(4,))
-    cov = amdahl.bucket_coverage([3, 20, 40], choose, sizes, chunked_prefill_size=64)
+    cov = coverage.bucket_coverage([3, 20, 40], choose, sizes, chunked_prefill_size=64)
     assert cov.eager_reasons == {"bucket_disabled": 1, "padding_over_limit": 1}
     assert cov.fired == {64: 1}
     assert cov.never_fired == [4]
     with pytest.raises(ValueError):
-        amdahl.bucket_coverage([], choose, sizes, 64)
+        coverage.bucket_coverage([], choose, sizes, 64)
 
 
 def test_smallest_covering_ceiling() -> None:
     ladder = default_ladder(2048)
-    assert amdahl.smallest_covering_ceiling([100, 300], ladder, 2048) == 320
-    assert amdahl.smallest_covering_ceiling([2048, 5], ladder, 2048) == 2048
-    assert amdahl.smallest_covering_ceiling([9999], ladder, 2048) == 2048
+    assert coverage.smallest_covering_ceiling([100, 300], ladder, 2048) == 320
+    assert coverage.smallest_covering_ceiling([2048, 5], ladder, 2048) == 2048
+    assert coverage.smallest_covering_ceiling([9999], ladder, 2048) == 2048
