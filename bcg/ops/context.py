@@ -67,10 +67,12 @@ class ForwardContext(ABC):
         num_padded_tokens: rows the layer stack runs on (the bucket).
         kv_pool: the pool the islands read and write.
         attends_in_graph: whether :meth:`attend` is captured inside the graph (else it runs in an island).
+        write_slots: int64 ``(num_padded_tokens,)``: each row's KV-pool slot (padded rows: the scratch slot).
     """
 
     num_padded_tokens: int
     kv_pool: KVPool
+    write_slots: Tensor
     attends_in_graph: bool = False
 
     @abstractmethod
@@ -80,10 +82,8 @@ class ForwardContext(ABC):
     def kv_destination(self, layer_id: int) -> tuple[Tensor, Tensor, Tensor] | None:
         """``(k_cache, v_cache, slots)`` of layer ``layer_id`` for a kernel that writes the K/V itself, or None when
         this context has no such place (a pool whose layer holds other buffers)."""
-        pool = self.kv_pool
-        k, v = pool.k[layer_id], pool.v[layer_id]
-        slots = getattr(self, "write_slots", None)
-        return None if k is None or v is None or slots is None else (k, v, slots)
+        k, v = self.kv_pool.k[layer_id], self.kv_pool.v[layer_id]
+        return None if k is None or v is None else (k, v, self.write_slots)
 
     @abstractmethod
     def attend(self, q: Tensor, k: Tensor, v: Tensor, out: Tensor, layer_id: int) -> None:
