@@ -29,7 +29,7 @@ from bcg.ops import dsa
 from bcg.ops.attention import attention
 
 __all__ = ["ISLAND_OPS", "SPLIT_OPS", "UNSPLITTABLE", "is_island_node", "is_split_node", "island_fn",
-           "register_split_op", "unsplittable_islands"]
+           "register_island_op", "register_split_op", "unsplittable_islands"]
 
 
 # The attention features (scale, window, softcap, sinks) are part of the op's schema, so a compiled graph keeps them.
@@ -99,6 +99,19 @@ ISLAND_OPS: dict[Any, Callable[..., Any]] = {
 SPLIT_OPS: dict[Any, Callable[..., Any]] = {}
 # Island op name -> why a piecewise graph cannot hold it.
 UNSPLITTABLE: dict[str, str] = {"bcg.select_topk": dsa.UNCAPTURABLE, "bcg.sparse_attention": dsa.UNCAPTURABLE}
+
+
+def register_island_op(op: Any, eager_fn: Callable[..., Any], unsplittable: str | None = None) -> None:
+    """Makes ``op`` (a ``torch.ops`` overload packet) an island run as ``eager_fn`` where a graph runs islands
+    itself; ``unsplittable`` says why a piecewise graph cannot hold it (it is then refused by name there).
+
+    Example::
+
+        register_island_op(torch.ops.mylib.topk, topk, unsplittable="its output shape depends on the data")
+    """
+    ISLAND_OPS[op] = eager_fn
+    if unsplittable is not None:
+        UNSPLITTABLE[str(op)] = unsplittable
 
 
 def register_split_op(op: Any, eager_fn: Callable[..., Any]) -> None:

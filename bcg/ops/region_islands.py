@@ -122,11 +122,10 @@ def _region_sparse_attention_fake(q: Tensor, k: Tensor, v: Tensor, selection: Te
 
 
 # A graph that runs islands itself (compile="traced") calls these functions in place of the ops.
-custom_ops.ISLAND_OPS[torch.ops.bcg.region_attention] = _attention_here
-custom_ops.ISLAND_OPS[torch.ops.bcg.region_select_topk] = _select_topk_here
-custom_ops.ISLAND_OPS[torch.ops.bcg.region_sparse_attention] = _sparse_attention_here
-custom_ops.UNSPLITTABLE["bcg.region_select_topk"] = dsa.UNCAPTURABLE
-custom_ops.UNSPLITTABLE["bcg.region_sparse_attention"] = dsa.UNCAPTURABLE
+custom_ops.register_island_op(torch.ops.bcg.region_attention, _attention_here)
+custom_ops.register_island_op(torch.ops.bcg.region_select_topk, _select_topk_here, unsplittable=dsa.UNCAPTURABLE)
+custom_ops.register_island_op(torch.ops.bcg.region_sparse_attention, _sparse_attention_here,
+                              unsplittable=dsa.UNCAPTURABLE)
 
 
 # --- what the models call inside a region ------------------------------------------------------------------------
