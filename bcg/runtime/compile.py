@@ -95,7 +95,7 @@ class CompiledLayers:
 
         layers = compile_layers(model, "inductor")
         with forward_context(batch.to_context(16)):
-            hidden = layers(static_hidden[:16], static_positions[:16])     # compiles one layer per structure
+            hidden = layers(hidden[:16], positions[:16])        # compiles one layer per structure
         layers.num_graphs                                                  # e.g. 2 (the first layer, the rest)
     """
 
