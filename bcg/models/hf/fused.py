@@ -27,11 +27,15 @@ from torch import Tensor, nn
 from bcg.models.hf.joined import JoinedWeight
 from bcg.ops import kernels as fused
 
-__all__ = ["FusedDecoderLayer", "FusedMLP", "FusedModule", "FusedRMSNorm", "NormSpec"]
+__all__ = ["FusedDecoderLayer", "FusedMLP", "FusedModule", "FusedRMSNorm", "NoMatch", "NormSpec"]
 
 # The kernels' plain-torch references run F.rms_norm with gemma's fp32 (1 + w) on half-precision rows, which is the
 # arithmetic gemma does; torch notes at every such call that it cannot use its own fused CPU path for mixed dtypes.
 warnings.filterwarnings("ignore", message="Mismatch dtype between input and weight", category=UserWarning)
+
+
+class NoMatch(Exception):
+    """The module does not match a fused pattern exactly; the message says how."""
 
 
 class FusedModule(nn.Module):

@@ -6,6 +6,8 @@
   sinks, RoPE from the body's rotary embedding (its ``inv_freq`` buffers): :class:`~.fused_attention.FusedAttention`;
 * gate/up MLPs (``gate_proj``/``up_proj``/``down_proj`` or ``gate_up_proj``/``down_proj`` and an activation):
   :class:`~.fused.FusedMLP`;
+* mixture-of-experts blocks (a router of a known rule, stacked gate/up experts, optional shared experts):
+  :class:`~.fused_moe.FusedMoE`;
 * RMSNorm modules, ``w * x / rms(x)`` or ``(1 + w) * x / rms(x)`` (decided numerically): :class:`~.fused.FusedRMSNorm`;
 * decoder layers of exactly the pre-norm or the sandwich structure: :class:`~.fused.FusedDecoderLayer`
 
@@ -33,6 +35,7 @@ from torch import Tensor, nn
 from bcg.errors import first_line
 from bcg.models.hf.fused import FusedModule, FusedRMSNorm
 from bcg.models.hf.fused_attention import FusedAttention
+from bcg.models.hf.fused_moe import FusedMoE, is_moe_block, moe_specs
 from bcg.models.hf.patterns import (
     DIFFERS,
     NoMatch,
@@ -90,8 +93,9 @@ def fuse(body: nn.Module, config: Any, calls: dict[int, Any], skip_layers: set[i
     layers = decoder_layers(body, config)
     attentions = {m: calls[m.layer_idx] for m in body.modules() if is_attention(m, calls, skip_layers)}
     mlps = [m for m in body.modules() if mlp_names(m) is not None]
+    moes = [m for m in body.modules() if is_moe_block(m)]
     norms = [m for m in body.modules() if is_norm(m)]
-    recorded = _record(list(attentions) + mlps + norms + layers, one_request)
+    recorded = _record(list(attentions) + mlps + moes + norms + layers, one_request)
     left: list[tuple[str, str]] = []  # (module class, reason)
     done: Counter[str] = Counter()
     parents = {child: (parent, name) for parent in body.modules() for name, child in parent.named_children()}
@@ -109,6 +113,14 @@ def fuse(body: nn.Module, config: Any, calls: dict[int, Any], skip_layers: set[i
             done["mlp"] += why is None
             if why is not None:
                 left.append((type(module).__name__, why))
+        moe_rules: Counter[str] = Counter()
+        for module in moes:  # after the MLPs: a block's shared experts are fused already
+            why = _swap_moe(module, config, parents[module], recorded, fusion)
+            if why is None:
+                done["moe"] += 1
+                moe_rules[f"{type(module).__name__}: {fusion.swaps[-1][3].spec.describe()}"] += 1
+            else:
+                left.append((type(module).__name__, why))
         inside = {n for m in fused_attention for n in m.modules()}
         for module in norms:
             if module in inside:
@@ -123,6 +135,7 @@ def fuse(body: nn.Module, config: Any, calls: dict[int, Any], skip_layers: set[i
             if why is not None:
                 left.append((type(module).__name__, why))
     fusion.notes = _notes(done, left)
+    fusion.notes[1:1] = [f"fused MoE blocks: {n} {rule}" for rule, n in moe_rules.items()]
     for note in fusion.notes:
         logger.info("bcg: %s", note)
     return fusion
@@ -202,9 +215,24 @@ def _swap_attention(module: nn.Module, call: Any, config: Any, body: nn.Module, 
     return why
 
 
+def _swap_moe(module: nn.Module, config: Any, where: tuple[nn.Module, str], recorded: Recorded,
+              fusion: Fusion) -> str | None:
+    try:
+        specs = moe_specs(module, config)
+    except NoMatch as e:
+        return str(e)
+    why = ""
+    for spec in specs:  # one per layout the shapes leave open; the first whose output matches is kept
+        why = _swap(where, module, lambda s=spec: FusedMoE(module, s), recorded, fusion)
+        if why is None:
+            return None
+    return why
+
+
 def _notes(done: Counter[str], left: list[tuple[str, str]]) -> list[str]:
     words = {"attention": "attention modules (one q/k/v GEMM, q/k norm where present and RoPE in one kernel)",
              "mlp": "MLPs (one gate/up GEMM, SiLU-and-multiply in one kernel where the activation is SiLU)",
+             "moe": "MoE blocks (bcg's router, expert order and combine kernels, the experts as two grouped GEMMs)",
              "norm": "RMSNorms (one kernel)", "layer": "decoder layers (residual add and RMSNorm in one kernel)"}
     notes = []
     if done:

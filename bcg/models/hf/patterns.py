@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from bcg.models.hf.fused import FusedDecoderLayer, FusedMLP, FusedRMSNorm, NormSpec, norm_eps
+from bcg.models.hf.fused import FusedDecoderLayer, FusedMLP, FusedRMSNorm, NoMatch, NormSpec, norm_eps
 from bcg.models.hf.fused_attention import AttentionSpec, rope_layout
 from bcg.tensors import tensor_leaves
 
@@ -78,10 +78,6 @@ def compare(got: Any, want: Any) -> str | None:
         if not rel <= TOLERANCE.get(b.dtype, 1e-5):
             return f"its fused form {DIFFERS}{rel:.2g} (relative)"
     return None
-
-
-class NoMatch(Exception):
-    """The module does not match the fused pattern exactly; the message says how."""
 
 
 def norm_spec(module: nn.Module) -> NormSpec:
