@@ -149,7 +149,9 @@ class FusedMoE(FusedModule):
 def is_moe_block(m: nn.Module) -> bool:
     """A router child and stacked experts (3-D ``gate_up_proj`` and ``down_proj``)."""
     experts = getattr(m, "experts", None)
-    if not isinstance(experts, nn.Module) or not any(isinstance(getattr(m, n, None), nn.Module) for n in ROUTER_NAMES):
+    if isinstance(m, FusedModule) or not isinstance(experts, nn.Module):
+        return False
+    if not any(isinstance(getattr(m, n, None), nn.Module) for n in ROUTER_NAMES):
         return False
     return all(isinstance(getattr(experts, n, None), Tensor) and getattr(experts, n).ndim == 3
                for n in ("gate_up_proj", "down_proj"))

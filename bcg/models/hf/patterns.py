@@ -65,10 +65,16 @@ def is_norm(m: nn.Module) -> bool:
             and params["weight"].ndim == 1 and norm_eps(m) is not None)
 
 
-def compare(got: Any, want: Any) -> str | None:
+def compare(got: Any, want: Any, skip_rows: Tensor | None = None) -> str | None:
+    """None if ``got`` is ``want`` to rounding (:data:`TOLERANCE`), else how it differs. ``skip_rows`` (bool,
+    one per token) leaves those tokens' rows out: tokens whose routing is at a near-tie (:mod:`.moe_ties`)."""
     got_t, want_t = tensor_leaves(got), tensor_leaves(want)
     if len(got_t) != len(want_t) or any(a.shape != b.shape for a, b in zip(got_t, want_t)):
         return "its fused form returns another structure than the module"
+    if skip_rows is not None:
+        keep = ~skip_rows
+        got_t, want_t = [a.reshape(keep.numel(), -1)[keep] for a in got_t], [b.reshape(keep.numel(), -1)[keep]
+                                                                             for b in want_t]
     for a, b in zip(got_t, want_t):
         if not b.is_floating_point():
             if not torch.equal(a, b):
