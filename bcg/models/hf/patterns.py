@@ -31,6 +31,7 @@ LAYER_KINDS = {
     frozenset({"input_layernorm", "self_attn", "post_attention_layernorm", "mlp"}): "pre_norm",
     frozenset({"input_layernorm", "self_attn", "post_attention_layernorm", "pre_feedforward_layernorm", "mlp",
                "post_feedforward_layernorm"}): "sandwich",
+    frozenset({"self_attn", "post_attention_layernorm", "mlp", "post_feedforward_layernorm"}): "post_norm",
 }
 
 
@@ -120,10 +121,14 @@ def make_layer(module: nn.Module) -> FusedDecoderLayer:
     names = frozenset(n for n, c in module.named_children() if not (isinstance(c, nn.Dropout) and not c.training))
     kind = LAYER_KINDS.get(names)
     if kind is None:
-        raise NoMatch(f"its sublayers ({', '.join(sorted(names))}) are neither the pre-norm nor the sandwich layout")
+        raise NoMatch(f"its sublayers ({', '.join(sorted(names))}) are none of the pre-norm, sandwich and post-norm "
+                      "layouts")
     scales = {k: v for k, v in vars(module).items() if isinstance(v, float) and ("multiplier" in k or "scal" in k)}
+    residual_scale = scales.pop("residual_multiplier", 1.0)  # granite: h + m * sublayer(h), m a parameter
     if any(v != 1.0 for v in scales.values()):
         raise NoMatch(", ".join(f"{k}={v}" for k, v in scales.items()) + " scales its sublayers' outputs")
+    if residual_scale != 1.0 and kind != "pre_norm":
+        raise NoMatch(f"residual_multiplier={residual_scale} scales the sublayers of a {kind} layer")
     norms = {}
     for n in sorted(names):
         if n.endswith("layernorm"):
@@ -131,7 +136,7 @@ def make_layer(module: nn.Module) -> FusedDecoderLayer:
             if not isinstance(child, FusedRMSNorm):
                 raise NoMatch(f"its {n} is not an RMSNorm bcg fused")
             norms[n] = child.spec
-    return FusedDecoderLayer(module, kind, norms)
+    return FusedDecoderLayer(module, kind, norms, residual_scale)
 
 
 def attention_specs(module: nn.Module, call: Any, config: Any, body: nn.Module) -> Iterator[AttentionSpec]:
