@@ -5,8 +5,10 @@ Random weights written by transformers and loaded from disk by path, bf16, one r
 where Triton runs), and for every engine the CUDA kernels one call runs (the profiler's device activities, graph
 replays included: kernels, copies and sets):
 
-1. **by path** (Qwen3-0.6B and Llama-3.2-1B shapes, ``scripts/make_checkpoint.py``): transformers' own forward,
-   ``Engine(model, backend="breakable")`` (the transformers path, fused at load) and
+1. **by path** (Qwen3-0.6B and Llama-3.2-1B shapes by default; ``--shapes`` takes any of
+   ``scripts/make_checkpoint.py``'s, the Qwen3-30B-A3B and gpt-oss-20b MoE shapes included, with kernels per layer
+   reported for each path; gpt_oss has no native model, so it runs the transformers path alone): transformers' own
+   forward, ``Engine(model, backend="breakable")`` (the transformers path, fused at load) and
    ``Engine(path, model_impl="native", backend="breakable")`` at ``--lengths`` (target: transformers path within
    1.15x of native), then both with ``compile="inductor"`` (target: compile at most 15 s; compile and capture times
    are reported apart, with the number of layer graphs compiled);
@@ -236,6 +238,10 @@ def by_path(shape: str, args: argparse.Namespace, run: Run) -> dict:
         out["tf"] = run.step(f"{shape}: transformers path", _engine_rows, eng, prompts, args, kernels_at, out["hf"])
         del eng
         _free()
+    if not _native_loads(hf.config.model_type):  # gpt_oss: no native model; the transformers path alone
+        del hf
+        _free()
+        return out
     eng = run.step(f"{shape}: native build", Engine, folder, **_opts(args, args.lengths, model_impl="native"))
     if eng is not None:
         out["native"] = run.step(f"{shape}: native", _engine_rows, eng, prompts, args, kernels_at, out["hf"])
@@ -277,6 +283,12 @@ def one_arch(arch: str, args: argparse.Namespace, run: Run) -> dict:
     return out
 
 
+def _native_loads(model_type: str) -> bool:
+    from bcg.models.loader import SUPPORTED_MODEL_TYPES
+
+    return model_type in SUPPORTED_MODEL_TYPES
+
+
 def _make_checkpoint() -> Any:
     spec = importlib.util.spec_from_file_location("make_checkpoint", ROOT / "scripts" / "make_checkpoint.py")
     module = importlib.util.module_from_spec(spec)
@@ -290,6 +302,11 @@ def _ms(v: Any) -> str:
 
 def _count(row: dict) -> str:
     return str(row["kernels"]) if row.get("kernels") is not None else "-"
+
+
+def _per_layer(row: dict, layers: int) -> str:
+    """Kernels per layer (the whole call's over the layer count: the MoE target compares these)."""
+    return f"{row['kernels'] / layers:.1f}" if row.get("kernels") is not None and layers else "-"
 
 
 def _token(row: dict, hf: dict) -> str:
@@ -310,16 +327,17 @@ def _get(d: Any, *keys: Any) -> Any:
 def tables(results: dict) -> str:
     lines = ["## by path: transformers path vs native (breakable, default kernels, no compile)", "",
              "| shape | tokens | transformers forward ms | tf path ms | native ms | tf / native | speedup over "
-             "forward | kernels forward / tf / native | token = forward's (tf / native) |",
-             "|---|---:|---:|---:|---:|---:|---:|---|---|"]
+             "forward | kernels forward / tf / native | per layer tf / native | token = forward's (tf / native) |",
+             "|---|---:|---:|---:|---:|---:|---:|---|---|---|"]
     for shape, r in results.get("by_path", {}).items():
         for n, hf in (_get(r, "hf") or {}).items():
             tf, nat = _get(r, "tf", "by_length", n) or {}, _get(r, "native", "by_length", n) or {}
             ratio = tf["ms"] / nat["ms"] if tf.get("ms") and nat.get("ms") else None
             speed = hf["ms"] / tf["ms"] if tf.get("ms") else None
             kern = " / ".join(_count(x) for x in (hf, tf, nat))
+            per = " / ".join(_per_layer(x, r.get("layers", 0)) for x in (tf, nat))
             lines.append(f"| {shape} | {n} | {_ms(hf['ms'])} | {_ms(tf.get('ms'))} | {_ms(nat.get('ms'))} | "
-                         f"{_ms(ratio)} | {_ms(speed)}x | {kern} | {_token(tf, hf)} / {_token(nat, hf)} |")
+                         f"{_ms(ratio)} | {_ms(speed)}x | {kern} | {per} | {_token(tf, hf)} / {_token(nat, hf)} |")
     lines += ["", "## compile=inductor (layer graphs compiled; compile and capture s; at the shortest length)", "",
               "| shape | path | layer graphs | compile s | capture s | ms | kernels | error |",
               "|---|---|---:|---:|---:|---:|---:|---|"]
@@ -332,7 +350,7 @@ def tables(results: dict) -> str:
                          f"{_ms(row.get('ms'))} | {_count(row)} | {c.get('compile_error') or ''} |")
     lines += ["", "## every architecture: breakable vs transformers' own forward", "",
               "| arch | params | tokens | forward ms | breakable ms | speedup | kernels forward / breakable | "
-              "token equal | left as written |", "|---|---:|---:|---:|---:|---:|---|---|---|"]
+              "per layer | token equal | left as written |", "|---|---:|---:|---:|---:|---:|---|---:|---|---|"]
     for arch, r in results.get("archs", {}).items():
         left = "; ".join(n.removeprefix("left as written: ") for n in (_get(r, "tf", "notes") or [])
                          if n.startswith("left"))
@@ -340,7 +358,8 @@ def tables(results: dict) -> str:
             tf = _get(r, "tf", "by_length", n) or {}
             speed = hf["ms"] / tf["ms"] if tf.get("ms") else None
             lines.append(f"| {arch} | {r['params'] / 1e6:.0f}M | {n} | {_ms(hf['ms'])} | {_ms(tf.get('ms'))} | "
-                         f"{_ms(speed)}x | {_count(hf)} / {_count(tf)} | {_token(tf, hf)} | {left} |")
+                         f"{_ms(speed)}x | {_count(hf)} / {_count(tf)} | {_per_layer(tf, r.get('layers', 0))} | "
+                         f"{_token(tf, hf)} | {left} |")
     return "\n".join(lines)
 
 

@@ -4,7 +4,10 @@ The GPU machine has no internet, so benchmarks that load "a Qwen3-0.6B-shaped ch
 transformers builds the model from its own config class, initialises it with its own init, and saves config.json and
 safetensors exactly as a downloaded checkpoint would look.
 
-Usage: python scripts/make_checkpoint.py SHAPE OUTDIR   (SHAPE: qwen3-0.6b, llama-3.2-1b, gpt-oss-small)
+Usage: python scripts/make_checkpoint.py SHAPE OUTDIR   (SHAPE: one of SHAPES' keys)
+
+The MoE shapes are large in bf16 (qwen3-30b-a3b 61 GB, gpt-oss-20b 42 GB of safetensors): write them where the
+disk has room (the 2-GPU machine's 128 GB), or use their ``-8l`` variants (8 layers, the same widths).
 """
 
 from __future__ import annotations
@@ -34,6 +37,25 @@ SHAPES = {
                                            head_dim=64, num_local_experts=32, num_experts_per_tok=4,
                                            sliding_window=128, max_position_embeddings=131072)),
 }
+# Qwen3-30B-A3B: hidden 2048, 48 layers, 32 query / 4 KV heads of 128, q/k norm, 128 experts of 768, top-8,
+# renormalised. gpt-oss-20b: hidden 2880, 24 layers, 64 / 8 heads of 64, 32 experts of 2880 top-4 with biases and
+# clamped SwiGLU, sinks, a 128-token window every other layer, yarn RoPE (bf16 here; the release ships MXFP4 experts).
+QWEN3_30B_A3B = dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+                     num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                     num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, max_position_embeddings=40960,
+                     rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False)
+GPT_OSS_20B = dict(vocab_size=201088, hidden_size=2880, intermediate_size=2880, num_hidden_layers=24,
+                   num_attention_heads=64, num_key_value_heads=8, head_dim=64, num_local_experts=32,
+                   num_experts_per_tok=4, sliding_window=128, max_position_embeddings=131072,
+                   rope_parameters={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                    "truncate": False, "original_max_position_embeddings": 4096,
+                                    "rope_theta": 150000.0})
+SHAPES.update({
+    "qwen3-30b-a3b": ("Qwen3MoeConfig", QWEN3_30B_A3B),
+    "qwen3-30b-a3b-8l": ("Qwen3MoeConfig", {**QWEN3_30B_A3B, "num_hidden_layers": 8}),
+    "gpt-oss-20b": ("GptOssConfig", GPT_OSS_20B),
+    "gpt-oss-20b-8l": ("GptOssConfig", {**GPT_OSS_20B, "num_hidden_layers": 8}),
+})
 
 
 def main(argv: list[str] | None = None) -> int:

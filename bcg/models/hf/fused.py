@@ -12,7 +12,9 @@ answers any other attribute from it, and runs bcg's fused kernels (:mod:`bcg.ops
 * :class:`FusedMLP`: ``down(act(gate(x)) * up(x))`` with gate and up as one GEMM over their joined weights, and
   SiLU-and-multiply as one kernel when ``act`` is SiLU (any other activation runs as the module's own).
 * :class:`FusedDecoderLayer`: the pre-norm layer ``h += attn(norm(h)); h += mlp(norm(h))`` with the residual add and
-  the norm after it as one kernel; ``"sandwich"`` (gemma2/3) also norms each sublayer's output before its add.
+  the norm after it as one kernel, each sublayer's output optionally scaled first (granite's
+  ``residual_multiplier``); ``"sandwich"`` (gemma2/3) also norms each sublayer's output before its add;
+  ``"post_norm"`` (olmo2) norms only the sublayers' outputs, ``h += norm(attn(h)); h += norm(mlp(h))``.
 """
 
 from __future__ import annotations
@@ -27,11 +29,15 @@ from torch import Tensor, nn
 from bcg.models.hf.joined import JoinedWeight
 from bcg.ops import kernels as fused
 
-__all__ = ["FusedDecoderLayer", "FusedMLP", "FusedModule", "FusedRMSNorm", "NormSpec"]
+__all__ = ["FusedDecoderLayer", "FusedMLP", "FusedModule", "FusedRMSNorm", "NoMatch", "NormSpec"]
 
 # The kernels' plain-torch references run F.rms_norm with gemma's fp32 (1 + w) on half-precision rows, which is the
 # arithmetic gemma does; torch notes at every such call that it cannot use its own fused CPU path for mixed dtypes.
 warnings.filterwarnings("ignore", message="Mismatch dtype between input and weight", category=UserWarning)
+
+
+class NoMatch(Exception):
+    """The module does not match a fused pattern exactly; the message says how."""
 
 
 class FusedModule(nn.Module):
@@ -139,19 +145,27 @@ class FusedDecoderLayer(FusedModule):
 
     Args:
         original: the decoder layer.
-        kind: ``"pre_norm"`` (llama: input and post-attention norms) or ``"sandwich"`` (gemma2/3: also a norm after
-            each sublayer and a pre-feedforward norm).
+        kind: ``"pre_norm"`` (llama: input and post-attention norms), ``"sandwich"`` (gemma2/3: also a norm after
+            each sublayer and a pre-feedforward norm) or ``"post_norm"`` (olmo2: a norm after each sublayer only).
         norms: the layer's norms by child name.
+        residual_scale: what each sublayer's output is multiplied by before its residual add (pre-norm only).
     """
 
-    def __init__(self, original: nn.Module, kind: str, norms: dict[str, NormSpec]) -> None:
+    def __init__(self, original: nn.Module, kind: str, norms: dict[str, NormSpec],
+                 residual_scale: float = 1.0) -> None:
         names = ["self_attn", "mlp", *norms]
         super().__init__(original, {n: getattr(original, n) for n in names})
-        self.kind, self.norms = kind, norms
+        self.kind, self.norms, self.residual_scale = kind, norms, residual_scale
 
     def forward(self, hidden_states: Tensor, *args: Any, **kwargs: Any) -> Tensor:
         impl, n = self.kernels, self.norms
+        if self.kind == "post_norm":  # the module's own order: norm of each sublayer's output, then its add
+            attn_out = self.self_attn(hidden_states, *args, **kwargs)[0]
+            h = hidden_states + n["post_attention_layernorm"](attn_out, impl)
+            return h + n["post_feedforward_layernorm"](_first(self.mlp(h)), impl)
         attn_out = self.self_attn(n["input_layernorm"](hidden_states, impl), *args, **kwargs)[0]
+        if self.residual_scale != 1.0:
+            attn_out = attn_out * self.residual_scale
         # h = hidden + attn_out (rounded to the residual's dtype) and the next norm of h, in one kernel; the layer's
         # input is only read (it may be a graph's static input), attn_out is overwritten with the normed rows.
         residual = torch.empty_like(hidden_states)
@@ -160,7 +174,8 @@ class FusedDecoderLayer(FusedModule):
             normed, residual = _add_norm(attn_out, hidden_states, n["pre_feedforward_layernorm"], residual, impl)
             return residual + n["post_feedforward_layernorm"](_first(self.mlp(normed)), impl)
         normed, residual = _add_norm(attn_out, hidden_states, n["post_attention_layernorm"], residual, impl)
-        return residual + _first(self.mlp(normed))
+        mlp_out = _first(self.mlp(normed))
+        return residual + (mlp_out * self.residual_scale if self.residual_scale != 1.0 else mlp_out)
 
 
 def _first(out: Tensor | tuple) -> Tensor:

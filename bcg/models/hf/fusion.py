@@ -6,6 +6,8 @@
   sinks, RoPE from the body's rotary embedding (its ``inv_freq`` buffers): :class:`~.fused_attention.FusedAttention`;
 * gate/up MLPs (``gate_proj``/``up_proj``/``down_proj`` or ``gate_up_proj``/``down_proj`` and an activation):
   :class:`~.fused.FusedMLP`;
+* mixture-of-experts blocks (a router of a known rule, stacked gate/up experts, optional shared experts):
+  :class:`~.fused_moe.FusedMoE`;
 * RMSNorm modules, ``w * x / rms(x)`` or ``(1 + w) * x / rms(x)`` (decided numerically): :class:`~.fused.FusedRMSNorm`;
 * decoder layers of exactly the pre-norm or the sandwich structure: :class:`~.fused.FusedDecoderLayer`
 
@@ -33,8 +35,11 @@ from torch import Tensor, nn
 from bcg.errors import first_line
 from bcg.models.hf.fused import FusedModule, FusedRMSNorm
 from bcg.models.hf.fused_attention import FusedAttention
+from bcg.models.hf.fused_moe import FusedMoE, is_moe_block, moe_specs
+from bcg.models.hf.moe_ties import near_tie_rows
 from bcg.models.hf.patterns import (
     DIFFERS,
+    TOLERANCE,
     NoMatch,
     attention_specs,
     compare,
@@ -47,6 +52,7 @@ from bcg.models.hf.patterns import (
     norm_spec,
 )
 from bcg.ops.kernels import fused_available
+from bcg.tensors import tensor_leaves
 
 __all__ = ["Fusion", "fuse"]
 
@@ -59,6 +65,7 @@ class Fusion:
 
     swaps: list[tuple[nn.Module, str, nn.Module, FusedModule]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    tie_tokens: Counter[str] = field(default_factory=Counter)  # per module class: tokens left out at routing ties
 
     def set_kernels(self, impl: str) -> None:
         for *_, stand_in in self.swaps:
@@ -90,8 +97,9 @@ def fuse(body: nn.Module, config: Any, calls: dict[int, Any], skip_layers: set[i
     layers = decoder_layers(body, config)
     attentions = {m: calls[m.layer_idx] for m in body.modules() if is_attention(m, calls, skip_layers)}
     mlps = [m for m in body.modules() if mlp_names(m) is not None]
+    moes = [m for m in body.modules() if is_moe_block(m)]
     norms = [m for m in body.modules() if is_norm(m)]
-    recorded = _record(list(attentions) + mlps + norms + layers, one_request)
+    recorded = _record(list(attentions) + mlps + moes + norms + layers, one_request)
     left: list[tuple[str, str]] = []  # (module class, reason)
     done: Counter[str] = Counter()
     parents = {child: (parent, name) for parent in body.modules() for name, child in parent.named_children()}
@@ -109,6 +117,14 @@ def fuse(body: nn.Module, config: Any, calls: dict[int, Any], skip_layers: set[i
             done["mlp"] += why is None
             if why is not None:
                 left.append((type(module).__name__, why))
+        moe_rules: Counter[str] = Counter()
+        for module in moes:  # after the MLPs: a block's shared experts are fused already
+            why = _swap_moe(module, config, parents[module], recorded, fusion)
+            if why is None:
+                done["moe"] += 1
+                moe_rules[f"{type(module).__name__}: {fusion.swaps[-1][3].spec.describe()}"] += 1
+            else:
+                left.append((type(module).__name__, why))
         inside = {n for m in fused_attention for n in m.modules()}
         for module in norms:
             if module in inside:
@@ -123,6 +139,9 @@ def fuse(body: nn.Module, config: Any, calls: dict[int, Any], skip_layers: set[i
             if why is not None:
                 left.append((type(module).__name__, why))
     fusion.notes = _notes(done, left)
+    fusion.notes[1:1] = [f"fused MoE blocks: {n} {rule}" for rule, n in moe_rules.items()] + [
+        f"fused {cls} although {n} probe tokens took another expert at a routing near-tie (scores within rounding)"
+        for cls, n in fusion.tie_tokens.items()]
     for note in fusion.notes:
         logger.info("bcg: %s", note)
     return fusion
@@ -178,6 +197,11 @@ def _swap(where: tuple[nn.Module, str], module: nn.Module, make: Callable[[], Fu
     try:
         got = stand_in(*_clone(args), **_clone(kwargs))
         why = compare(got, want)
+        if why is not None:  # allowed only where the router's choice was within rounding of a tie (moe_ties)
+            ties = near_tie_rows(stand_in, lambda m: recorded.get(m, ((None,),))[0][0], _tolerance(want))
+            if ties is not None and compare(got, want, skip_rows=ties) is None:
+                why = None
+                fusion.tie_tokens[type(module).__name__] += int(ties.sum())
     except Exception as e:  # a stand-in that cannot run this module's call is not a match
         why = f"its fused form failed on the module's own input ({first_line(e)})"
     if why is None:
@@ -202,9 +226,29 @@ def _swap_attention(module: nn.Module, call: Any, config: Any, body: nn.Module, 
     return why
 
 
+def _tolerance(want: Any) -> float:
+    leaves = [t for t in tensor_leaves(want) if t.is_floating_point()]
+    return TOLERANCE.get(leaves[0].dtype, 1e-5) if leaves else 0.0
+
+
+def _swap_moe(module: nn.Module, config: Any, where: tuple[nn.Module, str], recorded: Recorded,
+              fusion: Fusion) -> str | None:
+    try:
+        specs = moe_specs(module, config)
+    except NoMatch as e:
+        return str(e)
+    why = ""
+    for spec in specs:  # one per layout the shapes leave open; the first whose output matches is kept
+        why = _swap(where, module, lambda s=spec: FusedMoE(module, s), recorded, fusion)
+        if why is None:
+            return None
+    return why
+
+
 def _notes(done: Counter[str], left: list[tuple[str, str]]) -> list[str]:
     words = {"attention": "attention modules (one q/k/v GEMM, q/k norm where present and RoPE in one kernel)",
              "mlp": "MLPs (one gate/up GEMM, SiLU-and-multiply in one kernel where the activation is SiLU)",
+             "moe": "MoE blocks (bcg's router, expert order and combine kernels, the experts as two grouped GEMMs)",
              "norm": "RMSNorms (one kernel)", "layer": "decoder layers (residual add and RMSNorm in one kernel)"}
     notes = []
     if done:

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from bcg.models.hf.fused import FusedDecoderLayer, FusedMLP, FusedRMSNorm, NormSpec, norm_eps
+from bcg.models.hf.fused import FusedDecoderLayer, FusedMLP, FusedRMSNorm, NoMatch, NormSpec, norm_eps
 from bcg.models.hf.fused_attention import AttentionSpec, rope_layout
 from bcg.tensors import tensor_leaves
 
@@ -31,6 +31,7 @@ LAYER_KINDS = {
     frozenset({"input_layernorm", "self_attn", "post_attention_layernorm", "mlp"}): "pre_norm",
     frozenset({"input_layernorm", "self_attn", "post_attention_layernorm", "pre_feedforward_layernorm", "mlp",
                "post_feedforward_layernorm"}): "sandwich",
+    frozenset({"self_attn", "post_attention_layernorm", "mlp", "post_feedforward_layernorm"}): "post_norm",
 }
 
 
@@ -65,10 +66,16 @@ def is_norm(m: nn.Module) -> bool:
             and params["weight"].ndim == 1 and norm_eps(m) is not None)
 
 
-def compare(got: Any, want: Any) -> str | None:
+def compare(got: Any, want: Any, skip_rows: Tensor | None = None) -> str | None:
+    """None if ``got`` is ``want`` to rounding (:data:`TOLERANCE`), else how it differs. ``skip_rows`` (bool,
+    one per token) leaves those tokens' rows out: tokens whose routing is at a near-tie (:mod:`.moe_ties`)."""
     got_t, want_t = tensor_leaves(got), tensor_leaves(want)
     if len(got_t) != len(want_t) or any(a.shape != b.shape for a, b in zip(got_t, want_t)):
         return "its fused form returns another structure than the module"
+    if skip_rows is not None:
+        keep = ~skip_rows
+        got_t, want_t = [a.reshape(keep.numel(), -1)[keep] for a in got_t], [b.reshape(keep.numel(), -1)[keep]
+                                                                             for b in want_t]
     for a, b in zip(got_t, want_t):
         if not b.is_floating_point():
             if not torch.equal(a, b):
@@ -78,10 +85,6 @@ def compare(got: Any, want: Any) -> str | None:
         if not rel <= TOLERANCE.get(b.dtype, 1e-5):
             return f"its fused form {DIFFERS}{rel:.2g} (relative)"
     return None
-
-
-class NoMatch(Exception):
-    """The module does not match the fused pattern exactly; the message says how."""
 
 
 def norm_spec(module: nn.Module) -> NormSpec:
@@ -118,10 +121,14 @@ def make_layer(module: nn.Module) -> FusedDecoderLayer:
     names = frozenset(n for n, c in module.named_children() if not (isinstance(c, nn.Dropout) and not c.training))
     kind = LAYER_KINDS.get(names)
     if kind is None:
-        raise NoMatch(f"its sublayers ({', '.join(sorted(names))}) are neither the pre-norm nor the sandwich layout")
+        raise NoMatch(f"its sublayers ({', '.join(sorted(names))}) are none of the pre-norm, sandwich and post-norm "
+                      "layouts")
     scales = {k: v for k, v in vars(module).items() if isinstance(v, float) and ("multiplier" in k or "scal" in k)}
+    residual_scale = scales.pop("residual_multiplier", 1.0)  # granite: h + m * sublayer(h), m a parameter
     if any(v != 1.0 for v in scales.values()):
         raise NoMatch(", ".join(f"{k}={v}" for k, v in scales.items()) + " scales its sublayers' outputs")
+    if residual_scale != 1.0 and kind != "pre_norm":
+        raise NoMatch(f"residual_multiplier={residual_scale} scales the sublayers of a {kind} layer")
     norms = {}
     for n in sorted(names):
         if n.endswith("layernorm"):
@@ -129,7 +136,7 @@ def make_layer(module: nn.Module) -> FusedDecoderLayer:
             if not isinstance(child, FusedRMSNorm):
                 raise NoMatch(f"its {n} is not an RMSNorm bcg fused")
             norms[n] = child.spec
-    return FusedDecoderLayer(module, kind, norms)
+    return FusedDecoderLayer(module, kind, norms, residual_scale)
 
 
 def attention_specs(module: nn.Module, call: Any, config: Any, body: nn.Module) -> Iterator[AttentionSpec]:

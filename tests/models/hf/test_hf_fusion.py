@@ -61,11 +61,8 @@ def test_fused_llama_runs_the_native_paths_matmuls():
 
 @pytest.mark.parametrize(("arch", "fused", "left"), [
     ("llama", ["2 attention modules", "2 MLPs", "5 RMSNorms", "2 decoder layers"], []),
-    ("granite", ["2 attention modules", "2 MLPs", "5 RMSNorms"],
-     ["left as written: GraniteDecoderLayer (2 modules): residual_multiplier=0.5 scales its sublayers' outputs"]),
-    ("olmo2", ["2 attention modules", "2 MLPs", "5 RMSNorms"],
-     ["left as written: Olmo2DecoderLayer (2 modules): its sublayers (mlp, post_attention_layernorm, "
-      "post_feedforward_layernorm, self_attn) are neither the pre-norm nor the sandwich layout"]),
+    ("granite", ["2 attention modules", "2 MLPs", "5 RMSNorms", "2 decoder layers"], []),  # residual multiplier
+    ("olmo2", ["2 attention modules", "2 MLPs", "5 RMSNorms", "2 decoder layers"], []),  # post-norm layout
     ("gemma3_text", ["4 attention modules", "4 MLPs", "17 RMSNorms", "4 decoder layers"], []),
 ])
 def test_notes_say_what_was_fused_and_what_was_left_as_written(arch, fused, left):
@@ -178,3 +175,18 @@ def test_fusion_can_be_switched_off(monkeypatch):
     monkeypatch.setenv("BCG_HF_FUSION", "off")
     eng = Engine(make_model("llama"), backend="eager", **SMALL)
     assert eng.telemetry.notes == [] and not any(isinstance(m, FusedModule) for m in eng.model.hf.modules())
+
+
+def test_a_layer_whose_residual_scale_is_dropped_is_refused(monkeypatch):
+    """Negative control for the scaled-residual layout: a stand-in that ignores granite's residual_multiplier differs
+    from the layer as written, so the layers are left as written and the logits stay transformers'."""
+    from bcg.models.hf.fused import FusedDecoderLayer
+
+    real = FusedDecoderLayer.__init__
+    monkeypatch.setattr(FusedDecoderLayer, "__init__", lambda self, o, k, n, s=1.0: real(self, o, k, n, 1.0))
+    hf = make_model("granite")
+    want = reference_logits(reference_copy(hf), prompts())
+    eng = Engine(hf, backend="eager", **SMALL)
+    assert any(n.startswith("left as written: GraniteDecoderLayer (2 modules): its fused form differs")
+               for n in eng.telemetry.notes), eng.telemetry.notes
+    assert max_diff(eng.prefill(prompts()).logits, want) <= 1e-4

@@ -38,3 +38,18 @@ def test_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     text = capsys.readouterr().out
     assert "| llama-3.2-1b | 16 |" in text and "| gpt_oss |" in text
     assert text.strip().splitlines()[-1] == out.read_text()  # the last line is the JSON
+
+
+def test_smoke_moe_shapes_by_path(tmp_path: Path) -> None:
+    """The Qwen3-30B-A3B and gpt-oss-20b shapes (shrunk) load by path with their MoE blocks fused; Qwen3-MoE also runs
+    the native path (bcg's MoE model), gpt-oss has none and says so by its absence."""
+    out = tmp_path / "hf_speed.json"
+    assert _module().main(["--smoke", "--shapes", "qwen3-30b-a3b-8l,gpt-oss-20b-8l", "--archs", "", "--workdir",
+                           str(tmp_path), "--out", str(out)]) == 0
+    summary = json.loads(out.read_text())
+    assert summary["errors"] == []
+    qwen, oss = (summary["results"]["by_path"][s] for s in ("qwen3-30b-a3b-8l", "gpt-oss-20b-8l"))
+    assert any(n.startswith("fused MoE blocks: 2 Qwen3MoeSparseMoeBlock") for n in qwen["tf"]["notes"])
+    assert any(n.startswith("fused MoE blocks: 2 GptOssMLP") for n in oss["tf"]["notes"])
+    assert all(r["token_equal"] for p in (qwen["tf"], qwen["native"], oss["tf"]) for r in p["by_length"].values())
+    assert "native" not in oss
