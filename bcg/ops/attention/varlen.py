@@ -36,8 +36,7 @@ class VarlenAttention(AttentionBackend):
     precision; on a CPU it runs FlashAttention's reference, in half precision as the kernel).
 
     Attributes:
-        notes: what a user should know about how it runs here (the copy after each kernel where the torch build
-            has no in-place route).
+        notes: the copy after each kernel where the torch build has no in-place route (logged once as well).
 
     Example::
 
@@ -52,15 +51,14 @@ class VarlenAttention(AttentionBackend):
     def __init__(self, kv_pool: KVPool) -> None:
         super().__init__(kv_pool)
         device = kv_pool.device
-        self.notes: list[str] = []
         if device.type == "cuda":
             # The once-per-device probes (the direct aten call, the causal alignment) read results back to the
             # host: they run here, before any capture or replay, never inside an island.
             varlen_causal_is_bottom_right(device)
-            reason = copy_reason(device)
-            if reason is not None:
-                _log_once(f"bcg varlen attention on {device}: {reason}")
-                self.notes.append(f"varlen attention: {reason}")
+        reason = copy_reason(device)
+        if reason is not None:
+            _log_once(f"bcg varlen attention on {device}: {reason}")
+            self.notes.append(f"varlen attention: {reason}")
 
     @classmethod
     def is_usable(cls, device: torch.device, dtype: torch.dtype) -> str | None:
