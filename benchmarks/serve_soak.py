@@ -19,6 +19,7 @@ Usage::
     python benchmarks/serve_soak.py                      # 5,000 requests from 8 threads (CPU, emulated graphs)
     python benchmarks/serve_soak.py --quick              # the CI smoke run: a few hundred requests, seconds
     python benchmarks/serve_soak.py --device cuda --presets tiny-dense --dtype bfloat16   # the CUDA tier
+    python benchmarks/serve_soak.py --quick --attention-backend varlen --dtype bfloat16  # FlashAttention's reference
 
 Prints a table per preset and the memory samples, and as its last line one JSON object with every number.
 """
@@ -38,10 +39,9 @@ from typing import Any
 
 import torch
 
-try:
-    import bcg  # noqa: F401
-except ImportError:  # run from a checkout without installing it
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+# The checkout this script sits in comes first, before any installed bcg: its tests run it as a subprocess and must
+# soak this checkout's code.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from soak import Injector, matches, rss_bytes  # the prefill soak's fault injector and checks
@@ -97,6 +97,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--outstanding", type=int, default=8, help="requests each client keeps in flight")
     p.add_argument("--presets", default="tiny-dense,tiny-moe")
     p.add_argument("--backend", default="breakable", help="breakable, full or tc_piecewise (tc_compiler traced)")
+    p.add_argument("--attention-backend", default=None,
+                   help="attention backend of both engines (sdpa, varlen...; default: the device's); varlen on a CPU "
+                   "runs FlashAttention's reference and needs --dtype bfloat16 or float16")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default=None)
     p.add_argument("--chunked-prefill-size", type=int, default=64)
@@ -127,8 +130,9 @@ def soak_preset(args: argparse.Namespace, name: str, count: int, index: int, sam
     common = dict(device=args.device, dtype=args.dtype, chunked_prefill_size=args.chunked_prefill_size,
                   progress=False, seed=0)
     extra = {"tc_compiler": "traced"} if args.backend == "tc_piecewise" else {}
-    eng = Engine(name, backend=args.backend, kv_tokens=args.kv_tokens, prefix_cache=True, **common, **extra)
-    ref = Engine(name, backend="eager", prefix_cache=False, **common)
+    eng = Engine(name, backend=args.backend, kv_tokens=args.kv_tokens, prefix_cache=True,
+                 attention_backend=args.attention_backend, **common, **extra)
+    ref = Engine(name, backend="eager", prefix_cache=False, attention_backend=args.attention_backend, **common)
     for e in (eng, ref):
         e.telemetry.max_batches = 1000
     islands = Injector(args.failure_rate, args.seed + 1000 + index)
@@ -205,6 +209,7 @@ def soak_preset(args: argparse.Namespace, name: str, count: int, index: int, sam
     for th in threads:
         th.join()
     s["elapsed_s"] = time.perf_counter() - t0
+    s["attention_backend"] = eng.telemetry.attention_backend
     pool, cache = eng.kv_pool, eng.prefix_cache
     # Every request ended: the cache holds what is not free, and nobody locks it.
     s["slots_held_outside_cache"] = pool.num_slots - pool.num_free - cache.num_cached_tokens
@@ -246,7 +251,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                   f"{100 * s['graph_batches'] / max(s['batches'], 1):.1f}", s["injected_island_failures"],
                   s["failed_replays"], s["reenabled"], s["evicted_tokens"], s["mismatches"], f"{s['max_diff']:.2e}",
                   s["pool_leak"] + s["slots_held_outside_cache"], s["ok"]] for n, s in stats.items()],
-                title=f"Serving soak: {args.backend} against eager on {args.device}, {args.threads} client threads, "
+                title=f"Serving soak: {args.backend} against eager on {args.device}, "
+                f"{'/'.join(sorted({s['attention_backend'] for s in stats.values()}))} attention, "
+                f"{args.threads} client threads, "
                 f"island failure rate {args.failure_rate}, forward failure rate {args.forward_failure_rate}"))
     mem_key = "cuda_allocated_mib" if args.device.startswith("cuda") else "rss_mib"
     # Per preset (each builds its own engines): from its first sample after the warm-up to its last.
