@@ -12,7 +12,8 @@ forward eagerly and answer exactly as before); with ``--forward-failure-rate q``
 probability q (exactly the requests of that forward must fail, with that error, and no other). Every answer must equal
 the eager engine's prefill of its prompt (logits within the tolerance, the same greedy token). Resident memory is
 sampled after a warm-up; once every request ended no KV slot may be held by anything but the prefix cache, and none
-once the cache is cleared.
+once the cache is cleared. Every bucket must have captured (a capture that fails at build is a bug; its batches would
+quietly run in another bucket).
 
 Usage::
 
@@ -135,6 +136,8 @@ def soak_preset(args: argparse.Namespace, name: str, count: int, index: int, sam
     ref = Engine(name, backend="eager", prefix_cache=False, attention_backend=args.attention_backend, **common)
     for e in (eng, ref):
         e.telemetry.max_batches = 1000
+    # Buckets disabled before any traffic failed their capture: a bug, not a fault the soak injected.
+    not_captured = {n: r.disabled_reason for n, r in eng.telemetry.buckets.items() if r.disabled_reason}
     islands = Injector(args.failure_rate, args.seed + 1000 + index)
     islands.install(eng)
     forwards = ForwardInjector(args.forward_failure_rate, args.seed + 2000 + index)
@@ -201,8 +204,19 @@ def soak_preset(args: argparse.Namespace, name: str, count: int, index: int, sam
         while inflight:
             check(*inflight.popleft())
 
+    client_errors: list[str] = []
+
+    def guarded_client(t: int, share: int) -> None:
+        # A client that raises (a prefill() or the reference failing, not a served request) must fail the soak,
+        # not end its thread quietly with its requests unchecked.
+        try:
+            client(t, share)
+        except Exception as e:  # every error is reported, with its type
+            with lock:
+                client_errors.append(f"client {t}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+
     shares = [count // args.threads + (t < count % args.threads) for t in range(args.threads)]
-    threads = [threading.Thread(target=client, args=(t, n)) for t, n in enumerate(shares)]
+    threads = [threading.Thread(target=guarded_client, args=(t, n)) for t, n in enumerate(shares)]
     t0 = time.perf_counter()
     for th in threads:
         th.start()
@@ -210,6 +224,9 @@ def soak_preset(args: argparse.Namespace, name: str, count: int, index: int, sam
         th.join()
     s["elapsed_s"] = time.perf_counter() - t0
     s["attention_backend"] = eng.telemetry.attention_backend
+    s["buckets_not_captured"] = not_captured
+    s["client_errors"] = client_errors
+    s["unchecked"] = count - s["requests"] - s["prefills"]  # every request and prefill() checked against eager
     pool, cache = eng.kv_pool, eng.prefix_cache
     # Every request ended: the cache holds what is not free, and nobody locks it.
     s["slots_held_outside_cache"] = pool.num_slots - pool.num_free - cache.num_cached_tokens
@@ -240,9 +257,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ok = True
     for s in stats.values():
         s["ok"] = (s["mismatches"] == 0 and s["failed_wrong_error"] == 0 and s["pool_leak"] == 0
-                   and s["slots_held_outside_cache"] == 0 and s["locked_after"] == 0
+                   and s["slots_held_outside_cache"] == 0 and s["locked_after"] == 0 and not s["buckets_not_captured"]
+                   and not s["client_errors"] and s["unchecked"] == 0
                    and s["failed"] == s["requests_in_failed_forwards"] and s["answered"] + s["failed"] == s["requests"])
         ok &= s["ok"]
+    for n, s in stats.items():
+        for bucket, reason in s["buckets_not_captured"].items():
+            print(f"{n}: bucket {bucket} was not captured: {reason}")
+        for error in s["client_errors"]:
+            print(f"{n}: {error}")
     print(table(["preset", "requests", "answered", "failed", "in failed fwds", "prefill()", "cached %", "repeats",
                  "batches", "graph %", "island faults", "failed replays", "re-enabled", "evicted", "mismatches",
                  "max |diff|", "leaked slots", "ok"],
