@@ -12,13 +12,15 @@ forward eagerly and answer exactly as before); with ``--forward-failure-rate q``
 probability q (exactly the requests of that forward must fail, with that error, and no other). Every answer must equal
 the eager engine's prefill of its prompt (logits within the tolerance, the same greedy token). Resident memory is
 sampled after a warm-up; once every request ended no KV slot may be held by anything but the prefix cache, and none
-once the cache is cleared.
+once the cache is cleared. Every bucket must have captured (a capture that fails at build is a bug; its batches would
+quietly run in another bucket).
 
 Usage::
 
     python benchmarks/serve_soak.py                      # 5,000 requests from 8 threads (CPU, emulated graphs)
     python benchmarks/serve_soak.py --quick              # the CI smoke run: a few hundred requests, seconds
     python benchmarks/serve_soak.py --device cuda --presets tiny-dense --dtype bfloat16   # the CUDA tier
+    python benchmarks/serve_soak.py --quick --attention-backend varlen --dtype bfloat16  # FlashAttention's reference
 
 Prints a table per preset and the memory samples, and as its last line one JSON object with every number.
 """
@@ -38,10 +40,9 @@ from typing import Any
 
 import torch
 
-try:
-    import bcg  # noqa: F401
-except ImportError:  # run from a checkout without installing it
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+# The checkout this script sits in comes first, before any installed bcg: its tests run it as a subprocess and must
+# soak this checkout's code.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from soak import Injector, matches, rss_bytes  # the prefill soak's fault injector and checks
@@ -97,6 +98,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--outstanding", type=int, default=8, help="requests each client keeps in flight")
     p.add_argument("--presets", default="tiny-dense,tiny-moe")
     p.add_argument("--backend", default="breakable", help="breakable, full or tc_piecewise (tc_compiler traced)")
+    p.add_argument("--attention-backend", default=None,
+                   help="attention backend of both engines (sdpa, varlen...; default: the device's); varlen on a CPU "
+                   "runs FlashAttention's reference and needs --dtype bfloat16 or float16")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default=None)
     p.add_argument("--chunked-prefill-size", type=int, default=64)
@@ -127,10 +131,13 @@ def soak_preset(args: argparse.Namespace, name: str, count: int, index: int, sam
     common = dict(device=args.device, dtype=args.dtype, chunked_prefill_size=args.chunked_prefill_size,
                   progress=False, seed=0)
     extra = {"tc_compiler": "traced"} if args.backend == "tc_piecewise" else {}
-    eng = Engine(name, backend=args.backend, kv_tokens=args.kv_tokens, prefix_cache=True, **common, **extra)
-    ref = Engine(name, backend="eager", prefix_cache=False, **common)
+    eng = Engine(name, backend=args.backend, kv_tokens=args.kv_tokens, prefix_cache=True,
+                 attention_backend=args.attention_backend, **common, **extra)
+    ref = Engine(name, backend="eager", prefix_cache=False, attention_backend=args.attention_backend, **common)
     for e in (eng, ref):
         e.telemetry.max_batches = 1000
+    # Buckets disabled before any traffic failed their capture: a bug, not a fault the soak injected.
+    not_captured = {n: r.disabled_reason for n, r in eng.telemetry.buckets.items() if r.disabled_reason}
     islands = Injector(args.failure_rate, args.seed + 1000 + index)
     islands.install(eng)
     forwards = ForwardInjector(args.forward_failure_rate, args.seed + 2000 + index)
@@ -197,14 +204,29 @@ def soak_preset(args: argparse.Namespace, name: str, count: int, index: int, sam
         while inflight:
             check(*inflight.popleft())
 
+    client_errors: list[str] = []
+
+    def guarded_client(t: int, share: int) -> None:
+        # A client that raises (a prefill() or the reference failing, not a served request) must fail the soak,
+        # not end its thread quietly with its requests unchecked.
+        try:
+            client(t, share)
+        except Exception as e:  # every error is reported, with its type
+            with lock:
+                client_errors.append(f"client {t}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+
     shares = [count // args.threads + (t < count % args.threads) for t in range(args.threads)]
-    threads = [threading.Thread(target=client, args=(t, n)) for t, n in enumerate(shares)]
+    threads = [threading.Thread(target=guarded_client, args=(t, n)) for t, n in enumerate(shares)]
     t0 = time.perf_counter()
     for th in threads:
         th.start()
     for th in threads:
         th.join()
     s["elapsed_s"] = time.perf_counter() - t0
+    s["attention_backend"] = eng.telemetry.attention_backend
+    s["buckets_not_captured"] = not_captured
+    s["client_errors"] = client_errors
+    s["unchecked"] = count - s["requests"] - s["prefills"]  # every request and prefill() checked against eager
     pool, cache = eng.kv_pool, eng.prefix_cache
     # Every request ended: the cache holds what is not free, and nobody locks it.
     s["slots_held_outside_cache"] = pool.num_slots - pool.num_free - cache.num_cached_tokens
@@ -235,9 +257,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ok = True
     for s in stats.values():
         s["ok"] = (s["mismatches"] == 0 and s["failed_wrong_error"] == 0 and s["pool_leak"] == 0
-                   and s["slots_held_outside_cache"] == 0 and s["locked_after"] == 0
+                   and s["slots_held_outside_cache"] == 0 and s["locked_after"] == 0 and not s["buckets_not_captured"]
+                   and not s["client_errors"] and s["unchecked"] == 0
                    and s["failed"] == s["requests_in_failed_forwards"] and s["answered"] + s["failed"] == s["requests"])
         ok &= s["ok"]
+    for n, s in stats.items():
+        for bucket, reason in s["buckets_not_captured"].items():
+            print(f"{n}: bucket {bucket} was not captured: {reason}")
+        for error in s["client_errors"]:
+            print(f"{n}: {error}")
     print(table(["preset", "requests", "answered", "failed", "in failed fwds", "prefill()", "cached %", "repeats",
                  "batches", "graph %", "island faults", "failed replays", "re-enabled", "evicted", "mismatches",
                  "max |diff|", "leaked slots", "ok"],
@@ -246,7 +274,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                   f"{100 * s['graph_batches'] / max(s['batches'], 1):.1f}", s["injected_island_failures"],
                   s["failed_replays"], s["reenabled"], s["evicted_tokens"], s["mismatches"], f"{s['max_diff']:.2e}",
                   s["pool_leak"] + s["slots_held_outside_cache"], s["ok"]] for n, s in stats.items()],
-                title=f"Serving soak: {args.backend} against eager on {args.device}, {args.threads} client threads, "
+                title=f"Serving soak: {args.backend} against eager on {args.device}, "
+                f"{'/'.join(sorted({s['attention_backend'] for s in stats.values()}))} attention, "
+                f"{args.threads} client threads, "
                 f"island failure rate {args.failure_rate}, forward failure rate {args.forward_failure_rate}"))
     mem_key = "cuda_allocated_mib" if args.device.startswith("cuda") else "rss_mib"
     # Per preset (each builds its own engines): from its first sample after the warm-up to its last.

@@ -4,10 +4,21 @@ An attention island runs at every replay of every layer, so its host cost is pai
 launch-bound GPU. ``torch.nn.attention.varlen.varlen_attn`` is a ``torch.library.custom_op``: each call goes
 through the Python custom-op dispatcher and launches an extra kernel (a zeroed RNG-state tensor) around the one
 flash kernel. The aten op underneath, ``aten._flash_attention_forward``, computes the same thing without that
-wrapper, and torch builds that have ``aten._flash_attention_forward_no_dropout_inplace`` can write straight into
-the island's output buffer (no copy). :func:`flash_varlen` uses the aten op where a once-per-device probe shows it
-agrees with ``varlen_attn``, and ``varlen_attn`` otherwise, or when ``BCG_FLASH=wrapper`` in the environment at
-import (or ``FORCE_WRAPPER = True``) asks for it.
+wrapper. :func:`flash_varlen` uses the aten op where a once-per-device probe shows it agrees with ``varlen_attn``,
+and ``varlen_attn`` otherwise, or when ``BCG_FLASH=wrapper`` in the environment at import (or
+``FORCE_WRAPPER = True``) asks for it.
+
+With ``out=`` the result is written in place wherever the torch build can: through
+``aten._flash_attention_forward_no_dropout_inplace`` on the direct path, ``varlen_attn_out`` on the wrapper's
+(torch 2.13 has both). A build with neither (torch 2.11) returns a new tensor that is copied into ``out``: one
+device-to-device copy per call, which :func:`copy_reason` names.
+
+FlashAttention-2 treats ``max_seqlen_q == 1`` with GQA as "every sequence has exactly one query" and reshapes q
+accordingly, which fails (or would misplace rows) when a sequence is empty, e.g. the padded rows' sequence of a batch
+that fills its bucket. ``max_seqlen_q`` is only an upper bound, so :func:`flash_varlen` passes 2 instead of 1 there.
+
+On a CPU (graphs are emulated there) both functions run :func:`~bcg.ops.flash_reference.reference_flash_varlen`,
+the kernel's contract in plain torch, so the callers' host logic runs in CI exactly as it calls the kernel.
 
 Two behaviours differ between torch versions and are detected, never assumed: how ``varlen_attn`` spells causal
 (``window_size=(-1, 0)`` or ``is_causal``) and GQA (``enable_gqa`` or fewer K/V heads as they are), and whether
@@ -25,14 +36,19 @@ from torch import Tensor
 
 from bcg import env
 from bcg.errors import first_line
+from bcg.ops.flash_reference import reference_flash_varlen
 
 try:
     from torch.nn.attention.varlen import varlen_attn
 except ImportError:  # torch without the varlen API
     varlen_attn = None
+try:
+    from torch.nn.attention.varlen import varlen_attn_out
+except ImportError:  # torch without the in-place varlen API (2.11)
+    varlen_attn_out = None
 
-__all__ = ["flash_varlen", "flash_varlen_lse", "is_varlen_usable", "varlen_attn", "varlen_causal_is_bottom_right",
-           "uses_aten_flash"]
+__all__ = ["copy_reason", "flash_varlen", "flash_varlen_lse", "is_varlen_usable", "runs_flash_varlen",
+           "uses_aten_flash", "varlen_attn", "varlen_attn_out", "varlen_causal_is_bottom_right"]
 
 logger = logging.getLogger(__name__)
 
@@ -43,11 +59,35 @@ _FLASH_INPLACE = getattr(torch.ops.aten, "_flash_attention_forward_no_dropout_in
 _FLASH_KWARGS = frozenset(a.name for a in _FLASH.default._schema.arguments if a.kwarg_only) if _FLASH else frozenset()
 _FLASH_INPLACE_KWARGS = (frozenset(a.name for a in _FLASH_INPLACE.default._schema.arguments if a.kwarg_only)
                          if _FLASH_INPLACE else frozenset())
+_HALF = (torch.float16, torch.bfloat16)
+# Device types whose tensors run the reference instead of the kernel (the CPU, where graphs are emulated).
+REFERENCE_DEVICE_TYPES = frozenset({"cpu"})
 
 
 def is_varlen_usable(q: Tensor) -> bool:
-    """Whether :func:`flash_varlen` can run on ``q`` (CUDA, fp16/bf16, torch with varlen_attn)."""
-    return varlen_attn is not None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
+    """Whether the FlashAttention kernel can run on ``q`` (CUDA, fp16/bf16, torch with varlen_attn)."""
+    return varlen_attn is not None and q.is_cuda and q.dtype in _HALF
+
+
+def runs_flash_varlen(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether :func:`flash_varlen` runs for ``device``/``dtype``: the kernel where it is usable, the reference on
+    a CPU (in fp16/bf16 too: the reference refuses what the kernel refuses).
+
+    Example:
+        >>> cpu = torch.device("cpu")
+        >>> runs_flash_varlen(cpu, torch.bfloat16), runs_flash_varlen(cpu, torch.float32)
+        (True, False)
+    """
+    if device.type in REFERENCE_DEVICE_TYPES:
+        return dtype in _HALF
+    return is_varlen_usable(torch.empty(0, device=device, dtype=dtype))
+
+
+def _kernel_max_seqlen_q(max_seqlen_q: int, q: Tensor, k: Tensor) -> int:
+    """``max_seqlen_q``, or 2 where FlashAttention-2 would take its one-query-per-sequence GQA path (max 1, more
+    query than K/V heads): that path reshapes q to ``(num_seqs, kv_heads, groups, head_dim)`` and fails on an empty
+    sequence. The bound is an upper bound, so 2 computes the same rows through the general path."""
+    return 2 if max_seqlen_q == 1 and q.shape[1] > k.shape[1] else max_seqlen_q
 
 
 def flash_varlen(
@@ -68,6 +108,10 @@ def flash_varlen(
 
         o = flash_varlen(q, k, v, cu_q, cu_k, 64, 64, is_causal=True)      # CUDA, bf16
     """
+    max_seqlen_q = _kernel_max_seqlen_q(max_seqlen_q, q, k)
+    if q.device.type in REFERENCE_DEVICE_TYPES:
+        return reference_flash_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                      is_causal=is_causal, out=out)[0]
     if varlen_attn is None:
         raise RuntimeError("torch.nn.attention.varlen.varlen_attn is not available in this torch build")
     if uses_aten_flash(q.device):
@@ -76,12 +120,36 @@ def flash_varlen(
                            False)
             return out
         result = _FLASH(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 0.0, is_causal, False)[0]
+    elif out is not None and varlen_attn_out is not None:
+        return _wrapper(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, out)
     else:
         result = _wrapper(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal)
     if out is None:
         return result
-    out.copy_(result)
+    out.copy_(result)  # no in-place route in this torch build: copy_reason() says so, logged once per device
     return out
+
+
+def copy_reason(device: torch.device) -> str | None:
+    """Why :func:`flash_varlen` with ``out=`` copies its result into ``out`` on ``device`` (one device-to-device
+    copy per call), or None where it writes ``out`` in place. Settles :func:`uses_aten_flash` (call it eagerly).
+
+    Example::
+
+        copy_reason(torch.device("cuda"))   # None on torch 2.13; on 2.11: "torch 2.11... has neither ..."
+    """
+    if device.type in REFERENCE_DEVICE_TYPES:
+        return None
+    if varlen_attn is None:
+        return "this torch build has no FlashAttention varlen at all"
+    direct = uses_aten_flash(device)
+    if (_FLASH_INPLACE if direct else varlen_attn_out) is not None:
+        return None
+    missing = [name for name, op in (("aten._flash_attention_forward_no_dropout_inplace", _FLASH_INPLACE),
+                                     ("torch.nn.attention.varlen.varlen_attn_out", varlen_attn_out)) if op is None]
+    route = "the direct aten op" if direct else "varlen_attn (the direct aten op is not usable: see the log)"
+    return (f"torch {torch.__version__} has no {' and no '.join(missing)}, so FlashAttention varlen ({route}) "
+            "returns a new tensor that is copied into the output buffer: one device-to-device copy per call")
 
 
 def flash_varlen_lse(
@@ -100,6 +168,12 @@ def flash_varlen_lse(
 
         lse = flash_varlen_lse(q, k, v, cu_q, cu_k, 64, 64, out, window_left=127)     # CUDA, bf16
     """
+    max_seqlen_q = _kernel_max_seqlen_q(max_seqlen_q, q, k)
+    if q.device.type in REFERENCE_DEVICE_TYPES:
+        window = {} if window_left is None else {"window_size_left": window_left, "window_size_right": 0}
+        _, lse = reference_flash_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                        is_causal=True, scale=scale, out=out, **window)
+        return lse.t()
     needed = {"window_size_left", "window_size_right"} if window_left is not None else set()
     if scale is not None:
         needed.add("scale")
@@ -133,14 +207,18 @@ def flash_varlen_lse(
 
 
 def _wrapper(
-    q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, max_q: int, max_k: int, is_causal: bool
+    q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, max_q: int, max_k: int, is_causal: bool,
+    out: Tensor | None = None,
 ) -> Tensor:
-    """``varlen_attn`` with the causal and GQA keywords this torch version spells."""
+    """``varlen_attn`` (``varlen_attn_out`` into ``out`` when given) with the causal and GQA keywords this torch
+    version spells."""
     kwargs: dict[str, object] = {}
     if is_causal:
         kwargs.update({"window_size": (-1, 0)} if "window_size" in _VARLEN_PARAMS else {"is_causal": True})
     if "enable_gqa" in _VARLEN_PARAMS and k.shape[1] != q.shape[1]:
         kwargs["enable_gqa"] = True
+    if out is not None:
+        return varlen_attn_out(out, q, k, v, cu_q, cu_k, max_q, max_k, **kwargs)
     return varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, **kwargs)
 
 

@@ -126,7 +126,7 @@ class Engine:
         self._gate = ActivityGate()
         self.runner = Runner(self.model, cfg, self.kv_pool, sizes, self.tp)
         self.runner.telemetry.auto_islands = list(getattr(self.model, "auto_islands", ()))
-        self.runner.telemetry.notes = list(getattr(self.model, "notes", ()))
+        self.runner.telemetry.notes[:0] = getattr(self.model, "notes", ())  # before the runner's (attention's)
         t0 = time.perf_counter()
         self.runner.build()
         self.build_ms = (time.perf_counter() - t0) * 1e3

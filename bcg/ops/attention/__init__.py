@@ -3,7 +3,8 @@
 * :func:`attention` (:mod:`.island`): the K/V write in the graph segment, then the kernel, as an island or captured.
 * :mod:`.base`: :class:`AttentionBackend` (the hooks the runner calls: ``fields``, ``stage``, ``context``), the live
   :class:`BatchContext`, and the registry of backends by name.
-* ``"varlen"`` (:mod:`.varlen`): FlashAttention varlen as an island, the default on CUDA in half precision.
+* ``"varlen"`` (:mod:`.varlen`): FlashAttention varlen as an island, the default on CUDA in half precision (on a
+  CPU, when asked for, FlashAttention's reference in plain torch: :mod:`bcg.ops.flash_reference`).
 * ``"sdpa"`` (:mod:`.sdpa`): per-request SDPA as an island, the exact reference and the default elsewhere.
 * ``"static"`` (:mod:`.static`): captured inside the graph over request slots and a key capacity (``full``'s).
 * :mod:`.features`: sliding windows, sinks, soft-caps and scales, the path of the layers that have them.
@@ -40,8 +41,9 @@ __all__ = ["ATTENTION_BACKENDS", "AttentionBackend", "AttentionFeatures", "Batch
 
 
 def default_attention_backend(device: torch.device, dtype: torch.dtype) -> str:
-    """The live backend for ``device``/``dtype``: "varlen" where FlashAttention varlen runs, else "sdpa"."""
-    return "varlen" if VarlenAttention.is_usable(device, dtype) is None else "sdpa"
+    """The live backend for ``device``/``dtype``: "varlen" where the FlashAttention kernel runs (CUDA), else "sdpa"
+    (the CPU runs "varlen" only when asked for: its reference is for tests, not speed)."""
+    return "varlen" if device.type == "cuda" and VarlenAttention.is_usable(device, dtype) is None else "sdpa"
 
 
 def single_request_context(num_tokens: int, kv_pool: KVPool, dtype: torch.dtype) -> BatchContext:

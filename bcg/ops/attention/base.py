@@ -153,6 +153,10 @@ class AttentionBackend(ABC):
 
     Args:
         kv_pool: the pool its contexts write and read.
+
+    Attributes:
+        notes: what a user should know about how it runs on this device and torch build (the engine's telemetry
+            shows them); empty when nothing is out of the ordinary.
     """
 
     name: ClassVar[str] = "?"
@@ -162,6 +166,7 @@ class AttentionBackend(ABC):
 
     def __init__(self, kv_pool: KVPool) -> None:
         self.kv_pool = kv_pool
+        self.notes: list[str] = []
 
     @classmethod
     def is_usable(cls, device: torch.device, dtype: torch.dtype) -> str | None:

@@ -31,7 +31,7 @@ from torch import Tensor
 
 from bcg.errors import first_line
 from bcg.ops.context import AttentionFeatures, ForwardContext
-from bcg.ops.flash import flash_varlen_lse, is_varlen_usable, varlen_causal_is_bottom_right
+from bcg.ops.flash import flash_varlen_lse, runs_flash_varlen, varlen_causal_is_bottom_right
 
 __all__ = ["AttentionFeatures", "feature_attention", "request_attention", "visible_keys"]
 
@@ -54,7 +54,7 @@ def feature_attention(q: Tensor, keys: Tensor, values: Tensor, ctx: ForwardConte
 
 
 def _use_flash(q: Tensor, values: Tensor, ctx: ForwardContext, features: AttentionFeatures) -> bool:
-    if features.softcap is not None or values.shape[-1] != q.shape[-1] or not is_varlen_usable(q):
+    if features.softcap is not None or values.shape[-1] != q.shape[-1] or not runs_flash_varlen(q.device, q.dtype):
         return False
     if ctx.has_prefix and not varlen_causal_is_bottom_right(q.device):
         return False

@@ -89,6 +89,7 @@ class Runner:
         attention = cls.make_attention(kv_pool, config, self.device, self.dtype)
         live = attention if attention.is_island else cls.live_attention(kv_pool, config, self.device, self.dtype)
         self.telemetry.attention_backend = attention.name
+        self.telemetry.notes.extend(dict.fromkeys(attention.notes + live.notes))  # each once
         self.inputs = StaticInputs(attention, live, kv_pool, self.table.sizes if cls.uses_graphs else [],
                                    model.config.hidden_size, model.config.vocab_size, config.max_logit_rows,
                                    self.device, self.dtype)
