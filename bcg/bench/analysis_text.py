@@ -131,8 +131,11 @@ def _cores(a: dict[str, Any]) -> str:
         if has_measured:
             row += [fmt((r.get("measured") or {}).get(v), 3) for v in variants]
         rows.append(row)
-    return table(headers, rows, title=f"The host as a variable: pinned to each core count, at {a['length']} tokens "
+    text = table(headers, rows, title=f"The host as a variable: pinned to each core count, at {a['length']} tokens "
                                       "(ms)")
+    fell = [f"Not measured on {k} cores: {v} ({why})" for k, r in data.items()
+            for v, why in (r.get("fallbacks") or {}).items()]
+    return "\n".join([text, *fell])
 
 
 def format_analysis(a: dict[str, Any]) -> str:

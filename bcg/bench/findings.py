@@ -226,6 +226,8 @@ def _cores(m: Measurements) -> dict[int, dict[str, Any]]:
             row["measured"] = {v: x.by_cores[k][m.length] for v, x in m.measured.items()
                                if x.available and m.length in x.by_cores.get(k, {})}
             row["measured"]["eager"] = h.prefill_ms
+            row["fallbacks"] = {v: x.fallbacks[f"{m.length}@{k}"] for v, x in m.measured.items()
+                                if f"{m.length}@{k}" in x.fallbacks}
         out[k] = row
     return out
 
@@ -276,7 +278,8 @@ def findings(m: Measurements) -> dict[str, Any]:
         out["errors"] = errors({v: ms for v, ms in predicted.items() if v in m.measured}, m.measured)
         out["validation"] = {v: {"available": x.available, "error": x.error, "graph_used": x.graph_used,
                                  "build_ms": x.build_ms, "graph_memory_bytes": x.graph_memory_bytes,
-                                 "predicted_available": fcs[v].available, "replay": x.replay}
+                                 "predicted_available": fcs[v].available, "replay": x.replay,
+                                 "fallbacks": dict(x.fallbacks)}
                              for v, x in m.measured.items()}
     out["amdahl"] = _amdahl(m, params["dynamic_share"], predicted, measured)
     if m.cores:

@@ -78,7 +78,9 @@ def test_validate_and_cpu_cores_end_to_end(tmp_path: Path, capsys: pytest.Captur
             data["machine"]["None"]["tiny_kernel_us"], data["machine"]["None"]["medium_kernel_us"])
     for row in data["cpu_cores"].values():
         assert VARIANTS <= set(row["predictions"]) and VARIANTS <= set(row["measured"])
+        assert row["fallbacks"] == {}  # tc_piecewise rebuilt per core count replays there (no eager fallback)
         assert 0.0 <= row["launch_gap_share"] <= 1.0
+    assert all(data["validation"][v]["fallbacks"] == {} for v in VARIANTS)
     breakable = data["validation"]["breakable"]
     assert breakable["available"] and breakable["predicted_available"] and breakable["replay"]["bucket"] == 16
     assert data["timings"]["validate_s"] > 0 and data["amdahl"]["measured_speedup"] > 0
