@@ -326,11 +326,13 @@ def measure_device(costs: MachineCosts) -> MachineCosts:
 
 def _profiled_us(x: torch.Tensor, n: int, device: torch.device) -> float | None:
     """The median device time of ``n`` in-place adds on ``x`` in one profile."""
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import ProfilerActivity
+
+    from bcg.bench.profile import quiet_profile
 
     _adds(x, 10)
     sync(device)
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with quiet_profile(activities=[ProfilerActivity.CUDA]) as prof:
         _adds(x, n)
         sync(device)
     spans = [e.time_range.end - e.time_range.start for e in prof.events()

@@ -11,7 +11,10 @@ first: once loaded, the profiler slows later host work (DESIGN.md).
 
 from __future__ import annotations
 
+import os
 import statistics
+import sys
+import tempfile
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
@@ -29,7 +32,11 @@ from bcg.errors import first_line
 from bcg.islands import observing_islands
 from bcg.tensors import tensor_leaves
 
-__all__ = ["FullStep", "host_times", "profiled_forward"]
+__all__ = ["FullStep", "host_times", "profiled_forward", "quiet_profile"]
+
+# What torch's native profiler writes to stderr at every start and stop ("USDT:<time> <pid>:<tid>
+# SyncActivityProfilerHandler.cpp:52] profiler_start"): its own logging, no warning of ours; no setting turns it off.
+_NATIVE_NOISE = ("USDT:", "] profiler_st")
 
 
 class FullStep:
@@ -195,9 +202,53 @@ def _annotated() -> Iterator[list[str]]:
         yield names
 
 
+@contextmanager
+def _stderr_without_noise() -> Iterator[None]:
+    """Runs the block with file descriptor 2 into a temporary file, then passes on every line it got except the
+    profiler's start/stop lines (native code writes to the descriptor, not to ``sys.stderr``)."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as tmp:
+        os.dup2(tmp.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            tmp.seek(0)
+            text = tmp.read().decode(errors="replace")
+            kept = [line for line in text.splitlines(keepends=True) if not all(w in line for w in _NATIVE_NOISE)]
+            if kept:
+                sys.stderr.write("".join(kept))
+                sys.stderr.flush()
+
+
+@contextmanager
+def quiet_profile(**kwargs: Any) -> Iterator[Any]:
+    """``torch.profiler.profile(**kwargs)`` as a block, without the two lines the native profiler writes to stderr at
+    its start and stop (anything else written then still shows).
+
+    Example::
+
+        with quiet_profile(activities=[ProfilerActivity.CPU]) as prof:
+            model(x)
+        prof.events()
+    """
+    from torch.profiler import profile
+
+    prof = profile(**kwargs)
+    with _stderr_without_noise():
+        prof.start()
+    try:
+        yield prof
+    finally:
+        with _stderr_without_noise():
+            prof.stop()
+
+
 def _profile(fn: Callable[[], Any], device: torch.device) -> tuple[ForwardTrace, float | None, list[str]]:
     """Runs ``fn`` once under the profiler: its trace, its activation peak in bytes, the islands it called."""
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import ProfilerActivity
 
     cuda = device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
@@ -205,7 +256,7 @@ def _profile(fn: Callable[[], Any], device: torch.device) -> tuple[ForwardTrace,
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
         base = torch.cuda.memory_allocated(device)
-    with profile(activities=activities, profile_memory=not cuda) as prof, _annotated() as names:
+    with quiet_profile(activities=activities, profile_memory=not cuda) as prof, _annotated() as names:
         fn()
         sync(device)
     events = prof.events()

@@ -188,7 +188,8 @@ def recommend(workload: Workload, chunk: int, forecasts: Sequence[Forecast], eag
         return _rec(baseline, plain, budget_bytes, f"{over}; run eagerly", options)
     if baseline.expected_ms < PAYS_THRESHOLD * best.expected_ms:
         return _rec(baseline, plain, budget_bytes, f"the fastest graph backend, {best.variant}, is predicted "
-                    f"{baseline.expected_ms / best.expected_ms:.2f}x eager here: graphs do not pay", options)
+                    f"{baseline.expected_ms / best.expected_ms:.2f}x eager here, under the {PAYS_THRESHOLD - 1:.0%} a graph "
+                    "must gain to pay for its capture and memory: graphs do not pay", options)
     close = [o for o in graphs if o.expected_ms <= best.expected_ms * (1 + TIE_SHARE)]
     pick = min(close, key=lambda o: o.build_ms)
     why = "the lowest expected latency on this workload"

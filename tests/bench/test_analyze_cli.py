@@ -126,6 +126,7 @@ def test_workload_trace_and_a_budget_nothing_fits(tmp_path: Path, capsys: pytest
     (["--memory-budget", "lots"], "argument --memory-budget: 'lots' is not a size"),
     (["--backends", "eager"], "--backends names no graph backend"),
     (["--tc-compiler", "nvcc"], "argument --tc-compiler: invalid choice"),
+    (["--lengths", "64,5000"], "--lengths: 5000 tokens is more than 'tiny-dense' holds (its context is 4096"),
 ])
 def test_bad_analyze_flags_exit_2(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exc:
@@ -133,3 +134,14 @@ def test_bad_analyze_flags_exit_2(argv: list[str], message: str, capsys: pytest.
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert message in err and "usage: bcg analyze" in err
+
+
+def test_a_lengths_file_past_the_models_context_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text('{"input_len": 12}\n{"input_len": 100000}\n')
+    with pytest.raises(SystemExit) as exc:
+        main(["analyze", *FAST, "--lengths-file", str(trace), "--out", str(tmp_path / "out")])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "--lengths-file: 100000 tokens is more than 'tiny-dense' holds (its context is 4096 tokens" in err
+    assert not (tmp_path / "out").exists()

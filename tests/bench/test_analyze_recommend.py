@@ -70,6 +70,7 @@ def test_a_budget_no_ladder_fits_recommends_eager() -> None:
 def test_graphs_that_do_not_pay_are_not_recommended() -> None:
     rec = run([flat("breakable", 4.9)], None)
     assert rec.backend == "eager" and "do not pay" in rec.reason
+    assert "1.02x eager here, under the 5% a graph must gain" in rec.reason  # the threshold is named
 
 
 def test_a_near_tie_goes_to_the_faster_build() -> None:
