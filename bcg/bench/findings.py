@@ -103,6 +103,21 @@ def _predictions(m: Measurements, fcs: dict[str, Forecast], k: int | None, lengt
     return out
 
 
+def _intervals(m: Measurements, fcs: dict[str, Forecast], k: int | None, lengths: Sequence[int]
+               ) -> dict[str, dict[int, list[float]]]:
+    """Each prediction's (low, high): every measured input at the low and the high end of its spread."""
+    def eager(h: HostTimes) -> list[float]:
+        return [(h.low or h).prefill_ms, (h.high or h).prefill_ms]
+
+    out = {EAGER_OF[s]: {n: eager(hosts[n]) for n in lengths} for s, hosts in m.hosts[k].items()}
+    for v, fc in fcs.items():
+        if fc.available:
+            hosts = m.hosts[k][_setting(v)]
+            out[v] = {n: list(fc.interval_at(b)) if (b := m.bucket(n)) is not None else eager(hosts[n])
+                      for n in lengths}
+    return out
+
+
 def _curves(m: Measurements, setting: str) -> tuple[Any, Any]:
     hosts = m.hosts[None][setting]
     wall = eager_curve([(n, h.forward_ms) for n, h in hosts.items()])
@@ -114,6 +129,9 @@ def _recommend(m: Measurements, fcs: dict[str, Forecast]) -> Recommendation:
     costs = m.costs[None]
     eager = {EAGER_OF[s]: eager_curve([(n, h.prefill_ms) for n, h in hosts.items()])
              for s, hosts in m.hosts[None].items()}
+    bounds = {EAGER_OF[s]: (eager_curve([(n, (h.low or h).prefill_ms) for n, h in hosts.items()]),
+                            eager_curve([(n, (h.high or h).prefill_ms) for n, h in hosts.items()]))
+              for s, hosts in m.hosts[None].items()}
     torch_hosts = m.hosts[None]["torch"]
     overhead = eager_curve([(n, h.prefill_overhead_us / 1e3) for n, h in torch_hosts.items()])
 
@@ -122,7 +140,7 @@ def _recommend(m: Measurements, fcs: dict[str, Forecast]) -> Recommendation:
         return fc.build_ms(buckets, lambda b: (wall(b), host(b)), costs, m.warmup)
 
     return recommend(m.workload, m.chunk, list(fcs.values()), eager, overhead, lambda v: EAGER_OF[_setting(v)],
-                     lambda fc, b: fc.graph_memory_bytes(b, costs), build, m.padding, m.budget_bytes)
+                     lambda fc, b: fc.graph_memory_bytes(b, costs), build, m.padding, m.budget_bytes, bounds)
 
 
 def _islands(m: Measurements, fcs: dict[str, Forecast], predicted: dict[str, dict[int, float]]) -> list[dict]:
@@ -254,9 +272,13 @@ def findings(m: Measurements) -> dict[str, Any]:
                         "build_ms": fc.build_ms(ladder, lambda b, w=wall, h=host: (w(b), h(b)), costs, m.warmup)
                         if fc.available else None, "compile_ms": fc.compile_ms if fc.available else None,
                         "parts": fc.parts.get(m.bucket(m.length) or -1), "graph": {n: m.bucket(n) is not None
-                                                                                   for n in m.lengths()}}
+                                                                                   for n in m.lengths()},
+                        # every replayed length's program by part: what a replay of this file plays
+                        "parts_by_length": {n: fc.parts.get(b) for n in m.lengths()
+                                            if (b := m.bucket(n)) is not None and b in fc.parts}}
     out: dict[str, Any] = {
         "predictions": predicted,
+        "intervals": _intervals(m, fcs, None, m.lengths()),
         "unavailable": {v: fc.reason for v, fc in fcs.items() if not fc.available},
         "forecasts": forecasts,
         "recommendation": {"backend": rec.backend, "ceiling": rec.ceiling, "buckets": rec.buckets,
@@ -264,7 +286,8 @@ def findings(m: Measurements) -> dict[str, Any]:
                            "graph_memory_bytes": rec.graph_memory_bytes, "build_ms": rec.build_ms,
                            "memory_budget_bytes": rec.budget_bytes, "reason": rec.reason},
         "options": [{"variant": o.variant, "ceiling": o.ceiling, "num_buckets": len(o.buckets),
-                     "expected_ms": o.expected_ms, "graph_memory_bytes": o.graph_memory_bytes, "build_ms": o.build_ms,
+                     "expected_ms": o.expected_ms, "expected_interval_ms": list(o.bounds()),
+                     "graph_memory_bytes": o.graph_memory_bytes, "build_ms": o.build_ms,
                      "fits": o.fits, "pruned": o.pruned} for o in rec.options],
         "parameters": params,
         "islands": _islands(m, fcs, predicted),

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch.profiler import ProfilerActivity
 
-from bcg.bench.profile import quiet_profile
+from bcg.bench.quiet_profiler import quiet_profile
 
 
 def test_the_profilers_start_and_stop_lines_are_dropped(capfd: pytest.CaptureFixture[str]) -> None:

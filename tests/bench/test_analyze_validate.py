@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from bcg.bench.config import AnalyzeConfig
-from bcg.bench.engines import engine_for
+from bcg.bench.engines import EngineSpec, engine_for
 from bcg.bench.validate import measure_variants, prompt_for, time_prefills
 
 
-def _spec():  # noqa: ANN202 - an EngineSpec
+def _spec() -> EngineSpec:
     cfg = AnalyzeConfig(model="tiny-dense", device="cpu", chunked_prefill_size=32, predict_lengths=[16], length=16,
                         backends=["tc_piecewise"], progress=False).resolved()
     assert cfg.tc_compiler == "traced"
