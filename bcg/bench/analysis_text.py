@@ -62,13 +62,16 @@ def _parameters(a: dict[str, Any]) -> str:
 
 def _latency(a: dict[str, Any]) -> str:
     measured, errors = a.get("measured"), a.get("errors") or {}
-    headers = ["backend", "tokens", "graph", "predicted ms"] + (["measured ms", "error"] if measured else [])
+    intervals = a.get("intervals") or {}
+    headers = ["backend", "tokens", "graph", "predicted ms", "interval"] + \
+        (["measured ms", "error"] if measured else [])
     rows = []
     for v, by_len in a["predictions"].items():
         graph = (a["forecasts"].get(v) or {}).get("graph", {})
         for n, ms in by_len.items():
             kind = "measured" if v.startswith("eager") else ("yes" if graph.get(n) else "no: eager")
-            row = [v, n, kind, fmt(ms, 3)]
+            low, high = (intervals.get(v) or {}).get(n) or (None, None)
+            row = [v, n, kind, fmt(ms, 3), "-" if low is None else f"{fmt(low, 3)}-{fmt(high, 3)}"]
             if measured:
                 got = (measured.get(v) or {}).get(n)
                 err = (errors.get(v) or {}).get(n)
@@ -161,6 +164,9 @@ def format_analysis(a: dict[str, Any]) -> str:
         out += ["", _cores(a)]
     t = a["timings"]
     line = f"Predicting took {fmt(t['predict_s'], 1)} s"
+    if t.get("parts_s"):
+        line += " (" + ", ".join(f"{name} {fmt(s, 1)} s" for name, s in t["parts_s"].items()) + \
+            ("; machine microbenchmarks from earlier in this process" if t.get("machine_cached") else "") + ")"
     if t.get("validate_s"):
         line += (f", validating {fmt(t['validate_s'], 1)} s (predicting is {fmt(t['predict_over_validate'], 2)} of "
                  "it).")

@@ -38,12 +38,20 @@ def test_predicting_captures_and_compiles_nothing(tmp_path: Path, capsys: pytest
     summary = last_json(out)
     assert set(summary["predictions"]) == {"eager", *VARIANTS}
     assert all(set(ms) == {"8", "16"} for ms in summary["predictions"].values())
+    assert summary["intervals"].keys() == summary["predictions"].keys()
+    for v, by_len in summary["predictions"].items():  # each prediction inside its interval
+        for n, ms in by_len.items():
+            low, high = summary["intervals"][v][n]
+            assert low <= ms <= high, (v, n)
+    parts = summary["timings"]["parts_s"]
+    assert {"machine", "host times", "profiles", "model"} <= set(parts) and all(s >= 0 for s in parts.values())
     rec = summary["recommendation"]
     assert set(rec) == {"backend", "ceiling", "buckets"} and rec["backend"] in {"eager", *VARIANTS}
     assert "measured" not in summary and "errors" not in summary and summary["pays"] is None
     for words in ("1. launch-gap share", "2. dynamic share p", "3. bucket coverage against chunked_prefill_size",
                   "4. resident graph memory", "nothing captured", "Islands at 16 tokens", "attention_island",
-                  "Recommendation:", "Verdict: CPU emulation", "mean nothing for a GPU"):
+                  "Recommendation:", "Verdict: CPU emulation", "mean nothing for a GPU", "interval",
+                  "Predicting took", "profiles"):
         assert words in out, words
     data = json.loads((tmp_path / "results.json").read_text())
     assert data["schema"] == "bcg.analyze/2" and data["config"]["validate"] is False
