@@ -160,6 +160,11 @@ def format_analysis(a: dict[str, Any]) -> str:
                    f"{fmt(replay['segments_ms'], 3)} ms, {replay['num_breaks']} islands {fmt(replay['islands_ms'], 3)} "
                    f"ms (p = {fmt(replay['p'], 3)} of the replay), launched in {fmt(replay['replay_host_ms'], 3)} ms "
                    "of host time.")
+    fc = (a.get("fusion_check") or {}).get(a["length"]) or (a.get("fusion_check") or {}).get(str(a["length"]))
+    if fc:
+        out.append(f"Fusion rule at {a['length']} tokens: the graph work's kernels take {fmt(fc['torch_us'], 0)} µs, "
+                   f"fused by the rule {fmt(fc['rule_us'], 0)} µs, and the fused kernels ran it in "
+                   f"{fmt(fc['fused_kernels_us'], 0)} µs.")
     if a.get("cpu_cores"):
         out += ["", _cores(a)]
     t = a["timings"]

@@ -15,7 +15,7 @@ from typing import Any
 
 from bcg.bench import amdahl, coverage
 from bcg.bench.forecast import Forecast, ForecastContext, Profiled, forecast, island_group
-from bcg.bench.predict import HostTimes
+from bcg.bench.predict import HostTimes, fuse
 from bcg.bench.recommend import Recommendation, Workload, eager_curve, expected_ms, recommend
 from bcg.bench.trace import regions
 from bcg.bench.validate import Measured, errors
@@ -212,6 +212,26 @@ def _amdahl(m: Measurements, p: float | None, predicted: dict[str, dict[int, flo
     return out
 
 
+def _fusion_check(m: Measurements) -> dict[int, dict[str, float]] | None:
+    """The fusion rule against the fused kernels' own timings, per profiled size: the graph work's device µs as
+    profiled (torch kernels), as :func:`~bcg.bench.predict.fuse` predicts a compiler would run it, and as the
+    fused kernels (``kernels='fused'``) ran it; None without a fused profile. A diagnostic: the rule is not fitted to
+    it."""
+    if "fused" not in m.profiles:
+        return None
+    out = {}
+    for n, p in m.profiles["torch"].items():
+        fused = m.profiles["fused"].get(n)
+        if fused is None:
+            continue
+        graph = [r.kernels for r in regions(p.trace) if r.island is None]  # fusion stops at every island
+        fused_graph = [k for r in regions(fused.trace) if r.island is None for k in r.kernels]
+        out[n] = {"torch_us": sum(k.device_us for ks in graph for k in ks),
+                  "rule_us": sum(k.device_us for ks in graph for k in fuse(ks)),
+                  "fused_kernels_us": sum(k.device_us for k in fused_graph)}
+    return out
+
+
 def _measured_expected(m: Measurements, measured: dict[str, dict[int, float]]) -> dict[str, float]:
     """Each measured variant's expected latency per prompt of the workload, from its measured latencies (a forward
     that would not replay takes its kernels' measured eager latency), as the recommendation weighed the predicted
@@ -304,6 +324,7 @@ def findings(m: Measurements) -> dict[str, Any]:
                                  "predicted_available": fcs[v].available, "replay": x.replay,
                                  "fallbacks": dict(x.fallbacks)}
                              for v, x in m.measured.items()}
+    out["fusion_check"] = _fusion_check(m)
     out["amdahl"] = _amdahl(m, params["dynamic_share"], predicted, measured)
     if m.cores:
         out["cpu_cores"] = _cores(m)

@@ -156,6 +156,22 @@ def test_findings_shape_and_values() -> None:
     assert out["amdahl"]["predicted_speedup"] == pytest.approx(1.564 / 0.722)
 
 
+def test_the_fusion_rule_is_set_against_the_fused_kernels_own_timings() -> None:
+    m = measurements()
+    assert findings(m)["fusion_check"] is None  # no fused profile, nothing to check against
+    m.variants.append("breakable+fused")
+    m.hosts[None]["fused"] = dict(m.hosts[None]["torch"])
+    m.profiles["fused"] = {n: profiled(n, pointwise_us=1.0) for n in (64, 128)}
+    check = findings(m)["fusion_check"][64]
+    # the graph work of layer_trace(): a 1 us upload, per layer 3 + 20 + 3 + 1 + 1 (before the island) and
+    # 20 + 3 (after it), and the 20 us LM head
+    assert check["torch_us"] == pytest.approx(1 + 2 * (28 + 23) + 20)
+    # by the rule each run of pointwise kernels between matmuls (and islands) is its longest plus 0.3 of the rest:
+    # [upload 1] [rms] mm [rope kv kv] | mm [add rms] mm [rope kv kv] | mm [add] mm
+    assert check["rule_us"] == pytest.approx((1 + 3 + 20 + 3.6) + (20 + 3.9 + 20 + 3.6) + (20 + 3 + 20))
+    assert check["fused_kernels_us"] == pytest.approx(1 + 2 * (1 + 20 + 1 + 1 + 1 + 20 + 1) + 20)
+
+
 def test_validated_findings_have_measured_and_errors_shaped_like_predictions() -> None:
     out = findings(measurements(validated=True, cores=[1, 2]))
     graph = {"breakable", "full", "tc_piecewise"}
