@@ -3,12 +3,16 @@ judged before anything is captured or compiled.
 
 The run, in the order CUPTI needs (once the profiler is loaded it slows later host work, so it comes last):
 
-1. this machine's launch, replay, break, capture and compile costs (:mod:`bcg.bench.machine`) and, for each kernels
-   setting the variants use, the host times of one eager forward per size (:func:`bcg.bench.profile.host_times`);
+1. this machine's launch, replay, break, capture and compile costs (:mod:`bcg.bench.machine`), on CUDA the host
+   costs of the real replay paths on toy engines (:mod:`bcg.bench.paths`), and, for each kernels setting the
+   variants use, the host times of eager forwards per size (:func:`bcg.bench.profile.host_times`);
    under ``--cpu-cores`` both again with the process pinned to each core count (:mod:`bcg.bench.cores`);
 2. with ``--validate`` only: every variant built, captured and timed (:mod:`bcg.bench.validate`);
-3. one profiled eager forward per size, and the step ``full`` would capture run eagerly
-   (:func:`bcg.bench.profile.profiled_forward`), then the tiny kernel's device time.
+3. :data:`PROFILE_REPEATS` profiled eager forwards per size, and as many of the step ``full`` would capture run
+   eagerly (:func:`bcg.bench.profile.profiled_forward`), then the tiny kernel's device time.
+
+The machine's microbenchmarks depend on the machine only, so a process measures them once; the eager engines are
+built once per kernels setting (again after ``--validate``); ``timings.parts_s`` says where the time went.
 
 :func:`bcg.bench.findings.findings` turns that into predictions, a recommendation and the seed's four parameters;
 :func:`bcg.bench.verdict.verdict` into one sentence.
@@ -31,6 +35,7 @@ from bcg.bench.cores import pinned
 from bcg.bench.engines import BuildRecord, EngineSpec, engine_for
 from bcg.bench.findings import EAGER_OF, Measurements, findings
 from bcg.bench.forecast import Profiled
+from bcg.bench.paths import measure_paths
 from bcg.bench.predict import HostTimes
 from bcg.bench.profile import FullStep, host_times, profiled_forward
 from bcg.bench.recommend import Workload
@@ -122,12 +127,19 @@ def _host_phase(cfg: AnalyzeConfig, engines: dict[str, Any], settings: list[str]
     compilers = tuple(sorted({v.compile for v in variants if v.compile} |
                              {v.tc_compiler for v in variants if v.backend == "tc_piecewise"}))
     guards = any(v.backend == "tc_piecewise" for v in variants)
+    paths_for = tuple(b for b in ("breakable", "tc_piecewise") if any(v.backend == b for v in variants))
     costs: dict[int | None, Any] = {}
     hosts: Hosts = {}
     for k in [None, *(cfg.cpu_cores or [])]:
         bar.set_postfix(step="machine", cores=k or "all")
         with clock.part("machine"), pinned(k):
             costs[k] = machine.measure(cfg.device, compilers if k is None else (), guards)
+        if not cfg.emulated and paths_for:  # the real replay paths (CUDA only: under the emulation they say nothing)
+            with clock.part("replay paths"), pinned(k):
+                p = measure_paths(cfg.device, paths_for)
+            costs[k].path_layer_us, costs[k].path_fixed_us = dict(p.per_layer_us), dict(p.fixed_us)
+            costs[k].path_params_per_layer = p.params_per_layer
+            info.setdefault("path_errors", {}).update(p.errors)
         hosts[k] = {}
         for setting in settings:
             eng = engines[setting]
@@ -246,6 +258,8 @@ def run_analyze(cfg: AnalyzeConfig, environment: dict[str, Any]) -> dict[str, An
     with clock.part("model"):
         a.update(findings(m))
     a["notes"] = _trace_notes(m) if not cfg.emulated else []
+    a["notes"] += [f"the replay path of {b} could not be measured on a toy engine ({why}); its primitives' costs "
+                   "stand in" for b, why in info.get("path_errors", {}).items()]
     predict_s += time.perf_counter() - t2
     a["memory"] = {"free_bytes": info.get("free_bytes"), "total_bytes": info.get("total_bytes"),
                    "budget_bytes": m.budget_bytes,

@@ -57,6 +57,9 @@ class MachineCosts:
         guard_us / guard_per_param_us: host time dynamo adds to a compiled call, and per parameter tensor.
         compile_ms: per compiler ("inductor", "traced"), (fixed ms of a compile, ms per kernel compiled).
         seconds: how long the benchmarks took; cached: True when they were this process's earlier measurement.
+        path_layer_us / path_fixed_us: per backend, the real replay path's host µs per layer beyond the island's
+            own, and per forward beyond the eager path's (:mod:`bcg.bench.paths`; empty: not measured, the
+            primitives above stand in); path_params_per_layer: the parameter tensors of one layer of that toy.
     """
 
     device: str
@@ -80,6 +83,9 @@ class MachineCosts:
     compile_ms: dict[str, tuple[float, float]] = field(default_factory=dict)
     seconds: float = 0.0
     cached: bool = False
+    path_layer_us: dict[str, float] = field(default_factory=dict)
+    path_fixed_us: dict[str, float] = field(default_factory=dict)
+    path_params_per_layer: float = 0.0
 
     @property
     def graph_gap_us(self) -> float:

@@ -240,19 +240,29 @@ def _island(region: Region, host: HostTimes, overhead_us: float, extra: Sequence
     return steps + [Launch(part, h / len(ks), k.device_us, True) for k in ks]
 
 
+def _path(costs: Any, backend: str) -> tuple[float | None, float]:
+    """(host µs per layer of ``backend``'s real replay path beyond its island's own, None when not measured; µs per
+    forward it adds to the eager path) from :mod:`bcg.bench.paths`."""
+    layer = (getattr(costs, "path_layer_us", None) or {}).get(backend)
+    return layer, (getattr(costs, "path_fixed_us", None) or {}).get(backend, 0.0)
+
+
 def breakable_program(trace: ForwardTrace, host: HostTimes, costs: Any,
                       compiled: Callable[[Sequence[Kernel]], list[Kernel]] | None = None) -> list[Launch]:
     """The breakable replay of the step ``trace`` profiled: a graph launch per segment, each island eagerly; with
     ``compiled`` (e.g. :func:`fuse`) the segments run the compiled kernels."""
     rs = regions(trace)
-    program = _outside(rs, host, host.load_us)
+    layer, fixed = _path(costs, "breakable")
+    # The real path's cost of a break (the measured layer minus its segment's launch), else the primitive's.
+    break_us = costs.break_us if layer is None else max(layer - costs.graph_launch_us, 0.0)
+    program = _outside(rs, host, host.load_us + fixed)
     for r in rs:
         if r.island is None:
             if r.kernels:
                 program.append(_graph("segment", compiled(r.kernels) if compiled else r.kernels, costs,
                                       costs.graph_launch_us))
         else:
-            program += _island(r, host, costs.break_us)
+            program += _island(r, host, break_us)
     return [*program, Launch("after", host.after_us)]
 
 
@@ -287,14 +297,24 @@ def tc_piecewise_program(trace: ForwardTrace, host: HostTimes, costs: Any, num_p
     """torch.compile piecewise: dynamo's guards once, then a Python call per piece (which replays its graph) and per
     island, whose K/V write runs eagerly."""
     rs = regions(trace)
-    program = _outside(rs, host, host.load_us)
-    program.append(Launch("guards", costs.tc_call_us(num_params)))
+    layer, fixed = _path(costs, "tc_piecewise")
+    program = _outside(rs, host, host.load_us + fixed)
+    if layer is None:
+        program.append(Launch("guards", costs.tc_call_us(num_params)))
+    else:  # the guards' fixed part is in the path's fixed cost, and a toy layer's parameters in its layer's
+        toy = costs.path_params_per_layer * costs.guard_per_param_us
+        layer = max(layer - toy, 0.0)
+        program.append(Launch("guards", costs.guard_per_param_us * num_params))
     for r, moved in _split_kv_writes(rs):
         if r.island is None:
             if r.kernels:
                 program.append(_graph("piece", compiled(r.kernels) if compiled else r.kernels, costs, costs.piece_us))
         else:
-            program += _island(r, host, costs.piece_us, moved, costs.eager_launch_us)
+            # The island's call through its custom op on the real path: the measured layer minus its piece's call
+            # and its K/V-write launches (counted below); else a piece call's cost stands in.
+            overhead = costs.piece_us if layer is None else \
+                max(layer - costs.piece_us - len(moved) * costs.eager_launch_us, 0.0)
+            program += _island(r, host, overhead, moved, costs.eager_launch_us)
     return [*program, Launch("after", host.after_us)]
 
 

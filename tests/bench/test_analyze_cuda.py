@@ -65,3 +65,14 @@ def test_validated_analyze_agrees_on_availability(tmp_path: Path, capsys: pytest
     assert set(data["predictions"]) >= {"eager", "eager+fused"}
     assert data["machine"]["None"]["tiny_kernel_us"] > 0 and data["memory"]["free_bytes"] > 0
     assert data["parameters"]["launch_gap_share"] is not None
+
+
+def test_replay_paths_on_cuda() -> None:
+    from bcg.bench.paths import measure_paths
+
+    paths = measure_paths("cuda", ("breakable", "tc_piecewise"), cache=False)
+    assert paths.errors == {} and set(paths.per_layer_us) == {"breakable", "tc_piecewise"}
+    assert paths.island_us > 0  # the attention island's own host time on the eager toy
+    # a piecewise layer (a piece call from dynamo's split graph and an island through its custom op) costs the host
+    # more than a breakable one (a segment launch and an eager step)
+    assert paths.per_layer_us["tc_piecewise"] > paths.per_layer_us["breakable"] > 0
