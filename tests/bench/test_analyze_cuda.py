@@ -38,6 +38,12 @@ def test_profiled_forward_finds_kernels_islands_and_the_full_step() -> None:
     assert all(k.device_us > 0 for k in p.trace.kernels)
     assert p.full_error is None and p.full_trace is not None and not p.full_trace.calls
     assert p.activation_bytes and p.activation_bytes > 0
+    # three profiles per size: each kernel's median with its range, the host times' quartiles around their median
+    assert p.trace_low is not None and p.trace_high is not None
+    for lo, mid, hi in zip(p.trace_low.kernels, p.trace.kernels, p.trace_high.kernels):
+        assert lo.name == mid.name == hi.name and lo.device_us <= mid.device_us <= hi.device_us
+    assert host.low is not None and host.high is not None
+    assert host.low.forward_ms <= host.forward_ms <= host.high.forward_ms
 
 
 def test_machine_costs_on_cuda() -> None:
