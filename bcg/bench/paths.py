@@ -67,13 +67,13 @@ def _host_us(eng: Any, batch: Any) -> float:
 
 def _island_us(eng: Any, batch: Any) -> float:
     """Median host µs of all island calls of one eager forward (each timed on its own)."""
-    from bcg.bench.profile import _IslandTimer
+    from bcg.bench.profile import IslandTimer
     from bcg.islands import observing_islands
 
     totals = []
     with torch.inference_mode():
         for i in range(REPS + 3):
-            timer = _IslandTimer()
+            timer = IslandTimer()
             with observing_islands(timer):
                 eng.runner.forward(batch)
             if i >= 3:
@@ -91,7 +91,7 @@ def _timed(device: str, backend: str, layers: int, with_islands: bool = False) -
 
     model = dataclasses.replace(PRESETS["tiny-dense"], num_layers=layers)
     eng = Engine(model, backend=backend, device=device, tc_compiler="traced", buckets=[BUCKET],
-                 chunked_prefill_size=BUCKET, progress=False)
+                 chunked_prefill_size=BUCKET, kv_tokens=4 * BUCKET, progress=False)  # a toy's pool: no GPU share
     try:
         if eng.telemetry.refused_reason or eng.telemetry.compile_error:
             raise RuntimeError(eng.telemetry.refused_reason or eng.telemetry.compile_error)
