@@ -62,13 +62,16 @@ def _parameters(a: dict[str, Any]) -> str:
 
 def _latency(a: dict[str, Any]) -> str:
     measured, errors = a.get("measured"), a.get("errors") or {}
-    headers = ["backend", "tokens", "graph", "predicted ms"] + (["measured ms", "error"] if measured else [])
+    intervals = a.get("intervals") or {}
+    headers = ["backend", "tokens", "graph", "predicted ms", "interval"] + \
+        (["measured ms", "error"] if measured else [])
     rows = []
     for v, by_len in a["predictions"].items():
         graph = (a["forecasts"].get(v) or {}).get("graph", {})
         for n, ms in by_len.items():
             kind = "measured" if v.startswith("eager") else ("yes" if graph.get(n) else "no: eager")
-            row = [v, n, kind, fmt(ms, 3)]
+            low, high = (intervals.get(v) or {}).get(n) or (None, None)
+            row = [v, n, kind, fmt(ms, 3), "-" if low is None else f"{fmt(low, 3)}-{fmt(high, 3)}"]
             if measured:
                 got = (measured.get(v) or {}).get(n)
                 err = (errors.get(v) or {}).get(n)
@@ -131,8 +134,11 @@ def _cores(a: dict[str, Any]) -> str:
         if has_measured:
             row += [fmt((r.get("measured") or {}).get(v), 3) for v in variants]
         rows.append(row)
-    return table(headers, rows, title=f"The host as a variable: pinned to each core count, at {a['length']} tokens "
+    text = table(headers, rows, title=f"The host as a variable: pinned to each core count, at {a['length']} tokens "
                                       "(ms)")
+    fell = [f"Not measured on {k} cores: {v} ({why})" for k, r in data.items()
+            for v, why in (r.get("fallbacks") or {}).items()]
+    return "\n".join([text, *fell])
 
 
 def format_analysis(a: dict[str, Any]) -> str:
@@ -154,10 +160,18 @@ def format_analysis(a: dict[str, Any]) -> str:
                    f"{fmt(replay['segments_ms'], 3)} ms, {replay['num_breaks']} islands {fmt(replay['islands_ms'], 3)} "
                    f"ms (p = {fmt(replay['p'], 3)} of the replay), launched in {fmt(replay['replay_host_ms'], 3)} ms "
                    "of host time.")
+    fc = (a.get("fusion_check") or {}).get(a["length"]) or (a.get("fusion_check") or {}).get(str(a["length"]))
+    if fc:
+        out.append(f"Fusion rule at {a['length']} tokens: the graph work's kernels take {fmt(fc['torch_us'], 0)} µs, "
+                   f"fused by the rule {fmt(fc['rule_us'], 0)} µs, and the fused kernels ran it in "
+                   f"{fmt(fc['fused_kernels_us'], 0)} µs.")
     if a.get("cpu_cores"):
         out += ["", _cores(a)]
     t = a["timings"]
     line = f"Predicting took {fmt(t['predict_s'], 1)} s"
+    if t.get("parts_s"):
+        line += " (" + ", ".join(f"{name} {fmt(s, 1)} s" for name, s in t["parts_s"].items()) + \
+            ("; machine microbenchmarks from earlier in this process" if t.get("machine_cached") else "") + ")"
     if t.get("validate_s"):
         line += (f", validating {fmt(t['validate_s'], 1)} s (predicting is {fmt(t['predict_over_validate'], 2)} of "
                  "it).")

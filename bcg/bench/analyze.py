@@ -3,12 +3,16 @@ judged before anything is captured or compiled.
 
 The run, in the order CUPTI needs (once the profiler is loaded it slows later host work, so it comes last):
 
-1. this machine's launch, replay, break, capture and compile costs (:mod:`bcg.bench.machine`) and, for each kernels
-   setting the variants use, the host times of one eager forward per size (:func:`bcg.bench.profile.host_times`);
+1. this machine's launch, replay, break, capture and compile costs (:mod:`bcg.bench.machine`), on CUDA the host
+   costs of the real replay paths on toy engines (:mod:`bcg.bench.paths`), and, for each kernels setting the
+   variants use, the host times of eager forwards per size (:func:`bcg.bench.profile.host_times`);
    under ``--cpu-cores`` both again with the process pinned to each core count (:mod:`bcg.bench.cores`);
 2. with ``--validate`` only: every variant built, captured and timed (:mod:`bcg.bench.validate`);
-3. one profiled eager forward per size, and the step ``full`` would capture run eagerly
-   (:func:`bcg.bench.profile.profiled_forward`), then the tiny kernel's device time.
+3. :data:`PROFILE_REPEATS` profiled eager forwards per size, and as many of the step ``full`` would capture run
+   eagerly (:func:`bcg.bench.profile.profiled_forward`), then the tiny kernel's device time.
+
+The machine's microbenchmarks depend on the machine only, so a process measures them once; the eager engines are
+built once per kernels setting (again after ``--validate``); ``timings.parts_s`` says where the time went.
 
 :func:`bcg.bench.findings.findings` turns that into predictions, a recommendation and the seed's four parameters;
 :func:`bcg.bench.verdict.verdict` into one sentence.
@@ -19,7 +23,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from typing import Any
 
 import torch
@@ -31,6 +35,7 @@ from bcg.bench.cores import pinned
 from bcg.bench.engines import BuildRecord, EngineSpec, engine_for
 from bcg.bench.findings import EAGER_OF, Measurements, findings
 from bcg.bench.forecast import Profiled
+from bcg.bench.paths import measure_paths
 from bcg.bench.predict import HostTimes
 from bcg.bench.profile import FullStep, host_times, profiled_forward
 from bcg.bench.recommend import Workload
@@ -38,7 +43,24 @@ from bcg.bench.validate import measure_variants, prompt_for
 from bcg.bench.variants import parse_variant
 from bcg.bench.verdict import MEMORY_SHARE_LIMIT, verdict
 
-__all__ = ["run_analyze", "sample_lengths", "workload"]
+__all__ = ["PROFILE_REPEATS", "run_analyze", "sample_lengths", "workload"]
+
+PROFILE_REPEATS = 3  # profiled forwards per size: each kernel's time is their median, their range its interval
+
+
+class Stopwatch:
+    """Seconds spent in each named part of a run (a part entered twice adds up)."""
+
+    def __init__(self) -> None:
+        self.parts: dict[str, float] = {}
+
+    @contextmanager
+    def part(self, name: str) -> Iterator[None]:
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.parts[name] = self.parts.get(name, 0.0) + time.perf_counter() - t0
 
 
 def sample_lengths(n: int, low: int, high: int, seed: int) -> list[int]:
@@ -98,47 +120,62 @@ def _full_step(eng: Any, size: int) -> FullStep | None:
 Hosts = dict[int | None, dict[str, dict[int, HostTimes]]]  # core count -> kernels setting -> size -> host times
 
 
-def _host_phase(cfg: AnalyzeConfig, spec: EngineSpec, settings: list[str], sizes: list[int], bar: Any,
-                info: dict[str, Any]) -> tuple[dict[int | None, Any], Hosts]:
+def _host_phase(cfg: AnalyzeConfig, engines: dict[str, Any], settings: list[str], sizes: list[int], bar: Any,
+                info: dict[str, Any], clock: Stopwatch) -> tuple[dict[int | None, Any], Hosts]:
     """Step 1: the machine's costs and the eager host times, per core count."""
     variants = [parse_variant(v, cfg.tc_compiler) for v in cfg.backends]
     compilers = tuple(sorted({v.compile for v in variants if v.compile} |
                              {v.tc_compiler for v in variants if v.backend == "tc_piecewise"}))
     guards = any(v.backend == "tc_piecewise" for v in variants)
+    paths_for = tuple(b for b in ("breakable", "tc_piecewise") if any(v.backend == b for v in variants))
     costs: dict[int | None, Any] = {}
     hosts: Hosts = {}
     for k in [None, *(cfg.cpu_cores or [])]:
         bar.set_postfix(step="machine", cores=k or "all")
-        with pinned(k):
+        with clock.part("machine"), pinned(k):
             costs[k] = machine.measure(cfg.device, compilers if k is None else (), guards)
+        if not cfg.emulated and paths_for:  # the real replay paths (CUDA only: under the emulation they say nothing)
+            with clock.part("replay paths"), pinned(k):
+                p = measure_paths(cfg.device, paths_for)
+            costs[k].path_layer_us, costs[k].path_fixed_us = dict(p.per_layer_us), dict(p.fixed_us)
+            costs[k].path_params_per_layer = p.params_per_layer
+            info.setdefault("path_errors", {}).update(p.errors)
         hosts[k] = {}
         for setting in settings:
-            with _eager(spec, EAGER_OF[setting], cfg.model) as eng:
-                info.setdefault("model", _describe_model(eng, cfg.model))
-                vocab = eng.model.config.vocab_size
-                with pinned(k):
-                    hosts[k][setting] = {}
-                    for n in sizes:
-                        bar.set_postfix(step=f"host times {EAGER_OF[setting]}", tokens=n, cores=k or "all")
-                        hosts[k][setting][n] = host_times(eng, prompt_for(vocab, n, cfg.seed), cfg.runs, cfg.warmup,
-                                                          _full_step(eng, n))
-                        bar.update()
+            eng = engines[setting]
+            info.setdefault("model", _describe_model(eng, cfg.model))
+            vocab = eng.model.config.vocab_size
+            with clock.part("host times"), pinned(k):
+                hosts[k][setting] = {}
+                for n in sizes:
+                    bar.set_postfix(step=f"host times {EAGER_OF[setting]}", tokens=n, cores=k or "all")
+                    hosts[k][setting][n] = host_times(eng, prompt_for(vocab, n, cfg.seed), cfg.runs, cfg.warmup,
+                                                      _full_step(eng, n))
+                    bar.update()
     return costs, hosts
 
 
-def _profile_phase(cfg: AnalyzeConfig, spec: EngineSpec, settings: list[str], sizes: list[int],
+def _profile_phase(cfg: AnalyzeConfig, engines: dict[str, Any], settings: list[str], sizes: list[int],
                    hosts: dict[str, dict[int, HostTimes]], bar: Any) -> dict[str, dict[int, Profiled]]:
-    """Step 3: one profiled eager forward per size (fresh engines, after every timed run)."""
+    """Step 3: :data:`PROFILE_REPEATS` profiled eager forwards per size (after every timed run)."""
     out: dict[str, dict[int, Profiled]] = {}
     for setting in settings:
-        with _eager(spec, EAGER_OF[setting], cfg.model) as eng:
-            vocab = eng.model.config.vocab_size
-            out[setting] = {}
-            for n in sizes:
-                bar.set_postfix(step=f"profile {EAGER_OF[setting]}", tokens=n)
-                out[setting][n] = profiled_forward(eng, prompt_for(vocab, n, cfg.seed), hosts[setting][n], n)
-                bar.update()
+        eng = engines[setting]
+        vocab = eng.model.config.vocab_size
+        out[setting] = {}
+        for n in sizes:
+            bar.set_postfix(step=f"profile {EAGER_OF[setting]}", tokens=n)
+            out[setting][n] = profiled_forward(eng, prompt_for(vocab, n, cfg.seed), hosts[setting][n], n,
+                                               PROFILE_REPEATS)
+            bar.update()
     return out
+
+
+def _open_eager(stack: ExitStack, spec: EngineSpec, settings: list[str], model: str, clock: Stopwatch
+                ) -> dict[str, Any]:
+    """The eager engine of each kernels setting, open until ``stack`` closes."""
+    with clock.part("eager engines"):
+        return {s: stack.enter_context(_eager(spec, EAGER_OF[s], model)) for s in settings}
 
 
 def _budget(cfg: AnalyzeConfig, info: dict[str, Any]) -> float | None:
@@ -187,19 +224,26 @@ def run_analyze(cfg: AnalyzeConfig, environment: dict[str, Any]) -> dict[str, An
                      warmup=spec.config.warmup, cores=list(cfg.cpu_cores or []))
     sizes = m.sizes()
     steps = len(sizes) * len(settings) * (2 + len(m.cores))
-    with tqdm(total=steps, desc="bcg analyze", unit="step", disable=not cfg.progress) as bar:
-        m.costs, m.hosts = _host_phase(cfg, spec, settings, sizes, bar, info)
+    clock = Stopwatch()
+    with tqdm(total=steps, desc="bcg analyze", unit="step", disable=not cfg.progress) as bar, ExitStack() as stack:
+        engines = _open_eager(stack, spec, settings, cfg.model, clock)
+        m.costs, m.hosts = _host_phase(cfg, engines, settings, sizes, bar, info, clock)
         predict_s = time.perf_counter() - t0
         validate_s = None
-        if cfg.validate:
+        if cfg.validate:  # every variant built in turn: the eager engines make room, and come back fresh after
+            stack.close()
             bar.set_postfix(step="validate")
             t1 = time.perf_counter()
             m.measured = measure_variants(cfg.engine_spec(), graph_variants, m.lengths(), cfg.length,
                                           cfg.runs, cfg.warmup, cfg.seed, [None, *m.cores])
             validate_s = time.perf_counter() - t1
         t2 = time.perf_counter()
-        m.profiles = _profile_phase(cfg, spec, settings, sizes, m.hosts[None], bar)
-    machine.measure_device(m.costs[None])
+        if cfg.validate:
+            engines = _open_eager(stack, spec, settings, cfg.model, clock)
+        with clock.part("profiles"):
+            m.profiles = _profile_phase(cfg, engines, settings, sizes, m.hosts[None], bar)
+    with clock.part("machine (device)"):
+        machine.measure_device(m.costs[None])
     for c in m.costs.values():  # device times do not depend on the host's cores
         c.tiny_kernel_us, c.medium_kernel_us = m.costs[None].tiny_kernel_us, m.costs[None].medium_kernel_us
     m.num_params = info["model"]["num_param_tensors"]
@@ -211,14 +255,18 @@ def run_analyze(cfg: AnalyzeConfig, environment: dict[str, Any]) -> dict[str, An
                          "workload": {"source": m.workload.source, "num_prompts": len(m.workload.lengths),
                                       "lengths": list(m.workload.lengths)},
                          "lengths": m.lengths(), "length": cfg.length}
-    a.update(findings(m))
+    with clock.part("model"):
+        a.update(findings(m))
     a["notes"] = _trace_notes(m) if not cfg.emulated else []
+    a["notes"] += [f"the replay path of {b} could not be measured on a toy engine ({why}); its primitives' costs "
+                   "stand in" for b, why in info.get("path_errors", {}).items()]
     predict_s += time.perf_counter() - t2
     a["memory"] = {"free_bytes": info.get("free_bytes"), "total_bytes": info.get("total_bytes"),
                    "budget_bytes": m.budget_bytes,
                    "note": None if not cfg.emulated else "no device memory on a CPU: graph memory is an estimate "
                    "of the model's activations only, and nothing is measured"}
     a["timings"] = {"predict_s": predict_s, "validate_s": validate_s, "machine_s": m.costs[None].seconds,
-                    "predict_over_validate": predict_s / validate_s if validate_s else None}
+                    "predict_over_validate": predict_s / validate_s if validate_s else None,
+                    "parts_s": clock.parts, "machine_cached": m.costs[None].cached}
     a["verdict"] = verdict(a)
     return a

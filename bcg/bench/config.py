@@ -202,6 +202,7 @@ class AnalyzeConfig(Run):
             lengths = checks.read_lengths_file(self.lengths_file)
         if lengths is not None:
             checks.check_lengths("--lengths-file" if self.lengths_file else "--lengths", lengths)
+            checks.check_context("--lengths-file" if self.lengths_file else "--lengths", lengths, model, impl)
         if not 1 <= self.num_prompts <= 1_000_000:
             raise ValueError(f"--num-prompts must be in [1, 1000000], got {self.num_prompts}")
         max_tokens = self.max_tokens if self.max_tokens is not None else chunk

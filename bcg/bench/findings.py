@@ -15,7 +15,7 @@ from typing import Any
 
 from bcg.bench import amdahl, coverage
 from bcg.bench.forecast import Forecast, ForecastContext, Profiled, forecast, island_group
-from bcg.bench.predict import HostTimes
+from bcg.bench.predict import HostTimes, fuse
 from bcg.bench.recommend import Recommendation, Workload, eager_curve, expected_ms, recommend
 from bcg.bench.trace import regions
 from bcg.bench.validate import Measured, errors
@@ -103,6 +103,21 @@ def _predictions(m: Measurements, fcs: dict[str, Forecast], k: int | None, lengt
     return out
 
 
+def _intervals(m: Measurements, fcs: dict[str, Forecast], k: int | None, lengths: Sequence[int]
+               ) -> dict[str, dict[int, list[float]]]:
+    """Each prediction's (low, high): every measured input at the low and the high end of its spread."""
+    def eager(h: HostTimes) -> list[float]:
+        return [(h.low or h).prefill_ms, (h.high or h).prefill_ms]
+
+    out = {EAGER_OF[s]: {n: eager(hosts[n]) for n in lengths} for s, hosts in m.hosts[k].items()}
+    for v, fc in fcs.items():
+        if fc.available:
+            hosts = m.hosts[k][_setting(v)]
+            out[v] = {n: list(fc.interval_at(b)) if (b := m.bucket(n)) is not None else eager(hosts[n])
+                      for n in lengths}
+    return out
+
+
 def _curves(m: Measurements, setting: str) -> tuple[Any, Any]:
     hosts = m.hosts[None][setting]
     wall = eager_curve([(n, h.forward_ms) for n, h in hosts.items()])
@@ -114,6 +129,9 @@ def _recommend(m: Measurements, fcs: dict[str, Forecast]) -> Recommendation:
     costs = m.costs[None]
     eager = {EAGER_OF[s]: eager_curve([(n, h.prefill_ms) for n, h in hosts.items()])
              for s, hosts in m.hosts[None].items()}
+    bounds = {EAGER_OF[s]: (eager_curve([(n, (h.low or h).prefill_ms) for n, h in hosts.items()]),
+                            eager_curve([(n, (h.high or h).prefill_ms) for n, h in hosts.items()]))
+              for s, hosts in m.hosts[None].items()}
     torch_hosts = m.hosts[None]["torch"]
     overhead = eager_curve([(n, h.prefill_overhead_us / 1e3) for n, h in torch_hosts.items()])
 
@@ -122,7 +140,7 @@ def _recommend(m: Measurements, fcs: dict[str, Forecast]) -> Recommendation:
         return fc.build_ms(buckets, lambda b: (wall(b), host(b)), costs, m.warmup)
 
     return recommend(m.workload, m.chunk, list(fcs.values()), eager, overhead, lambda v: EAGER_OF[_setting(v)],
-                     lambda fc, b: fc.graph_memory_bytes(b, costs), build, m.padding, m.budget_bytes)
+                     lambda fc, b: fc.graph_memory_bytes(b, costs), build, m.padding, m.budget_bytes, bounds)
 
 
 def _islands(m: Measurements, fcs: dict[str, Forecast], predicted: dict[str, dict[int, float]]) -> list[dict]:
@@ -194,6 +212,26 @@ def _amdahl(m: Measurements, p: float | None, predicted: dict[str, dict[int, flo
     return out
 
 
+def _fusion_check(m: Measurements) -> dict[int, dict[str, float]] | None:
+    """The fusion rule against the fused kernels' own timings, per profiled size: the graph work's device µs as
+    profiled (torch kernels), as :func:`~bcg.bench.predict.fuse` predicts a compiler would run it, and as the
+    fused kernels (``kernels='fused'``) ran it; None without a fused profile. A diagnostic: the rule is not fitted to
+    it."""
+    if "fused" not in m.profiles:
+        return None
+    out = {}
+    for n, p in m.profiles["torch"].items():
+        fused = m.profiles["fused"].get(n)
+        if fused is None:
+            continue
+        graph = [r.kernels for r in regions(p.trace) if r.island is None]  # fusion stops at every island
+        fused_graph = [k for r in regions(fused.trace) if r.island is None for k in r.kernels]
+        out[n] = {"torch_us": sum(k.device_us for ks in graph for k in ks),
+                  "rule_us": sum(k.device_us for ks in graph for k in fuse(ks)),
+                  "fused_kernels_us": sum(k.device_us for k in fused_graph)}
+    return out
+
+
 def _measured_expected(m: Measurements, measured: dict[str, dict[int, float]]) -> dict[str, float]:
     """Each measured variant's expected latency per prompt of the workload, from its measured latencies (a forward
     that would not replay takes its kernels' measured eager latency), as the recommendation weighed the predicted
@@ -226,6 +264,8 @@ def _cores(m: Measurements) -> dict[int, dict[str, Any]]:
             row["measured"] = {v: x.by_cores[k][m.length] for v, x in m.measured.items()
                                if x.available and m.length in x.by_cores.get(k, {})}
             row["measured"]["eager"] = h.prefill_ms
+            row["fallbacks"] = {v: x.fallbacks[f"{m.length}@{k}"] for v, x in m.measured.items()
+                                if f"{m.length}@{k}" in x.fallbacks}
         out[k] = row
     return out
 
@@ -252,9 +292,13 @@ def findings(m: Measurements) -> dict[str, Any]:
                         "build_ms": fc.build_ms(ladder, lambda b, w=wall, h=host: (w(b), h(b)), costs, m.warmup)
                         if fc.available else None, "compile_ms": fc.compile_ms if fc.available else None,
                         "parts": fc.parts.get(m.bucket(m.length) or -1), "graph": {n: m.bucket(n) is not None
-                                                                                   for n in m.lengths()}}
+                                                                                   for n in m.lengths()},
+                        # every replayed length's program by part: what a replay of this file plays
+                        "parts_by_length": {n: fc.parts.get(b) for n in m.lengths()
+                                            if (b := m.bucket(n)) is not None and b in fc.parts}}
     out: dict[str, Any] = {
         "predictions": predicted,
+        "intervals": _intervals(m, fcs, None, m.lengths()),
         "unavailable": {v: fc.reason for v, fc in fcs.items() if not fc.available},
         "forecasts": forecasts,
         "recommendation": {"backend": rec.backend, "ceiling": rec.ceiling, "buckets": rec.buckets,
@@ -262,7 +306,8 @@ def findings(m: Measurements) -> dict[str, Any]:
                            "graph_memory_bytes": rec.graph_memory_bytes, "build_ms": rec.build_ms,
                            "memory_budget_bytes": rec.budget_bytes, "reason": rec.reason},
         "options": [{"variant": o.variant, "ceiling": o.ceiling, "num_buckets": len(o.buckets),
-                     "expected_ms": o.expected_ms, "graph_memory_bytes": o.graph_memory_bytes, "build_ms": o.build_ms,
+                     "expected_ms": o.expected_ms, "expected_interval_ms": list(o.bounds()),
+                     "graph_memory_bytes": o.graph_memory_bytes, "build_ms": o.build_ms,
                      "fits": o.fits, "pruned": o.pruned} for o in rec.options],
         "parameters": params,
         "islands": _islands(m, fcs, predicted),
@@ -276,8 +321,10 @@ def findings(m: Measurements) -> dict[str, Any]:
         out["errors"] = errors({v: ms for v, ms in predicted.items() if v in m.measured}, m.measured)
         out["validation"] = {v: {"available": x.available, "error": x.error, "graph_used": x.graph_used,
                                  "build_ms": x.build_ms, "graph_memory_bytes": x.graph_memory_bytes,
-                                 "predicted_available": fcs[v].available, "replay": x.replay}
+                                 "predicted_available": fcs[v].available, "replay": x.replay,
+                                 "fallbacks": dict(x.fallbacks)}
                              for v, x in m.measured.items()}
+    out["fusion_check"] = _fusion_check(m)
     out["amdahl"] = _amdahl(m, params["dynamic_share"], predicted, measured)
     if m.cores:
         out["cpu_cores"] = _cores(m)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from bcg.bench.amdahl import interpolate
@@ -62,6 +62,16 @@ class Profiled:
     full_islands: list[str] = field(default_factory=list)
     activation_bytes: float | None = None
     full_activation_bytes: float | None = None
+    trace_low: ForwardTrace | None = None  # each kernel at its lowest / highest device time over the profiles
+    trace_high: ForwardTrace | None = None
+    full_trace_low: ForwardTrace | None = None
+    full_trace_high: ForwardTrace | None = None
+
+    def bound(self, side: str) -> Profiled:
+        """This forward with every input at its ``"low"`` or ``"high"`` end (the median where none was measured)."""
+        return replace(self, trace=getattr(self, f"trace_{side}") or self.trace,
+                       host=getattr(self.host, side) or self.host,
+                       full_trace=getattr(self, f"full_trace_{side}") or self.full_trace)
 
 
 @dataclass(frozen=True)
@@ -77,13 +87,16 @@ class ForecastContext:
 
 @dataclass
 class Forecast:
-    """One variant's prediction: available or why not, then per profiled size the replayed forward's latency and
-    breakdown (ms; ``parts``: host and device µs per part), the kernel nodes and graphs each bucket holds."""
+    """One variant's prediction: available or why not, then per profiled size the replayed forward's latency (and its
+    interval: ``replay_low_ms`` / ``replay_high_ms``) and breakdown (ms; ``parts``: host and device µs per part), the
+    kernel nodes and graphs each bucket holds."""
 
     variant: str
     available: bool
     reason: str | None = None
     replay_ms: dict[int, float] = field(default_factory=dict)
+    replay_low_ms: dict[int, float] = field(default_factory=dict)  # the same with every input at its low / high end
+    replay_high_ms: dict[int, float] = field(default_factory=dict)
     parts: dict[int, dict[str, dict[str, float]]] = field(default_factory=dict)
     nodes: dict[int, int] = field(default_factory=dict)
     graphs: dict[int, int] = field(default_factory=dict)
@@ -94,6 +107,14 @@ class Forecast:
     def replay_at(self, bucket: int) -> float:
         """Predicted latency of one prefill that replays ``bucket`` (interpolated between profiled sizes)."""
         return interpolate(sorted(self.replay_ms.items()), bucket)
+
+    def interval_at(self, bucket: int) -> tuple[float, float]:
+        """(low, high) of :meth:`replay_at`: the replay played with every measured input at the low and at the high
+        end of its spread (the median's own value where no spread was measured)."""
+        mid = self.replay_at(bucket)
+        low = interpolate(sorted(self.replay_low_ms.items()), bucket) if self.replay_low_ms else mid
+        high = interpolate(sorted(self.replay_high_ms.items()), bucket) if self.replay_high_ms else mid
+        return min(low, mid), max(high, mid)
 
     def graph_memory_bytes(self, buckets: Sequence[int], costs: Any) -> float:
         """Resident graph memory of a ladder ``buckets`` (see the module doc)."""
@@ -215,6 +236,8 @@ def forecast(name: str, profiles: dict[int, Profiled], ctx: ForecastContext) -> 
     for size, p in sorted(profiles.items()):
         played = simulate(_program(variant, p, ctx))
         fc.replay_ms[size] = played.wall_ms
+        fc.replay_low_ms[size] = simulate(_program(variant, p.bound("low"), ctx)).wall_ms
+        fc.replay_high_ms[size] = simulate(_program(variant, p.bound("high"), ctx)).wall_ms
         fc.parts[size] = played.parts
         graph_parts = [v for k, v in played.parts.items() if k in GRAPH_PARTS]
         fc.graphs[size] = sum(int(v["count"]) for v in graph_parts)

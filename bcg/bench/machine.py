@@ -12,12 +12,13 @@ that needs the profiler (a tiny kernel's device time) last, because the profiler
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 import types
 from collections.abc import Callable
 from contextlib import nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -55,7 +56,10 @@ class MachineCosts:
         graph_node_bytes / graph_bytes: device memory per kernel node and per graph executable (0 on a CPU).
         guard_us / guard_per_param_us: host time dynamo adds to a compiled call, and per parameter tensor.
         compile_ms: per compiler ("inductor", "traced"), (fixed ms of a compile, ms per kernel compiled).
-        seconds: how long the benchmarks took.
+        seconds: how long the benchmarks took; cached: True when they were this process's earlier measurement.
+        path_layer_us / path_fixed_us: per backend, the real replay path's host µs per layer beyond the island's
+            own, and per forward beyond the eager path's (:mod:`bcg.bench.paths`; empty: not measured, the
+            primitives above stand in); path_params_per_layer: the parameter tensors of one layer of that toy.
     """
 
     device: str
@@ -78,6 +82,10 @@ class MachineCosts:
     guard_per_param_us: float = 0.0
     compile_ms: dict[str, tuple[float, float]] = field(default_factory=dict)
     seconds: float = 0.0
+    cached: bool = False
+    path_layer_us: dict[str, float] = field(default_factory=dict)
+    path_fixed_us: dict[str, float] = field(default_factory=dict)
+    path_params_per_layer: float = 0.0
 
     @property
     def graph_gap_us(self) -> float:
@@ -260,14 +268,36 @@ def _compile_costs(compiler: str, device: torch.device) -> tuple[float, float]:
     return max(one - per_block, 0.0), per_block / COMPILE_BLOCK_KERNELS
 
 
-def measure(device: torch.device | str, compilers: tuple[str, ...] = (), guards: bool = False) -> MachineCosts:
+# Earlier measurements of this process, by what they depend on (none of it is the model's): see measure().
+_CACHE: dict[tuple, MachineCosts] = {}
+_DEVICE_CACHE: dict[str, tuple[float | None, float | None]] = {}  # device -> (tiny, medium) kernel µs
+
+
+def _cache_key(device: torch.device, compilers: tuple[str, ...], guards: bool) -> tuple:
+    cores = tuple(sorted(os.sched_getaffinity(0))) if hasattr(os, "sched_getaffinity") else ()
+    return str(device), tuple(sorted(compilers)), guards, cores, torch.get_num_threads()
+
+
+def measure(device: torch.device | str, compilers: tuple[str, ...] = (), guards: bool = False,
+            cache: bool = True) -> MachineCosts:
     """Runs the host-side microbenchmarks on ``device`` (the CPU emulation on a CPU); ``compilers`` also times a
-    compile with each, ``guards`` dynamo's call overhead. Example::
+    compile with each, ``guards`` dynamo's call overhead. Nothing here depends on the model, so with ``cache`` a
+    process measures each (device, compilers, guards, cores, threads) once and later calls get a copy of it
+    (``cached`` True, ``seconds`` 0). Example::
 
         costs = measure("cuda", compilers=("inductor",), guards=True)
         costs.eager_launch_us, costs.graph_kernel_us      # e.g. 9.6 and 1.0 on an H200
     """
     device = torch.device(device)
+    key = _cache_key(device, compilers, guards)
+    if cache and key in _CACHE:
+        return replace(_CACHE[key], compile_ms=dict(_CACHE[key].compile_ms), seconds=0.0, cached=True)
+    costs = _measure(device, compilers, guards)
+    _CACHE[key] = replace(costs, compile_ms=dict(costs.compile_ms))
+    return costs
+
+
+def _measure(device: torch.device, compilers: tuple[str, ...], guards: bool) -> MachineCosts:
     emulated = device.type != "cuda"
     stream = None if emulated else torch.cuda.Stream(device)
     t_start = time.perf_counter()
@@ -309,8 +339,11 @@ def measure(device: torch.device | str, compilers: tuple[str, ...] = (), guards:
 def measure_device(costs: MachineCosts) -> MachineCosts:
     """Fills in ``tiny_kernel_us`` and ``medium_kernel_us``: the profiler's device time of a tiny and of a medium
     kernel run eagerly (on a CPU the host time of each add, as the emulation's kernels are its ops). Run it after
-    every host timing of the process."""
+    every host timing of the process. A process measures each device once (:data:`_DEVICE_CACHE`)."""
     device = torch.device(costs.device)
+    if str(device) in _DEVICE_CACHE:
+        costs.tiny_kernel_us, costs.medium_kernel_us = _DEVICE_CACHE[str(device)]
+        return costs
     x = torch.zeros(1, device=device)
     y = torch.zeros(MEDIUM_ELEMENTS[device.type], device=device)
     t0 = time.perf_counter()
@@ -321,16 +354,19 @@ def measure_device(costs: MachineCosts) -> MachineCosts:
         costs.tiny_kernel_us = _profiled_us(x, 200, device)
         costs.medium_kernel_us = _profiled_us(y, 50, device)
     costs.seconds += time.perf_counter() - t0
+    _DEVICE_CACHE[str(device)] = (costs.tiny_kernel_us, costs.medium_kernel_us)
     return costs
 
 
 def _profiled_us(x: torch.Tensor, n: int, device: torch.device) -> float | None:
     """The median device time of ``n`` in-place adds on ``x`` in one profile."""
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import ProfilerActivity
+
+    from bcg.bench.quiet_profiler import quiet_profile
 
     _adds(x, 10)
     sync(device)
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with quiet_profile(activities=[ProfilerActivity.CUDA]) as prof:
         _adds(x, n)
         sync(device)
     spans = [e.time_range.end - e.time_range.start for e in prof.events()

@@ -32,7 +32,7 @@ from typing import Any
 from bcg.bench.trace import ForwardTrace, Kernel, Region, regions
 
 __all__ = ["FUSION_REST", "HostTimes", "Launch", "Played", "breakable_program", "full_program", "fuse",
-           "in_graph_us", "is_fusible", "simulate", "tc_piecewise_program"]
+           "in_graph_us", "is_fusible", "program_from_parts", "simulate", "tc_piecewise_program"]
 
 # A fused group of memory-bound kernels costs its longest member plus this share of the others: the group reads and
 # writes its tensors once, not once per op. A calibration constant, checked by `bcg analyze --validate` on a GPU.
@@ -112,6 +112,7 @@ class HostTimes:
         island_bytes: bytes of tensor arguments per call of each island (what crosses a piece boundary).
         prefill_pre_us / prefill_post_us: the host time ``Engine.prefill`` spends before the forward starts and after it
             returns (None when not measured: the whole difference to the forward then comes first).
+        low / high: these times at the lower and upper quartile of the runs (None when there is no spread).
     """
 
     num_tokens: int
@@ -125,6 +126,10 @@ class HostTimes:
     island_bytes: dict[str, float] = field(default_factory=dict)
     prefill_pre_us: float | None = None
     prefill_post_us: float | None = None
+    # The same times at the lower and upper quartile of their runs (None: one run, no spread): the predictions'
+    # intervals are these played through the same programs.
+    low: HostTimes | None = field(default=None, repr=False, compare=False)
+    high: HostTimes | None = field(default=None, repr=False, compare=False)
 
     @property
     def before_us(self) -> float:
@@ -235,19 +240,29 @@ def _island(region: Region, host: HostTimes, overhead_us: float, extra: Sequence
     return steps + [Launch(part, h / len(ks), k.device_us, True) for k in ks]
 
 
+def _path(costs: Any, backend: str) -> tuple[float | None, float]:
+    """(host µs per layer of ``backend``'s real replay path beyond its island's own, None when not measured; µs per
+    forward it adds to the eager path) from :mod:`bcg.bench.paths`."""
+    layer = (getattr(costs, "path_layer_us", None) or {}).get(backend)
+    return layer, (getattr(costs, "path_fixed_us", None) or {}).get(backend, 0.0)
+
+
 def breakable_program(trace: ForwardTrace, host: HostTimes, costs: Any,
                       compiled: Callable[[Sequence[Kernel]], list[Kernel]] | None = None) -> list[Launch]:
     """The breakable replay of the step ``trace`` profiled: a graph launch per segment, each island eagerly; with
     ``compiled`` (e.g. :func:`fuse`) the segments run the compiled kernels."""
     rs = regions(trace)
-    program = _outside(rs, host, host.load_us)
+    layer, fixed = _path(costs, "breakable")
+    # The real path's cost of a break (the measured layer minus its segment's launch), else the primitive's.
+    break_us = costs.break_us if layer is None else max(layer - costs.graph_launch_us, 0.0)
+    program = _outside(rs, host, host.load_us + fixed)
     for r in rs:
         if r.island is None:
             if r.kernels:
                 program.append(_graph("segment", compiled(r.kernels) if compiled else r.kernels, costs,
                                       costs.graph_launch_us))
         else:
-            program += _island(r, host, costs.break_us)
+            program += _island(r, host, break_us)
     return [*program, Launch("after", host.after_us)]
 
 
@@ -282,12 +297,60 @@ def tc_piecewise_program(trace: ForwardTrace, host: HostTimes, costs: Any, num_p
     """torch.compile piecewise: dynamo's guards once, then a Python call per piece (which replays its graph) and per
     island, whose K/V write runs eagerly."""
     rs = regions(trace)
-    program = _outside(rs, host, host.load_us)
-    program.append(Launch("guards", costs.tc_call_us(num_params)))
+    layer, fixed = _path(costs, "tc_piecewise")
+    program = _outside(rs, host, host.load_us + fixed)
+    if layer is None:
+        program.append(Launch("guards", costs.tc_call_us(num_params)))
+    else:  # the guards' fixed part is in the path's fixed cost, and a toy layer's parameters in its layer's
+        toy = costs.path_params_per_layer * costs.guard_per_param_us
+        layer = max(layer - toy, 0.0)
+        program.append(Launch("guards", costs.guard_per_param_us * num_params))
     for r, moved in _split_kv_writes(rs):
         if r.island is None:
             if r.kernels:
                 program.append(_graph("piece", compiled(r.kernels) if compiled else r.kernels, costs, costs.piece_us))
         else:
-            program += _island(r, host, costs.piece_us, moved, costs.eager_launch_us)
+            # The island's call through its custom op on the real path: the measured layer minus its piece's call
+            # and its K/V-write launches (counted below); else a piece call's cost stands in.
+            overhead = costs.piece_us if layer is None else \
+                max(layer - costs.piece_us - len(moved) * costs.eager_launch_us, 0.0)
+            program += _island(r, host, overhead, moved, costs.eager_launch_us)
     return [*program, Launch("after", host.after_us)]
+
+
+_GRAPH_PARTS = ("segment", "piece", "graph")
+
+
+def program_from_parts(parts: dict[str, dict[str, float]]) -> list[Launch]:
+    """A program rebuilt from a played one's per-part totals (``Played.parts``, as results.json keeps them for the
+    representative length): each part's steps share its host and device time evenly, the graph launches alternate
+    with the island steps as the forward alternates them, ``outside`` and ``guards`` come first and ``after`` last.
+    What the replay of a saved analysis plays (tests/bench/test_analyze_evidence.py).
+
+    Example::
+
+        >>> parts = {"outside": {"host_us": 10.0, "device_us": 0.0, "count": 1, "nodes": 0},
+        ...          "segment": {"host_us": 4.0, "device_us": 60.0, "count": 2, "nodes": 6},
+        ...          "island:attention_island": {"host_us": 30.0, "device_us": 5.0, "count": 1, "nodes": 0}}
+        >>> [(s.part, s.host_us, s.device_us) for s in program_from_parts(parts)]
+        [('outside', 10.0, 0.0), ('segment', 2.0, 30.0), ('island:attention_island', 30.0, 5.0), ('segment', 2.0, 30.0)]
+    """
+    def steps(name: str) -> list[Launch]:
+        p = parts[name]
+        n = max(int(p["count"]), 1)
+        return [Launch(name, p["host_us"] / n, p["device_us"] / n, p["device_us"] > 0, int(p.get("nodes", 0)) // n)
+                for _ in range(n)]
+
+    first = [s for name in ("outside", "guards") if name in parts for s in steps(name)]
+    graphs = [s for name in parts if name in _GRAPH_PARTS for s in steps(name)]
+    islands = [s for name in parts if name.startswith("island:") for s in steps(name)]
+    body: list[Launch] = []
+    gaps = max(len(graphs) - 1, 1)
+    for i, g in enumerate(graphs):
+        body.append(g)
+        if i < gaps:  # the island steps of the i-th break
+            body += islands[len(islands) * i // gaps: len(islands) * (i + 1) // gaps]
+    if not graphs:
+        body = islands
+    after = steps("after") if "after" in parts else []
+    return [*first, *body, *after]

@@ -14,7 +14,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -23,13 +23,14 @@ import torch
 from bcg.bench.engines import one_batch
 from bcg.bench.forecast import Profiled
 from bcg.bench.predict import HostTimes
+from bcg.bench.quiet_profiler import quiet_profile
 from bcg.bench.timing import Marks, sync
-from bcg.bench.trace import ForwardTrace, island_label, kernels_from_events
+from bcg.bench.trace import ForwardTrace, combine_traces, island_label, kernels_from_events
 from bcg.errors import first_line
 from bcg.islands import observing_islands
 from bcg.tensors import tensor_leaves
 
-__all__ = ["FullStep", "host_times", "profiled_forward"]
+__all__ = ["FullStep", "IslandTimer", "host_times", "profiled_forward", "spread"]
 
 
 class FullStep:
@@ -63,8 +64,17 @@ class FullStep:
             self.step(*self.inputs.step_args(self.bucket))
 
 
-class _IslandTimer:
-    """The observer of :func:`host_times`: runs each island call, adding its host time and counting it."""
+class IslandTimer:
+    """An island observer (:func:`bcg.islands.observing_islands`) that runs each island call, adding its host time
+    (``us``) and counting it (``calls``) by island name, and keeps each island's argument bytes of its first call.
+
+    Example::
+
+        timer = IslandTimer()
+        with observing_islands(timer):
+            eng.runner.forward(batch)
+        timer.us["attention_island"] / timer.calls["attention_island"]     # host µs per call
+    """
 
     def __init__(self) -> None:
         self.us: dict[str, float] = defaultdict(float)
@@ -82,7 +92,7 @@ class _IslandTimer:
             self.calls[name] += 1
 
 
-def _median_host_us(fn: Callable[[], Any], device: torch.device, reps: int) -> float:
+def _host_samples(fn: Callable[[], Any], device: torch.device, reps: int) -> list[float]:
     samples = []
     for _ in range(reps):
         sync(device)
@@ -90,18 +100,35 @@ def _median_host_us(fn: Callable[[], Any], device: torch.device, reps: int) -> f
         fn()
         samples.append((time.perf_counter() - t0) * 1e6)
     sync(device)
-    return statistics.median(samples)
+    return samples
+
+
+def spread(samples: Sequence[float]) -> tuple[float, float, float]:
+    """(median, lower quartile, upper quartile) of ``samples``: the value a prediction uses and the bounds of its
+    interval.
+
+    Example::
+
+        >>> spread([1.0, 2.0, 3.0, 4.0, 100.0])
+        (3.0, 2.0, 4.0)
+    """
+    xs = list(samples)
+    if len(xs) < 2:
+        return xs[0], xs[0], xs[0]
+    q = statistics.quantiles(xs, n=4, method="inclusive")
+    return statistics.median(xs), q[0], q[2]
 
 
 def host_times(eng: Any, prompt: torch.Tensor, runs: int, warmup: int, full: FullStep | None = None) -> HostTimes:
     """The :class:`~bcg.bench.predict.HostTimes` of ``prompt``'s eager forward on ``eng`` (an eager engine),
-    ``runs`` timed after ``warmup`` untimed; ``full`` also times the load into the static attention's fields.
+    ``runs`` timed after ``warmup`` untimed, at the median of the runs, with the same at their lower and upper
+    quartile as ``low`` and ``high``; ``full`` also times the load into the static attention's fields.
 
     Example::
 
         with engine_for(spec, "eager") as eng:
             host = host_times(eng, prompt, runs=20, warmup=5)
-        host.forward_ms, host.island_us["attention_island"]
+        host.forward_ms, host.island_us["attention_island"], host.high.forward_ms
     """
     device = eng.device
     batch, slots = one_batch(eng, prompt)
@@ -109,7 +136,7 @@ def host_times(eng: Any, prompt: torch.Tensor, runs: int, warmup: int, full: Ful
         with torch.inference_mode():
             walls, hosts, islands = [], [], []
             calls: dict[str, int] = {}
-            timer = _IslandTimer()
+            timer = IslandTimer()
             for i in range(warmup + runs):
                 timer.us.clear()
                 timer.calls.clear()
@@ -126,25 +153,29 @@ def host_times(eng: Any, prompt: torch.Tensor, runs: int, warmup: int, full: Ful
                     hosts.append(host_us)
                     islands.append(dict(timer.us))
                     calls = dict(timer.calls)
-            load_us = _median_host_us(lambda: eng.runner.inputs.load_live(batch), device, max(runs, 5))
+            load = _host_samples(lambda: eng.runner.inputs.load_live(batch), device, max(runs, 5))
             full_load = None
             if full is not None:
                 try:
-                    full_load = _median_host_us(lambda: full.load(batch), device, max(runs, 5))
+                    full_load = _host_samples(lambda: full.load(batch), device, max(runs, 5))
                 except Exception:  # full cannot stage this batch: its forecast says why (profiled_forward)
                     full_load = None
         prefill, pre, post = _prefill(eng, prompt, runs, warmup)
     finally:
         eng.kv_pool.free(slots)
-    per_call = {n: statistics.median(run.get(n, 0.0) for run in islands) / max(c, 1) for n, c in calls.items()}
-    return HostTimes(num_tokens=prompt.numel(), forward_ms=statistics.median(walls),
-                     host_ms=statistics.median(hosts) / 1e3, prefill_ms=prefill, load_us=load_us,
-                     full_load_us=full_load, island_us=per_call, island_calls=calls, island_bytes=dict(timer.bytes),
-                     prefill_pre_us=pre, prefill_post_us=post)
+    per_call = {n: spread([run.get(n, 0.0) / max(c, 1) for run in islands]) for n, c in calls.items()}
+    cols = [spread(walls), spread([h / 1e3 for h in hosts]), spread(prefill), spread(load),
+            spread(full_load) if full_load else (None, None, None), spread(pre), spread(post)]
+    out = [HostTimes(num_tokens=prompt.numel(), forward_ms=cols[0][i], host_ms=cols[1][i], prefill_ms=cols[2][i],
+                     load_us=cols[3][i], full_load_us=cols[4][i], island_us={n: v[i] for n, v in per_call.items()},
+                     island_calls=calls, island_bytes=dict(timer.bytes), prefill_pre_us=cols[5][i],
+                     prefill_post_us=cols[6][i]) for i in range(3)]
+    out[0].low, out[0].high = out[1], out[2]
+    return out[0]
 
 
-def _prefill(eng: Any, prompt: torch.Tensor, runs: int, warmup: int) -> tuple[float, float, float]:
-    """(median wall ms, µs before, µs after the forward) of ``Engine.prefill`` of ``prompt``: the runner's
+def _prefill(eng: Any, prompt: torch.Tensor, runs: int, warmup: int) -> tuple[list[float], list[float], list[float]]:
+    """(wall ms, µs before, µs after the forward) of each timed ``Engine.prefill`` of ``prompt``: the runner's
     ``forward`` is wrapped with two clock reads for the measurement and given back after."""
     runner, device = eng.runner, eng.device
     forward = runner.forward
@@ -175,7 +206,7 @@ def _prefill(eng: Any, prompt: torch.Tensor, runs: int, warmup: int) -> tuple[fl
                 post.append((t1 - leave[-1]) * 1e6)
     finally:
         del runner.forward  # the class's method again
-    return statistics.median(walls), statistics.median(pre), statistics.median(post)
+    return walls, pre, post
 
 
 @contextmanager
@@ -197,7 +228,7 @@ def _annotated() -> Iterator[list[str]]:
 
 def _profile(fn: Callable[[], Any], device: torch.device) -> tuple[ForwardTrace, float | None, list[str]]:
     """Runs ``fn`` once under the profiler: its trace, its activation peak in bytes, the islands it called."""
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import ProfilerActivity
 
     cuda = device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
@@ -205,7 +236,7 @@ def _profile(fn: Callable[[], Any], device: torch.device) -> tuple[ForwardTrace,
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
         base = torch.cuda.memory_allocated(device)
-    with profile(activities=activities, profile_memory=not cuda) as prof, _annotated() as names:
+    with quiet_profile(activities=activities, profile_memory=not cuda) as prof, _annotated() as names:
         fn()
         sync(device)
     events = prof.events()
@@ -228,30 +259,41 @@ def _cpu_peak(events: Any) -> float | None:
     return peak
 
 
-def profiled_forward(eng: Any, prompt: torch.Tensor, host: HostTimes, bucket: int) -> Profiled:
-    """One profiled eager forward of ``prompt`` on ``eng``, and the step ``full`` would capture at ``bucket`` run
-    eagerly (its error, when it fails, is why ``full`` cannot capture this model).
+def profiled_forward(eng: Any, prompt: torch.Tensor, host: HostTimes, bucket: int, repeats: int = 3) -> Profiled:
+    """``repeats`` profiled eager forwards of ``prompt`` on ``eng``, and as many of the step ``full`` would capture
+    at ``bucket`` run eagerly (its error, when it fails, is why ``full`` cannot capture this model); each kernel's
+    device time is the median over the profiles, its lowest and highest bound the interval
+    (:func:`~bcg.bench.trace.combine_traces`), so no single noisy forward decides a prediction.
 
     Example::
 
         p = profiled_forward(eng, prompt, host, bucket=512)
-        len(p.trace.kernels), p.full_error
+        len(p.trace.kernels), p.trace_high.device_us, p.full_error
     """
     device = eng.device
     batch, slots = one_batch(eng, prompt)
     try:
         with torch.inference_mode():
             eng.runner.forward(batch)
-            trace, peak, _ = _profile(lambda: eng.runner.forward(batch), device)
-            profiled = Profiled(prompt.numel(), trace, host, activation_bytes=peak)
+            runs = [_profile(lambda: eng.runner.forward(batch), device) for _ in range(max(repeats, 1))]
+            trace, low, high = combine_traces([r[0] for r in runs])
+            profiled = Profiled(prompt.numel(), trace, host, activation_bytes=_max_peak(r[1] for r in runs),
+                                trace_low=low, trace_high=high)
             try:
                 step = FullStep(eng, bucket)
                 step.run(batch)
-                full, full_peak, called = _profile(lambda: step.run(batch), device)
-                profiled.full_trace, profiled.full_activation_bytes = full, full_peak
-                profiled.full_islands = list(dict.fromkeys(called))
+                fulls = [_profile(lambda: step.run(batch), device) for _ in range(max(repeats, 1))]
+                profiled.full_trace, profiled.full_trace_low, profiled.full_trace_high = combine_traces(
+                    [r[0] for r in fulls])
+                profiled.full_activation_bytes = _max_peak(r[1] for r in fulls)
+                profiled.full_islands = list(dict.fromkeys(n for r in fulls for n in r[2]))
             except Exception as e:  # what full's capture would hit: the forecast reports it
                 profiled.full_error = first_line(e)
     finally:
         eng.kv_pool.free(slots)
     return profiled
+
+
+def _max_peak(peaks: Iterable[float | None]) -> float | None:
+    known = [p for p in peaks if p is not None]
+    return max(known) if known else None

@@ -11,9 +11,11 @@ Per graph variant the candidate ladders are tried in order of preference, and th
 its option: the default ladder up to the chunk (every forward can replay), the same without the buckets this
 workload never fires (same latency here, less memory, but lengths not in the workload may run eagerly), then lower
 ceilings (chunk/2, chunk/4, ...), each whole and then pruned; a lower ceiling runs the larger forwards eagerly and
-keeps their activation peak. Across variants, and the eager ones, the lowest expected latency wins; a variant
-within :data:`TIE_SHARE` of it that builds faster is preferred (prediction errors are larger than that), and graphs
-are recommended only when they beat eager by :data:`~bcg.bench.verdict.PAYS_THRESHOLD`.
+keeps their activation peak. Across variants, and the eager ones, the lowest expected latency wins, but every
+option also has an interval (its expected latency with every measured input at the low and at the high end of its
+spread): a variant whose interval reaches the fastest's, or within :data:`TIE_SHARE` of it, ties with it, and among
+the tied the cheapest build wins, then the least graph memory. Graphs are recommended only when they beat eager by
+:data:`~bcg.bench.verdict.PAYS_THRESHOLD`.
 """
 
 from __future__ import annotations
@@ -55,6 +57,14 @@ class Option:
     fits: bool = True
     pruned: bool = False
     coverage: Coverage | None = field(default=None, repr=False)
+    low_ms: float = float("nan")  # expected_ms with every input at the low / high end of its spread
+    high_ms: float = float("nan")
+
+    def bounds(self) -> tuple[float, float]:
+        """(low, high) expected ms; the point value where no interval was computed."""
+        low = self.expected_ms if self.low_ms != self.low_ms else self.low_ms  # NaN: none
+        high = self.expected_ms if self.high_ms != self.high_ms else self.high_ms
+        return min(low, self.expected_ms), max(high, self.expected_ms)
 
 
 @dataclass
@@ -134,7 +144,8 @@ def candidate_ladders(chunk: int, forward_sizes: Sequence[int], choose_of: Calla
 
 def recommend(workload: Workload, chunk: int, forecasts: Sequence[Forecast], eager: dict[str, Callable[[int], float]],
               overhead: Callable[[int], float], kernels_of: Callable[[str], str], memory_of: Callable[..., float],
-              build_of: Callable[..., float], padding: tuple[float, int], budget_bytes: float | None
+              build_of: Callable[..., float], padding: tuple[float, int], budget_bytes: float | None,
+              eager_bounds: dict[str, tuple[Callable[[int], float], Callable[[int], float]]] | None = None
               ) -> Recommendation:
     """The recommendation for ``workload`` (see the module doc).
 
@@ -146,6 +157,7 @@ def recommend(workload: Workload, chunk: int, forecasts: Sequence[Forecast], eag
         memory_of / build_of: ``(forecast, buckets) -> bytes / ms``.
         padding: the engine's (max_padding_factor, max_padding_tokens).
         budget_bytes: the most graph memory allowed; None for no limit.
+        eager_bounds: per eager variant, its (low, high) latency curves (the spread of its runs); None: no interval.
 
     Example::
 
@@ -154,13 +166,17 @@ def recommend(workload: Workload, chunk: int, forecasts: Sequence[Forecast], eag
         rec.backend, rec.ceiling, len(rec.buckets)
     """
     sizes = [n for length in workload.lengths for n in chunk_sizes(length, chunk)]
+    bounds = eager_bounds or {name: (curve, curve) for name, curve in eager.items()}
     options: list[Option] = []
     for name, curve in eager.items():
-        options.append(Option(name, None, [], expected_ms(workload, chunk, curve, curve, overhead, None)))
+        o = Option(name, None, [], expected_ms(workload, chunk, curve, curve, overhead, None))
+        o.low_ms, o.high_ms = (expected_ms(workload, chunk, c, c, overhead, None) for c in bounds[name])
+        options.append(o)
     for fc in forecasts:
         if not fc.available:
             continue
         eager_curve = eager[kernels_of(fc.variant)]
+        eager_low, eager_high = bounds[kernels_of(fc.variant)]
         chosen: Option | None = None
         for ceiling, buckets, pruned in candidate_ladders(chunk, sizes, lambda b: _choose(b, padding)):
             memory = memory_of(fc, buckets)
@@ -171,6 +187,10 @@ def recommend(workload: Workload, chunk: int, forecasts: Sequence[Forecast], eag
             ms = expected_ms(workload, chunk, fc.replay_at, eager_curve, overhead, choose)
             chosen = Option(fc.variant, ceiling, buckets, ms, memory, build_of(fc, buckets), True, pruned,
                             bucket_coverage(workload.lengths, choose, buckets, chunk))
+            chosen.low_ms = expected_ms(workload, chunk, lambda b, f=fc: f.interval_at(b)[0], eager_low, overhead,
+                                        choose)
+            chosen.high_ms = expected_ms(workload, chunk, lambda b, f=fc: f.interval_at(b)[1], eager_high, overhead,
+                                         choose)
             break
         if chosen is None:
             ladder = default_ladder(chunk)
@@ -188,13 +208,19 @@ def recommend(workload: Workload, chunk: int, forecasts: Sequence[Forecast], eag
         return _rec(baseline, plain, budget_bytes, f"{over}; run eagerly", options)
     if baseline.expected_ms < PAYS_THRESHOLD * best.expected_ms:
         return _rec(baseline, plain, budget_bytes, f"the fastest graph backend, {best.variant}, is predicted "
-                    f"{baseline.expected_ms / best.expected_ms:.2f}x eager here: graphs do not pay", options)
-    close = [o for o in graphs if o.expected_ms <= best.expected_ms * (1 + TIE_SHARE)]
-    pick = min(close, key=lambda o: o.build_ms)
+                    f"{baseline.expected_ms / best.expected_ms:.2f}x eager here, under the "
+                    f"{PAYS_THRESHOLD - 1:.0%} a graph must gain to pay for its capture and memory: graphs do not pay",
+                    options)
+    best_high = best.bounds()[1]
+    close = [o for o in graphs if o.expected_ms <= best.expected_ms * (1 + TIE_SHARE) or o.bounds()[0] <= best_high]
+    pick = min(close, key=lambda o: (o.build_ms, o.graph_memory_bytes))
     why = "the lowest expected latency on this workload"
     if pick is not best:
-        why = (f"within {TIE_SHARE:.0%} of the fastest ({best.variant}, {best.expected_ms:.3f} ms) and faster to "
-               f"build ({pick.build_ms / 1e3:.1f} s against {best.build_ms / 1e3:.1f} s)")
+        low, high = pick.bounds()
+        why = (f"a tie with the fastest ({best.variant}, {best.expected_ms:.3f} ms, up to {best_high:.3f}): "
+               f"{pick.expected_ms:.3f} ms ({low:.3f}-{high:.3f}) is within {TIE_SHARE:.0%} or inside the spread "
+               f"of the measurements, and it builds faster ({pick.build_ms / 1e3:.1f} s against "
+               f"{best.build_ms / 1e3:.1f} s) or, as fast, holds less graph memory")
     if pick.pruned or pick.ceiling != chunk:
         why += "; the ladder gives up " + ("buckets this workload never fires" if pick.ceiling == chunk else
                                             f"forwards above {pick.ceiling} tokens") + " to fit the budget"

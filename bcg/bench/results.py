@@ -124,11 +124,12 @@ def bench_summary(cfg: Any, results: dict[str, Any], lat: Any, path: Path | None
 
 def analyze_summary(cfg: Any, a: dict[str, Any], path: Path) -> dict[str, Any]:
     """The fields of the one-line summary ``bcg analyze`` prints last: ``predictions`` (variant -> length -> ms),
-    ``recommendation`` (``backend``, ``ceiling``, ``buckets``), and with ``--validate`` ``measured`` and ``errors`` in
-    the shape of ``predictions``; then the four parameters, the verdict and where the files are."""
+    ``intervals`` (variant -> length -> [low, high] ms), ``recommendation`` (``backend``, ``ceiling``, ``buckets``),
+    and with ``--validate`` ``measured`` and ``errors`` in the shape of ``predictions``; then the four parameters,
+    the verdict and where the files are."""
     rec, params = a["recommendation"], a["parameters"]
     out = {"kind": "analyze", "model": cfg.model, "device": a["environment"]["device_name"], "emulated": cfg.emulated,
-           "predictions": a["predictions"],
+           "predictions": a["predictions"], "intervals": a.get("intervals", {}),
            "recommendation": {"backend": rec["backend"], "ceiling": rec["ceiling"], "buckets": rec["buckets"]}}
     if "measured" in a:
         out["measured"], out["errors"] = a["measured"], a["errors"]

@@ -16,13 +16,15 @@ Everything here is pure, so the parsing is tested on synthetic events.
 from __future__ import annotations
 
 import bisect
+import dataclasses
+import statistics
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["ISLAND_PREFIX", "ForwardTrace", "IslandCall", "Kernel", "Region", "island_label", "island_names",
-           "kernels_from_events", "regions"]
+__all__ = ["ISLAND_PREFIX", "ForwardTrace", "IslandCall", "Kernel", "Region", "combine_traces", "island_label",
+           "island_names", "kernels_from_events", "regions"]
 
 # The annotation around one island call: "bcg.island:<name>#<call index>".
 ISLAND_PREFIX = "bcg.island:"
@@ -243,3 +245,27 @@ def regions(trace: ForwardTrace) -> list[Region]:
 def island_names(trace: ForwardTrace) -> list[str]:
     """The distinct island names of a trace, in order of first call."""
     return list(dict.fromkeys(c.name for c in trace.calls))
+
+
+def combine_traces(traces: Sequence[ForwardTrace]) -> tuple[ForwardTrace, ForwardTrace, ForwardTrace]:
+    """Several profiles of the same forward as one: (median, lowest, highest) device time of each kernel, matched by
+    launch order. Profiles whose kernel sequence differs from the most common one (an allocator's extra memset, say)
+    are left out, so one odd forward decides nothing.
+
+    Example::
+
+        >>> t = [ForwardTrace([Kernel("mm", "aten::mm", us)]) for us in (9.0, 10.0, 30.0)]
+        >>> [c.kernels[0].device_us for c in combine_traces(t)]
+        [10.0, 9.0, 30.0]
+    """
+    if not traces:
+        raise ValueError("combine_traces needs at least one trace")
+    shape = Counter(tuple(k.name for k in t.kernels) for t in traces).most_common(1)[0][0]
+    same = [t for t in traces if tuple(k.name for k in t.kernels) == shape]
+    first = same[0]
+    out = []
+    for pick in (statistics.median, min, max):
+        kernels = [dataclasses.replace(k, device_us=float(pick(t.kernels[i].device_us for t in same)))
+                   for i, k in enumerate(first.kernels)]
+        out.append(ForwardTrace(kernels, list(first.calls)))
+    return out[0], out[1], out[2]

@@ -23,14 +23,17 @@ from bcg.bench import amdahl
 from bcg.bench.cores import pinned
 from bcg.bench.engines import BuildRecord, EngineSpec, engine_for, make_prompts, one_batch
 from bcg.bench.timing import Marks, sync, time_fn
+from bcg.bench.variants import parse_variant
 
-__all__ = ["Measured", "errors", "measure_variants", "replay_breakdown"]
+__all__ = ["Measured", "errors", "measure_variants", "replay_breakdown", "time_prefills"]
 
 
 @dataclass
 class Measured:
     """One variant built and timed: available or why not, prefill ms per length (and per core count), whether each
-    length replayed a graph, its build time and resident graph memory, and (plain breakable) its replay's steps."""
+    length replayed a graph, its build time and resident graph memory, (plain breakable) its replay's steps, and the
+    timings left out because they measured the eager fallback (``fallbacks``, by ``"<length>"`` or
+    ``"<length>@<cores>"``)."""
 
     variant: str
     available: bool
@@ -43,6 +46,7 @@ class Measured:
     num_segments: int | None = None
     num_breaks: int | None = None
     replay: dict[str, Any] | None = None
+    fallbacks: dict[str, str] = field(default_factory=dict)  # "<length>" or "<length>@<cores>": why it ran eagerly
 
 
 def prompt_for(vocab_size: int, length: int, seed: int) -> torch.Tensor:
@@ -53,6 +57,11 @@ def prompt_for(vocab_size: int, length: int, seed: int) -> torch.Tensor:
 def measure_variants(spec: EngineSpec, variants: Sequence[str], lengths: Sequence[int], length: int, runs: int,
                      warmup: int, seed: int, cores: Sequence[int | None] = (None,)) -> dict[str, Measured]:
     """Builds, measures and frees each variant in turn (see the module doc); returns them by name.
+
+    Under a core count, a variant that runs dynamo (``tc_piecewise``, ``compile=``) is built again inside the pinned
+    block: dynamo guards on torch's thread count, so an engine compiled with the process's threads fails its guard
+    under fewer, recompiles at every replay and falls back to eager. A timing during which any prefill that should
+    have replayed its graph ran eagerly is recorded as that fallback (``fallbacks``), never as the variant's latency.
 
     Example::
 
@@ -74,18 +83,74 @@ def measure_variants(spec: EngineSpec, variants: Sequence[str], lengths: Sequenc
                 for n in lengths:
                     m.graph_used[n] = all(b.graph_used for b in eng.prefill([prompt_for(vocab, n, seed)]).batches)
             prompts = {n: prompt_for(vocab, n, seed) for n in {*lengths, length}}
-            for k in cores:
-                with pinned(k):
-                    timed = {n: time_fn(lambda p=prompts[n]: eng.prefill([p]), eng.device, runs=runs,
-                                        warmup=warmup).median_ms for n in (lengths if k is None else [length])}
-                if k is None:
-                    m.ms = timed
-                else:
-                    m.by_cores[k] = timed
+            m.ms, fell = time_prefills(eng, {n: prompts[n] for n in lengths}, runs, warmup)
+            m.fallbacks.update({f"{n}": why for n, why in fell.items()})
+            if not _runs_dynamo(variant):
+                for k in (k for k in cores if k is not None):
+                    with pinned(k):
+                        _store(m, k, *time_prefills(eng, {length: prompts[length]}, runs, warmup))
             if variant == stepped:
                 m.replay = replay_breakdown(eng, prompt_for(vocab, length, seed), runs, warmup)
-            out[variant] = m
+        if _runs_dynamo(variant) and m.available:
+            for k in (k for k in cores if k is not None):
+                _measure_rebuilt(spec, variant, m, k, prompt_for(vocab, length, seed), length, runs, warmup)
+        out[variant] = m
     return out
+
+
+def _runs_dynamo(variant: str) -> bool:
+    """Whether the variant's engine runs torch.compile (whose guards read torch's thread count)."""
+    v = parse_variant(variant)
+    return v.backend == "tc_piecewise" or v.compile is not None
+
+
+def _store(m: Measured, cores: int, timed: dict[int, float], fell: dict[int, str]) -> None:
+    m.by_cores[cores] = timed
+    m.fallbacks.update({f"{n}@{cores}": why for n, why in fell.items()})
+
+
+def _measure_rebuilt(spec: EngineSpec, variant: str, m: Measured, cores: int, prompt: torch.Tensor, length: int,
+                     runs: int, warmup: int) -> None:
+    """Builds ``variant`` again pinned to ``cores`` (so its compile sees that thread count) and times ``length``."""
+    record = BuildRecord(variant)
+    with pinned(cores), engine_for(spec, variant, record) as eng:
+        if eng is None:
+            m.fallbacks[f"{length}@{cores}"] = f"could not be built on {cores} cores: {record.error}"
+            m.by_cores[cores] = {}
+            return
+        _store(m, cores, *time_prefills(eng, {length: prompt}, runs, warmup))
+
+
+def time_prefills(eng: Any, prompts: dict[int, torch.Tensor], runs: int, warmup: int
+                  ) -> tuple[dict[int, float], dict[int, str]]:
+    """The median prefill ms of each prompt (by length), and for each length where a prefill that should replay a
+    graph ran eagerly instead (a failed replay, a disabled bucket) why: such a timing measures the eager fallback, so
+    it is left out of the first dict.
+
+    Example::
+
+        ms, fell = time_prefills(eng, {512: prompt}, runs=10, warmup=3)
+        ms.get(512), fell.get(512)       # e.g. 3.52, None
+    """
+    timed: dict[int, float] = {}
+    fell: dict[int, str] = {}
+    for n, prompt in prompts.items():
+        bucket, _ = eng.runner.choose(n)
+        eager: list[str] = []
+
+        def run(p: torch.Tensor = prompt, expected: bool = bucket is not None, eager: list[str] = eager) -> None:
+            for b in eng.prefill([p]).batches:
+                if (expected and not b.graph_used) or b.reason == "replay_failed":
+                    eager.append(b.reason)
+
+        with torch.inference_mode():
+            ms = time_fn(run, eng.device, runs=runs, warmup=warmup).median_ms
+        if eager:
+            fell[n] = (f"{len(eager)} of {runs + warmup} prefills of {n} tokens ran eagerly instead of replaying "
+                       f"({eager[0]}); their timing is the eager fallback's, not this backend's")
+        else:
+            timed[n] = ms
+    return timed, fell
 
 
 def errors(predicted: dict[str, dict[int, float]], measured: dict[str, Measured]) -> dict[str, dict[int, float]]:

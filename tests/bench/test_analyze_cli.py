@@ -38,12 +38,20 @@ def test_predicting_captures_and_compiles_nothing(tmp_path: Path, capsys: pytest
     summary = last_json(out)
     assert set(summary["predictions"]) == {"eager", *VARIANTS}
     assert all(set(ms) == {"8", "16"} for ms in summary["predictions"].values())
+    assert summary["intervals"].keys() == summary["predictions"].keys()
+    for v, by_len in summary["predictions"].items():  # each prediction inside its interval
+        for n, ms in by_len.items():
+            low, high = summary["intervals"][v][n]
+            assert low <= ms <= high, (v, n)
+    parts = summary["timings"]["parts_s"]
+    assert {"machine", "host times", "profiles", "model"} <= set(parts) and all(s >= 0 for s in parts.values())
     rec = summary["recommendation"]
     assert set(rec) == {"backend", "ceiling", "buckets"} and rec["backend"] in {"eager", *VARIANTS}
     assert "measured" not in summary and "errors" not in summary and summary["pays"] is None
     for words in ("1. launch-gap share", "2. dynamic share p", "3. bucket coverage against chunked_prefill_size",
                   "4. resident graph memory", "nothing captured", "Islands at 16 tokens", "attention_island",
-                  "Recommendation:", "Verdict: CPU emulation", "mean nothing for a GPU"):
+                  "Recommendation:", "Verdict: CPU emulation", "mean nothing for a GPU", "interval",
+                  "Predicting took", "profiles"):
         assert words in out, words
     data = json.loads((tmp_path / "results.json").read_text())
     assert data["schema"] == "bcg.analyze/2" and data["config"]["validate"] is False
@@ -78,7 +86,9 @@ def test_validate_and_cpu_cores_end_to_end(tmp_path: Path, capsys: pytest.Captur
             data["machine"]["None"]["tiny_kernel_us"], data["machine"]["None"]["medium_kernel_us"])
     for row in data["cpu_cores"].values():
         assert VARIANTS <= set(row["predictions"]) and VARIANTS <= set(row["measured"])
+        assert row["fallbacks"] == {}  # tc_piecewise rebuilt per core count replays there (no eager fallback)
         assert 0.0 <= row["launch_gap_share"] <= 1.0
+    assert all(data["validation"][v]["fallbacks"] == {} for v in VARIANTS)
     breakable = data["validation"]["breakable"]
     assert breakable["available"] and breakable["predicted_available"] and breakable["replay"]["bucket"] == 16
     assert data["timings"]["validate_s"] > 0 and data["amdahl"]["measured_speedup"] > 0
@@ -124,6 +134,7 @@ def test_workload_trace_and_a_budget_nothing_fits(tmp_path: Path, capsys: pytest
     (["--memory-budget", "lots"], "argument --memory-budget: 'lots' is not a size"),
     (["--backends", "eager"], "--backends names no graph backend"),
     (["--tc-compiler", "nvcc"], "argument --tc-compiler: invalid choice"),
+    (["--lengths", "64,5000"], "--lengths: 5000 tokens is more than 'tiny-dense' holds (its context is 4096"),
 ])
 def test_bad_analyze_flags_exit_2(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exc:
@@ -131,3 +142,14 @@ def test_bad_analyze_flags_exit_2(argv: list[str], message: str, capsys: pytest.
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert message in err and "usage: bcg analyze" in err
+
+
+def test_a_lengths_file_past_the_models_context_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text('{"input_len": 12}\n{"input_len": 100000}\n')
+    with pytest.raises(SystemExit) as exc:
+        main(["analyze", *FAST, "--lengths-file", str(trace), "--out", str(tmp_path / "out")])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "--lengths-file: 100000 tokens is more than 'tiny-dense' holds (its context is 4096 tokens" in err
+    assert not (tmp_path / "out").exists()

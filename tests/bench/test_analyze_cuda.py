@@ -38,6 +38,12 @@ def test_profiled_forward_finds_kernels_islands_and_the_full_step() -> None:
     assert all(k.device_us > 0 for k in p.trace.kernels)
     assert p.full_error is None and p.full_trace is not None and not p.full_trace.calls
     assert p.activation_bytes and p.activation_bytes > 0
+    # three profiles per size: each kernel's median with its range, the host times' quartiles around their median
+    assert p.trace_low is not None and p.trace_high is not None
+    for lo, mid, hi in zip(p.trace_low.kernels, p.trace.kernels, p.trace_high.kernels):
+        assert lo.name == mid.name == hi.name and lo.device_us <= mid.device_us <= hi.device_us
+    assert host.low is not None and host.high is not None
+    assert host.low.forward_ms <= host.forward_ms <= host.high.forward_ms
 
 
 def test_machine_costs_on_cuda() -> None:
@@ -65,3 +71,14 @@ def test_validated_analyze_agrees_on_availability(tmp_path: Path, capsys: pytest
     assert set(data["predictions"]) >= {"eager", "eager+fused"}
     assert data["machine"]["None"]["tiny_kernel_us"] > 0 and data["memory"]["free_bytes"] > 0
     assert data["parameters"]["launch_gap_share"] is not None
+
+
+def test_replay_paths_on_cuda() -> None:
+    from bcg.bench.paths import measure_paths
+
+    paths = measure_paths("cuda", ("breakable", "tc_piecewise"), cache=False)
+    assert paths.errors == {} and set(paths.per_layer_us) == {"breakable", "tc_piecewise"}
+    assert paths.island_us > 0  # the attention island's own host time on the eager toy
+    # a piecewise layer (a piece call from dynamo's split graph and an island through its custom op) costs the host
+    # more than a breakable one (a segment launch and an eager step)
+    assert paths.per_layer_us["tc_piecewise"] > paths.per_layer_us["breakable"] > 0

@@ -112,6 +112,25 @@ def test_tc_piecewise_program_pays_guards_piece_calls_and_eager_kv_writes() -> N
     assert played.parts["island:attention_island"]["host_us"] == pytest.approx(2 * (4 + 20 + 30))
 
 
+def test_measured_replay_paths_replace_the_primitives_costs() -> None:
+    # breakable: a 12 us layer on the real path is the 5 us segment launch plus a 7 us break (not the primitive's 3),
+    # and the path's 40 us per forward comes before the first graph
+    paths = costs(path_layer_us={"breakable": 12.0, "tc_piecewise": 60.0}, path_fixed_us={"breakable": 40.0,
+                                                                                          "tc_piecewise": 90.0},
+                  path_params_per_layer=4.0)
+    played = simulate(predict.breakable_program(layer_trace(), host(), paths))
+    assert played.parts["island:attention_island"]["host_us"] == pytest.approx(2 * (7 + 30))
+    assert played.parts["outside"]["host_us"] == pytest.approx(500 + 20 + 40)
+    base = simulate(predict.breakable_program(layer_trace(), host(), costs()))
+    assert played.host_us == pytest.approx(base.host_us + 2 * (7 - 3) + 40)
+    # tc_piecewise: the 60 us layer less the toy layer's 4 parameters' guards (2 us), the 4 us piece call and the
+    # two 10 us K/V-write launches leaves 34 us for the island's call; the guards keep their per-parameter part
+    played = simulate(predict.tc_piecewise_program(layer_trace(), host(), paths, num_params=10))
+    assert played.parts["island:attention_island"]["host_us"] == pytest.approx(2 * (34 + 20 + 30))
+    assert played.parts["guards"]["host_us"] == pytest.approx(0.5 * 10)
+    assert played.parts["outside"]["host_us"] == pytest.approx(500 + 20 + 90)
+
+
 def test_fusion_merges_runs_of_pointwise_kernels_between_matmuls() -> None:
     fused = fuse(layer_trace(num_layers=1).kernels, rest=0.3)
     assert [(k.name, round(k.device_us, 3)) for k in fused] == [
@@ -217,3 +236,30 @@ def test_the_graph_gap_is_interpolated_between_a_tiny_and_a_medium_kernel() -> N
     assert c.graph_gap(2.0) == pytest.approx(-1.0) and c.graph_gap(1.0) == pytest.approx(-1.0)
     assert c.graph_gap(6.0) == pytest.approx(-0.5) and c.graph_gap(50.0) == pytest.approx(0.0)
     assert costs().graph_gap(50.0) == pytest.approx(-1.0)  # without the medium kernel: the tiny one's gap
+
+
+def test_several_profiles_combine_per_kernel_and_an_odd_one_is_left_out() -> None:
+    from bcg.bench.trace import combine_traces
+
+    def trace(*us: float, extra: bool = False) -> ForwardTrace:
+        ks = [Kernel("gemm", "aten::mm", us[0]), Kernel("add", "aten::add", us[1])]
+        return ForwardTrace(ks + ([Kernel("Memset", "", 50.0, is_copy=True)] if extra else []))
+
+    mid, low, high = combine_traces([trace(10, 2), trace(12, 1), trace(30, 3), trace(99, 99, extra=True)])
+    assert [k.device_us for k in mid.kernels] == [12, 2]  # the odd profile (an extra memset) decides nothing
+    assert [k.device_us for k in low.kernels] == [10, 1] and [k.device_us for k in high.kernels] == [30, 3]
+    assert [k.name for k in mid.kernels] == ["gemm", "add"]
+
+
+def test_a_forecasts_interval_comes_from_the_spread_of_its_inputs() -> None:
+    from dataclasses import replace
+
+    p = profiled(512)
+    slow = layer_trace(mm_us=40.0)
+    p = replace(p, trace_low=p.trace, trace_high=slow,
+                host=replace(p.host, low=p.host, high=replace(p.host, island_us={"attention_island": 50.0})))
+    fc = forecast("breakable", {512: p}, ForecastContext(costs(), False, "inductor", 10))
+    low, high = fc.interval_at(512)
+    assert low == pytest.approx(fc.replay_at(512)) and high > fc.replay_at(512)
+    bare = forecast("breakable", {512: profiled(512)}, ForecastContext(costs(), False, "inductor", 10))
+    assert bare.interval_at(512) == (bare.replay_at(512), bare.replay_at(512))  # one measurement: no spread

@@ -22,11 +22,13 @@ PADDING = (2.0, 64)
 PER_BUCKET = 100 * 1024 + 10 * 65536  # 100 nodes and 10 graphs per bucket at costs()'s bytes
 
 
-def flat(variant: str, ms: float, compile_ms: float = 0.0) -> Forecast:
-    """A forecast replaying any bucket in ``ms``, 100 nodes and 10 graphs a bucket, a pool of 1e8 bytes at 2048
-    tokens (0 at 16, linear between)."""
-    return Forecast(variant, True, replay_ms={16: ms, 2048: ms}, nodes={16: 100, 2048: 100},
-                    graphs={16: 10, 2048: 10}, activation={16: 0.0, 2048: 1e8}, compile_ms=compile_ms)
+def flat(variant: str, ms: float, compile_ms: float = 0.0, spread: float = 0.0, nodes: int = 100) -> Forecast:
+    """A forecast replaying any bucket in ``ms`` (its interval ``ms`` +- ``spread``), ``nodes`` nodes and 10 graphs a
+    bucket, a pool of 1e8 bytes at 2048 tokens (0 at 16, linear between)."""
+    return Forecast(variant, True, replay_ms={16: ms, 2048: ms}, nodes={16: nodes, 2048: nodes},
+                    graphs={16: 10, 2048: 10}, activation={16: 0.0, 2048: 1e8}, compile_ms=compile_ms,
+                    replay_low_ms={16: ms - spread, 2048: ms - spread},
+                    replay_high_ms={16: ms + spread, 2048: ms + spread})
 
 
 def run(forecasts: list[Forecast], budget: float | None, eager_ms: float = 5.0,
@@ -70,13 +72,30 @@ def test_a_budget_no_ladder_fits_recommends_eager() -> None:
 def test_graphs_that_do_not_pay_are_not_recommended() -> None:
     rec = run([flat("breakable", 4.9)], None)
     assert rec.backend == "eager" and "do not pay" in rec.reason
+    assert "1.02x eager here, under the 5% a graph must gain" in rec.reason  # the threshold is named
 
 
 def test_a_near_tie_goes_to_the_faster_build() -> None:
     rec = run([flat("breakable", 1.00), flat("tc_piecewise", 0.99, compile_ms=20_000.0)], None)
-    assert rec.backend == "breakable" and "within 2% of the fastest (tc_piecewise" in rec.reason
+    assert rec.backend == "breakable" and "a tie with the fastest (tc_piecewise" in rec.reason
     clear = run([flat("breakable", 1.00), flat("tc_piecewise", 0.90, compile_ms=20_000.0)], None)
     assert clear.backend == "tc_piecewise"
+
+
+def test_overlapping_intervals_tie_and_the_tie_goes_to_the_cheaper_build_then_less_memory() -> None:
+    wide = [flat("breakable", 1.00, spread=0.05), flat("tc_piecewise", 0.90, compile_ms=20_000.0, spread=0.06)]
+    rec = run(wide, None)  # 0.95 (breakable's low) <= 0.96 (tc_piecewise's high): a tie, the cheaper build wins
+    assert rec.backend == "breakable" and "inside the spread" in rec.reason
+    breakable = next(o for o in rec.options if o.variant == "breakable")
+    assert breakable.bounds() == pytest.approx((0.95, 1.05))
+    apart = run([flat("breakable", 1.00, spread=0.02), flat("tc_piecewise", 0.90, compile_ms=20_000.0, spread=0.02)],
+                None)
+    assert apart.backend == "tc_piecewise"  # 0.98 > 0.92: no overlap, the faster one
+    # tied again: the one holding fewer kernel nodes wins (it captures faster and holds less graph memory)
+    lean = run([flat("breakable", 1.00, spread=0.05, nodes=400), flat("full", 0.99, spread=0.05, nodes=100)], None)
+    assert lean.backend == "full"
+    heavy = run([flat("breakable", 0.99, spread=0.05, nodes=100), flat("full", 1.00, spread=0.05, nodes=400)], None)
+    assert heavy.backend == "breakable"
 
 
 def test_unavailable_forecasts_are_skipped() -> None:
@@ -135,6 +154,22 @@ def test_findings_shape_and_values() -> None:
     assert out["islands"][0]["device_us"] == pytest.approx(8.0)
     assert "measured" not in out and "errors" not in out and "cpu_cores" not in out
     assert out["amdahl"]["predicted_speedup"] == pytest.approx(1.564 / 0.722)
+
+
+def test_the_fusion_rule_is_set_against_the_fused_kernels_own_timings() -> None:
+    m = measurements()
+    assert findings(m)["fusion_check"] is None  # no fused profile, nothing to check against
+    m.variants.append("breakable+fused")
+    m.hosts[None]["fused"] = dict(m.hosts[None]["torch"])
+    m.profiles["fused"] = {n: profiled(n, pointwise_us=1.0) for n in (64, 128)}
+    check = findings(m)["fusion_check"][64]
+    # the graph work of layer_trace(): a 1 us upload, per layer 3 + 20 + 3 + 1 + 1 (before the island) and
+    # 20 + 3 (after it), and the 20 us LM head
+    assert check["torch_us"] == pytest.approx(1 + 2 * (28 + 23) + 20)
+    # by the rule each run of pointwise kernels between matmuls (and islands) is its longest plus 0.3 of the rest:
+    # [upload 1] [rms] mm [rope kv kv] | mm [add rms] mm [rope kv kv] | mm [add] mm
+    assert check["rule_us"] == pytest.approx((1 + 3 + 20 + 3.6) + (20 + 3.9 + 20 + 3.6) + (20 + 3 + 20))
+    assert check["fused_kernels_us"] == pytest.approx(1 + 2 * (1 + 20 + 1 + 1 + 1 + 20 + 1) + 20)
 
 
 def test_validated_findings_have_measured_and_errors_shaped_like_predictions() -> None:

@@ -1,0 +1,143 @@
+"""The host cost of each backend's real replay path on this machine, measured on toy engines rather than assumed.
+
+:mod:`bcg.bench.machine` times the primitives (an add in a graph, a break between adds, a piece around an add); a
+real replay also runs the runner's own steps around them: the batch staged into the static fields, each island as an
+``EagerStep`` reading the batch's metadata from the forward context, each tc_piecewise piece called from dynamo's
+split graph and each island through its custom op. :func:`measure_paths` builds the tiny-dense preset with
+:data:`LAYERS` layer counts as an eager, a breakable and (when asked) a tc_piecewise engine on this machine, times
+``runner.forward`` of one bucket on each from an idle device, and reads off per backend:
+
+* ``per_layer_us``: what one more layer adds to the replay's host time beyond the island's own host time measured
+  on the eager engine (a segment launch or piece call, the break or the island's custom-op call, the step wrapper);
+* ``fixed_us``: what the replay path adds per forward beyond the eager path's (staging into static fields, graph
+  logits; tc_piecewise's guards and split-graph entry).
+
+These depend on the machine and on bcg, not on the model: a process measures them once
+(:func:`measure_paths` caches). The programs of :mod:`bcg.bench.predict` use them in place of the primitives'
+costs where they exist. Under the CPU emulation they run the same code and mean nothing for a GPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from bcg.bench.timing import sync
+
+__all__ = ["LAYERS", "PathCosts", "measure_paths"]
+
+LAYERS = (1, 3)  # tiny-dense layer counts: the slope between them is one layer's cost
+BUCKET = 16
+REPS = 15
+_CACHE: dict[tuple, PathCosts] = {}
+
+
+@dataclass
+class PathCosts:
+    """Per backend ("breakable", "tc_piecewise"): host µs one layer of its replay adds beyond its island's own host
+    time (``per_layer_us``), and µs its replay adds per forward beyond the eager path (``fixed_us``); the eager
+    engine's island host µs per layer it was measured against, and how long the measuring took."""
+
+    per_layer_us: dict[str, float] = field(default_factory=dict)
+    fixed_us: dict[str, float] = field(default_factory=dict)
+    island_us: float = 0.0
+    params_per_layer: float = 0.0  # parameter tensors a toy layer adds (dynamo guards each one)
+    seconds: float = 0.0
+    errors: dict[str, str] = field(default_factory=dict)
+
+
+def _host_us(eng: Any, batch: Any) -> float:
+    """Median host µs of ``runner.forward`` from an idle device, not waiting for its work."""
+    samples = []
+    with torch.inference_mode():
+        for i in range(REPS + 3):
+            sync(eng.device)
+            t0 = time.perf_counter()
+            eng.runner.forward(batch)
+            if i >= 3:
+                samples.append((time.perf_counter() - t0) * 1e6)
+        sync(eng.device)
+    return statistics.median(samples)
+
+
+def _island_us(eng: Any, batch: Any) -> float:
+    """Median host µs of all island calls of one eager forward (each timed on its own)."""
+    from bcg.bench.profile import IslandTimer
+    from bcg.islands import observing_islands
+
+    totals = []
+    with torch.inference_mode():
+        for i in range(REPS + 3):
+            timer = IslandTimer()
+            with observing_islands(timer):
+                eng.runner.forward(batch)
+            if i >= 3:
+                totals.append(sum(timer.us.values()))
+        sync(eng.device)
+    return statistics.median(totals)
+
+
+def _timed(device: str, backend: str, layers: int, with_islands: bool = False) -> tuple[float, float, int]:
+    """(host µs of one forward, island host µs of one forward, parameter tensors) of tiny-dense with ``layers``
+    layers on ``backend``."""
+    from bcg.bench.engines import make_prompts, one_batch, release_memory
+    from bcg.models.config import PRESETS
+    from bcg.runtime import Engine
+
+    model = dataclasses.replace(PRESETS["tiny-dense"], num_layers=layers)
+    eng = Engine(model, backend=backend, device=device, tc_compiler="traced", buckets=[BUCKET],
+                 chunked_prefill_size=BUCKET, kv_tokens=4 * BUCKET, progress=False)  # a toy's pool: no GPU share
+    try:
+        if eng.telemetry.refused_reason or eng.telemetry.compile_error:
+            raise RuntimeError(eng.telemetry.refused_reason or eng.telemetry.compile_error)
+        params = len(list(eng.model.parameters()))
+        batch, slots = one_batch(eng, make_prompts([BUCKET], model.vocab_size, 0)[0])
+        try:
+            host = _host_us(eng, batch)
+            islands = _island_us(eng, batch) if with_islands else 0.0
+        finally:
+            eng.kv_pool.free(slots)
+    finally:
+        del eng
+        release_memory()
+    return host, islands, params
+
+
+def measure_paths(device: torch.device | str, backends: tuple[str, ...] = ("breakable", "tc_piecewise"),
+                  cache: bool = True) -> PathCosts:
+    """Measures :class:`PathCosts` for ``backends`` on ``device`` (see the module doc); a backend whose toy engine
+    cannot be built is left out with the reason in ``errors``. Example::
+
+        paths = measure_paths("cuda")
+        paths.per_layer_us["tc_piecewise"], paths.fixed_us["breakable"]
+    """
+    device = str(torch.device(device))
+    key = (device, tuple(sorted(backends)), torch.get_num_threads())
+    if cache and key in _CACHE:
+        return dataclasses.replace(_CACHE[key], seconds=0.0)
+    t0 = time.perf_counter()
+    low, high = LAYERS
+    (e_low, i_low, p_low), (e_high, i_high, p_high) = (_timed(device, "eager", n, with_islands=True) for n in LAYERS)
+    island_per_layer = max((i_high - i_low) / (high - low), 0.0)
+    eager_per_layer = (e_high - e_low) / (high - low)
+    eager_fixed = e_low - low * eager_per_layer
+    out = PathCosts(island_us=island_per_layer, params_per_layer=(p_high - p_low) / (high - low))
+    for backend in backends:
+        try:
+            h_low, h_high = (_timed(device, backend, n)[0] for n in LAYERS)
+        except Exception as e:  # a backend the toy cannot build: its primitives' costs stand
+            from bcg.errors import first_line
+
+            out.errors[backend] = first_line(e)
+            continue
+        per_layer = (h_high - h_low) / (high - low)
+        out.per_layer_us[backend] = max(per_layer - island_per_layer, 0.0)
+        out.fixed_us[backend] = max((h_low - low * per_layer) - eager_fixed, 0.0)
+    out.seconds = time.perf_counter() - t0
+    _CACHE[key] = dataclasses.replace(out)
+    return out

@@ -1,0 +1,17 @@
+"""The real replay paths measured on toy engines (:mod:`bcg.bench.paths`): one layer's cost and the per-forward cost
+beyond eager come back for each backend asked, from the same code a replay runs (tiny-dense, CPU emulation: the
+numbers are the emulation's, only their shape and the cache are checked)."""
+
+from __future__ import annotations
+
+from bcg.bench.paths import measure_paths
+
+
+def test_breakables_replay_path_is_measured_once_per_process() -> None:
+    paths = measure_paths("cpu", ("breakable",), cache=False)
+    assert set(paths.per_layer_us) == set(paths.fixed_us) == {"breakable"} and paths.errors == {}
+    assert paths.per_layer_us["breakable"] >= 0 and paths.fixed_us["breakable"] >= 0 and paths.island_us >= 0
+    assert paths.params_per_layer > 0  # a dense layer's norms and projections
+    assert paths.seconds > 0
+    again = measure_paths("cpu", ("breakable",))  # the cache=False call filled the cache
+    assert again.seconds == 0.0 and again.per_layer_us == paths.per_layer_us
