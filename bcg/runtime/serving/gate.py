@@ -71,8 +71,13 @@ class ActivityGate:
         thread's host syncs and allocations during a capture would invalidate it)."""
         with self._cond:
             self.num_recaptures += 1
-            while self.num_active:
-                self._cond.wait()
+            try:
+                while self.num_active:
+                    self._cond.wait()
+            except BaseException:  # interrupted while waiting: forwards must not wait for a recapture never run
+                self.num_recaptures -= 1
+                self._cond.notify_all()
+                raise
         try:
             yield
         finally:

@@ -6,8 +6,8 @@ token-granular (a prefix may end anywhere, inside an edge too), and it knows slo
 pool layout: a native model's K/V, a DSA model's index keys, a transformers model's per-layer buffers
 (:meth:`KVPool.for_layers <bcg.ops.kv_cache.KVPool.for_layers>`) are all indexed by the same slot.
 
-A request that reads a prefix locks the deepest node it reads (:meth:`PrefixCache.lookup`): a lock counts on the
-node and every ancestor, and only leaves that nobody locks are evicted, least recently used first
+A request that reads a prefix locks the deepest node it reads (:meth:`PrefixCache.lookup`, which splits an edge the
+hit ends inside, so the lock covers exactly what is read): a lock counts on the node and every ancestor, and only leaves that nobody locks are evicted, least recently used first
 (:meth:`PrefixCache.evict`, which the pool calls when an allocation falls short: :attr:`KVPool.reclaim
 <bcg.ops.kv_cache.KVPool.reclaim>`). So what a running prefill reads is never evicted. When a request's KV is
 written, :meth:`PrefixCache.insert` adopts the slots of the tokens the tree did not have yet; slots of tokens
@@ -95,9 +95,11 @@ class PrefixCache:
         A request asks for at most ``len(tokens) - 1``: its last token must run to produce logits.
         """
         with self._lock:
-            node, length, parts = self._walk(tokens, max_tokens)
+            node, length, parts, inside = self._walk(tokens, max_tokens)
             if length == 0:
                 return CacheHit(0, _EMPTY, None)
+            if inside:  # the hit ends inside the node's edge: lock only what it reads, the rest stays evictable
+                node = self._split(node, inside)
             self._touch(node)
             self._lock_node(node)
             return CacheHit(length, parts[0] if len(parts) == 1 else np.concatenate(parts), node)
@@ -223,7 +225,9 @@ class PrefixCache:
         eq = key[:m] == tokens[i : i + m]
         return m if eq.all() else int(np.argmin(eq))
 
-    def _walk(self, tokens: np.ndarray, limit: int) -> tuple[_Node, int, list[np.ndarray]]:
+    def _walk(self, tokens: np.ndarray, limit: int) -> tuple[_Node, int, list[np.ndarray], int]:
+        """The deepest node matching ``tokens[:limit]``, the length matched, its slots in parts, and where inside
+        that node's edge the match ends (0: at its end)."""
         node, i, parts = self._root, 0, []
         limit = min(limit, len(tokens))
         while i < limit:
@@ -233,9 +237,9 @@ class PrefixCache:
             j = self._common(child.key, tokens, i, limit)
             parts.append(child.slots[:j])
             node, i = child, i + j
-            if j < len(child.key):  # ends inside this edge: the lock covers the whole node, the hit its first j
-                break
-        return node, i, parts
+            if j < len(child.key):  # ends inside this edge
+                return node, i, parts, j
+        return node, i, parts, 0
 
     def _split(self, child: _Node, j: int) -> _Node:
         """Cuts ``child``'s edge after ``j`` tokens; returns the new upper node (locks and age copied, so every lock
