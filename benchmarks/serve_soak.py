@@ -38,10 +38,7 @@ from typing import Any
 
 import torch
 
-try:
-    import bcg  # noqa: F401
-except ImportError:  # run from a checkout without installing it
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's bcg, even beside an installed one
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from soak import Injector, matches, rss_bytes  # the prefill soak's fault injector and checks

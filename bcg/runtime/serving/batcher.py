@@ -140,9 +140,10 @@ class Batcher:
             req.batches.append(record)
             req.done = end
             if self.cache is not None:
-                node, adopted_from = self.cache.insert(req.tokens[:end], req.slots[:end])
+                # Locked as it is inserted (a prefill's allocation may evict meanwhile), before the shorter prefix's
+                # lock goes, so the shared part never drops to no lock.
+                node, adopted_from = self.cache.insert(req.tokens[:end], req.slots[:end], lock=True)
                 req.adopted[adopted_from:end] = True
-                self.cache.lock(node)  # the longer prefix first, so the shared part never drops to no lock
                 self.cache.unlock(req.node)
                 req.node = node
         if plan.finishing:

@@ -104,11 +104,14 @@ class PrefixCache:
             self._lock_node(node)
             return CacheHit(length, parts[0] if len(parts) == 1 else np.concatenate(parts), node)
 
-    def insert(self, tokens: np.ndarray, slots: np.ndarray) -> tuple[_Node, int]:
-        """Caches ``tokens`` whose KV sits in ``slots``; returns the deepest node of the prefix (to :meth:`lock`)
-        and how many leading tokens the tree already had. The tree adopts ``slots[adopted_from:]``; the rest stay
-        the caller's (the tree's own slots hold those tokens, which the caller's equal where it read them from
-        the tree)."""
+    def insert(self, tokens: np.ndarray, slots: np.ndarray, lock: bool = False) -> tuple[_Node, int]:
+        """Caches ``tokens`` whose KV sits in ``slots``; returns the deepest node of the prefix and how many leading
+        tokens the tree already had. The tree adopts ``slots[adopted_from:]``; the rest stay the caller's (the
+        tree's own slots hold those tokens, which the caller's equal where it read them from the tree).
+
+        With ``lock`` the node comes back locked (:meth:`unlock` it), in the same step: a new leaf is evictable the
+        moment the tree's lock is let go, and a request still writing behind it must never see it evicted (another
+        thread's allocation evicts at any time)."""
         n = len(tokens)
         with self._lock:
             node, i = self._root, 0
@@ -132,6 +135,8 @@ class PrefixCache:
                 node = leaf
             if node is not self._root:
                 self._touch(node)
+                if lock:
+                    self._lock_node(node)
             return node, adopted_from
 
     def lock(self, node: _Node | None) -> None:

@@ -282,3 +282,23 @@ def test_prompts_the_engine_cannot_read_are_named_as_given(prompt: Any, match: s
         with pytest.raises(ValueError, match=match) as e:
             call()
         assert "on cpu" not in str(e.value)
+
+
+def test_a_prefix_inserted_by_a_running_request_is_never_evicted_before_it_is_locked(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another thread's allocation may evict right after a chunk's prefix is inserted (here: every time); the
+    request's newest prefix must already be locked, or its next chunk adopts freed slots a second time."""
+    eng = Engine("tiny-dense", backend="breakable", **SMALL)
+    cache = eng.prefix_cache
+    real = cache.insert
+
+    def insert_then_evict(*args: Any, **kwargs: Any) -> Any:
+        out = real(*args, **kwargs)
+        cache.clear()  # what a concurrent prefill's reservation may do at this moment
+        return out
+
+    monkeypatch.setattr(cache, "insert", insert_then_evict)
+    with eng:
+        prompt = random_prompts([60], seed=7)[0]  # four chunks of 16
+        assert same(eng.submit(prompt).result(timeout=HANG_S), prompt)
+        assert cache.num_cached_tokens + eng.kv_pool.num_free == eng.kv_pool.num_slots  # no slot owned twice
