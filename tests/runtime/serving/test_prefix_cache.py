@@ -37,8 +37,9 @@ def test_hits_are_token_granular_and_branches_split_an_edge() -> None:
     hit = cache.lookup(np.array([1, 2, 3, 9, 7]), max_tokens=4)
     assert (hit.length, hit.slots.tolist()) == (4, [a[0], a[1], a[2], b])
     cache.unlock(hit.node)
-    hit = cache.lookup(np.array([1, 2, 7]), max_tokens=2)  # ends inside an edge: no split
-    assert (hit.length, hit.slots.tolist(), cache.num_nodes) == (2, a[:2].tolist(), 3)
+    hit = cache.lookup(np.array([1, 2, 7]), max_tokens=2)  # ends inside an edge: split, the lock covers [1 2] only
+    assert (hit.length, hit.slots.tolist(), cache.num_nodes) == (2, a[:2].tolist(), 4)
+    assert cache.num_locked_tokens == 2 == cache.count_locked_tokens() and cache.num_evictable_tokens == 4
     cache.unlock(hit.node)
     assert cache.lookup(np.array([8, 1]), max_tokens=1).length == 0
     assert cache.lookup(np.array([1, 2, 3]), max_tokens=0).length == 0
