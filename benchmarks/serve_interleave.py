@@ -105,7 +105,7 @@ class Round:
                 self.counts["prefills_refused"] += 1
             else:
                 self.errors.append(f"{where}: ValueError: {e}")
-        except Exception as e:  # noqa: BLE001 - anything else is a failure of the engine
+        except Exception as e:
             self.errors.append(f"{where}: {type(e).__name__}: {e}")
 
     def submit(self, prompt: list[int]) -> None:
@@ -173,7 +173,7 @@ class Round:
             except EngineClosedError:
                 self.counts["closed_before_answer"] += 1
                 continue
-            except Exception as e:  # noqa: BLE001 - every other outcome is a failure of the engine
+            except Exception as e:
                 if future.cancelled():
                     self.counts["cancelled"] += 1
                 else:

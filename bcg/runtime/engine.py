@@ -133,10 +133,10 @@ class Engine:
         if cfg.verify and self.runner.handles:
             verify_buckets(self.runner)
             self.runner.agree_buckets("verify")
-        # The prefix cache gives its unlocked entries back whenever an allocation of the pool falls short.
+        # Every allocation of the engine's own goes through the prefix cache, which evicts unlocked entries for a
+        # shortfall first (the pool knows nothing of the cache).
         self.prefix_cache = PrefixCache(self.kv_pool) if cfg.uses_prefix_cache else None
-        if self.prefix_cache is not None:
-            self.kv_pool.reclaim = self.prefix_cache.evict
+        self._alloc = self.prefix_cache.alloc if self.prefix_cache is not None else self.kv_pool.alloc
         self._server: Server | None = None  # started by the first submit
         self._server_lock = threading.Lock()
         self._closed = False
@@ -167,6 +167,10 @@ class Engine:
                 eng.recapture(16)
         """
         with self._gate.quiet():
+            if self.prefix_cache is not None:  # capture runs a dummy batch of `bucket` slots: make room for it
+                short = bucket - self.kv_pool.num_free
+                if short > 0:
+                    self.prefix_cache.evict(short)
             return self.runner.recapture(bucket)
 
     @torch.inference_mode()
@@ -185,7 +189,7 @@ class Engine:
         if self.runner.agreement is not None:  # tensor parallel: the same prompts on every rank, or nothing runs
             self.runner.agreement.agree_prompts(ids)
         plan = plan_batches(lengths, self.config.chunked_prefill_size)
-        lease = SlotLease(self.kv_pool, plan, on_free=self._gate.notify)
+        lease = SlotLease(self.kv_pool, plan, on_free=self._gate.notify, alloc=self._alloc)
         try:  # all or nothing: every exit path, KeyboardInterrupt included, returns the lease
             # Slots first, then the forwards: a prefill waiting for slots is no forward in flight, so a recapture
             # never waits for it (the slots' holder may itself wait for that recapture).

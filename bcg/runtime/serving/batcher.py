@@ -61,6 +61,7 @@ class Batcher:
 
     def __init__(self, pool: KVPool, cache: PrefixCache | None, budget: int, queue: FifoQueue) -> None:
         self.pool, self.cache, self.budget, self.queue = pool, cache, budget, queue
+        self._alloc = cache.alloc if cache is not None else pool.alloc  # the cache evicts for a shortfall first
         self.running: list[Request] = []
         self.blocked: Request | None = None  # the request the last plan could not admit (no slots)
 
@@ -109,7 +110,7 @@ class Batcher:
         hit = self.cache.lookup(req.tokens, req.num_tokens - 1) if self.cache is not None else None
         cached = hit.length if hit is not None else 0
         try:
-            own = self.pool.alloc(req.num_tokens - cached).numpy()
+            own = self._alloc(req.num_tokens - cached).numpy()
         except KVPoolFullError:
             if hit is not None:
                 self.cache.unlock(hit.node)

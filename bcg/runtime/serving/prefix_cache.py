@@ -7,11 +7,13 @@ pool layout: a native model's K/V, a DSA model's index keys, a transformers mode
 (:meth:`KVPool.for_layers <bcg.ops.kv_cache.KVPool.for_layers>`) are all indexed by the same slot.
 
 A request that reads a prefix locks the deepest node it reads (:meth:`PrefixCache.lookup`, which splits an edge the
-hit ends inside, so the lock covers exactly what is read): a lock counts on the node and every ancestor, and only leaves that nobody locks are evicted, least recently used first
-(:meth:`PrefixCache.evict`, which the pool calls when an allocation falls short: :attr:`KVPool.reclaim
-<bcg.ops.kv_cache.KVPool.reclaim>`). So what a running prefill reads is never evicted. When a request's KV is
-written, :meth:`PrefixCache.insert` adopts the slots of the tokens the tree did not have yet; slots of tokens
-another request cached meanwhile stay the request's own, to free when it ends.
+hit ends inside, so the lock covers exactly what is read): a lock counts on the node and every ancestor, and only
+leaves that nobody locks are evicted, least recently used first (:meth:`PrefixCache.evict`). Whoever shares the pool
+with the cache allocates through :meth:`PrefixCache.alloc`, which evicts for the shortfall first: the cache calls
+down into the pool, never the pool up into the cache. So what a running prefill reads is never evicted. When a
+request's KV is written, :meth:`PrefixCache.insert` adopts the slots of the tokens the tree did not have yet (and
+locks the node in the same step when asked); slots of tokens another request cached meanwhile stay the request's
+own, to free when it ends.
 
 Thread-safe: one lock around the tree; the pool is called outside it.
 """
@@ -26,7 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from bcg.ops.kv_cache import KVPool
+from bcg.ops.kv_cache import KVPool, KVPoolFullError
 
 __all__ = ["CacheHit", "PrefixCache"]
 
@@ -159,7 +161,21 @@ class PrefixCache:
             if node.lock_ref == 0 and not node.children and node.parent is not None:
                 self._push(node)
 
-    # ---------------------------------------------------------------- eviction
+    # ---------------------------------------------------------------- allocation and eviction
+    def alloc(self, n: int) -> torch.Tensor:
+        """``n`` slots of the pool (:meth:`KVPool.alloc <bcg.ops.kv_cache.KVPool.alloc>`), evicting unlocked
+        prefixes for the shortfall when too few are free.
+
+        Raises:
+            KVPoolFullError: too few slots even so; nothing was allocated, and nothing evicted when eviction could
+                not have made room.
+        """
+        try:
+            return self.pool.alloc(n)
+        except KVPoolFullError:
+            self.evict(n - self.pool.num_free)
+            return self.pool.alloc(n)
+
     def evict(self, num_tokens: int) -> int:
         """Frees at least ``num_tokens`` slots to the pool, least recently used leaves first, and returns how many it
         freed; nothing when the unlocked entries hold fewer (an allocation that cannot succeed empties no cache)."""

@@ -44,7 +44,7 @@ def in_thread(fn: Callable[[], Any]) -> tuple[threading.Thread, dict[str, Any]]:
     def run() -> None:
         try:
             out["result"] = fn()
-        except BaseException as e:  # noqa: BLE001 - the test inspects it
+        except BaseException as e:
             out["error"] = e
 
     thread = threading.Thread(target=run, daemon=True)
