@@ -85,3 +85,9 @@ class ServedFuture(Future):
         """As :meth:`Future.add_done_callback`; fired by the engine, ``fn`` runs on the callback thread."""
         callbacks = self._callbacks
         super().add_done_callback(lambda f: callbacks.call(fn, f))
+
+    def add_done_callback_inline(self, fn: Callable[[Future], object]) -> None:
+        """``fn`` runs on whichever thread resolves the future, without the callback thread's hop: for a callback
+        that only hands the outcome on and never blocks or calls into the engine (an event loop's
+        ``call_soon_threadsafe``)."""
+        super().add_done_callback(fn)

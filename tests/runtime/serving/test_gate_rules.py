@@ -302,3 +302,26 @@ def test_a_prefix_inserted_by_a_running_request_is_never_evicted_before_it_is_lo
         prompt = random_prompts([60], seed=7)[0]  # four chunks of 16
         assert same(eng.submit(prompt).result(timeout=HANG_S), prompt)
         assert cache.num_cached_tokens + eng.kv_pool.num_free == eng.kv_pool.num_slots  # no slot owned twice
+
+
+def test_asubmit_answers_and_a_cancelled_task_cancels_its_pending_request(monkeypatch: pytest.MonkeyPatch) -> None:
+    import asyncio
+
+    eng = Engine("tiny-dense", backend="breakable", **SMALL)
+    entered, go = hold_first_served_forward(eng, monkeypatch)
+
+    async def main() -> Any:
+        first = asyncio.ensure_future(eng.asubmit([1, 2, 3]))
+        while not entered.is_set():
+            await asyncio.sleep(0.001)
+        victim = asyncio.ensure_future(eng.asubmit([7, 8, 9, 10, 11]))
+        await asyncio.sleep(0.01)
+        victim.cancel()
+        go.set()
+        with pytest.raises(asyncio.CancelledError):
+            await victim
+        return await asyncio.wait_for(first, HANG_S)
+
+    with eng:
+        assert same(asyncio.run(main()), [1, 2, 3])
+        assert 5 not in [b.num_tokens for b in eng.telemetry.batches]  # the cancelled request never ran
