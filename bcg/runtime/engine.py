@@ -241,7 +241,9 @@ class Engine:
         (``logits`` ``(1, vocab)``, ``next_tokens`` ``(1,)``, its ``batches``, ``cached_tokens``, ``queue_ms``,
         ``ttft_ms``); safe from any thread, never blocks. A bad prompt raises here, like :meth:`prefill`'s; a forward
         that fails fails the futures of its own requests; :meth:`close` fails those not finished with
-        :class:`EngineClosedError`. A pending future can be cancelled. Not under tensor parallel.
+        :class:`EngineClosedError`. A pending future can be cancelled. Its done-callbacks run on the engine's callback
+        thread (never the scheduler's or the completer's), so a callback may call anything of the engine, ``close``
+        and ``recapture`` included. Not under tensor parallel.
 
         Example::
 
