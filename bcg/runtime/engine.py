@@ -5,7 +5,6 @@ at a time through a scheduler thread with a prefix cache (:mod:`bcg.runtime.serv
 
 from __future__ import annotations
 
-import asyncio
 import inspect
 import threading
 import time
@@ -31,6 +30,7 @@ from bcg.runtime.runner.telemetry import BatchRecord, Telemetry
 from bcg.runtime.runner.verify import verify_buckets
 from bcg.runtime.scheduler import Chunk, plan_batches
 from bcg.runtime.serving import ActivityGate, EngineClosedError, PrefixCache, RequestResult, Server
+from bcg.runtime.serving.callbacks import served_result
 
 __all__ = ["Engine", "PrefillResult"]
 
@@ -278,22 +278,7 @@ class Engine:
     async def asubmit(self, prompt: Prompt) -> RequestResult:
         """:meth:`submit` for asyncio: ``res = await eng.asubmit(prompt)``; cancelling the task cancels a request
         that has not started."""
-        future = self.submit(prompt)
-        loop = asyncio.get_running_loop()
-        waiter: asyncio.Future[RequestResult] = loop.create_future()
-
-        def resolved(f: Future[RequestResult]) -> None:  # only hands the outcome to the loop: no callback-thread hop
-            try:
-                loop.call_soon_threadsafe(_settle, waiter, f)
-            except RuntimeError:  # the loop was closed meanwhile: nobody awaits the answer any more
-                pass
-
-        future.add_done_callback_inline(resolved)  # type: ignore[attr-defined]
-        try:
-            return await waiter
-        except asyncio.CancelledError:
-            future.cancel()
-            raise
+        return await served_result(self.submit(prompt))
 
     def close(self) -> None:
         """Stops the scheduler (launched forwards complete; every request not finished fails with
@@ -319,18 +304,6 @@ class Engine:
             raise EngineClosedError(f"{server.failure}; build a new one")
         if self._closed:
             raise EngineClosedError("the engine is closed; build a new one")
-
-
-def _settle(waiter: asyncio.Future, future: Future) -> None:
-    """Gives ``future``'s outcome to the event loop's ``waiter`` (on the loop's thread)."""
-    if waiter.done():
-        return
-    if future.cancelled():
-        waiter.cancel()
-    elif future.exception() is not None:
-        waiter.set_exception(future.exception())
-    else:
-        waiter.set_result(future.result())
 
 
 def _signature_with_options() -> inspect.Signature:

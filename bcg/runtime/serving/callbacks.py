@@ -11,6 +11,7 @@ wake without the hop: only callbacks move.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import queue
 import threading
@@ -18,7 +19,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
-__all__ = ["CallbackThread", "ServedFuture"]
+__all__ = ["CallbackThread", "ServedFuture", "served_result"]
 
 logger = logging.getLogger("bcg")
 
@@ -91,3 +92,36 @@ class ServedFuture(Future):
         that only hands the outcome on and never blocks or calls into the engine (an event loop's
         ``call_soon_threadsafe``)."""
         super().add_done_callback(fn)
+
+
+async def served_result(future: Future) -> Any:
+    """Awaits ``future`` on the running event loop: its outcome is handed to the loop straight from the thread that
+    resolves it (``call_soon_threadsafe`` never blocks), without the callback thread's hop; cancelling the awaiting
+    task cancels the request if it has not started."""
+    loop = asyncio.get_running_loop()
+    waiter = loop.create_future()
+
+    def resolved(f: Future) -> None:
+        try:
+            loop.call_soon_threadsafe(_settle, waiter, f)
+        except RuntimeError:  # the loop was closed meanwhile: nobody awaits the answer any more
+            pass
+
+    getattr(future, "add_done_callback_inline", future.add_done_callback)(resolved)  # any Future works, slower
+    try:
+        return await waiter
+    except asyncio.CancelledError:
+        future.cancel()
+        raise
+
+
+def _settle(waiter: asyncio.Future, future: Future) -> None:
+    """Gives ``future``'s outcome to the event loop's ``waiter`` (on the loop's thread)."""
+    if waiter.done():
+        return
+    if future.cancelled():
+        waiter.cancel()
+    elif future.exception() is not None:
+        waiter.set_exception(future.exception())
+    else:
+        waiter.set_result(future.result())
