@@ -75,7 +75,8 @@ def run(args: argparse.Namespace, queue: int) -> dict[str, Any]:
     server._launch = timed(times, "launch", server._launch)
     server._resolve = timed(times, "resolve", server._resolve)
     submit_ms: list[float] = []
-    futures = [eng.submit(p) for p in prompts[1:]]  # queued faster than served: every forward is full
+    with server._cond:  # (reentrant) the scheduler takes nothing from the inbox until the whole queue is in it
+        futures = [eng.submit(p) for p in prompts[1:]]
     stop = threading.Event()
 
     def client() -> None:
