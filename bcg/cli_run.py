@@ -135,5 +135,5 @@ def run_load(cfg: Any) -> dict[str, Any]:
         else {}
     results["plots"] = plots.write_plots(figures, cfg.out, load_report.LOAD_PLOTS)
     path = write_json(Path(cfg.out) / "results.json", results)
-    print(load_report.format_load(result.rows, result.builds))
+    print(load_report.format_load(result.rows, result.builds, result.warmups))
     return load_report.load_summary(cfg, results, path)

@@ -1,17 +1,23 @@
 """The load experiment of ``bcg load``: an open-loop stream of requests through :meth:`Engine.submit
 <bcg.runtime.engine.Engine.submit>`, per backend and offered rate, timed from each request's scheduled arrival.
 
-For every variant (built one at a time, as ``bcg bench`` builds them) a few warm-up requests run first; then each
-rate's workload (:mod:`bcg.bench.workload`, the same requests at the same times for every variant) is submitted on
-schedule from this thread while the engine's scheduler serves it. A request's time to first token runs from its
-scheduled arrival (so a late submission counts against the engine, as it would for a client) to the moment its
-future resolved. A variant falls behind a rate when a request has waited ``max_wait`` seconds without an answer:
+For every variant (built one at a time, as ``bcg bench`` builds them) a warm-up runs first, reported on its own
+(:class:`Warmup`): a burst of the workload's first requests, then one forward of every bucket and one of the whole
+token budget (the eager path past the largest bucket), so no path is first used inside a measured window for want
+of warming; a forward in a window on a path that had not run before it is counted (``cold_forwards``, with the
+worst time to first token of its requests), so a first-use stall shows as one. Then each rate's workload
+(:mod:`bcg.bench.workload`, the same requests at the same times for every variant) is submitted on schedule from
+this thread while the engine's scheduler serves it, after a garbage collection. A request's time to first token runs
+from its scheduled arrival (so a late submission counts against the engine, as it would for a client) to the moment
+its logits were complete (the engine's own stamp, ``RequestResult.completed_at``: no done-callback in the
+measurement). A variant falls behind a rate when a request has waited ``max_wait`` seconds without an answer:
 that rate stops there (its numbers are over the requests answered, marked), and its higher rates are skipped, so a
 run takes at most about ``duration + 2 * max_wait`` seconds per rate and variant, plus the builds.
 """
 
 from __future__ import annotations
 
+import gc
 import time
 from collections import deque
 from concurrent.futures import wait
@@ -24,7 +30,7 @@ from bcg.bench.engines import BuildRecord, engine_for
 from bcg.bench.workload import Workload, make_workload, read_trace
 from bcg.errors import first_line
 
-__all__ = ["LoadResult", "LoadRow", "measure_rate", "run_load"]
+__all__ = ["LoadResult", "LoadRow", "Warmup", "measure_rate", "run_load"]
 
 
 @dataclass
@@ -42,6 +48,8 @@ class LoadRow:
             last answer): the offered load below saturation, the variant's capacity above it.
         cached_share: of the answered prompts' tokens, the share read from the prefix cache.
         graph_share: of the forwards that served them, the share that replayed a graph; mean_batch_tokens: their size.
+        cold_forwards: forwards of the window on a path (a bucket's graph, or eager at a size class) that had not run
+            before the window; cold_ttft_ms_max: the worst time to first token of the requests they served.
     """
 
     backend: str
@@ -60,7 +68,25 @@ class LoadRow:
     cached_share: float | None = None
     graph_share: float | None = None
     mean_batch_tokens: float | None = None
+    cold_forwards: int = 0
+    cold_ttft_ms_max: float | None = None
     error: str | None = None
+
+
+@dataclass
+class Warmup:
+    """What ran before a variant's first measured window, timed apart from it.
+
+    Attributes:
+        backend: the variant; requests: submitted in the burst; prefill_tokens: the forwards run to reach every
+            bucket and the eager path once; wall_ms: the whole warm-up; paths: every forward path it ran.
+    """
+
+    backend: str
+    requests: int = 0
+    prefill_tokens: list[int] = field(default_factory=list)
+    wall_ms: float = 0.0
+    paths: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -70,6 +96,7 @@ class LoadResult:
     builds: list[BuildRecord]
     rows: list[LoadRow]
     workloads: list[dict[str, float]] = field(default_factory=list)
+    warmups: list[Warmup] = field(default_factory=list)
 
 
 def _percentiles(values: list[float]) -> dict[str, float]:
@@ -80,8 +107,23 @@ def _percentiles(values: list[float]) -> dict[str, float]:
     return {"p50": float(p50), "p90": float(p90), "p99": float(p99), "mean": float(a.mean()), "max": float(a.max())}
 
 
-def measure_rate(eng: Any, work: Workload, backend: str, max_wait: float) -> LoadRow:
-    """Submits ``work`` to ``eng`` on schedule and measures it (see the module docstring).
+def path_of(record: Any) -> str:
+    """The path a forward took, as first-use stalls go: a bucket's graph, or eager (why) at a power-of-two size."""
+    if record.graph_used:
+        return f"graph {record.bucket}"
+    return f"eager ({record.reason}) <= {1 << max(int(record.num_tokens) - 1, 0).bit_length()}"
+
+
+def _new_batches(eng: Any, before: int) -> list[Any]:
+    """The forwards recorded since the telemetry counted ``before``, in run order."""
+    t = eng.telemetry
+    new = t.num_batches - before
+    return list(t.batches[-new:]) if new > 0 else []
+
+
+def measure_rate(eng: Any, work: Workload, backend: str, max_wait: float, seen: set[str] | None = None) -> LoadRow:
+    """Submits ``work`` to ``eng`` on schedule and measures it (see the module docstring). ``seen``: the forward
+    paths run before this window (updated with this window's), for ``cold_forwards``.
 
     Example::
 
@@ -89,7 +131,9 @@ def measure_rate(eng: Any, work: Workload, backend: str, max_wait: float) -> Loa
         row.ttft_ms["p99"], row.fell_behind
     """
     row = LoadRow(backend, work.rate, float(work.arrivals[-1]) if len(work.arrivals) else 0.0)
-    futures, done_at, pending = [], {}, deque()
+    futures, pending = [], deque()
+    gc.collect()  # the garbage of the warm-up or the last window is not collected inside this one
+    before = eng.telemetry.num_batches
     start = time.perf_counter() + 0.005
     for i, (t, prompt) in enumerate(zip(work.arrivals, work.prompts)):
         while pending and futures[pending[0]].done():
@@ -100,9 +144,7 @@ def measure_rate(eng: Any, work: Workload, backend: str, max_wait: float) -> Loa
             break
         if start + t > now:
             time.sleep(start + t - now)
-        fut = eng.submit(prompt)
-        fut.add_done_callback(lambda _f, i=i: done_at.setdefault(i, time.perf_counter()))
-        futures.append(fut)
+        futures.append(eng.submit(prompt))
         pending.append(i)
     for i in pending:  # the rest get max_wait from their arrival
         if row.fell_behind:
@@ -115,7 +157,7 @@ def measure_rate(eng: Any, work: Workload, backend: str, max_wait: float) -> Loa
             f.cancel()
         wait(futures, timeout=2 * max_wait)
     row.submitted = len(futures)
-    ttft, queue, tokens, cached, batches, last = [], [], 0, 0, {}, start
+    ttft, queue, tokens, cached, batches, last, answered = [], [], 0, 0, {}, start, []
     for i, f in enumerate(futures):
         if not f.done() or f.cancelled():
             row.unanswered += 1
@@ -126,13 +168,23 @@ def measure_rate(eng: Any, work: Workload, backend: str, max_wait: float) -> Loa
             continue
         res = f.result()
         row.completed += 1
-        ttft.append((done_at[i] - start - work.arrivals[i]) * 1e3)
+        answered.append(i)
+        ttft.append((res.completed_at - start - work.arrivals[i]) * 1e3)  # the engine's stamp: no callback hop
         queue.append(res.queue_ms)
         tokens += res.num_tokens
         cached += res.cached_tokens
-        last = max(last, done_at[i])
+        last = max(last, res.completed_at)
         batches.update((id(b), b) for b in res.batches)
     row.ttft_ms, row.queue_ms = _percentiles(ttft), _percentiles(queue)
+    if seen is not None:
+        cold = set()
+        for b in _new_batches(eng, before):  # in run order: the first forward on a new path is the cold one
+            if path_of(b) not in seen:
+                seen.add(path_of(b))
+                cold.add(id(b))
+        row.cold_forwards = len(cold)
+        hit = [t for t, i in zip(ttft, answered) if any(id(b) in cold for b in futures[i].result().batches)]
+        row.cold_ttft_ms_max = max(hit) if hit else None
     if row.completed:
         span = max(last - start, 1e-9)
         row.tokens_per_s, row.requests_per_s = tokens / span, row.completed / span
@@ -154,20 +206,36 @@ def workloads(cfg: Any, vocab_size: int) -> list[Workload]:
             for r in cfg.rates]
 
 
-def _warm(eng: Any, work: Workload, count: int) -> None:
-    """Runs ``count`` of the workload's prompts at once (first forwards, lazy initialisation), then forgets them."""
+def _warm(eng: Any, work: Workload, count: int, backend: str) -> tuple[Warmup, set[str]]:
+    """Runs ``count`` of the workload's prompts at once (first forwards, lazy initialisation), then one forward of
+    every bucket and of the whole token budget, and forgets what they cached; returns its record and the paths
+    it ran."""
+    t0, before = time.perf_counter(), eng.telemetry.num_batches
+    record = Warmup(backend, requests=count)
     if count:
         for f in [eng.submit(p) for p in work.prompts[:count]]:
             f.result()
+    context = eng.model.config.max_position_embeddings or eng.config.chunked_prefill_size
+    vocab = eng.model.config.vocab_size
+    rng = np.random.default_rng(0)
+    for n in sorted({*(eng.telemetry.buckets or {}), eng.config.chunked_prefill_size}):
+        n = min(n, eng.config.chunked_prefill_size, eng.kv_pool.num_slots)
+        lengths = [min(context, n - k) for k in range(0, n, context)]  # one forward of n tokens in all
+        eng.prefill([rng.integers(0, vocab, m).tolist() for m in lengths])
+        record.prefill_tokens.append(n)
     if eng.prefix_cache is not None:
         eng.prefix_cache.clear()
+    paths = {path_of(b) for b in _new_batches(eng, before)}
+    record.paths = sorted(paths)
+    record.wall_ms = (time.perf_counter() - t0) * 1e3
+    return record, paths
 
 
 def run_load(cfg: Any, progress: Any = None) -> LoadResult:
     """Every variant of a resolved :class:`~bcg.bench.config.LoadConfig` at every rate; ``progress(text)`` is told
     what runs next."""
     spec = cfg.engine_spec()
-    builds, rows = [], []
+    builds, rows, warmups = [], [], []
     works: list[Workload] | None = None
     for variant in cfg.backends:
         record = BuildRecord(variant)
@@ -180,7 +248,8 @@ def run_load(cfg: Any, progress: Any = None) -> LoadResult:
             try:
                 if works is None:
                     works = workloads(cfg, eng.model.config.vocab_size)
-                _warm(eng, works[0], cfg.warmup)
+                warmup, seen = _warm(eng, works[0], cfg.warmup, variant)
+                warmups.append(warmup)
                 behind = False
                 for work in works:
                     if behind:
@@ -188,7 +257,7 @@ def run_load(cfg: Any, progress: Any = None) -> LoadResult:
                         continue
                     if progress:
                         progress(f"{variant}: {work.rate:g} req/s, {len(work.prompts)} requests")
-                    row = measure_rate(eng, work, variant, cfg.max_wait)
+                    row = measure_rate(eng, work, variant, cfg.max_wait, seen)
                     rows.append(row)
                     behind = row.fell_behind
                     if eng.prefix_cache is not None:
@@ -198,4 +267,4 @@ def run_load(cfg: Any, progress: Any = None) -> LoadResult:
             finally:
                 eng.close()
     sizes = [{"rate": w.rate, "requests": len(w.prompts), "tokens": w.num_tokens} for w in works or []]
-    return LoadResult(builds, rows, sizes)
+    return LoadResult(builds, rows, sizes, warmups)

@@ -4,8 +4,9 @@
 ``results.json`` holds ``config`` (every flag, resolved), ``environment``, ``workload`` (lengths, shared prefix,
 rates or the trace, requests and tokens per rate), ``builds`` (one :class:`~bcg.bench.engines.BuildRecord` per
 variant), ``rows`` (one :class:`~bcg.bench.load.LoadRow` per variant and rate: ``ttft_ms`` and ``queue_ms``
-percentiles, ``tokens_per_s``, ``requests_per_s``, ``cached_share``, ``graph_share``, ``fell_behind``,
-``skipped``), ``note`` (what a CPU run cannot show, else null) and ``plots``.
+percentiles, ``tokens_per_s``, ``requests_per_s``, ``cached_share``, ``graph_share``, ``cold_forwards``,
+``fell_behind``, ``skipped``), ``warmups`` (one :class:`~bcg.bench.load.Warmup` per variant: what ran before the
+measured windows, and for how long), ``note`` (what a CPU run cannot show, else null) and ``plots``.
 """
 
 from __future__ import annotations
@@ -38,8 +39,9 @@ def load_header(cfg: Any, env: dict[str, Any], workload: dict[str, Any]) -> str:
     return line + (f" {CPU_LOAD_NOTE}." if cfg.emulated else "")
 
 
-def format_load(rows: Sequence[Any], builds: Sequence[Any]) -> str:
-    """The table of every variant and rate, and a line per variant that could not be measured."""
+def format_load(rows: Sequence[Any], builds: Sequence[Any], warmups: Sequence[Any] = ()) -> str:
+    """The table of every variant and rate, a line per variant's warm-up (outside the measured windows), and a line
+    per variant that could not be measured."""
     cells = []
     for r in rows:
         t, q = r.ttft_ms, r.queue_ms
@@ -48,12 +50,19 @@ def format_load(rows: Sequence[Any], builds: Sequence[Any]) -> str:
         cells.append([r.backend, fmt(r.rate, 0 if r.rate >= 10 else 1), r.submitted, r.completed,
                       fmt(t.get("p50"), 1), fmt(t.get("p90"), 1), fmt(t.get("p99"), 1), fmt(q.get("p50"), 1),
                       fmt(q.get("p99"), 1), fmt(r.requests_per_s, 1), fmt(r.tokens_per_s, 0),
-                      _share(r.cached_share), _share(r.graph_share), fmt(r.mean_batch_tokens, 0), status])
+                      _share(r.cached_share), _share(r.graph_share), fmt(r.mean_batch_tokens, 0),
+                      _cold(r.cold_forwards, r.cold_ttft_ms_max), status])
     out = table(["backend", "req/s offered", "sent", "answered", "TTFT p50 ms", "p90", "p99", "queue p50 ms", "p99",
-                 "req/s done", "tokens/s", "cached", "graph", "tokens/fwd", "status"], cells,
-                title="Time to first token under load")
+                 "req/s done", "tokens/s", "cached", "graph", "tokens/fwd", "cold fwd (worst TTFT ms)", "status"],
+                cells, title="Time to first token under load")
+    warm = [f"{w.backend}: warm-up before the measured windows: {w.requests} requests, then one forward each of "
+            f"{', '.join(map(str, w.prefill_tokens))} tokens, {w.wall_ms:.0f} ms in all" for w in warmups]
     missing = [f"{b.backend}: not measured ({b.error})" for b in builds if not b.available]
-    return out + ("\n" + "\n".join(missing) if missing else "")
+    return out + "".join("\n" + line for line in warm + missing)
+
+
+def _cold(count: int, worst: float | None) -> str:
+    return "0" if not count else f"{count} ({fmt(worst, 1)})"
 
 
 def _share(x: float | None) -> str:
@@ -64,7 +73,7 @@ def load_results(cfg: Any, env: dict[str, Any], workload: dict[str, Any], result
     """The content of results.json as plain data (``plots`` filled in when drawn)."""
     return jsonable({"schema": LOAD_SCHEMA, "kind": "load", "config": vars(cfg), "environment": env,
                      "workload": workload, "note": CPU_LOAD_NOTE if cfg.emulated else None,
-                     "builds": result.builds, "rows": result.rows, "plots": []})
+                     "builds": result.builds, "rows": result.rows, "warmups": result.warmups, "plots": []})
 
 
 def load_summary(cfg: Any, results: dict[str, Any], path: Any) -> dict[str, Any]:

@@ -5,7 +5,6 @@ at a time through a scheduler thread with a prefix cache (:mod:`bcg.runtime.serv
 
 from __future__ import annotations
 
-import asyncio
 import inspect
 import threading
 import time
@@ -31,6 +30,7 @@ from bcg.runtime.runner.telemetry import BatchRecord, Telemetry
 from bcg.runtime.runner.verify import verify_buckets
 from bcg.runtime.scheduler import Chunk, plan_batches
 from bcg.runtime.serving import ActivityGate, EngineClosedError, PrefixCache, RequestResult, Server
+from bcg.runtime.serving.callbacks import served_result
 
 __all__ = ["Engine", "PrefillResult"]
 
@@ -133,10 +133,10 @@ class Engine:
         if cfg.verify and self.runner.handles:
             verify_buckets(self.runner)
             self.runner.agree_buckets("verify")
-        # The prefix cache gives its unlocked entries back whenever an allocation of the pool falls short.
+        # Every allocation of the engine's own goes through the prefix cache, which evicts unlocked entries for a
+        # shortfall first (the pool knows nothing of the cache).
         self.prefix_cache = PrefixCache(self.kv_pool) if cfg.uses_prefix_cache else None
-        if self.prefix_cache is not None:
-            self.kv_pool.reclaim = self.prefix_cache.evict
+        self._alloc = self.prefix_cache.alloc if self.prefix_cache is not None else self.kv_pool.alloc
         self._server: Server | None = None  # started by the first submit
         self._server_lock = threading.Lock()
         self._closed = False
@@ -167,6 +167,10 @@ class Engine:
                 eng.recapture(16)
         """
         with self._gate.quiet():
+            if self.prefix_cache is not None:  # capture runs a dummy batch of `bucket` slots: make room for it
+                short = bucket - self.kv_pool.num_free
+                if short > 0:
+                    self.prefix_cache.evict(short)
             return self.runner.recapture(bucket)
 
     @torch.inference_mode()
@@ -180,33 +184,37 @@ class Engine:
         serves :meth:`submit`).
         """
         self._check_open()
-        with self._gate.active():
-            return self._prefill(prompts)
-
-    def _prefill(self, prompts: Sequence[Prompt]) -> PrefillResult:
         config = self.model.config
         ids, lengths = validate_prompts(prompts, config.vocab_size, config.max_position_embeddings, self.device)
         if self.runner.agreement is not None:  # tensor parallel: the same prompts on every rank, or nothing runs
             self.runner.agreement.agree_prompts(ids)
         plan = plan_batches(lengths, self.config.chunked_prefill_size)
-        lease = SlotLease(self.kv_pool, plan, on_free=self._gate.notify)
+        lease = SlotLease(self.kv_pool, plan, on_free=self._gate.notify, alloc=self._alloc)
         try:  # all or nothing: every exit path, KeyboardInterrupt included, returns the lease
+            # Slots first, then the forwards: a prefill waiting for slots is no forward in flight, so a recapture
+            # never waits for it (the slots' holder may itself wait for that recapture).
             self._gate.reserve(lease.reserve, lease.peak, self.kv_pool)
-            records: list[BatchRecord] = []
-            logits = torch.empty(len(ids), config.vocab_size, dtype=torch.float32, device=self.device)
-            for index, chunks in enumerate(plan):
-                last = [i for i, c in enumerate(chunks) if c.is_last]
-                items = [self._item(ids[c.request], lease, c) for c in chunks]
-                batch = PrefillBatch(items, self.kv_pool, None if len(last) == len(chunks) else last, check=False)
-                with self.runner.lock:  # a replay's logits are a view of the runner's static buffers
-                    out = self.runner.forward(batch)
-                    records.append(out.record)
-                    if last:
-                        self._place(logits, [chunks[i].request for i in last], out.logits)
-                lease.finish(index)
+            with self._gate.active():
+                return self._run(ids, plan, lease)
         finally:
             if lease.release():
                 self._gate.release()
+
+    def _run(self, ids: list[torch.Tensor], plan: list[list[Chunk]], lease: SlotLease) -> PrefillResult:
+        """Runs ``plan``'s forwards with ``lease``'s slots (reserved) and gathers the last-token logits."""
+        config = self.model.config
+        records: list[BatchRecord] = []
+        logits = torch.empty(len(ids), config.vocab_size, dtype=torch.float32, device=self.device)
+        for index, chunks in enumerate(plan):
+            last = [i for i, c in enumerate(chunks) if c.is_last]
+            items = [self._item(ids[c.request], lease, c) for c in chunks]
+            batch = PrefillBatch(items, self.kv_pool, None if len(last) == len(chunks) else last, check=False)
+            with self.runner.lock:  # a replay's logits are a view of the runner's static buffers
+                out = self.runner.forward(batch)
+                records.append(out.record)
+                if last:
+                    self._place(logits, [chunks[i].request for i in last], out.logits)
+            lease.finish(index)
         return PrefillResult(logits, logits.argmax(dim=-1), records)
 
     @staticmethod
@@ -233,7 +241,9 @@ class Engine:
         (``logits`` ``(1, vocab)``, ``next_tokens`` ``(1,)``, its ``batches``, ``cached_tokens``, ``queue_ms``,
         ``ttft_ms``); safe from any thread, never blocks. A bad prompt raises here, like :meth:`prefill`'s; a forward
         that fails fails the futures of its own requests; :meth:`close` fails those not finished with
-        :class:`EngineClosedError`. A pending future can be cancelled. Not under tensor parallel.
+        :class:`EngineClosedError`. A pending future can be cancelled. Its done-callbacks run on the engine's callback
+        thread (never the scheduler's or the completer's), so a callback may call anything of the engine, ``close``
+        and ``recapture`` included. Not under tensor parallel.
 
         Example::
 
@@ -246,29 +256,36 @@ class Engine:
                              "batches: call prefill() on every rank with the same prompts")
         self._check_open()
         config = self.model.config
-        ids, _ = validate_prompts([prompt], config.vocab_size, config.max_position_embeddings, self.device)
+        ids, lengths = validate_prompts([prompt], config.vocab_size, config.max_position_embeddings, self.device)
+        if lengths[0] > self.kv_pool.num_slots:  # could never be admitted: refuse now, not from the scheduler
+            raise ValueError(f"the prompt needs {lengths[0]} KV slots but the pool holds {self.kv_pool.num_slots}; "
+                             "raise kv_tokens (or kv_memory_fraction on CUDA) or shorten it")
         if not isinstance(prompt, (list, tuple, range)):  # the caller's tensor or array may change after we return
             ids[0] = ids[0].clone()
-        with self._server_lock:
+        with self._server_lock:  # close() takes it too: no server is started after close() looked for one
+            self._check_open()
             if self._server is None:
-                cfg, runner = self.config, self.runner  # the runner's forward looked up per call, never the engine
-                self._server = Server(lambda batch: runner.forward(batch), runner.lock, self.kv_pool, self.prefix_cache,
-                                      self._gate, cfg.chunked_prefill_size, cfg.schedule_policy,
-                                      cfg.max_inflight_batches, self.device)
+                self._server = self._make_server()
                 weakref.finalize(self, self._server.close)  # an engine dropped without close() stops its threads
         return self._server.submit(ids[0])
+
+    def _make_server(self) -> Server:
+        cfg, runner = self.config, self.runner  # the runner's forward looked up per call, never the engine
+        return Server(forward=lambda batch: runner.forward(batch), lock=runner.lock, pool=self.kv_pool,
+                      cache=self.prefix_cache, gate=self._gate, budget=cfg.chunked_prefill_size,
+                      policy=cfg.schedule_policy, max_inflight=cfg.max_inflight_batches, device=self.device)
 
     async def asubmit(self, prompt: Prompt) -> RequestResult:
         """:meth:`submit` for asyncio: ``res = await eng.asubmit(prompt)``; cancelling the task cancels a request
         that has not started."""
-        return await asyncio.wrap_future(self.submit(prompt))
+        return await served_result(self.submit(prompt))
 
     def close(self) -> None:
         """Stops the scheduler (launched forwards complete; every request not finished fails with
         :class:`EngineClosedError`) and frees the prefix cache's slots; afterwards :meth:`prefill` and :meth:`submit`
         raise EngineClosedError. Idempotent."""
-        self._closed = True
         with self._server_lock:
+            self._closed = True
             server = self._server
         if server is not None:
             server.close()
@@ -282,6 +299,9 @@ class Engine:
         self.close()
 
     def _check_open(self) -> None:
+        server = self._server
+        if server is not None and server.failure is not None:  # the scheduler stopped: the whole engine did
+            raise EngineClosedError(f"{server.failure}; build a new one")
         if self._closed:
             raise EngineClosedError("the engine is closed; build a new one")
 

@@ -108,6 +108,7 @@ class SlotLease:
         pool: the KV pool.
         plan: the prefill's batches (:func:`bcg.runtime.scheduler.plan_batches`).
         on_free: called after slots went back to the pool (the engine wakes prefills waiting for slots).
+        alloc: takes slots of ``pool`` (default ``pool.alloc``; the engine's prefix cache evicts for a shortfall).
 
     Call :meth:`reserve` once, then per batch :meth:`take` for each chunk and :meth:`finish` after it ran, and
     :meth:`release` on every exit path (it returns whatever is still held, and may be called again).
@@ -127,9 +128,10 @@ class SlotLease:
         (True, 8)
     """
 
-    def __init__(self, pool: KVPool, plan: Sequence[Sequence[Chunk]], on_free: Callable[[], None] | None = None
-                 ) -> None:
+    def __init__(self, pool: KVPool, plan: Sequence[Sequence[Chunk]], on_free: Callable[[], None] | None = None,
+                 alloc: Callable[[int], Tensor] | None = None) -> None:
         self.pool, self.plan, self.on_free = pool, plan, on_free
+        self._alloc = alloc or pool.alloc
         held = slots_held(plan)
         self.peak = max(held)
         # After batch b the lease keeps what any later batch holds: the suffix maximum of ``held``.
@@ -148,7 +150,7 @@ class SlotLease:
         Raises:
             KVPoolFullError: the pool has fewer free slots; nothing is reserved.
         """
-        self._free = self.pool.alloc(self.peak).numpy()[::-1].copy()
+        self._free = self._alloc(self.peak).numpy()[::-1].copy()
         self._top, self.is_reserved = self.peak, True
 
     def take(self, chunk: Chunk) -> tuple[Tensor, Tensor]:

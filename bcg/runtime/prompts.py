@@ -21,14 +21,22 @@ def _what(p: Any) -> str:
     return f"an {name}" if name[0] in "aeiou" else f"a {name}"
 
 
+def _places(device: torch.device) -> str:
+    """Where a prompt tensor may live for an engine on ``device``."""
+    return "the CPU" if device.type == "cpu" else f"the CPU or on {device}"
+
+
 def _from_tensor(i: int, p: torch.Tensor, device: torch.device) -> torch.Tensor:
     if p.dtype == torch.long and p.device.type == "cpu" and p.dim() == 1:  # already what we need
         return p
     if p.dtype.is_floating_point or p.dtype.is_complex or p.dtype == torch.bool:
         raise TypeError(f"prompt {i} is a {p.dtype} tensor; token ids must be an integer tensor (e.g. torch.long)")
+    if p.device.type == "meta":
+        raise ValueError(f"prompt {i} is a meta-device tensor, which holds no token ids; pass the ids themselves "
+                         f"(a list, or a tensor on {_places(device)})")
     if p.device.type != "cpu" and p.device != device:
-        raise ValueError(f"prompt {i} is on {p.device}, but the engine runs on {device}; pass it on the CPU or on "
-                         f"{device}")
+        raise ValueError(f"prompt {i} is on {p.device}, but the engine runs on {device}; pass it on "
+                         f"{_places(device)}")
     if p.dim() != 1:
         raise ValueError(f"prompt {i} has shape {tuple(p.shape)}; a prompt is a 1-D tensor of ids")
     return p.to(device="cpu", dtype=torch.long)
@@ -51,6 +59,8 @@ def _one(i: int, p: Any, vocab: int, device: torch.device) -> torch.Tensor:
     if isinstance(p, np.ndarray):
         if p.dtype.kind not in "iu":
             raise TypeError(f"prompt {i} is a numpy array of {p.dtype}; token ids must be integers")
+        if p.dtype == np.uint64 and p.size and int(p.max()) > _INT64[1]:  # astype would wrap it to a negative id
+            raise ValueError(f"prompt {i} has token id {int(p.max())} outside the vocabulary [0, {vocab})")
         return _from_tensor(i, torch.from_numpy(p.astype(np.int64, copy=False)), device)
     if isinstance(p, (str, bytes)):
         raise TypeError(f"prompt {i} is text ({_what(p)}); tokenize it first: a prompt is a list of token ids")
@@ -98,5 +108,7 @@ def validate_prompts(prompts: Any, vocab_size: int, max_length: int, device: tor
     if every.min() < 0 or every.max() >= vocab_size:
         i = next(i for i, t in enumerate(out) if t.min() < 0 or t.max() >= vocab_size)
         bad = int(out[i].min()) if out[i].min() < 0 else int(out[i].max())
+        if bad < 0 and not isinstance(prompts[i], (torch.Tensor, np.ndarray)):  # a numpy uint64 beyond int64 wraps
+            bad = next((int(x) for x in prompts[i] if isinstance(x, np.uint64) and int(x) > _INT64[1]), bad)
         raise ValueError(f"prompt {i} has token id {bad} outside the vocabulary [0, {vocab_size})")
     return out, lengths

@@ -46,6 +46,33 @@ def test_two_backends_side_by_side_with_a_shared_prefix(tmp_path: Path, capsys: 
     assert "Time to first token under load" in out
 
 
+def test_the_warm_up_runs_every_path_and_is_reported_apart_from_the_windows(tmp_path: Path,
+                                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, out = run([*FAST, "--backends", "breakable", "--rates", "20", "--duration", "0.5", "--lengths",
+                        "fixed:10", "--no-plots", "--out", str(tmp_path)], capsys)
+    results = json.loads((tmp_path / "results.json").read_text())
+    (warmup,) = results["warmups"]
+    assert code == 0 and warmup["backend"] == "breakable" and warmup["requests"] == 2 and warmup["wall_ms"] > 0
+    assert {f"graph {b}" for b in warmup["prefill_tokens"]} <= set(warmup["paths"])  # every bucket replayed once
+    assert "breakable: warm-up before the measured windows: 2 requests" in out
+    (row,) = results["rows"]
+    assert row["cold_forwards"] == 0 and row["cold_ttft_ms_max"] is None  # nothing ran for the first time in it
+
+
+def test_a_forward_on_a_path_new_to_the_window_is_counted_cold() -> None:
+    from bcg.bench.load import measure_rate
+    from bcg.bench.workload import make_workload, parse_lengths
+    from bcg.runtime import Engine
+
+    with Engine("tiny-dense", backend="breakable", device="cpu", buckets=[16, 32], chunked_prefill_size=64,
+                seed=0, progress=False) as eng:
+        work = make_workload(50.0, 0.2, parse_lengths("fixed:10"), 0, 256, seed=0)
+        row = measure_rate(eng, work, "breakable", 5.0, seen=set())
+        assert row.cold_forwards >= 1 and row.cold_ttft_ms_max is not None and row.completed
+        seen = {"graph 16", "graph 32"}
+        assert measure_rate(eng, work, "breakable", 5.0, seen=seen).cold_forwards == 0
+
+
 def test_a_backend_that_falls_behind_stops_and_skips_its_higher_rates(tmp_path: Path,
                                                                        capsys: pytest.CaptureFixture[str]) -> None:
     code, summary, out = run([*FAST, "--backends", "breakable", "--rates", "20000,40000", "--duration", "0.5",

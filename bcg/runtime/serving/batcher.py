@@ -61,6 +61,7 @@ class Batcher:
 
     def __init__(self, pool: KVPool, cache: PrefixCache | None, budget: int, queue: FifoQueue) -> None:
         self.pool, self.cache, self.budget, self.queue = pool, cache, budget, queue
+        self._alloc = cache.alloc if cache is not None else pool.alloc  # the cache evicts for a shortfall first
         self.running: list[Request] = []
         self.blocked: Request | None = None  # the request the last plan could not admit (no slots)
 
@@ -109,7 +110,7 @@ class Batcher:
         hit = self.cache.lookup(req.tokens, req.num_tokens - 1) if self.cache is not None else None
         cached = hit.length if hit is not None else 0
         try:
-            own = self.pool.alloc(req.num_tokens - cached).numpy()
+            own = self._alloc(req.num_tokens - cached).numpy()
         except KVPoolFullError:
             if hit is not None:
                 self.cache.unlock(hit.node)
@@ -140,9 +141,10 @@ class Batcher:
             req.batches.append(record)
             req.done = end
             if self.cache is not None:
-                node, adopted_from = self.cache.insert(req.tokens[:end], req.slots[:end])
+                # Locked as it is inserted (a prefill's allocation may evict meanwhile), before the shorter prefix's
+                # lock goes, so the shared part never drops to no lock.
+                node, adopted_from = self.cache.insert(req.tokens[:end], req.slots[:end], lock=True)
                 req.adopted[adopted_from:end] = True
-                self.cache.lock(node)  # the longer prefix first, so the shared part never drops to no lock
                 self.cache.unlock(req.node)
                 req.node = node
         if plan.finishing:

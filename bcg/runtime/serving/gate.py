@@ -5,6 +5,11 @@ Every path that runs forwards (``Engine.prefill`` and the serving scheduler) and
 (a prefill's :class:`~bcg.runtime.kv_slots.SlotLease`, the scheduler's running requests) reports here, so each of
 them sees the others: a prefill waits for slots the scheduler holds instead of failing, and the scheduler is woken
 when a prefill gives slots back.
+
+Who may wait for whom (DESIGN.md has the rules and why): a thread waits for slots (:meth:`ActivityGate.reserve`)
+before it enters as a forward, never while it counts as one, so a recapture (:meth:`ActivityGate.quiet`) waits only
+for forwards that will end; the threads that end forwards (the completer) and hold slots (the scheduler) never run a
+caller's code; every enter has its exit on every path, ``BaseException`` included.
 """
 
 from __future__ import annotations
@@ -71,8 +76,13 @@ class ActivityGate:
         thread's host syncs and allocations during a capture would invalidate it)."""
         with self._cond:
             self.num_recaptures += 1
-            while self.num_active:
-                self._cond.wait()
+            try:
+                while self.num_active:
+                    self._cond.wait()
+            except BaseException:  # interrupted while waiting: forwards must not wait for a recapture never run
+                self.num_recaptures -= 1
+                self._cond.notify_all()
+                raise
         try:
             yield
         finally:

@@ -6,12 +6,14 @@ token-granular (a prefix may end anywhere, inside an edge too), and it knows slo
 pool layout: a native model's K/V, a DSA model's index keys, a transformers model's per-layer buffers
 (:meth:`KVPool.for_layers <bcg.ops.kv_cache.KVPool.for_layers>`) are all indexed by the same slot.
 
-A request that reads a prefix locks the deepest node it reads (:meth:`PrefixCache.lookup`): a lock counts on the
-node and every ancestor, and only leaves that nobody locks are evicted, least recently used first
-(:meth:`PrefixCache.evict`, which the pool calls when an allocation falls short: :attr:`KVPool.reclaim
-<bcg.ops.kv_cache.KVPool.reclaim>`). So what a running prefill reads is never evicted. When a request's KV is
-written, :meth:`PrefixCache.insert` adopts the slots of the tokens the tree did not have yet; slots of tokens
-another request cached meanwhile stay the request's own, to free when it ends.
+A request that reads a prefix locks the deepest node it reads (:meth:`PrefixCache.lookup`, which splits an edge the
+hit ends inside, so the lock covers exactly what is read): a lock counts on the node and every ancestor, and only
+leaves that nobody locks are evicted, least recently used first (:meth:`PrefixCache.evict`). Whoever shares the pool
+with the cache allocates through :meth:`PrefixCache.alloc`, which evicts for the shortfall first: the cache calls
+down into the pool, never the pool up into the cache. So what a running prefill reads is never evicted. When a
+request's KV is written, :meth:`PrefixCache.insert` adopts the slots of the tokens the tree did not have yet (and
+locks the node in the same step when asked); slots of tokens another request cached meanwhile stay the request's
+own, to free when it ends.
 
 Thread-safe: one lock around the tree; the pool is called outside it.
 """
@@ -26,7 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from bcg.ops.kv_cache import KVPool
+from bcg.ops.kv_cache import KVPool, KVPoolFullError
 
 __all__ = ["CacheHit", "PrefixCache"]
 
@@ -95,18 +97,23 @@ class PrefixCache:
         A request asks for at most ``len(tokens) - 1``: its last token must run to produce logits.
         """
         with self._lock:
-            node, length, parts = self._walk(tokens, max_tokens)
+            node, length, parts, inside = self._walk(tokens, max_tokens)
             if length == 0:
                 return CacheHit(0, _EMPTY, None)
+            if inside:  # the hit ends inside the node's edge: lock only what it reads, the rest stays evictable
+                node = self._split(node, inside)
             self._touch(node)
             self._lock_node(node)
             return CacheHit(length, parts[0] if len(parts) == 1 else np.concatenate(parts), node)
 
-    def insert(self, tokens: np.ndarray, slots: np.ndarray) -> tuple[_Node, int]:
-        """Caches ``tokens`` whose KV sits in ``slots``; returns the deepest node of the prefix (to :meth:`lock`)
-        and how many leading tokens the tree already had. The tree adopts ``slots[adopted_from:]``; the rest stay
-        the caller's (the tree's own slots hold those tokens, which the caller's equal where it read them from
-        the tree)."""
+    def insert(self, tokens: np.ndarray, slots: np.ndarray, lock: bool = False) -> tuple[_Node, int]:
+        """Caches ``tokens`` whose KV sits in ``slots``; returns the deepest node of the prefix and how many leading
+        tokens the tree already had. The tree adopts ``slots[adopted_from:]``; the rest stay the caller's (the
+        tree's own slots hold those tokens, which the caller's equal where it read them from the tree).
+
+        With ``lock`` the node comes back locked (:meth:`unlock` it), in the same step: a new leaf is evictable the
+        moment the tree's lock is let go, and a request still writing behind it must never see it evicted (another
+        thread's allocation evicts at any time)."""
         n = len(tokens)
         with self._lock:
             node, i = self._root, 0
@@ -130,6 +137,8 @@ class PrefixCache:
                 node = leaf
             if node is not self._root:
                 self._touch(node)
+                if lock:
+                    self._lock_node(node)
             return node, adopted_from
 
     def lock(self, node: _Node | None) -> None:
@@ -152,7 +161,21 @@ class PrefixCache:
             if node.lock_ref == 0 and not node.children and node.parent is not None:
                 self._push(node)
 
-    # ---------------------------------------------------------------- eviction
+    # ---------------------------------------------------------------- allocation and eviction
+    def alloc(self, n: int) -> torch.Tensor:
+        """``n`` slots of the pool (:meth:`KVPool.alloc <bcg.ops.kv_cache.KVPool.alloc>`), evicting unlocked
+        prefixes for the shortfall when too few are free.
+
+        Raises:
+            KVPoolFullError: too few slots even so; nothing was allocated, and nothing evicted when eviction could
+                not have made room.
+        """
+        try:
+            return self.pool.alloc(n)
+        except KVPoolFullError:
+            self.evict(n - self.pool.num_free)
+            return self.pool.alloc(n)
+
     def evict(self, num_tokens: int) -> int:
         """Frees at least ``num_tokens`` slots to the pool, least recently used leaves first, and returns how many it
         freed; nothing when the unlocked entries hold fewer (an allocation that cannot succeed empties no cache)."""
@@ -223,7 +246,9 @@ class PrefixCache:
         eq = key[:m] == tokens[i : i + m]
         return m if eq.all() else int(np.argmin(eq))
 
-    def _walk(self, tokens: np.ndarray, limit: int) -> tuple[_Node, int, list[np.ndarray]]:
+    def _walk(self, tokens: np.ndarray, limit: int) -> tuple[_Node, int, list[np.ndarray], int]:
+        """The deepest node matching ``tokens[:limit]``, the length matched, its slots in parts, and where inside
+        that node's edge the match ends (0: at its end)."""
         node, i, parts = self._root, 0, []
         limit = min(limit, len(tokens))
         while i < limit:
@@ -233,9 +258,9 @@ class PrefixCache:
             j = self._common(child.key, tokens, i, limit)
             parts.append(child.slots[:j])
             node, i = child, i + j
-            if j < len(child.key):  # ends inside this edge: the lock covers the whole node, the hit its first j
-                break
-        return node, i, parts
+            if j < len(child.key):  # ends inside this edge
+                return node, i, parts, j
+        return node, i, parts, 0
 
     def _split(self, child: _Node, j: int) -> _Node:
         """Cuts ``child``'s edge after ``j`` tokens; returns the new upper node (locks and age copied, so every lock

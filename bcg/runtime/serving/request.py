@@ -33,6 +33,8 @@ class RequestResult:
         queue_ms: from :meth:`~bcg.runtime.engine.Engine.submit` until the first forward holding it was launched.
         ttft_ms: from :meth:`~bcg.runtime.engine.Engine.submit` until its logits were on the device (time to first
             token).
+        completed_at: when that was, on the :func:`time.perf_counter` clock (a load generator times from its own
+            schedule with it, with no done-callback in the measurement).
     """
 
     logits: Tensor
@@ -42,6 +44,7 @@ class RequestResult:
     num_tokens: int
     queue_ms: float
     ttft_ms: float
+    completed_at: float = 0.0
 
 
 @dataclass(eq=False)
@@ -82,4 +85,4 @@ class Request:
     def result(self, logits: Tensor, next_tokens: Tensor, completed: float) -> RequestResult:
         launched = self.first_launch if self.first_launch is not None else completed
         return RequestResult(logits, next_tokens, self.batches, self.cached, self.num_tokens,
-                             (launched - self.arrival) * 1e3, (completed - self.arrival) * 1e3)
+                             (launched - self.arrival) * 1e3, (completed - self.arrival) * 1e3, completed)

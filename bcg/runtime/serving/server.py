@@ -10,9 +10,15 @@ not yet complete, so a queue of launched work never builds up ahead of newly arr
 thread waits for each forward's event in turn, stamps the time to first token and resolves the futures, whose
 tensors are then ready to read. On the CPU the forward is synchronous and the event is None; the same threads run.
 
-A forward that raises fails its own requests (their futures get the exception) and no other. ``close`` stops the
-scheduler after the forward it is launching, lets launched forwards complete, and fails every request that has
-not finished with :class:`~bcg.runtime.serving.request.EngineClosedError`.
+A forward that raises fails its own requests (their futures get the exception) and no other; one that raises a
+``BaseException`` (``KeyboardInterrupt``, ``SystemExit``) fails its requests too, then stops the scheduler, and the
+engine with it. ``close`` stops the scheduler after the forward it is launching, lets launched forwards complete, and
+fails every request that has not finished with :class:`~bcg.runtime.serving.request.EngineClosedError`.
+
+Who waits for whom (the gate's rules, DESIGN.md): the scheduler waits for an in-flight slot (given back by the
+completer, which waits only for the device) and for a recapture to end; the completer waits for the device and for
+nothing else; neither runs a caller's code, because the futures' done-callbacks run on a third thread
+(:mod:`.callbacks`), so a callback may call anything of the engine.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ from torch import Tensor
 from bcg.errors import first_line
 from bcg.ops.kv_cache import KVPool
 from bcg.runtime.serving.batcher import Batcher, Plan
+from bcg.runtime.serving.callbacks import CallbackThread, ServedFuture
 from bcg.runtime.serving.gate import ActivityGate
 from bcg.runtime.serving.policy import make_queue
 from bcg.runtime.serving.prefix_cache import PrefixCache
@@ -72,7 +79,7 @@ class Server:
         device: the engine's device.
     """
 
-    def __init__(self, forward: Callable[[Any], Any], lock: Any, pool: KVPool, cache: PrefixCache | None,
+    def __init__(self, *, forward: Callable[[Any], Any], lock: Any, pool: KVPool, cache: PrefixCache | None,
                  gate: ActivityGate, budget: int, policy: str, max_inflight: int, device: torch.device) -> None:
         self._forward, self._lock, self.gate, self.device = forward, lock, gate, device
         self.pool, self.cache = pool, cache
@@ -81,7 +88,7 @@ class Server:
         self._inbox: list[Request] = []
         self._woken = False  # slots were freed since the scheduler last planned
         self._closed = False
-        self._failure: str | None = None  # why the scheduler stopped, if it died
+        self.failure: str | None = None  # why the scheduler stopped, if it died (the engine is closed then)
         self._holding = False  # counted as a holder of slots in the gate
         self._seq = itertools.count()
         self._inflight = threading.BoundedSemaphore(max_inflight)
@@ -91,6 +98,7 @@ class Server:
         self._start_lock = threading.Lock()
         self._scheduler = threading.Thread(target=self._schedule, name="bcg-scheduler", daemon=True)
         self._completer = threading.Thread(target=self._complete, name="bcg-completer", daemon=True)
+        self._callbacks = CallbackThread([self._scheduler, self._completer])
 
     # ---------------------------------------------------------------- front end
     def submit(self, ids: Tensor) -> Future:
@@ -98,7 +106,7 @@ class Server:
         :class:`~bcg.runtime.serving.request.RequestResult`."""
         self._check_open()
         self._start()
-        future: Future = Future()
+        future: Future = ServedFuture(self._callbacks)
         with self._cond:
             self._check_open()
             self._inbox.append(Request(ids, future, seq=next(self._seq)))
@@ -117,9 +125,12 @@ class Server:
             if not self._started:
                 return
         me = threading.current_thread()
-        for thread in (self._scheduler, self._completer):
-            if thread is not me:  # close() from a done-callback runs on the completer: it cannot join itself
-                thread.join()
+        if me in (self._scheduler, self._completer):  # a finalizer run there: the threads end by themselves
+            return
+        self._scheduler.join()
+        self._completer.join()
+        if me is not self._callbacks.thread:  # close() from a done-callback: the callback thread ends after it
+            self._callbacks.join()
 
     @property
     def num_waiting(self) -> int:
@@ -129,13 +140,14 @@ class Server:
 
     def _check_open(self) -> None:
         if self._closed:
-            raise EngineClosedError(self._failure or "the engine is closed; build a new one to submit prompts")
+            raise EngineClosedError(self.failure or "the engine is closed; build a new one to submit prompts")
 
     def _start(self) -> None:
         with self._start_lock:
             if not self._started and not self._closed:
                 self._started = True
                 self.gate.add_listener(self._wake)
+                self._callbacks.start()  # first: the others hand it callbacks
                 self._scheduler.start()
                 self._completer.start()
 
@@ -149,18 +161,20 @@ class Server:
         try:
             with torch.inference_mode(), self._on_device():
                 self._schedule_loop()
-        except BaseException as e:  # a bug: fail everything rather than leave futures hanging
-            self._failure = f"the engine's scheduler stopped ({type(e).__name__}: {first_line(e)})"
-            logger.error("bcg: %s", self._failure, exc_info=True)
+        except BaseException as e:  # a bug or an interrupt: fail everything rather than leave futures hanging
+            self.failure = f"the engine's scheduler stopped ({first_line(e)})"
+            logger.error("bcg: %s", self.failure, exc_info=True)
         finally:
             with self._cond:
                 self._closed = True
                 arrivals, self._inbox = self._inbox, []
             for req in arrivals:
                 self.batcher.add(req)
-            error = EngineClosedError(self._failure or "the engine was closed before this request finished")
+            error = EngineClosedError(self.failure or "the engine was closed before this request finished")
             self._fail(self.batcher.abort(), error)
             self._set_holding()
+            if self.cache is not None:  # nothing runs any more: what the cache holds goes back to the pool
+                self.cache.clear()
             self._completions.put(None)
 
     def _schedule_loop(self) -> None:
@@ -224,12 +238,14 @@ class Server:
                     logits = out.logits.clone()
                     next_tokens = logits.argmax(dim=-1)
                 event = self._record_event()
-        except Exception as e:  # this forward's requests fail, nobody else's
+        except BaseException as e:  # this forward's requests fail, nobody else's; an interrupt then stops the loop
             self.gate.exit()
             self._inflight.release()
             self._fail(self.batcher.failed(plan), e)
             self._set_holding()
             self.gate.notify()
+            if not isinstance(e, Exception):
+                raise
             return
         try:
             finished = self.batcher.launched(plan, out.record)
@@ -270,21 +286,41 @@ class Server:
 
     # ---------------------------------------------------------------- the completer thread
     def _complete(self) -> None:
-        with torch.inference_mode(), self._on_device():
-            while True:
-                item = self._completions.get()
-                if item is None:
-                    return
-                try:
-                    if item.event is not None:
-                        item.event.synchronize()
-                    now = time.perf_counter()
-                    for row, req in enumerate(item.finishing):
-                        result = req.result(item.logits[row : row + 1], item.next_tokens[row : row + 1], now)
-                        req.future.set_result(result)
-                        self.num_finished += 1
-                except Exception as e:  # the device failed this forward: its requests fail
-                    self._fail(item.finishing, e)
-                finally:
-                    self.gate.exit()
-                    self._inflight.release()
+        try:
+            with torch.inference_mode(), self._on_device():
+                while True:
+                    item = self._completions.get()
+                    if item is None:
+                        return
+                    self._resolve(item)
+        finally:
+            self._callbacks.stop()  # after the last future this thread resolves: its callbacks were handed over
+
+    def _resolve(self, item: _Completion) -> None:
+        try:
+            if item.event is not None:
+                item.event.synchronize()
+        except Exception as e:  # the device failed this forward: its requests fail
+            self._over()
+            self._fail(item.finishing, e)
+            return
+        now = time.perf_counter()
+        # The forward is over before its futures resolve: whoever wakes on one (a done-callback, a thread in result())
+        # may recapture at once, and finds this forward no longer counted as active.
+        self._over()
+        try:
+            if not item.finishing:
+                return
+            # One split per forward rather than two slicing ops per request: the completer's Python holds the
+            # interpreter lock the scheduler needs.
+            rows, tokens = item.logits.split(1), item.next_tokens.split(1)
+            for req, logits, next_tokens in zip(item.finishing, rows, tokens):
+                req.future.set_result(req.result(logits, next_tokens, now))
+            self.num_finished += len(item.finishing)
+        except Exception as e:  # a bug reading the result: these requests fail, the others go on
+            self._fail(item.finishing, e)
+
+    def _over(self) -> None:
+        """A launched forward completed: it is no longer active, and its in-flight slot is free."""
+        self.gate.exit()
+        self._inflight.release()

@@ -26,8 +26,6 @@ class World:
     def __init__(self, num_slots: int = 256, budget: int = 16, cache: bool = True, policy: str = "fifo") -> None:
         self.pool = KVPool(num_slots=num_slots, num_layers=1, num_kv_heads=1, head_dim=2, dtype=torch.float32)
         self.cache = PrefixCache(self.pool) if cache else None
-        if self.cache is not None:
-            self.pool.reclaim = self.cache.evict
         self.batcher = Batcher(self.pool, self.cache, budget, make_queue(policy))
         self.content: dict[int, tuple] = {}
         self.seq = 0

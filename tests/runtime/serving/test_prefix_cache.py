@@ -1,5 +1,5 @@
 """The radix tree of cached prefixes: token-granular hits, splits, adoption, locks, least-recently-used eviction and
-the pool's reclaim hook."""
+allocation through the cache."""
 
 from __future__ import annotations
 
@@ -37,8 +37,9 @@ def test_hits_are_token_granular_and_branches_split_an_edge() -> None:
     hit = cache.lookup(np.array([1, 2, 3, 9, 7]), max_tokens=4)
     assert (hit.length, hit.slots.tolist()) == (4, [a[0], a[1], a[2], b])
     cache.unlock(hit.node)
-    hit = cache.lookup(np.array([1, 2, 7]), max_tokens=2)  # ends inside an edge: no split
-    assert (hit.length, hit.slots.tolist(), cache.num_nodes) == (2, a[:2].tolist(), 3)
+    hit = cache.lookup(np.array([1, 2, 7]), max_tokens=2)  # ends inside an edge: split, the lock covers [1 2] only
+    assert (hit.length, hit.slots.tolist(), cache.num_nodes) == (2, a[:2].tolist(), 4)
+    assert cache.num_locked_tokens == 2 == cache.count_locked_tokens() and cache.num_evictable_tokens == 4
     cache.unlock(hit.node)
     assert cache.lookup(np.array([8, 1]), max_tokens=1).length == 0
     assert cache.lookup(np.array([1, 2, 3]), max_tokens=0).length == 0
@@ -75,23 +76,23 @@ def test_locks_protect_the_path_and_eviction_is_least_recently_used_leaves_first
     assert cache.num_cached_tokens == 0 and cache.num_nodes == 0 and pool.num_free == 16
 
 
-def test_the_pool_evicts_through_its_reclaim_hook_before_it_refuses() -> None:
+def test_alloc_evicts_unlocked_prefixes_before_it_refuses() -> None:
     pool, cache = make(8)
-    pool.reclaim = cache.evict
     cache_prompt(pool, cache, [1, 2, 3, 4, 5, 6])
-    held = cache.lookup(np.array([1, 2, 3, 9]), max_tokens=3)  # a running request reads [1 2 3]
-    slots = pool.alloc(2)
+    held = cache.lookup(np.array([1, 2, 3, 4, 5, 6, 9]), max_tokens=6)  # a running request reads all six
+    slots = cache.alloc(2)
     assert pool.num_free == 0 and cache.num_cached_tokens == 6
     with pytest.raises(KVPoolFullError):  # the locked node holds all six: nothing can be evicted
-        pool.alloc(1)
+        cache.alloc(1)
     cache.unlock(held.node)
-    held = cache.lookup(np.array([1, 2, 3, 9]), max_tokens=2)  # now only part of the node... but the whole node locks
-    assert cache.num_evictable_tokens == 0
+    held = cache.lookup(np.array([1, 2, 3, 9]), max_tokens=2)  # a hit inside the edge locks its two tokens only
+    assert cache.num_evictable_tokens == 4
     with pytest.raises(KVPoolFullError):
-        pool.alloc(7)  # more than eviction could give: the cache keeps its entries
+        cache.alloc(7)  # more than eviction could give: the cache keeps its entries
     assert cache.num_cached_tokens == 6
+    assert cache.alloc(4).numel() == 4 and cache.num_cached_tokens == 2  # the unread rest went
     cache.unlock(held.node)
-    assert pool.alloc(6).numel() == 6 and cache.num_cached_tokens == 0
+    assert pool.reclaim is None  # the pool never calls up into the cache
     pool.free(slots)
 
 
@@ -102,7 +103,6 @@ def test_random_traffic_never_frees_a_locked_slot_and_leaks_nothing(seed: int) -
     tokens wrote, and the pool is whole once every request ended and the cache is cleared."""
     rng = np.random.default_rng(seed)
     pool, cache = make(48)
-    pool.reclaim = cache.evict
     content = {}  # slot -> the prefix whose last token's KV it holds
     live: list[dict] = []
 
@@ -135,7 +135,7 @@ def test_random_traffic_never_frees_a_locked_slot_and_leaks_nothing(seed: int) -
             tokens = rng.integers(0, 4, int(rng.integers(2, 14)))
             hit = cache.lookup(tokens, len(tokens) - 1)
             try:
-                own = pool.alloc(len(tokens) - hit.length).numpy()
+                own = cache.alloc(len(tokens) - hit.length).numpy()
             except KVPoolFullError:
                 cache.unlock(hit.node)
                 continue

@@ -174,13 +174,13 @@ def test_eviction_under_kv_pressure_never_breaks_a_running_request() -> None:
     assert whole(eng)
 
 
-def test_a_prompt_larger_than_the_pool_fails_alone() -> None:
+def test_a_prompt_larger_than_the_pool_is_refused_at_submit() -> None:
     eng = engine("tiny-dense", "breakable", kv_tokens=128)
     ok, big = random_prompts([20], seed=1)[0], random_prompts([300], seed=2)[0]
-    futures = [eng.submit(ok), eng.submit(big), eng.submit(ok)]
-    with pytest.raises(ValueError, match="raise kv_tokens"):
-        futures[1].result(timeout=60)
-    assert same(futures[0].result(timeout=60), reference([ok])[0]) and futures[2].result(timeout=60).cached_tokens
+    with pytest.raises(ValueError, match="needs 300 KV slots but the pool holds 128; raise kv_tokens"):
+        eng.submit(big)
+    assert same(eng.submit(ok).result(timeout=60), reference([ok])[0])
+    assert eng.submit(ok).result(timeout=60).cached_tokens  # the engine serves on as before
     assert whole(eng)
 
 
@@ -413,7 +413,7 @@ def test_an_engine_dropped_without_close_stops_its_threads() -> None:
     before = new_threads()
     eng = Engine("tiny-dense", backend="breakable", seed=0, progress=False, **COMMON)
     assert eng.submit([1, 2, 3]).result(timeout=60).cached_tokens == 0
-    assert {t.name for t in new_threads()} == {"bcg-scheduler", "bcg-completer"}
+    assert {t.name for t in new_threads()} == {"bcg-scheduler", "bcg-completer", "bcg-callbacks"}
     pool = weakref.ref(eng.kv_pool)
     del eng
     gc.collect()
