@@ -8,8 +8,8 @@ Every flag maps 1:1 to a field of :class:`~bcg.bench.config.BenchConfig`, :class
 Tables go to stdout, progress bars to stderr, and the last line printed is one JSON object summarising the run; the
 full results are in ``--out``/results.json next to the PNGs. Under tensor parallel (``torchrun --nproc-per-node N -m
 bcg bench --tp N``) every rank measures, and only rank 0 prints and writes files. This file parses the flags and
-sets the process up; the runs themselves are :mod:`bcg.cli_run`'s, the shared flags :mod:`bcg.cli_flags`'s and
-the verify and load flags :mod:`bcg.cli_verify`'s and :mod:`bcg.cli_load`'s.
+sets the process up; the runs themselves are :mod:`bcg.cli.run`'s, the shared flags :mod:`bcg.cli.flags`'s and
+the verify and load flags :mod:`bcg.cli.verify`'s and :mod:`bcg.cli.load`'s.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from collections.abc import Iterator
 from dataclasses import fields
 from typing import Any
 
-from bcg.cli_flags import backend_list, both, int_list, measure_flags, size
-from bcg.cli_run import is_main_rank, run_analyze, run_bench
+from bcg.cli.flags import backend_list, both, int_list, measure_flags, size
+from bcg.cli.run import is_main_rank, run_analyze, run_bench
 
 __all__ = ["build_parser", "main"]
 
@@ -35,8 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
     from bcg.bench.config import CPU_DEFAULTS as C
     from bcg.bench.config import CUDA_DEFAULTS as G
     from bcg.bench.config import AnalyzeConfig, BenchConfig
-    from bcg.cli_load import add_parser as add_load
-    from bcg.cli_verify import add_parser as add_verify
+    from bcg.cli.load import add_parser as add_load
+    from bcg.cli.verify import add_parser as add_verify
 
     parser = argparse.ArgumentParser(prog="bcg", description="Breakable CUDA graphs for LLM prefill: measure "
                                      "and judge. Without a GPU every graph runs under the CPU emulation; its "

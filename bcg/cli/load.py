@@ -1,6 +1,6 @@
 """The flags of ``bcg load``: time to first token under an open-loop load, every backend side by side.
 
-Each flag maps 1:1 to a field of :class:`~bcg.bench.load_config.LoadConfig`; the run is :func:`bcg.cli_run.run_load`.
+Each flag maps 1:1 to a field of :class:`~bcg.bench.load_config.LoadConfig`; the run is :func:`bcg.cli.run.run_load`.
 """
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from bcg.cli_flags import backend_list, both, engine_flags, float_list
+from bcg.cli.flags import backend_list, both, engine_flags, float_list
 
 __all__ = ["add_parser"]
 
@@ -18,7 +18,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     from bcg.bench.load_config import LOAD_CPU_DEFAULTS as LC
     from bcg.bench.load_config import LOAD_CUDA_DEFAULTS as LG
     from bcg.bench.load_config import LoadConfig
-    from bcg.cli_run import run_load
+    from bcg.cli.run import run_load
     from bcg.runtime.config import SCHEDULE_POLICIES
 
     load = sub.add_parser("load", help="time to first token and throughput under an open-loop load",

@@ -5,7 +5,7 @@ Each flag maps 1:1 to a field of :class:`~bcg.bench.config.VerifyConfig`: the en
 (:class:`~bcg.runtime.config.EngineConfig` fields of the same names), ``--num-tokens`` and ``--tolerance`` (the
 arguments of :func:`~bcg.runtime.runner.verify.verify_segments`). The capture runs with the leak detector on
 (``--leak-check``, :mod:`bcg.leaks`). One report per batch size goes to stdout, then one JSON summary line
-(:func:`bcg.cli_run.run_verify`); the exit status is 1 when any bucket diverges (or no batch size replays a graph),
+(:func:`bcg.cli.run.run_verify`); the exit status is 1 when any bucket diverges (or no batch size replays a graph),
 0 otherwise.
 """
 
@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from bcg.cli_flags import engine_flags, int_list
+from bcg.cli.flags import engine_flags, int_list
 
 __all__ = ["add_parser"]
 
@@ -22,7 +22,7 @@ __all__ = ["add_parser"]
 def add_parser(sub: Any) -> argparse.ArgumentParser:
     """Adds the ``verify`` subcommand to ``sub`` (argparse subparsers)."""
     from bcg.bench.config import VerifyConfig
-    from bcg.cli_run import run_verify
+    from bcg.cli.run import run_verify
 
     p = sub.add_parser("verify", help="replay graphs segment by segment against eager; name the first divergence",
                        description="Builds an engine, then for each batch size replays the bucket it uses step by "
