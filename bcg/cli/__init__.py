@@ -7,168 +7,72 @@ Every flag maps 1:1 to a field of :class:`~bcg.bench.config.BenchConfig`, :class
 ``memory=False``), and its help shows its default.
 Tables go to stdout, progress bars to stderr, and the last line printed is one JSON object summarising the run; the
 full results are in ``--out``/results.json next to the PNGs. Under tensor parallel (``torchrun --nproc-per-node N -m
-bcg bench --tp N``) every rank measures, and only rank 0 prints and writes files. This file parses the flags and
-sets the process up; the runs themselves are :mod:`bcg.cli.run`'s, the shared flags :mod:`bcg.cli.flags`'s and
-the verify and load flags :mod:`bcg.cli.verify`'s and :mod:`bcg.cli.load`'s.
+bcg bench --tp N``) every rank measures, and only rank 0 prints and writes files.
+
+This file parses the flags and maps the outcome to an exit status. Only the named command's flags are built (each
+command's module: :mod:`.bench`, :mod:`.analyze`, :mod:`.verify`, :mod:`.load`), so ``bcg --help``, ``bcg
+--version`` and a mistyped command never import torch; the runs are :mod:`.run`'s, the process set-up
+:mod:`.process`'s.
 """
 
 from __future__ import annotations
 
-import argparse
-import contextlib
-import io
-import logging
 import sys
-from collections.abc import Iterator
-from dataclasses import fields
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
 
-from bcg.cli.flags import backend_list, both, int_list, measure_flags, size
-from bcg.cli.run import is_main_rank, run_analyze, run_bench
+if TYPE_CHECKING:
+    import argparse
 
-__all__ = ["build_parser", "main"]
+# Nothing heavier than sys at import: the console script imports this module before main() can catch a Ctrl-C.
+__all__ = ["COMMANDS", "build_parser", "main"]
+
+# Each subcommand and the module that holds its flags (add_flags) and its one-line help (HELP).
+COMMANDS = {"bench": "bcg.cli.bench", "analyze": "bcg.cli.analyze", "verify": "bcg.cli.verify",
+            "load": "bcg.cli.load"}
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The argparse parser of ``bcg`` (subcommands ``bench``, ``analyze`` and ``verify``, and ``--version``)."""
+def build_parser(commands: Iterable[str] = tuple(COMMANDS)) -> argparse.ArgumentParser:
+    """The argparse parser of ``bcg`` (subcommands bench, analyze, verify and load, and ``--version``), with the flags
+    of ``commands`` filled in (every command's by default; the others are listed with their help line only).
+
+    Example:
+        >>> build_parser([]).parse_args(["load"]).command  # no flags built, nothing heavy imported
+        'load'
+    """
+    import argparse
+    import importlib
+
     from bcg import __version__
-    from bcg.bench.config import CPU_DEFAULTS as C
-    from bcg.bench.config import CUDA_DEFAULTS as G
-    from bcg.bench.config import AnalyzeConfig, BenchConfig
-    from bcg.cli.load import add_parser as add_load
-    from bcg.cli.verify import add_parser as add_verify
 
     parser = argparse.ArgumentParser(prog="bcg", description="Breakable CUDA graphs for LLM prefill: measure "
                                      "and judge. Without a GPU every graph runs under the CPU emulation; its "
                                      "timings show no kernel-launch overhead.")
     parser.add_argument("--version", action="version", version=_version_line(__version__))
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{bench,analyze,verify,load}")
-    bench = sub.add_parser("bench", help="isolated prefill latency, build time and memory of every backend",
-                           description="One request at a time, fixed input lengths, every backend; plus a "
-                           "many-request batch, build times, the device time of each row (CUDA) and the peak-memory "
-                           "experiment (CUDA only; one chunk-sized prefill per capture ceiling).")
-    measure_flags(bench, "out/bench")
-    bench.add_argument("--backends", type=backend_list, default=None,
-                       help="comma list of variants: a backend (eager, breakable, full, tc_piecewise) with "
-                       "optional +fused (fused kernels, else plain torch ops) and +inductor or +traced (the layer "
-                       "stack compiled by Inductor, or traced by dynamo with no code generated: compile='inductor' "
-                       "or 'traced'), e.g. breakable+fused (default: "
-                       f"{both(','.join(G.backends), ','.join(C.backends))}); plain eager is always measured as "
-                       "the baseline")
-    bench.add_argument("--lengths", type=int_list("lengths"), default=None,
-                       help=f"comma list of input lengths, each at most the model's context (default: "
-                       f"{both(','.join(map(str, G.lengths)), ','.join(map(str, C.lengths)))})")
-    bench.add_argument("--tc-compiler", default="inductor", choices=("inductor", "traced"),
-                       help="what compiles tc_piecewise's pieces: inductor, or traced (dynamo's trace, no code "
-                       "generated: what runs under the CPU emulation) (default: %(default)s)")
-    bench.add_argument("--batch-requests", type=int, default=16,
-                       help="requests in the extra many-request batch per length, 1 turns it off "
-                       "(default: %(default)s)")
-    bench.add_argument("--no-memory", dest="memory", action="store_false",
-                       help="skip the memory experiment (default: run it on CUDA)")
-    bench.add_argument("--no-profile", dest="profile", action="store_false",
-                       help="skip the profiler: no device time, host overhead or kernel floor per row "
-                       "(default: profile on CUDA)")
-    bench.add_argument("--interleave", action="store_true",
-                       help="build every variant first and time them in turn at each length, so drift of the "
-                       "machine lands on all alike (default: build, measure and free one variant at a time)")
-    bench.add_argument("--tp", type=int, default=1,
-                       help="tensor parallel ranks; launch with torchrun --nproc-per-node TP (default: %(default)s)")
-    bench.set_defaults(func=run_bench, parser=bench, config=BenchConfig)
-
-    an = sub.add_parser("analyze", help="predict every backend before capturing anything, and recommend one",
-                        description="Profiles one eager forward per length and microbenchmarks this machine's launch, "
-                        "replay, break and capture costs, then predicts every backend's prefill latency, graph memory "
-                        "and build time without capturing or compiling the model, and recommends a backend, a "
-                        "capture ceiling and buckets for a workload under a graph-memory budget. The seed's four "
-                        "parameters (launch-gap share, dynamic share, bucket coverage, resident graph memory) are "
-                        "named in the report. --validate also captures and measures every backend.")
-    measure_flags(an, "out/analyze")
-    from bcg.bench.config import ANALYZE_BACKENDS
-
-    an.add_argument("--backends", type=backend_list, default=None,
-                    help="comma list of the variants to predict, named as in bench (e.g. breakable+fused, "
-                    "tc_piecewise, breakable+inductor; eager, and eager+fused when a +fused variant is named, are "
-                    "always measured) (default: "
-                    f"{both(','.join(ANALYZE_BACKENDS['cuda']), ','.join(ANALYZE_BACKENDS['cpu']))})")
-    an.add_argument("--lengths", type=int_list("lengths"), default=None,
-                    help="the workload: prompt lengths, comma list (default: --num-prompts seeded log-uniform "
-                    "lengths in 16..chunk)")
-    an.add_argument("--lengths-file", default=None,
-                    help="the workload from a file: lengths (one or more per line) or a trace of requests as JSON or "
-                    "JSON lines (input_len, prompt_tokens, ... or the token ids) (replaces --lengths; default: none)")
-    an.add_argument("--num-prompts", type=int, default=256, help="size of the default length sample "
-                    "(default: %(default)s)")
-    an.add_argument("--predict-lengths", type=int_list("predict-lengths"), default=None,
-                    help="lengths every backend is predicted (and validated) at, each at most the chunk (default: "
-                    f"{both(','.join(map(str, G.lengths)), ','.join(map(str, C.lengths)))})")
-    an.add_argument("--length", type=int, default=None,
-                    help=f"representative input length (the Amdahl point, the --cpu-cores table), at most "
-                    f"--max-tokens (default: {both(G.length, C.length)})")
-    an.add_argument("--max-tokens", type=int, default=None,
-                    help="capture ceiling of the predicted (and validated) engines, at most the chunk size "
-                    "(default: the chunk size)")
-    an.add_argument("--tc-compiler", default=None, choices=("inductor", "traced"),
-                    help="what compiles tc_piecewise's pieces (default: inductor on CUDA, traced on the CPU)")
-    an.add_argument("--memory-budget", type=size, default=None,
-                    help="most graph memory the recommendation may hold, e.g. 2GiB or 512MiB (default: a tenth of "
-                    "the memory the weights leave free on CUDA, no limit on the CPU)")
-    an.add_argument("--validate", action="store_true",
-                    help="also build, capture and measure every backend, and print predicted and measured side by "
-                    "side with the error (default: predict only, nothing captured or compiled)")
-    an.add_argument("--cpu-cores", type=int_list("cpu-cores"), default=None,
-                    help="comma list of core counts: repeat the host measurements (and with --validate the "
-                    "measurements) with the process pinned to that many cores and as many torch threads "
-                    "(default: the process as it is)")
-    an.set_defaults(func=run_analyze, parser=an, config=AnalyzeConfig)
-    add_verify(sub)
-    add_load(sub)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{" + ",".join(COMMANDS) + "}")
+    wanted = set(commands)
+    for name, module_name in COMMANDS.items():
+        module = importlib.import_module(module_name)  # flags only: torch comes with add_flags' imports
+        p = sub.add_parser(name, help=module.HELP, description=module.HELP)
+        if name in wanted:
+            module.add_flags(p)
     return parser
 
 
 def _version_line(version: str) -> str:
-    import torch
+    from importlib import metadata
 
-    return f"bcg {version} (distribution bcg-prefill; torch {torch.__version__})"
+    try:  # the installed distribution's version, read without importing torch
+        torch_version = metadata.version("torch")
+    except metadata.PackageNotFoundError:
+        torch_version = "not installed"
+    return f"bcg {version} (distribution bcg-prefill; torch {torch_version})"
 
 
-@contextlib.contextmanager
-def _process(cfg: Any, parser: argparse.ArgumentParser) -> Iterator[None]:
-    """Sets the process up for a run and restores it after: the CUDA device, the torch threads, the tensor parallel
-    group (a launch without torchrun is a usage error), and stdout silenced on every rank but 0."""
-    import torch
-
-    if not cfg.emulated:
-        # CUDA events and the profiler use the current device; make it the one measured (e.g. --device cuda:1).
-        dev = torch.device(cfg.device)
-        if dev.index is not None:
-            torch.cuda.set_device(dev)
-    owns_group = False
-    if getattr(cfg, "tp", 1) > 1:  # tensor parallel: join the group now, so every rank knows whether it reports
-        import torch.distributed as dist
-
-        from bcg.ops.parallel import TensorParallelError, init_tensor_parallel
-
-        owns_group = not dist.is_initialized()
-        try:
-            init_tensor_parallel(cfg.tp, torch.device(cfg.device))
-        except TensorParallelError as e:
-            parser.error(f"--tp {cfg.tp}: {e}")
-    quiet = not is_main_rank()  # every rank measures; only rank 0 prints
-    if quiet:
-        cfg.progress = False
-    threads = torch.get_num_threads()
-    try:
-        with contextlib.redirect_stdout(io.StringIO()) if quiet else contextlib.nullcontext():
-            if getattr(cfg, "threads", None) is not None:
-                torch.set_num_threads(cfg.threads)
-            yield
-    finally:
-        torch.set_num_threads(threads)  # main() called as a function leaves the process as it found it
-        if owns_group:
-            from bcg.ops.parallel import shutdown_tensor_parallel
-
-            shutdown_tensor_parallel()
+def _command(args: list[str]) -> str | None:
+    """The subcommand named on the command line: the first word that is not an option (``bcg`` has no option that
+    takes a value)."""
+    return next((a for a in args if not a.startswith("-")), None)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -176,18 +80,74 @@ def main(argv: list[str] | None = None) -> int:
 
     0: measured (verify: no divergence); 1: the run could not measure (e.g. the eager baseline failed to build, or
     no row was measured), or verify found a divergence, one line on stderr; 2: a bad flag, with the usage line and
-    one line naming it (nothing has run yet); 130: interrupted (Ctrl-C).
+    one line naming it (nothing has run yet); 130: interrupted (Ctrl-C), one line, whenever it comes (the imports of
+    the first seconds included); 141: stdout was closed before the end (``bcg bench | head -1``), quietly.
 
     Example::
 
         main(["bench", "--device", "cpu", "--lengths", "16,32", "--runs", "2", "--out", "/tmp/b"])
     """
+    args = sys.argv[1:] if argv is None else list(argv)
+    command = _command(args)
+    name = f"bcg {command}" if command in COMMANDS else "bcg"
+    restore = _exit_on_ctrl_c(name)
+    try:
+        return _run(args, command, restore)
+    except KeyboardInterrupt:
+        print(f"{name}: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        import os
+
+        # The reader is gone (`| head`): what is left to print has nowhere to go, and Python's flush of stdout at
+        # exit would fail again, so stdout becomes /dev/null.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
+    finally:
+        restore()
+
+
+def _exit_on_ctrl_c(name: str) -> Callable[[], None]:
+    """Until the returned function is called, Ctrl-C ends the process at once with one line and status 130.
+
+    A KeyboardInterrupt raised while the imports of the first seconds run can land inside a C extension's
+    initialiser that swallows it (torch._C importing numpy takes it for a missing numpy and goes on), so the run
+    would start anyway; exiting from the handler leaves nothing half done to clean up at that stage. The run itself
+    gets Python's KeyboardInterrupt back, so its cleanup (threads, process group) runs.
+    """
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        return lambda: None  # only the main thread may set handlers; an ignored Ctrl-C (nohup, &) stays ignored
+
+    def interrupted(signum: int, frame: object) -> None:
+        import os
+
+        sys.stderr.write(f"{name}: interrupted\n")
+        sys.stderr.flush()
+        os._exit(130)
+
+    previous = signal.signal(signal.SIGINT, interrupted)
+
+    def restore() -> None:
+        if signal.getsignal(signal.SIGINT) is interrupted:
+            signal.signal(signal.SIGINT, previous)
+
+    return restore
+
+
+def _run(args: list[str], command: str | None, restore: Callable[[], None]) -> int:
+    import logging
+    from dataclasses import fields
+
+    parser = build_parser([command] if command in COMMANDS else [])
+    ns = parser.parse_args(args)  # a bad flag exits 2 here, before torch is imported
     from bcg.bench.checks import check_out_dir
     from bcg.bench.config import BenchError
     from bcg.bench.results import summary_line
+    from bcg.cli.process import process
 
-    parser = build_parser()
-    ns = parser.parse_args(argv)
     try:
         cfg = ns.config(**{f.name: getattr(ns, f.name) for f in fields(ns.config)}).resolved()
         if hasattr(cfg, "out"):
@@ -195,16 +155,14 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         ns.parser.error(str(e))  # exits 2 with the subcommand's usage line and the message on stderr
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    restore()  # the heavy imports are done: from here Ctrl-C is a KeyboardInterrupt the run cleans up after
     try:
-        with _process(cfg, ns.parser):
+        with process(cfg, ns.parser):
             summary = ns.func(cfg)
             print(summary_line(summary))
     except BenchError as e:
         print(f"bcg {ns.command}: error: {e}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        print(f"bcg {ns.command}: interrupted", file=sys.stderr)
-        return 130
     return 1 if summary.get("ok") is False else 0
 
 
