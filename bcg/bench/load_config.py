@@ -97,7 +97,10 @@ class LoadConfig(Run):
             longest = parse_lengths(self.lengths or ld.lengths).longest
         if self.shared_prefix < 0:
             raise ValueError(f"--shared-prefix must be >= 0 tokens, got {self.shared_prefix}")
-        checks.check_context("--lengths with --shared-prefix", [longest + self.shared_prefix], model, impl)
+        flag = "--trace" if self.trace is not None else "--lengths"
+        if self.shared_prefix:
+            flag += " with --shared-prefix"
+        checks.check_context(flag, [longest + self.shared_prefix], model, impl)
         chunk = self.chunked_prefill_size if self.chunked_prefill_size is not None else d.chunked_prefill_size
         checks.check_chunk(chunk)
         checks.check_threads(self.threads)
