@@ -1,19 +1,45 @@
-"""bcg: breakable CUDA graphs for LLM prefill."""
+"""bcg: breakable CUDA graphs for LLM prefill.
 
-from bcg.boundary import BoundaryMismatchError
-from bcg.capture import breakable_graph
-from bcg.capture_rules import UncapturableOpError
-from bcg.graph import BreakableCUDAGraph, CaptureError
-from bcg.islands import (
-    break_graph,
-    eager_on_graph,
-    force_no_graph,
-    is_capturing,
-    is_in_breakable_graph,
-    no_graph,
-)
-from bcg.leaks import LeakError, LeakWarning
+The public names are imported on first use (``bcg.breakable_graph`` imports torch then), so the ``bcg`` command can
+print its help, its version or a usage error without the seconds ``import torch`` takes.
+"""
 
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from bcg.boundary import BoundaryMismatchError
+    from bcg.capture import breakable_graph
+    from bcg.capture_rules import UncapturableOpError
+    from bcg.graph import BreakableCUDAGraph, CaptureError
+    from bcg.islands import (
+        break_graph,
+        eager_on_graph,
+        force_no_graph,
+        is_capturing,
+        is_in_breakable_graph,
+        no_graph,
+    )
+    from bcg.leaks import LeakError, LeakWarning
+
+# Each public name and the module that defines it.
+_HOMES = {
+    "BoundaryMismatchError": "bcg.boundary",
+    "BreakableCUDAGraph": "bcg.graph",
+    "CaptureError": "bcg.graph",
+    "LeakError": "bcg.leaks",
+    "LeakWarning": "bcg.leaks",
+    "UncapturableOpError": "bcg.capture_rules",
+    "break_graph": "bcg.islands",
+    "breakable_graph": "bcg.capture",
+    "eager_on_graph": "bcg.islands",
+    "force_no_graph": "bcg.islands",
+    "is_capturing": "bcg.islands",
+    "is_in_breakable_graph": "bcg.islands",
+    "no_graph": "bcg.islands",
+}
 __all__ = [
     "BoundaryMismatchError",
     "BreakableCUDAGraph",
@@ -30,3 +56,16 @@ __all__ = [
     "no_graph",
 ]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module 'bcg' has no attribute {name!r}")
+    value = getattr(importlib.import_module(home), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_HOMES})

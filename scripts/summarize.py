@@ -107,11 +107,43 @@ def summarize(folder: Path) -> str:
     return "\n".join(out)
 
 
+def read_bench(folder: Path) -> None:
+    """Raises ValueError, one line naming the folder and the fix, unless ``folder`` holds a bcg bench results.json."""
+    path = folder / "results.json"
+    if not folder.is_dir():
+        raise ValueError(f"{str(folder)!r} is not a folder; give the --out folder of a bcg bench run")
+    try:
+        data = json.loads(path.read_text())
+    except OSError as e:
+        raise ValueError(f"{str(path)!r} cannot be read ({e.strerror}); give the --out folder of a bcg bench run") \
+            from None
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise ValueError(f"{str(path)!r} is not JSON; give the --out folder of a bcg bench run") from None
+    schema = str(data.get("schema", "")) if isinstance(data, dict) else ""
+    kind = schema.split("/")[0].removeprefix("bcg.") if schema.startswith("bcg.") else None
+    if kind != "bench":
+        what = f"the results of bcg {kind}" if kind else "no bcg results"
+        raise ValueError(f"{str(path)!r} holds {what}; this script tables those of bcg bench (give the --out folder "
+                         "of a bcg bench run)")
+
+
 def main(argv: list[str]) -> int:
     if not argv:
         print(__doc__, file=sys.stderr)
         return 2
-    print("\n\n".join(summarize(Path(a)) for a in argv))
+    try:
+        for a in argv:
+            read_bench(Path(a))
+    except ValueError as e:
+        print(f"summarize.py: error: {e}", file=sys.stderr)
+        return 2
+    try:
+        print("\n\n".join(summarize(Path(a)) for a in argv), flush=True)
+    except BrokenPipeError:  # `| head`: the reader is gone; so is stdout, for the flush at exit too
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
     return 0
 
 

@@ -77,10 +77,11 @@ def parse_size(text: str) -> int:
     return int(value * _UNITS[unit])
 
 
-def read_lengths_file(path: str) -> list[int]:
+def read_lengths_file(path: str, flag: str = "--lengths-file") -> list[int]:
     """Prompt lengths from a file: integers separated by whitespace or commas (``#`` starts a comment), or a trace of
     requests as JSON (a list of lengths or of request objects) or JSON lines (one request object per line), each
-    request's length read from the first of :data:`TRACE_KEYS` it has (a list of token ids counts its items).
+    request's length read from the first of :data:`TRACE_KEYS` it has (a list of token ids counts its items). Errors
+    name ``flag``, the flag that gave the file.
 
     Example::
 
@@ -90,21 +91,21 @@ def read_lengths_file(path: str) -> list[int]:
     try:
         text = Path(path).read_text()
     except OSError as e:
-        raise ValueError(f"--lengths-file {path!r}: {e.strerror}") from None
+        raise ValueError(f"{flag} {path!r}: {e.strerror}") from None
     except UnicodeDecodeError:
-        raise ValueError(f"--lengths-file {path!r} is not a text file") from None
+        raise ValueError(f"{flag} {path!r} is not a text file") from None
     if text.lstrip()[:1] in ("[", "{"):
-        return _trace_lengths(path, text)
+        return _trace_lengths(path, text, flag)
     tokens = [t for line in text.splitlines() for t in line.split("#", 1)[0].replace(",", " ").split()]
     if not tokens:
-        raise ValueError(f"--lengths-file {path!r} holds no lengths")
+        raise ValueError(f"{flag} {path!r} holds no lengths")
     try:
         return parse_int_list(",".join(tokens))
     except ValueError as e:
-        raise ValueError(f"--lengths-file {path!r}: {e}") from None
+        raise ValueError(f"{flag} {path!r}: {e}") from None
 
 
-def _trace_lengths(path: str, text: str) -> list[int]:
+def _trace_lengths(path: str, text: str, flag: str) -> list[int]:
     try:
         data = json.loads(text)
         records = data if isinstance(data, list) else [data]
@@ -112,7 +113,7 @@ def _trace_lengths(path: str, text: str) -> list[int]:
         try:
             records = [json.loads(line) for line in text.splitlines() if line.strip()]
         except json.JSONDecodeError as e:
-            raise ValueError(f"--lengths-file {path!r} is neither JSON nor JSON lines ({e.msg}, line {e.lineno})") \
+            raise ValueError(f"{flag} {path!r} is neither JSON nor JSON lines ({e.msg}, line {e.lineno})") \
                 from None
     out = []
     for i, r in enumerate(records):
@@ -122,14 +123,14 @@ def _trace_lengths(path: str, text: str) -> list[int]:
             value = r.get(key) if key else None
             n = len(value) if isinstance(value, list) else value if isinstance(value, int) else None
             if isinstance(value, str):
-                raise ValueError(f"--lengths-file {path!r}: request {i} gives its prompt as text ({key!r}); give "
+                raise ValueError(f"{flag} {path!r}: request {i} gives its prompt as text ({key!r}); give "
                                  "token counts (one of " + ", ".join(TRACE_KEYS[:5]) + ") or token ids")
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-            raise ValueError(f"--lengths-file {path!r}: request {i} has no prompt length (a positive integer, or "
+            raise ValueError(f"{flag} {path!r}: request {i} has no prompt length (a positive integer, or "
                              f"an object with one of {', '.join(TRACE_KEYS)}): {str(r)[:80]}")
         out.append(n)
     if not out:
-        raise ValueError(f"--lengths-file {path!r} holds no requests")
+        raise ValueError(f"{flag} {path!r} holds no requests")
     return out
 
 

@@ -26,7 +26,8 @@ if TYPE_CHECKING:
     from bcg.runtime.config import EngineConfig
 
 __all__ = ["ANALYZE_BACKENDS", "AnalyzeConfig", "BenchConfig", "BenchError", "CPU_DEFAULTS", "CUDA_DEFAULTS",
-           "MachineDefaults", "Run", "VerifyConfig", "default_device", "resolve_machine", "show_progress", "spec"]
+           "MachineDefaults", "Run", "TC_COMPILERS", "VerifyConfig", "default_device", "resolve_machine",
+           "show_progress", "spec", "tc_compiler_for"]
 
 RUNS, WARMUP = 20, 5
 
@@ -41,16 +42,19 @@ class MachineDefaults:
     chunked_prefill_size: int
     length: int
     threads: int | None
+    tc_compiler: str  # what compiles tc_piecewise's pieces (tc_compiler_for)
 
 
 # The variants of bcg/bench/variants.py: plain torch ops unless "+fused", uncompiled unless "+inductor".
 CUDA_DEFAULTS = MachineDefaults("llama-dense", ("eager", "breakable", "breakable+fused", "breakable+inductor",
                                                 "full", "tc_piecewise"),
-                                (64, 128, 256, 512, 1024, 2048), 2048, 512, None)
+                                (64, 128, 256, 512, 1024, 2048), 2048, 512, None, "inductor")
 # One thread: two threads on two shared cores wait on each other whenever a neighbour is busy, and the timings
 # swing by an order of magnitude; one thread is slower but repeatable. A 256-token chunk keeps the emulated ladder
-# to 22 captures.
-CPU_DEFAULTS = MachineDefaults("tiny-dense", ("eager", "breakable"), (16, 32, 64, 128), 256, 64, 1)
+# to 22 captures. The CPU emulation cannot run Inductor's generated code inside a graph, so tc_piecewise's pieces are
+# dynamo's trace there.
+CPU_DEFAULTS = MachineDefaults("tiny-dense", ("eager", "breakable"), (16, 32, 64, 128), 256, 64, 1, "traced")
+TC_COMPILERS = ("inductor", "traced")
 
 
 class BenchError(RuntimeError):
@@ -94,7 +98,7 @@ class BenchConfig(Run):
     dtype: str | None = None
     threads: int | None = None
     chunked_prefill_size: int | None = None
-    tc_compiler: str = "inductor"  # what compiles tc_piecewise's pieces: "inductor", or "traced" on a CPU
+    tc_compiler: str | None = None  # what compiles tc_piecewise's pieces (None: tc_compiler_for's default)
     batch_requests: int = 16
     seed: int = 0
     memory: bool = True
@@ -125,7 +129,7 @@ class BenchConfig(Run):
             raise ValueError(f"--tp must be >= 1, got {self.tp}")
         return replace(self, model=model, backends=names, lengths=sorted(set(lengths)), device=device,
                        chunked_prefill_size=chunk, threads=self.threads or d.threads,
-                       progress=show_progress(self.progress))
+                       tc_compiler=tc_compiler_for(self.tc_compiler, d), progress=show_progress(self.progress))
 
     @property
     def ceiling(self) -> int:
@@ -181,7 +185,7 @@ class AnalyzeConfig(Run):
     dtype: str | None = None
     threads: int | None = None
     chunked_prefill_size: int | None = None
-    tc_compiler: str | None = None  # what compiles tc_piecewise's pieces: "inductor" on CUDA, "traced" on a CPU
+    tc_compiler: str | None = None  # what compiles tc_piecewise's pieces (None: tc_compiler_for's default)
     memory_budget: int | None = None
     validate: bool = False
     cpu_cores: list[int] | None = None
@@ -228,9 +232,7 @@ class AnalyzeConfig(Run):
         if not [v for v in variants if parse_variant(v).backend != "eager"]:
             raise ValueError("--backends names no graph backend; give e.g. breakable,full,tc_piecewise (eager is "
                              "always measured)")
-        tc_compiler = self.tc_compiler or ("inductor" if kind == "cuda" else "traced")
-        if tc_compiler not in ("inductor", "traced"):
-            raise ValueError(f"--tc-compiler must be inductor or traced, got {tc_compiler!r}")
+        tc_compiler = tc_compiler_for(self.tc_compiler, d)
         if self.memory_budget is not None and self.memory_budget < 1:
             raise ValueError(f"--memory-budget must be a positive size such as 2GiB, got {self.memory_budget}")
         if self.cpu_cores is not None:
@@ -250,6 +252,12 @@ class AnalyzeConfig(Run):
         return spec(self.model, device=self.device, dtype=self.dtype, seed=self.seed,
                      chunked_prefill_size=self.chunked_prefill_size, max_tokens=self.max_tokens,
                      tc_compiler=self.tc_compiler or "inductor", progress=self.progress, model_impl=self.model_impl)
+
+
+# bcg verify checks each size with a batch of two requests (request boundaries matter: probe_batch); the full
+# backend's graphs have one request slot per 512 tokens of the chunk (at least one), so a chunk under 1024 tokens
+# (the CPU's 256) would skip every size.
+VERIFY_REQUESTS, FULL_TOKENS_PER_REQUEST = 2, 512
 
 
 @dataclass
@@ -273,7 +281,8 @@ class VerifyConfig(Run):
     buckets: list[int] | None = None
     max_tokens: int | None = None
     chunked_prefill_size: int | None = None
-    tc_compiler: str = "inductor"
+    tc_compiler: str | None = None  # None: tc_compiler_for's default
+    max_requests: int | None = None  # the full backend's request slots (None: the engine's, at least VERIFY_REQUESTS)
     num_tokens: list[int] | None = None
     tolerance: float | None = None
     leak_check: str = "warn"
@@ -281,13 +290,26 @@ class VerifyConfig(Run):
 
     def resolved(self) -> VerifyConfig:
         """A copy with every ``None`` default filled in for this machine, validated (the engine's fields too)."""
-        device, d, model, _ = resolve_machine(self.device, self.dtype, self.model, self.model_impl)
+        device, d, model, impl = resolve_machine(self.device, self.dtype, self.model, self.model_impl)
         if self.tolerance is not None and not (math.isfinite(self.tolerance) and self.tolerance >= 0):
             raise ValueError(f"--tolerance must be a finite number >= 0 (a relative difference), got {self.tolerance}")
         chunk = self.chunked_prefill_size if self.chunked_prefill_size is not None else d.chunked_prefill_size
         checks.check_chunk(chunk)
-        cfg = replace(self, model=model, device=device, chunked_prefill_size=chunk,
-                      progress=show_progress(self.progress))
+        tc_compiler = tc_compiler_for(self.tc_compiler, d)
+        if self.backend == "tc_piecewise" and tc_compiler == "inductor" and d is CPU_DEFAULTS:
+            raise ValueError("--tc-compiler inductor cannot run under the CPU emulation (Inductor's CPU kernels are "
+                             "C++ the emulation cannot record); leave it out (traced on the CPU) or verify on a GPU")
+        if self.num_tokens is not None:
+            checks.check_context("--num-tokens", self.num_tokens, model, impl)
+            if max(self.num_tokens) > chunk:
+                raise ValueError(f"--num-tokens: {max(self.num_tokens)} tokens is more than --chunked-prefill-size "
+                                 f"{chunk} (a graph replays one forward, and a forward is at most a chunk); give "
+                                 f"sizes up to {chunk} or a larger --chunked-prefill-size")
+        max_requests = self.max_requests
+        if max_requests is None and self.backend == "full" and chunk // FULL_TOKENS_PER_REQUEST < VERIFY_REQUESTS:
+            max_requests = VERIFY_REQUESTS  # else the check batch never fits a graph of a small chunk
+        cfg = replace(self, model=model, device=device, chunked_prefill_size=chunk, tc_compiler=tc_compiler,
+                      max_requests=max_requests, progress=show_progress(self.progress))
         try:
             cfg.engine_config()
         except (TypeError, ValueError) as e:
@@ -301,7 +323,24 @@ class VerifyConfig(Run):
         return EngineConfig(backend=self.backend, device=self.device, dtype=self.dtype, seed=self.seed,
                             buckets=self.buckets, max_tokens=self.max_tokens,
                             chunked_prefill_size=self.chunked_prefill_size, tc_compiler=self.tc_compiler,
-                            progress=self.progress, leak_check=self.leak_check, model_impl=self.model_impl)
+                            max_requests=self.max_requests, progress=self.progress, leak_check=self.leak_check,
+                            model_impl=self.model_impl)
+
+
+def tc_compiler_for(tc_compiler: str | None, d: MachineDefaults) -> str:
+    """``--tc-compiler`` of every command: the value given, else this machine's (``inductor`` on CUDA, ``traced`` on
+    the CPU); raises ValueError for anything else.
+
+    Example:
+        >>> tc_compiler_for(None, CPU_DEFAULTS), tc_compiler_for(None, CUDA_DEFAULTS)
+        ('traced', 'inductor')
+        >>> tc_compiler_for("traced", CUDA_DEFAULTS)
+        'traced'
+    """
+    value = d.tc_compiler if tc_compiler is None else tc_compiler
+    if value not in TC_COMPILERS:
+        raise ValueError(f"--tc-compiler must be {' or '.join(TC_COMPILERS)}, got {value!r}")
+    return value
 
 
 def show_progress(progress: bool | None) -> bool:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
+import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -114,7 +115,8 @@ def engine_for(spec: EngineSpec, variant: str, record: BuildRecord | None = None
     record.ceiling = spec.config.max_tokens
     release_memory()
     try:
-        eng = Engine(spec.model, spec.config_for(variant))
+        with _fallback_lines_held():
+            eng = Engine(spec.model, spec.config_for(variant))
     except Exception as e:  # an unavailable backend is a result to report, not a crash
         record.available, record.error = False, first_line(e)
         release_memory()
@@ -126,6 +128,7 @@ def engine_for(spec: EngineSpec, variant: str, record: BuildRecord | None = None
     failure = record.refused_reason or eng.telemetry.compile_error
     if failure is not None:
         record.available, record.error = False, failure
+        logging.getLogger("bcg").warning("bcg: %s is not measured: %s", variant, failure)
         del eng
         release_memory()
         yield None
@@ -135,6 +138,26 @@ def engine_for(spec: EngineSpec, variant: str, record: BuildRecord | None = None
     finally:
         del eng
         release_memory()
+
+
+# The engine's own log lines for a fallback (a refused backend serves eagerly, a failed compile runs uncompiled) say
+# what a server would do next; a measurement does not time that fallback, and says so itself.
+_FALLBACK_ENDINGS = ("; serving every batch eagerly", "; running the uncompiled layer stack")
+
+
+@contextlib.contextmanager
+def _fallback_lines_held() -> Iterator[None]:
+    """While an engine is built for measuring, the engine's fallback log lines are held back (engine_for logs what
+    happens to the variant instead)."""
+    def keep(rec: logging.LogRecord) -> bool:
+        return not rec.getMessage().endswith(_FALLBACK_ENDINGS)
+
+    logger = logging.getLogger("bcg")
+    logger.addFilter(keep)
+    try:
+        yield
+    finally:
+        logger.removeFilter(keep)
 
 
 def describe_build(eng: Any, record: BuildRecord) -> BuildRecord:

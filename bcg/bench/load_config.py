@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from bcg.bench import checks
-from bcg.bench.config import Run, resolve_machine, show_progress, spec
+from bcg.bench.config import Run, resolve_machine, show_progress, spec, tc_compiler_for
 
 if TYPE_CHECKING:
     from bcg.bench.engines import EngineSpec
@@ -64,7 +64,7 @@ class LoadConfig(Run):
     dtype: str | None = None
     threads: int | None = None
     chunked_prefill_size: int | None = None
-    tc_compiler: str = "inductor"
+    tc_compiler: str | None = None  # None: tc_compiler_for's default (inductor on CUDA, traced on the CPU)
     prefix_cache: bool = True
     schedule_policy: str = "fifo"
     seed: int = 0
@@ -97,7 +97,10 @@ class LoadConfig(Run):
             longest = parse_lengths(self.lengths or ld.lengths).longest
         if self.shared_prefix < 0:
             raise ValueError(f"--shared-prefix must be >= 0 tokens, got {self.shared_prefix}")
-        checks.check_context("--lengths with --shared-prefix", [longest + self.shared_prefix], model, impl)
+        flag = "--trace" if self.trace is not None else "--lengths"
+        if self.shared_prefix:
+            flag += " with --shared-prefix"
+        checks.check_context(flag, [longest + self.shared_prefix], model, impl)
         chunk = self.chunked_prefill_size if self.chunked_prefill_size is not None else d.chunked_prefill_size
         checks.check_chunk(chunk)
         checks.check_threads(self.threads)
@@ -108,7 +111,7 @@ class LoadConfig(Run):
         return replace(self, model=model, backends=names, rates=rates, duration=duration,
                        lengths=None if self.trace else (self.lengths or ld.lengths), max_wait=max_wait,
                        device=device, chunked_prefill_size=chunk, threads=self.threads or d.threads,
-                       progress=show_progress(self.progress))
+                       tc_compiler=tc_compiler_for(self.tc_compiler, d), progress=show_progress(self.progress))
 
     @property
     def length_spec(self) -> LengthSpec | None:

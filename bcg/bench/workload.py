@@ -77,7 +77,7 @@ def parse_lengths(text: str) -> LengthSpec:
             raise ValueError(f"--lengths {text!r}: need MIN <= MEDIAN <= MAX")
         return LengthSpec("lognormal", median, low, high)
     if Path(text).is_file():
-        values = read_lengths_file(text)
+        values = read_lengths_file(text, "--lengths")
         return LengthSpec("file", values=tuple(values), low=min(values), high=max(values))
     raise ValueError(f"--lengths {text!r} is neither fixed:N, lognormal:MEDIAN[:MIN:MAX] nor a file of lengths")
 

@@ -88,10 +88,11 @@ def test_bench_reports_unavailable_backend(tmp_path: Path, capsys: pytest.Captur
     monkeypatch.setattr("bcg.runtime.runner.runner.backend_class", fake)
     rc = main(["bench", *FAST, "--backends", "eager,full", "--lengths", "8", "--batch-requests", "1",
                "--no-memory", "--no-plots", "--out", str(tmp_path)])
-    assert rc == 0
-    out = capsys.readouterr().out
-    summary = last_json(out)
-    assert "not available" in summary["unavailable"]["full"]
+    assert rc == 1  # the one backend asked for was measured nowhere: the README's "a run that measures nothing"
+    captured = capsys.readouterr()
+    out, err = captured.out, captured.err
+    assert err.splitlines()[-1].startswith("bcg bench: error: no backend asked for could be measured, only the eager "
+                                           "baseline (full: ValueError: backend 'full' is not available")
     assert "Unavailable (not measured, in no speedup):" in out and "  full: ValueError: backend 'full'" in out
     data = json.loads((tmp_path / "results.json").read_text())
     assert [r["backend"] for r in data["rows"]] == ["eager"]
@@ -154,8 +155,9 @@ def test_python_dash_m_runs_the_cli() -> None:
 def test_refused_backend_is_unavailable_and_in_no_speedup(tmp_path: Path,
                                                           capsys: pytest.CaptureFixture[str]) -> None:
     # A real refusal: Inductor's CPU kernels cannot run under the CPU emulation, so tc_piecewise refuses the model.
-    rc = main(["bench", *FAST, "--model", "tiny-moe", "--backends", "eager,breakable,tc_piecewise",
-               "--lengths", "8", "--batch-requests", "2", "--no-memory", "--no-plots", "--out", str(tmp_path)])
+    rc = main(["bench", *FAST, "--model", "tiny-moe", "--backends", "eager,breakable,tc_piecewise", "--tc-compiler",
+               "inductor", "--lengths", "8", "--batch-requests", "2", "--no-memory", "--no-plots", "--out",
+               str(tmp_path)])
     assert rc == 0
     out = capsys.readouterr().out
     assert out.splitlines()[0].startswith("bcg bench: tiny-moe on the CPU")  # the banner names --model

@@ -211,3 +211,12 @@ def test_unwritable_out_is_refused_before_anything_runs(tmp_path: Path,
         captured = capsys.readouterr()
         assert f"--out {str(out)!r} is not a writable folder ({reason})" in captured.err
         assert captured.out == ""  # no banner: nothing was built or measured
+
+
+def test_a_variant_that_is_not_measured_is_logged_as_such(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    # Inductor's kernels cannot run under the CPU emulation: the engine would run uncompiled, the bench times nothing.
+    rc = main(["bench", *FAST, "--backends", "breakable,breakable+inductor", "--lengths", "8", "--out", str(tmp_path)])
+    assert rc == 0
+    lines = [m for m in caplog.messages if m.startswith("bcg: ")]
+    assert not any("running the uncompiled layer stack" in m for m in lines), lines
+    assert lines[0].startswith("bcg: breakable+inductor is not measured: compile='inductor' failed: "), lines

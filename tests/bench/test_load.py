@@ -160,6 +160,17 @@ def test_misuse_is_one_line_and_exit_status_2(flags: list[str], message: str, tm
     assert message in err, err
 
 
+def test_the_flags_the_user_gave_are_the_ones_named(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "empty.jsonl").write_text("")
+    for flags, message in ((["--lengths", str(tmp_path / "empty.jsonl")], "--lengths '"),
+                           (["--lengths", "fixed:5000"], "--lengths: 5000 tokens is more than 'tiny-dense' holds")):
+        with pytest.raises(SystemExit) as exc:
+            main([*FAST, *flags, "--out", str(tmp_path)])
+        line = capsys.readouterr().err.splitlines()[-1]
+        assert exc.value.code == 2 and line.startswith(f"bcg load: error: {message}"), line
+        assert "--lengths-file" not in line and "--shared-prefix" not in line  # flags load lacks, or not given
+
+
 def test_a_trace_file_that_is_not_one_is_refused(tmp_path: Path) -> None:
     bad = tmp_path / "bad.txt"
     bad.write_text("0.1 5\nsoon 7\n")

@@ -98,3 +98,18 @@ def test_summarize_tables_a_bench_run_and_its_token_check(tmp_path: Path) -> Non
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "### tiny-dense" in proc.stdout and "| 8 |" in proc.stdout
     assert "Greedy tokens equal eager's in 2 of 2 rows." in proc.stdout
+
+
+def test_summarize_refuses_what_is_not_a_bench_run_in_one_line(tmp_path: Path) -> None:
+    (tmp_path / "analyze").mkdir()
+    (tmp_path / "analyze" / "results.json").write_text('{"schema": "bcg.analyze/2", "kind": "analyze"}')
+    (tmp_path / "empty").mkdir()
+    for folder, message in ((tmp_path / "missing", "is not a folder"),
+                            (tmp_path / "empty", "results.json' cannot be read (No such file or directory)"),
+                            (tmp_path / "analyze", "holds the results of bcg analyze; this script tables those of "
+                             "bcg bench")):
+        proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "summarize.py"), str(folder)],
+                              capture_output=True, text=True, timeout=60, cwd=ROOT)
+        assert proc.returncode == 2 and proc.stdout == "", proc.stderr
+        assert proc.stderr.startswith(f"summarize.py: error: '{folder}") and message in proc.stderr, proc.stderr
+        assert len(proc.stderr.splitlines()) == 1, proc.stderr

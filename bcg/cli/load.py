@@ -1,31 +1,31 @@
 """The flags of ``bcg load``: time to first token under an open-loop load, every backend side by side.
 
-Each flag maps 1:1 to a field of :class:`~bcg.bench.load_config.LoadConfig`; the run is :func:`bcg.cli_run.run_load`.
+Each flag maps 1:1 to a field of :class:`~bcg.bench.load_config.LoadConfig`; the run is :func:`bcg.cli.run.run_load`.
 """
 
 from __future__ import annotations
 
 import argparse
-from typing import Any
 
-from bcg.cli_flags import backend_list, both, engine_flags, float_list
+from bcg.cli.flags import backend_list, both, engine_flags, float_list, out_dir, tc_compiler_flag
 
-__all__ = ["add_parser"]
+__all__ = ["add_flags"]
+
+HELP = "time to first token and throughput under an open-loop load"
 
 
-def add_parser(sub: Any) -> argparse.ArgumentParser:
-    """The flags of ``bcg load`` (:class:`~bcg.bench.load_config.LoadConfig`, one flag per field)."""
+def add_flags(load: argparse.ArgumentParser) -> None:
+    """Fills in the ``load`` subcommand's parser (:class:`~bcg.bench.load_config.LoadConfig`, one flag per field)."""
     from bcg.bench.load_config import LOAD_CPU_DEFAULTS as LC
     from bcg.bench.load_config import LOAD_CUDA_DEFAULTS as LG
     from bcg.bench.load_config import LoadConfig
-    from bcg.cli_run import run_load
+    from bcg.cli.run import run_load
     from bcg.runtime.config import SCHEDULE_POLICIES
 
-    load = sub.add_parser("load", help="time to first token and throughput under an open-loop load",
-                          description="Poisson arrivals at each offered rate (or a trace) through Engine.submit, "
-                          "every backend in turn on the same requests: TTFT p50/p90/p99, queueing time and tokens/s "
-                          "per backend and rate, a PNG of TTFT against offered load. A backend that falls behind a "
-                          "rate stops there and skips its higher rates. On the CPU it is a smoke test.")
+    load.description = ("Poisson arrivals at each offered rate (or a trace) through Engine.submit, every backend "
+                        "in turn on the same requests: TTFT p50/p90/p99, queueing time and tokens/s per backend and "
+                        "rate, a PNG of TTFT against offered load. A backend that falls behind a rate stops there and "
+                        "skips its higher rates. On the CPU it is a smoke test.")
     engine_flags(load, both("llama-dense", "tiny-dense"))
     rates = ",".join(f"{r:g}" for r in LG.rates), ",".join(f"{r:g}" for r in LC.rates)
     variants = ",".join(LG.backends), ",".join(LC.backends)
@@ -54,13 +54,11 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                       help="reuse cached prompt prefixes (Engine(prefix_cache=...)) (default: on)")
     load.add_argument("--schedule-policy", default="fifo", choices=list(SCHEDULE_POLICIES),
                       help="order of admission of waiting requests (default: %(default)s)")
-    load.add_argument("--tc-compiler", default="inductor", choices=("inductor", "traced"),
-                      help="what compiles tc_piecewise's pieces (traced on a CPU) (default: %(default)s)")
-    load.add_argument("--out", default="out/load", help="output folder for results.json and load.png "
+    tc_compiler_flag(load)
+    load.add_argument("--out", type=out_dir, default="out/load", help="output folder for results.json and load.png "
                       "(default: %(default)s)")
     load.add_argument("--threads", type=int, default=None,
                       help="torch CPU threads (default: torch's own on CUDA, 1 on the CPU)")
     load.add_argument("--no-plots", dest="plots", action="store_false",
                       help="skip load.png, and remove that of an earlier run in --out (default: draw it)")
     load.set_defaults(func=run_load, parser=load, config=LoadConfig)
-    return load

@@ -40,6 +40,7 @@ def _title(cfg: Any, env: dict[str, Any]) -> str:
 def run_bench(cfg: Any) -> dict[str, Any]:
     """``bcg bench`` with a resolved :class:`~bcg.bench.config.BenchConfig`."""
     from bcg.bench import plots, text
+    from bcg.bench.config import BenchError
     from bcg.bench.latency import run_latency
     from bcg.bench.memory import run_memory
     from bcg.bench.results import bench_results, bench_summary, write_json
@@ -55,6 +56,11 @@ def run_bench(cfg: Any) -> dict[str, Any]:
         results["plots"] = plots.write_plots(figures, cfg.out, plots.BENCH_PLOTS)
         path = write_json(Path(cfg.out) / "results.json", results)
     print(text.format_bench(cfg, lat, mem, cfg.emulated))
+    asked = [b for b in cfg.backends if b != "eager"]
+    refused = {b.backend: b.error for b in lat.builds if not b.available}
+    if asked and all(b in refused for b in asked):  # eager alone was measured: the run measured nothing asked of it
+        reasons = "; ".join(f"{b}: {refused[b]}" for b in asked)
+        raise BenchError(f"no backend asked for could be measured, only the eager baseline ({reasons})")
     return bench_summary(cfg, results, lat, path)
 
 
@@ -80,6 +86,7 @@ def run_verify(cfg: Any) -> dict[str, Any]:
     the summary's ``ok`` is False when a bucket diverges or no batch size replays a graph (exit status 1)."""
     from bcg.bench.config import BenchError
     from bcg.errors import first_line
+    from bcg.ops.kv_cache import KVPoolFullError
     from bcg.runtime import Engine
     from bcg.runtime.runner.verify import verify_segments
 
@@ -92,16 +99,36 @@ def run_verify(cfg: Any) -> dict[str, Any]:
     for n in cfg.num_tokens or sorted(engine.runner.handles):
         try:
             report = verify_segments(engine.runner, n, cfg.tolerance, cfg.seed)
-        except ValueError as e:  # this size runs eagerly: nothing to compare
+        except (ValueError, KVPoolFullError) as e:  # this size runs eagerly, or does not fit: nothing to compare
             skipped[n] = str(e)
             print(f"{n} tokens: skipped, {e}")
             continue
         reports.append(report)
         print(report)
+    if not reports:
+        raise BenchError(_nothing_verified(cfg, engine, skipped))
     return {"kind": "verify", "model": str(cfg.model), "backend": config.backend,
             "ok": bool(reports) and all(r.ok for r in reports), "buckets": sorted({r.bucket for r in reports}),
             "skipped": skipped, "max_diff": max((r.max_diff for r in reports), default=None),
             "first_divergence": {str(r.bucket): r.to_dict()["first_divergence"] for r in reports if not r.ok}}
+
+
+def _nothing_verified(cfg: Any, engine: Any, skipped: dict[int, str]) -> str:
+    """The error of a verify run in which no size replayed a graph: why, and the flag that changes it."""
+    if not skipped:
+        table = engine.runner.table
+        reasons = [b.record.disabled_reason for b in table.buckets.values() if b.record.disabled_reason]
+        why = f" ({table.refused_reason or reasons[0]})" if table.refused_reason or reasons else ""
+        return f"the {cfg.backend} engine captured no bucket{why}, so there is nothing to verify"
+    reason = next(iter(skipped.values()))
+    hint = "see the reasons above"
+    if "too_many_requests" in reason:
+        hint = "give --max-requests 2 or more (each size is checked with a batch of 2 requests)"
+    elif "exceeds_max_bucket" in reason or "no_bucket" in reason:
+        hint = "give --num-tokens up to the largest bucket, or capture larger ones (--buckets, --max-tokens)"
+    elif "backend_refused" in reason:
+        hint = "the engine's reason is logged above"
+    return f"no batch size replays a graph ({len(skipped)} skipped, e.g. {reason}); {hint}"
 
 
 def run_load(cfg: Any) -> dict[str, Any]:

@@ -5,37 +5,39 @@ Each flag maps 1:1 to a field of :class:`~bcg.bench.config.VerifyConfig`: the en
 (:class:`~bcg.runtime.config.EngineConfig` fields of the same names), ``--num-tokens`` and ``--tolerance`` (the
 arguments of :func:`~bcg.runtime.runner.verify.verify_segments`). The capture runs with the leak detector on
 (``--leak-check``, :mod:`bcg.leaks`). One report per batch size goes to stdout, then one JSON summary line
-(:func:`bcg.cli_run.run_verify`); the exit status is 1 when any bucket diverges (or no batch size replays a graph),
+(:func:`bcg.cli.run.run_verify`); the exit status is 1 when any bucket diverges (or no batch size replays a graph),
 0 otherwise.
 """
 
 from __future__ import annotations
 
 import argparse
-from typing import Any
 
-from bcg.cli_flags import engine_flags, int_list
+from bcg.cli.flags import engine_flags, int_list, tc_compiler_flag
 
-__all__ = ["add_parser"]
+__all__ = ["add_flags"]
+
+HELP = "replay graphs segment by segment against eager; name the first divergence"
 
 
-def add_parser(sub: Any) -> argparse.ArgumentParser:
-    """Adds the ``verify`` subcommand to ``sub`` (argparse subparsers)."""
+def add_flags(p: argparse.ArgumentParser) -> None:
+    """Fills in the ``verify`` subcommand's parser (:class:`~bcg.bench.config.VerifyConfig`, one flag per field)."""
     from bcg.bench.config import VerifyConfig
-    from bcg.cli_run import run_verify
+    from bcg.cli.run import run_verify
 
-    p = sub.add_parser("verify", help="replay graphs segment by segment against eager; name the first divergence",
-                       description="Builds an engine, then for each batch size replays the bucket it uses step by "
-                       "step against an eager run at the same padded shape and names the first segment (and the "
-                       "island before it) whose outputs diverge. Exits 1 on divergence.")
+    p.description = ("Builds an engine, then for each batch size replays the bucket it uses step by step against an "
+                     "eager run at the same padded shape and names the first segment (and the island before it) "
+                     "whose outputs diverge. Exits 1 on divergence.")
     engine_flags(p, "%(default)s on every machine", model="tiny-dense")
     p.add_argument("--backend", default="breakable", choices=("breakable", "full", "tc_piecewise"),
                    help="breakable (segment by segment), full or tc_piecewise (output only) (default: %(default)s)")
     p.add_argument("--buckets", type=int_list("buckets"), default=None,
                    help="comma list of buckets to capture (default: the ladder up to --max-tokens)")
     p.add_argument("--max-tokens", type=int, default=None, help="capture ceiling (default: the chunk size)")
-    p.add_argument("--tc-compiler", default="inductor", choices=("inductor", "traced"),
-                   help="what compiles tc_piecewise's pieces: inductor, or traced on a CPU (default: %(default)s)")
+    tc_compiler_flag(p)
+    p.add_argument("--max-requests", type=int, default=None,
+                   help="request slots of the full backend's graphs (default: one per 512 tokens of the chunk, at "
+                   "least 2: each size is checked with a batch of 2 requests)")
     p.add_argument("--num-tokens", type=int_list("num-tokens"), default=None,
                    help="comma list of batch sizes to check (default: every captured bucket, full)")
     p.add_argument("--tolerance", type=float, default=None,
@@ -44,4 +46,3 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--leak-check", choices=("off", "warn", "raise"), default="warn",
                    help="report tensors an island keeps without returning them, at capture (default: %(default)s)")
     p.set_defaults(func=run_verify, parser=p, config=VerifyConfig)
-    return p

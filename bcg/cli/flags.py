@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-__all__ = ["backend_list", "both", "engine_flags", "float_list", "int_list", "measure_flags", "size"]
+__all__ = ["backend_list", "both", "engine_flags", "float_list", "int_list", "measure_flags", "out_dir", "size",
+           "tc_compiler_flag"]
 
 
 def int_list(flag: str) -> Any:
@@ -84,13 +85,33 @@ def measure_flags(p: argparse.ArgumentParser, out: str) -> None:
                    help="timed runs per measurement; the median is reported with its interquartile range "
                    "(default: %(default)s)")
     p.add_argument("--warmup", type=int, default=WARMUP, help="untimed runs before timing (default: %(default)s)")
-    p.add_argument("--out", default=out, help="output folder for results.json and the PNGs, checked for writing "
-                   "before anything runs (default: %(default)s)")
+    p.add_argument("--out", type=out_dir, default=out, help="output folder for results.json and the PNGs, checked "
+                   "for writing before anything runs (default: %(default)s)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (default: torch's own on CUDA, 1 on the CPU: one thread keeps CPU "
                    "timings repeatable on a busy machine)")
     p.add_argument("--no-plots", dest="plots", action="store_false",
                    help="skip the PNGs, and remove those of an earlier run in --out (default: draw them)")
+
+
+def tc_compiler_flag(p: argparse.ArgumentParser) -> None:
+    """``--tc-compiler``, the same for every command; ``None`` takes this machine's default in the config's
+    ``resolved()`` (:func:`bcg.bench.config.tc_compiler_for`)."""
+    from bcg.bench.config import CPU_DEFAULTS as C
+    from bcg.bench.config import CUDA_DEFAULTS as G
+    from bcg.bench.config import TC_COMPILERS
+
+    p.add_argument("--tc-compiler", default=None, choices=TC_COMPILERS,
+                   help="what compiles tc_piecewise's pieces: inductor (generated kernels), or traced (dynamo's "
+                   "trace run as it is, no code generated: what the CPU emulation can run) (default: "
+                   f"{both(G.tc_compiler, C.tc_compiler)})")
+
+
+def out_dir(text: str) -> str:
+    """An argparse type for ``--out``: a folder name, not an empty string (which would mean the current folder)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("is empty; give a folder for the results, e.g. out/run1 (or . for this one)")
+    return text
 
 
 def float_list(text: str) -> list[float]:
