@@ -3,10 +3,11 @@
 Each op is defined once with :func:`kernel_op`: its plain-torch reference is the kernel of every device (the CPU
 included), its Triton launcher overrides that on CUDA, and a fake kernel gives ``torch.compile`` its output shapes
 and strides without running anything. The entry points in :mod:`bcg.ops.kernels` call the op only while dynamo
-traces (:func:`bcg.ops.kernels.dispatch.kernel_path`); eager code calls the same two functions directly, because a
-trip through the dispatcher costs host time on every call (measured on the CPU: about 10 us per call for a
-``custom_op`` against about 2 us for the reference itself on a tiny row) and the eager and benchmark paths call
-these kernels once per layer per forward. Graph replays and the compiled code inside them pay nothing either way.
+traces (:func:`bcg.ops.kernels.dispatch.kernel_path`); eager code calls the launcher or the reference directly,
+because a trip through the dispatcher and the Python ``custom_op`` wrapper costs tens of microseconds of host time on
+every call (an RMSNorm of 4 rows on the development CPU: 98 us through the op, 34 us for its body) and the eager and
+benchmark paths call these kernels per layer per forward. A graph replay pays nothing either way; compiled code
+calls the op, but the graph backends run compiled code only at capture.
 
 The ops are ``torch.library.custom_op`` everywhere, not ``triton_op``: a ``triton_op`` needs Triton importable where
 it is defined, and the CPU machines, which trace and check these ops in CI, have none; one definition keeps the graph
