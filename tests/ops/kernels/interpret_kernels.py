@@ -16,7 +16,6 @@ import os
 from types import SimpleNamespace
 
 import kernel_cases as cases
-import numpy as np
 import pytest
 import torch
 from op_samples import samples
@@ -29,13 +28,19 @@ pytestmark = [
 MODULES = ("triton_utils", "triton_norm", "triton_activation", "triton_rope", "triton_moe")
 
 
-def _version(text: str) -> tuple[int, int]:
+def _version(package: str) -> tuple[int, int]:
+    """``(major, minor)`` of an installed package, ``(0, 0)`` when it is not installed (collection must not fail: the
+    suite imports this file for its doctests on machines without Triton)."""
+    try:
+        text = importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return (0, 0)
     return tuple(int(v) for v in text.split("+")[0].split(".")[:2])
 
 
 # Triton 3.6's interpreter turns a loop bound that is a kernel argument into an int with int(ndarray of shape
 # (1,)), which numpy >= 2.4 refuses (3.7 does not); only the expert-order kernel loops over a runtime bound.
-NUMPY_RUNTIME_LOOPS = _version(np.__version__) < (2, 4) or _version(importlib.metadata.version("triton")) >= (3, 7)
+NUMPY_RUNTIME_LOOPS = _version("numpy") < (2, 4) or _version("triton") >= (3, 7)
 
 
 @pytest.fixture(scope="module")
