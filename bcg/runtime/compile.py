@@ -26,6 +26,7 @@ import itertools
 import logging
 import re
 import types
+from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -85,8 +86,9 @@ class CompiledLayers:
     """``model.forward_layers`` with every layer run by one compiled function; call it as the uncompiled method.
 
     The first call marks the token dimension dynamic and compiles each distinct layer structure it meets
-    (:attr:`num_graphs` counts them, :attr:`num_calls` says whether it happened); later calls of any size reuse the
-    graphs.
+    (:attr:`num_graphs` counts them, :attr:`num_calls` says whether it happened, :attr:`ops` counts the custom ops
+    the traced graphs call by name, e.g. ``"bcg.rms_norm"``: which fused kernels and islands the compiled layers
+    run); later calls of any size reuse the graphs.
 
     Raises:
         CompileRefused: (first call) dynamo cannot trace a layer; the message says which, why, and what to do.
@@ -106,10 +108,12 @@ class CompiledLayers:
 
         self.model, self.compiler = model, compiler
         self.num_calls = self.num_graphs = 0
+        self.ops: Counter[str] = Counter()
         inner = "inductor" if compiler == "inductor" else _islands_direct
 
         def backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
             self.num_graphs += 1
+            self.ops.update(_custom_ops(gm))
             if inner == "inductor":
                 from torch._inductor.compile_fx import compile_fx
 
@@ -155,6 +159,16 @@ def compile_layers(model: torch.nn.Module, compiler: str) -> CompiledLayers:
     """``model.forward_layers`` compiled layer by layer with ``compiler`` ("inductor" or "traced"); see
     :class:`CompiledLayers`."""
     return CompiledLayers(model, compiler)
+
+
+def _custom_ops(gm: torch.fx.GraphModule) -> list[str]:
+    """The custom ops ``gm`` calls, one name per call (``"bcg.rms_norm"``): aten and Python functions left out."""
+    names = []
+    for node in gm.graph.nodes:
+        packet = getattr(node.target, "overloadpacket", node.target) if node.op == "call_function" else None
+        if isinstance(packet, torch._ops.OpOverloadPacket) and not str(packet).startswith("aten."):
+            names.append(str(packet))
+    return names
 
 
 def _mark_token_dim(value: Any, num_tokens: int) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 from engine_cache import EngineCache, max_diff, random_prompts
@@ -154,3 +156,95 @@ def test_a_layer_dynamo_cannot_trace_is_refused_in_one_line(caplog: pytest.LogCa
     assert "makes the token count a constant" in error and "Fix: run without compile=" in error
     assert [r.name for r in caplog.records] == ["bcg"]  # one line from bcg; dynamo's own log stays quiet
     assert eng.runner.step.layers == model.forward_layers and eng.telemetry.num_captured == 2  # served uncompiled
+
+
+# --- transformers layers fused by bcg at load: their kernels are custom ops, traced whole on every device. ---
+needs_cc = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("g++") is None,
+                              reason="Inductor's CPU code needs a C++ compiler (cc or g++)")
+HF = dict(buckets=[16, 32], chunked_prefill_size=32, kv_tokens=256, progress=False)
+# Every fused kernel of a dense transformers layer: the ops a compiled layer must call, not their references.
+HF_LAYER_OPS = {"bcg.rms_norm", "bcg.add_rms_norm", "bcg.qkv_norm_rope", "bcg.silu_and_mul"}
+
+
+def _transformers_model(arch: str, dtype: torch.dtype = torch.float32, **shape: int) -> torch.nn.Module:
+    """A random transformers Llama or Qwen3 (tiny unless ``shape`` says otherwise), weights spread enough that the
+    logits are not near-uniform."""
+    transformers = pytest.importorskip("transformers")
+    dims = dict(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                intermediate_size=128, max_position_embeddings=256, tie_word_embeddings=False)
+    dims.update(shape)
+    config = (transformers.LlamaConfig(**dims) if arch == "llama"
+              else transformers.Qwen3Config(**{"head_dim": dims["hidden_size"] // dims["num_attention_heads"], **dims}))
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.normal_(1.0 if "norm" in name else 0.0, 0.08 if p.ndim >= 2 else 0.1, generator=g)
+    return model.to(dtype).eval()
+
+
+@needs_cc
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_fused_transformers_layers_compile_with_inductor_on_the_cpu(arch: str) -> None:
+    """Dynamo, AOT autograd with fake tensors and Inductor take a fused layer whole (fullgraph: no break inside it),
+    its kernels as the ops the GPU runs; the compiled stack computes what the uncompiled one does."""
+    eng = Engine(_transformers_model(arch), backend="eager", compile="inductor", kernels="fused", device="cpu", **HF)
+    plain = Engine(_transformers_model(arch), backend="eager", kernels="fused", device="cpu", **HF)
+    assert eng.telemetry.compile_error is None, eng.telemetry.compile_error
+    layers = eng.runner.step.layers
+    assert layers.num_graphs == 1 and HF_LAYER_OPS <= set(layers.ops), layers.ops
+    for lengths in ([3, 13, 7], [30]):
+        batch = prompts(lengths, seed=3)
+        res, ref = eng.prefill(batch), plain.prefill(batch)
+        assert max_diff(res.logits, ref.logits) <= 1e-4 and torch.equal(res.next_tokens, ref.next_tokens)
+
+
+def test_fused_transformers_layers_compile_and_capture_under_the_emulation() -> None:
+    """The traced ops are recorded and replayed by the CPU graph emulation like any op: same breaks as uncompiled."""
+    eng = Engine(_transformers_model("qwen3"), backend="breakable", compile="traced", kernels="fused", device="cpu",
+                 **HF)
+    plain = Engine(_transformers_model("qwen3"), backend="breakable", kernels="fused", device="cpu", **HF)
+    assert eng.telemetry.compile_error is None and HF_LAYER_OPS <= set(eng.runner.step.layers.ops)
+    for n in HF["buckets"]:
+        got, want = eng.telemetry.buckets[n], plain.telemetry.buckets[n]
+        assert (got.num_segments, got.num_breaks) == (want.num_segments, want.num_breaks) and got.num_breaks > 0
+    batch = prompts([5, 20], seed=4)
+    res, ref = eng.prefill(batch), plain.prefill(batch)
+    assert all(b.graph_used for b in res.batches)
+    assert max_diff(res.logits, ref.logits) <= 1e-5 and torch.equal(res.next_tokens, ref.next_tokens)
+
+
+# Llama-3.2-1B's and Qwen3-0.6B's layer shapes (scripts/make_checkpoint.py), two layers and a small vocabulary.
+REAL_SHAPES = {
+    "llama": dict(hidden_size=2048, intermediate_size=8192, num_attention_heads=32, num_key_value_heads=8,
+                  rope_theta=500000.0),
+    "qwen3": dict(hidden_size=1024, intermediate_size=3072, num_attention_heads=16, num_key_value_heads=8,
+                  head_dim=128),
+}
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_inductor_compiles_fused_transformers_layers_of_real_shapes_on_cuda(arch: str) -> None:
+    """compile="inductor" on the transformers path compiles the fused layers (Triton kernels as custom ops) and its
+    breakable graphs give the uncompiled engine's greedy tokens wherever its top two logits are not a bf16 tie."""
+    kw = dict(HF, kernels="fused", device="cuda", kv_tokens=1024, buckets=[16, 32, 64], chunked_prefill_size=64)
+    model = lambda: _transformers_model(arch, torch.bfloat16, num_hidden_layers=2, vocab_size=4096,  # noqa: E731
+                                        max_position_embeddings=4096, **REAL_SHAPES[arch]).to("cuda")
+    eng = Engine(model(), backend="breakable", compile="inductor", **kw)
+    plain = Engine(model(), backend="breakable", **kw)
+    assert eng.telemetry.compile_error is None and eng.telemetry.refused_reason is None, eng.telemetry.compile_error
+    assert eng.runner.step.layers.num_graphs == 1 and HF_LAYER_OPS <= set(eng.runner.step.layers.ops)
+    for lengths in ([3, 13, 40, 7], [64], [150]):
+        batch = prompts(lengths, seed=5, vocab=4096)
+        res, want = eng.prefill(batch), plain.prefill(batch)
+        assert all(b.graph_used for b in res.batches if b.num_tokens >= 8)
+        tol = 3e-2 * max(1.0, want.logits.abs().max().item())
+        assert (res.logits - want.logits).abs().max().item() <= tol
+        top2 = want.logits.float().topk(2, dim=-1).values
+        clear = (top2[:, 0] - top2[:, 1]) > 2 * tol
+        assert torch.equal(res.next_tokens[clear], want.next_tokens[clear])
+        # The same Triton kernels and GEMMs run either way; Inductor only generates the glue between them.
+        assert (res.next_tokens == want.next_tokens).float().mean().item() >= 0.9

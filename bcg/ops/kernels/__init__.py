@@ -7,7 +7,8 @@ around the experts. Each entry point takes ``impl="fused" | "torch"`` (default `
 their own setting); ``"fused"`` runs Triton for CUDA tensors and the reference on any other device.
 The kernels are capturable (no host reads, no allocation of data-dependent size; Triton
 compiles a kernel at its first call, so warm up before capturing) and registered as ``torch.ops.bcg.*`` custom
-ops, which is what ``torch.compile`` traces when the fused path is on.
+ops (:mod:`bcg.ops.kernels.library`), which is what ``torch.compile`` traces when the fused path is on, on any
+device.
 
 Example:
     >>> import torch

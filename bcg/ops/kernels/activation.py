@@ -11,7 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from bcg.ops.kernels.dispatch import use_fused
+from bcg.ops.kernels.dispatch import kernel_path
+from bcg.ops.kernels.library import kernel_op
 
 __all__ = ["silu_and_mul", "silu_and_mul_reference"]
 
@@ -34,32 +35,38 @@ def silu_and_mul(x: Tensor, *, out: Optional[Tensor] = None, impl: str = "fused"
     """
     if x.shape[-1] % 2:
         raise ValueError(f"silu_and_mul needs an even last dimension (gate and up halves), got {tuple(x.shape)}")
-    if not use_fused(impl, x):
+    path = kernel_path(impl, x)
+    if path == "torch":
         y = silu_and_mul_reference(x)
         return y if out is None else out.copy_(y)
     if x.stride(-1) != 1:
         raise ValueError(f"x must have a contiguous last dimension (strides {x.stride()}); pass x.contiguous()")
-    if torch.compiler.is_compiling():
+    if path == "op":
         y = torch.ops.bcg.silu_and_mul(x)
         return y if out is None else out.copy_(y)
     from bcg.ops.kernels import triton_activation
 
-    out = x.new_empty((*x.shape[:-1], x.shape[-1] // 2)) if out is None else out
+    out = _silu_and_mul_fake(x) if out is None else out
     triton_activation.silu_and_mul(x, out)
     return out
 
 
-@torch.library.custom_op("bcg::silu_and_mul", mutates_args=())
-def _silu_and_mul_op(x: Tensor) -> Tensor:
-    if x.is_cuda:
-        from bcg.ops.kernels import triton_activation
-
-        out = x.new_empty((*x.shape[:-1], x.shape[-1] // 2))
-        triton_activation.silu_and_mul(x, out)
-        return out
-    return silu_and_mul_reference(x)
-
-
-@_silu_and_mul_op.register_fake
+# --- The op (bcg.ops.kernels.library): it allocates its result as its fake kernel does, then fills it. ---
 def _silu_and_mul_fake(x: Tensor) -> Tensor:
     return x.new_empty((*x.shape[:-1], x.shape[-1] // 2))
+
+
+def _silu_and_mul_op(x: Tensor) -> Tensor:
+    return _silu_and_mul_fake(x).copy_(silu_and_mul_reference(x))
+
+
+def _silu_and_mul_triton(x: Tensor) -> Tensor:
+    from bcg.ops.kernels import triton_activation
+
+    out = _silu_and_mul_fake(x)
+    triton_activation.silu_and_mul(x, out)
+    return out
+
+
+kernel_op("silu_and_mul", mutates_args=(), reference=_silu_and_mul_op, triton=_silu_and_mul_triton,
+          fake=_silu_and_mul_fake)

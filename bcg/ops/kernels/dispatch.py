@@ -1,9 +1,11 @@
-"""Which implementation a kernel entry point runs: the fused Triton kernel or its plain-torch reference.
+"""Which implementation a kernel entry point runs: the fused Triton kernel, its plain-torch reference, or (while
+``torch.compile`` traces) its custom op.
 
 Every entry point in :mod:`bcg.ops.kernels` takes ``impl="fused" | "torch"``; the models pass their own setting
 (``Engine(kernels=...)`` reaches them through :meth:`bcg.models.base.CausalLM.set_kernels`), so there is no process
 default. ``"fused"`` runs the Triton kernel for CUDA tensors and the reference for any other device, so one setting
-serves the CPU tests and the GPU alike.
+serves the CPU tests and the GPU alike; traced, it is the kernel's ``torch.ops.bcg`` op on every device
+(:mod:`bcg.ops.kernels.library`), whose CPU kernel is the reference, so a CPU trace holds the ops a GPU trace holds.
 """
 
 from __future__ import annotations
@@ -15,9 +17,10 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-__all__ = ["KernelImpl", "fused_available", "use_fused"]
+__all__ = ["KernelImpl", "KernelPath", "fused_available", "kernel_path", "use_fused"]
 
 KernelImpl = Literal["fused", "torch"]
+KernelPath = Literal["torch", "triton", "op"]
 IMPLS: tuple[str, ...] = ("fused", "torch")
 
 
@@ -49,7 +52,7 @@ def fused_available(device: torch.device | str) -> bool:
 
 
 def use_fused(impl: str, x: Tensor) -> bool:
-    """Whether an entry point called with ``impl`` on ``x`` runs its fused kernel.
+    """Whether an entry point called eagerly with ``impl`` on ``x`` runs its fused kernel.
 
     Raises:
         RuntimeError: ``"fused"`` was asked for a CUDA tensor but Triton cannot be imported.
@@ -64,3 +67,23 @@ def use_fused(impl: str, x: Tensor) -> bool:
             "matches your torch, or use kernels='torch' (Engine(kernels='torch'), impl='torch')"
         )
     return True
+
+
+def kernel_path(impl: str, x: Tensor) -> KernelPath:
+    """What an entry point called with ``impl`` on ``x`` runs: ``"torch"`` (the reference, traced as plain ops when
+    compiled), ``"triton"`` (the launcher, eager on CUDA) or ``"op"`` (the kernel's custom op, while dynamo traces
+    the fused path on any device: opaque to the compiler, with a fake kernel for its shapes).
+
+    Eager calls never go through the op: the dispatcher round trip would cost host time on every call.
+
+    Example:
+        >>> kernel_path("fused", torch.zeros(2)), kernel_path("torch", torch.zeros(2))
+        ('torch', 'torch')
+
+    Raises:
+        RuntimeError: ``"fused"`` was asked for a CUDA tensor but Triton cannot be imported.
+    """
+    if torch.compiler.is_compiling() and impl == "fused":
+        use_fused(impl, x)  # the same checks: a CUDA trace needs Triton for the op's CUDA kernel
+        return "op"
+    return "triton" if use_fused(impl, x) else "torch"

@@ -20,7 +20,8 @@ from typing import NamedTuple, Optional
 import torch
 from torch import Tensor
 
-from bcg.ops.kernels.dispatch import use_fused
+from bcg.ops.kernels.dispatch import kernel_path
+from bcg.ops.kernels.library import kernel_op
 
 __all__ = ["ExpertOrder", "expert_order", "expert_order_reference", "moe_combine", "moe_combine_reference"]
 
@@ -64,23 +65,12 @@ def expert_order(topk_ids: Tensor, num_experts: int, *, impl: str = "fused") -> 
     """
     if topk_ids.dim() != 2:
         raise ValueError(f"topk_ids must be (T, k), got {tuple(topk_ids.shape)}")
-    if not use_fused(impl, topk_ids):
+    path = kernel_path(impl, topk_ids)
+    if path == "torch":
         return expert_order_reference(topk_ids, num_experts)
-    if torch.compiler.is_compiling():
+    if path == "op":
         return ExpertOrder(*torch.ops.bcg.expert_order(topk_ids, num_experts))
-    return ExpertOrder(*_fused_order(topk_ids, num_experts))
-
-
-def _fused_order(topk_ids: Tensor, num_experts: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    from bcg.ops.kernels import triton_moe
-
-    n_pairs = topk_ids.numel()
-    token_index = topk_ids.new_empty(n_pairs, dtype=torch.int64)
-    slot = topk_ids.new_empty(topk_ids.shape, dtype=torch.int64)
-    group_end = topk_ids.new_empty(num_experts, dtype=torch.int32)
-    expert = topk_ids.new_empty(n_pairs, dtype=torch.int64)
-    triton_moe.expert_order(topk_ids.contiguous(), num_experts, token_index, slot, group_end, expert)
-    return token_index, slot, group_end, expert
+    return ExpertOrder(*_expert_order_triton(topk_ids, num_experts))
 
 
 def moe_combine_reference(y_sorted: Tensor, slot: Tensor, weights: Tensor) -> Tensor:
@@ -105,46 +95,61 @@ def moe_combine(y_sorted: Tensor, slot: Tensor, weights: Tensor, *, out: Optiona
     if slot.dim() != 2 or weights.shape != slot.shape or y_sorted.shape[0] != slot.numel():
         raise ValueError(f"moe_combine needs y_sorted (T*k, H), slot and weights (T, k); got {tuple(y_sorted.shape)}, "
                          f"{tuple(slot.shape)}, {tuple(weights.shape)}")
-    if not use_fused(impl, y_sorted):
+    path = kernel_path(impl, y_sorted)
+    if path == "torch":
         y = moe_combine_reference(y_sorted, slot, weights)
         return y if out is None else out.copy_(y)
     if y_sorted.stride(-1) != 1:
         raise ValueError(f"y_sorted must have a contiguous last dimension (strides {y_sorted.stride()})")
-    if torch.compiler.is_compiling():
+    if path == "op":
         y = torch.ops.bcg.moe_combine(y_sorted, slot, weights)
         return y if out is None else out.copy_(y)
     from bcg.ops.kernels import triton_moe
 
-    out = y_sorted.new_empty((slot.shape[0], y_sorted.shape[1])) if out is None else out
+    out = _moe_combine_fake(y_sorted, slot, weights) if out is None else out
     triton_moe.combine(y_sorted, slot.contiguous(), weights, out)
     return out
 
 
-@torch.library.custom_op("bcg::expert_order", mutates_args=())
-def _expert_order_op(topk_ids: Tensor, num_experts: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    if topk_ids.is_cuda:
-        return _fused_order(topk_ids, num_experts)
-    return tuple(expert_order_reference(topk_ids, num_experts))
-
-
-@_expert_order_op.register_fake
+# --- The ops (bcg.ops.kernels.library): each allocates its results as its fake kernel does, then fills them. ---
 def _expert_order_fake(topk_ids: Tensor, num_experts: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     n_pairs = topk_ids.numel()
     return (topk_ids.new_empty(n_pairs, dtype=torch.int64), topk_ids.new_empty(topk_ids.shape, dtype=torch.int64),
             topk_ids.new_empty(num_experts, dtype=torch.int32), topk_ids.new_empty(n_pairs, dtype=torch.int64))
 
 
-@torch.library.custom_op("bcg::moe_combine", mutates_args=())
-def _moe_combine_op(y_sorted: Tensor, slot: Tensor, weights: Tensor) -> Tensor:
-    if y_sorted.is_cuda:
-        from bcg.ops.kernels import triton_moe
-
-        out = y_sorted.new_empty((slot.shape[0], y_sorted.shape[1]))
-        triton_moe.combine(y_sorted, slot.contiguous(), weights, out)
-        return out
-    return moe_combine_reference(y_sorted, slot, weights)
+def _expert_order_op(topk_ids: Tensor, num_experts: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    results = _expert_order_fake(topk_ids, num_experts)
+    for result, value in zip(results, expert_order_reference(topk_ids, num_experts)):
+        result.copy_(value)
+    return results
 
 
-@_moe_combine_op.register_fake
+def _expert_order_triton(topk_ids: Tensor, num_experts: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    from bcg.ops.kernels import triton_moe
+
+    results = _expert_order_fake(topk_ids, num_experts)
+    triton_moe.expert_order(topk_ids.contiguous(), num_experts, *results)
+    return results
+
+
 def _moe_combine_fake(y_sorted: Tensor, slot: Tensor, weights: Tensor) -> Tensor:
     return y_sorted.new_empty((slot.shape[0], y_sorted.shape[1]))
+
+
+def _moe_combine_op(y_sorted: Tensor, slot: Tensor, weights: Tensor) -> Tensor:
+    return _moe_combine_fake(y_sorted, slot, weights).copy_(moe_combine_reference(y_sorted, slot, weights))
+
+
+def _moe_combine_triton(y_sorted: Tensor, slot: Tensor, weights: Tensor) -> Tensor:
+    from bcg.ops.kernels import triton_moe
+
+    out = _moe_combine_fake(y_sorted, slot, weights)
+    triton_moe.combine(y_sorted, slot.contiguous(), weights, out)
+    return out
+
+
+kernel_op("expert_order", mutates_args=(), reference=_expert_order_op, triton=_expert_order_triton,
+          fake=_expert_order_fake)
+kernel_op("moe_combine", mutates_args=(), reference=_moe_combine_op, triton=_moe_combine_triton,
+          fake=_moe_combine_fake)

@@ -13,7 +13,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from bcg.ops.kernels.dispatch import use_fused
+from bcg.ops.kernels.dispatch import kernel_path
+from bcg.ops.kernels.library import kernel_op
 
 __all__ = ["router_topk", "router_topk_reference"]
 
@@ -44,33 +45,38 @@ def router_topk(logits: Tensor, top_k: int, *, renormalize: bool = True, out_dty
     if not 0 < top_k <= num_experts:
         raise ValueError(f"top_k={top_k} must be in [1, {num_experts}] (the number of experts)")
     out_dtype = logits.dtype if out_dtype is None else out_dtype
-    if not use_fused(impl, logits):
+    path = kernel_path(impl, logits)
+    if path == "torch":
         return router_topk_reference(logits, top_k, renormalize, out_dtype)
     if logits.dim() != 2 or logits.stride(-1) != 1:
         raise ValueError(f"logits must be (T, E) with a contiguous last dimension, got {tuple(logits.shape)} "
                          f"strides {logits.stride()}")
-    if torch.compiler.is_compiling():
+    if path == "op":
         return torch.ops.bcg.router_topk(logits, top_k, renormalize, out_dtype)
-    return _fused(logits, top_k, renormalize, out_dtype)
+    return _router_topk_triton(logits, top_k, renormalize, out_dtype)
 
 
-def _fused(logits: Tensor, top_k: int, renormalize: bool, out_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+# --- The op (bcg.ops.kernels.library): it allocates its results as its fake kernel does, then fills them. ---
+def _router_topk_fake(logits: Tensor, top_k: int, renormalize: bool,
+                      out_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    return (logits.new_empty((logits.shape[0], top_k), dtype=out_dtype),
+            logits.new_empty((logits.shape[0], top_k), dtype=torch.int64))
+
+
+def _router_topk_op(logits: Tensor, top_k: int, renormalize: bool, out_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    weights, ids = _router_topk_fake(logits, top_k, renormalize, out_dtype)
+    ref_weights, ref_ids = router_topk_reference(logits, top_k, renormalize, out_dtype)
+    return weights.copy_(ref_weights), ids.copy_(ref_ids)
+
+
+def _router_topk_triton(logits: Tensor, top_k: int, renormalize: bool,
+                        out_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     from bcg.ops.kernels import triton_moe
 
-    weights = logits.new_empty((logits.shape[0], top_k), dtype=out_dtype)
-    ids = logits.new_empty((logits.shape[0], top_k), dtype=torch.int64)
+    weights, ids = _router_topk_fake(logits, top_k, renormalize, out_dtype)
     triton_moe.router_topk(logits, renormalize, weights, ids)
     return weights, ids
 
 
-@torch.library.custom_op("bcg::router_topk", mutates_args=())
-def _router_topk_op(logits: Tensor, top_k: int, renormalize: bool, out_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    if logits.is_cuda:
-        return _fused(logits, top_k, renormalize, out_dtype)
-    return router_topk_reference(logits, top_k, renormalize, out_dtype)
-
-
-@_router_topk_op.register_fake
-def _router_topk_fake(logits: Tensor, top_k: int, renormalize: bool, out_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    return (logits.new_empty((logits.shape[0], top_k), dtype=out_dtype),
-            logits.new_empty((logits.shape[0], top_k), dtype=torch.int64))
+kernel_op("router_topk", mutates_args=(), reference=_router_topk_op, triton=_router_topk_triton,
+          fake=_router_topk_fake)

@@ -14,7 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from bcg.ops.kernels.dispatch import use_fused
+from bcg.ops.kernels.dispatch import kernel_path
+from bcg.ops.kernels.library import kernel_op
 
 __all__ = ["fused_add_rms_norm", "fused_add_rms_norm_reference", "rms_norm", "rms_norm_reference"]
 
@@ -51,11 +52,12 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, *, out: Optional[Tensor] = N
         >>> torch.allclose(rms_norm(x, torch.ones(1000), 1e-6), F.rms_norm(x, (1000,), None, 1e-6))
         True
     """
-    if not use_fused(impl, x):
+    path = kernel_path(impl, x)
+    if path == "torch":
         y = rms_norm_reference(x, weight, eps)
         return y if out is None else out.copy_(y)
     _check_rows("x", x, weight.shape[0])
-    if torch.compiler.is_compiling():
+    if path == "op":
         y = torch.ops.bcg.rms_norm(x, weight, eps)
         return y if out is None else out.copy_(y)
     from bcg.ops.kernels import triton_norm
@@ -87,54 +89,78 @@ def fused_add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float, 
         raise ValueError(f"x {tuple(x.shape)} and residual {tuple(residual.shape)} must have the same shape")
     out = x if out is None else out
     residual_out = residual if residual_out is None else residual_out
-    if not use_fused(impl, x):
+    path = kernel_path(impl, x)
+    if path == "torch":
         if residual_out is not residual:
             residual_out.copy_(residual)
         residual_out.add_(x)
         return out.copy_(rms_norm_reference(residual_out, weight, eps)), residual_out
     for name, t in (("x", x), ("residual", residual), ("out", out), ("residual_out", residual_out)):
         _check_rows(name, t, weight.shape[0])
-    if torch.compiler.is_compiling():
-        # The op works in place; redirected results are copies first (Inductor folds them into its own kernels).
-        if out is not x:
-            out.copy_(x)
-        if residual_out is not residual:
-            residual_out.copy_(residual)
-        torch.ops.bcg.fused_add_rms_norm_(out, residual_out, weight, eps)
-        return out, residual_out
+    if path == "op":
+        if out is x and residual_out is residual:  # in place: the residual stream, often an input of the trace
+            torch.ops.bcg.fused_add_rms_norm_(x, residual, weight, eps)
+            return x, residual
+        # Redirected: new results copied where asked (Inductor drops a copy into a fresh tensor).
+        normed, summed = torch.ops.bcg.add_rms_norm(x, residual, weight, eps)
+        return out.copy_(normed), residual_out.copy_(summed)
     from bcg.ops.kernels import triton_norm
 
     triton_norm.add_rms_norm(x, residual, weight, eps, out, residual_out)
     return out, residual_out
 
 
-# --- torch.library ops: what torch.compile traces when the fused path is on (opaque, with shape functions). ---
-@torch.library.custom_op("bcg::rms_norm", mutates_args=())
-def _rms_norm_op(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    if x.is_cuda:
-        from bcg.ops.kernels import triton_norm
-
-        out = torch.empty_like(x)
-        triton_norm.rms_norm(x, weight, eps, out)
-        return out
-    return rms_norm_reference(x, weight, eps)
-
-
-@_rms_norm_op.register_fake
+# --- The ops (bcg.ops.kernels.library): each allocates its results as its fake kernel does, then fills them. ---
 def _rms_norm_fake(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    return torch.empty_like(x)
+    return x.new_empty(x.shape)
 
 
-@torch.library.custom_op("bcg::fused_add_rms_norm_", mutates_args=("x", "residual"))
-def _fused_add_rms_norm_op(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> None:
-    if x.is_cuda:
-        from bcg.ops.kernels import triton_norm
-
-        triton_norm.add_rms_norm(x, residual, weight, eps, x, residual)
-    else:
-        fused_add_rms_norm_reference(x, residual, weight, eps)
+def _rms_norm_op(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    return _rms_norm_fake(x, weight, eps).copy_(rms_norm_reference(x, weight, eps))
 
 
-@_fused_add_rms_norm_op.register_fake
-def _fused_add_rms_norm_fake(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> None:
+def _rms_norm_triton(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    from bcg.ops.kernels import triton_norm
+
+    out = _rms_norm_fake(x, weight, eps)
+    triton_norm.rms_norm(x, weight, eps, out)
+    return out
+
+
+def _add_rms_norm_fake(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    return x.new_empty(x.shape), residual.new_empty(residual.shape)
+
+
+def _add_rms_norm_op(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    normed, summed = _add_rms_norm_fake(x, residual, weight, eps)
+    fused_add_rms_norm_reference(normed.copy_(x), summed.copy_(residual), weight, eps)
+    return normed, summed
+
+
+def _add_rms_norm_triton(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    from bcg.ops.kernels import triton_norm
+
+    normed, summed = _add_rms_norm_fake(x, residual, weight, eps)
+    triton_norm.add_rms_norm(x, residual, weight, eps, normed, summed)
+    return normed, summed
+
+
+def _add_rms_norm_inplace_fake(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> None:
     return None
+
+
+def _add_rms_norm_inplace_op(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> None:
+    fused_add_rms_norm_reference(x, residual, weight, eps)
+
+
+def _add_rms_norm_inplace_triton(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> None:
+    from bcg.ops.kernels import triton_norm
+
+    triton_norm.add_rms_norm(x, residual, weight, eps, x, residual)
+
+
+kernel_op("rms_norm", mutates_args=(), reference=_rms_norm_op, triton=_rms_norm_triton, fake=_rms_norm_fake)
+kernel_op("add_rms_norm", mutates_args=(), reference=_add_rms_norm_op, triton=_add_rms_norm_triton,
+          fake=_add_rms_norm_fake)
+kernel_op("fused_add_rms_norm_", mutates_args=("x", "residual"), reference=_add_rms_norm_inplace_op,
+          triton=_add_rms_norm_inplace_triton, fake=_add_rms_norm_inplace_fake)

@@ -21,7 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from bcg.ops.kernels.dispatch import use_fused
+from bcg.ops.kernels.dispatch import kernel_path
+from bcg.ops.kernels.library import kernel_op
 
 __all__ = ["qkv_norm_rope", "qkv_norm_rope_reference", "rope_angles", "rotate"]
 
@@ -135,17 +136,20 @@ def qkv_norm_rope(
     _check(qkv, positions, inv_freq, q_weight, k_weight, q_out, k_out, v_out)
     if cache is not None:
         _check_cache(cache, k_out)
-    is_fused, compiling = use_fused(impl, qkv), torch.compiler.is_compiling()
-    if not is_fused:
-        qkv_norm_rope_reference(qkv, positions, inv_freq, q_weight, k_weight, eps, q_out, k_out, v_out)
-    elif compiling:
-        torch.ops.bcg.qkv_norm_rope_(qkv, positions, inv_freq, q_weight, k_weight, eps, q_out, k_out, v_out)
-    else:
+    path = kernel_path(impl, qkv)
+    if path == "triton":
         from bcg.ops.kernels import triton_rope
 
         triton_rope.qkv_norm_rope(qkv, positions, inv_freq, q_weight, k_weight, eps, q_out, k_out, v_out, cache)
         return q_out, k_out, v_out
-    if cache is not None:  # the reference (and the compiled op) write the caches apart
+    if path == "torch":
+        qkv_norm_rope_reference(qkv, positions, inv_freq, q_weight, k_weight, eps, q_out, k_out, v_out)
+    else:  # traced: the op's new q, k, v copied into the outputs (Inductor drops copies into fresh tensors)
+        q, k, v = torch.ops.bcg.qkv_norm_rope(qkv, positions, inv_freq, q_weight, k_weight, eps, num_heads,
+                                              num_kv_heads)
+        for dst, src in ((q_out, q), (k_out, k), (v_out, v)):
+            dst.copy_(src)
+    if cache is not None:  # the reference (and the traced op) write the caches apart
         k_cache, v_cache, slots = cache
         k_cache.index_copy_(0, slots, k_out.to(k_cache.dtype))
         v_cache.index_copy_(0, slots, v_out.to(v_cache.dtype))
@@ -167,22 +171,36 @@ def _check_cache(cache: tuple[Tensor, Tensor, Tensor], k_out: Tensor) -> None:
         raise ValueError("qkv_norm_rope cache: " + "; ".join(problems))
 
 
-@torch.library.custom_op("bcg::qkv_norm_rope_", mutates_args=("q_out", "k_out", "v_out"))
-def _qkv_norm_rope_op(
-    qkv: Tensor, positions: Tensor, inv_freq: Tensor, q_weight: Optional[Tensor], k_weight: Optional[Tensor],
-    eps: float, q_out: Tensor, k_out: Tensor, v_out: Tensor,
-) -> None:
-    if qkv.is_cuda:
-        from bcg.ops.kernels import triton_rope
-
-        triton_rope.qkv_norm_rope(qkv, positions, inv_freq, q_weight, k_weight, eps, q_out, k_out, v_out)
-    else:
-        qkv_norm_rope_reference(qkv, positions, inv_freq, q_weight, k_weight, eps, q_out, k_out, v_out)
-
-
-@_qkv_norm_rope_op.register_fake
+# --- The op (bcg.ops.kernels.library): it allocates q, k, v as its fake kernel does, then fills them. No cache
+# write: a traced forward has no KV destination (bcg.ops.attention.kv_destination), its attention writes the pool. ---
 def _qkv_norm_rope_fake(
     qkv: Tensor, positions: Tensor, inv_freq: Tensor, q_weight: Optional[Tensor], k_weight: Optional[Tensor],
-    eps: float, q_out: Tensor, k_out: Tensor, v_out: Tensor,
-) -> None:
-    return None
+    eps: float, num_heads: int, num_kv_heads: int,
+) -> tuple[Tensor, Tensor, Tensor]:
+    rows, dim = qkv.shape[0], qkv.shape[1] // (num_heads + 2 * num_kv_heads)
+    return (qkv.new_empty(rows, num_heads, dim), qkv.new_empty(rows, num_kv_heads, dim),
+            qkv.new_empty(rows, num_kv_heads, dim))
+
+
+def _qkv_norm_rope_op(
+    qkv: Tensor, positions: Tensor, inv_freq: Tensor, q_weight: Optional[Tensor], k_weight: Optional[Tensor],
+    eps: float, num_heads: int, num_kv_heads: int,
+) -> tuple[Tensor, Tensor, Tensor]:
+    q, k, v = _qkv_norm_rope_fake(qkv, positions, inv_freq, q_weight, k_weight, eps, num_heads, num_kv_heads)
+    qkv_norm_rope_reference(qkv, positions, inv_freq, q_weight, k_weight, eps, q, k, v)
+    return q, k, v
+
+
+def _qkv_norm_rope_triton(
+    qkv: Tensor, positions: Tensor, inv_freq: Tensor, q_weight: Optional[Tensor], k_weight: Optional[Tensor],
+    eps: float, num_heads: int, num_kv_heads: int,
+) -> tuple[Tensor, Tensor, Tensor]:
+    from bcg.ops.kernels import triton_rope
+
+    q, k, v = _qkv_norm_rope_fake(qkv, positions, inv_freq, q_weight, k_weight, eps, num_heads, num_kv_heads)
+    triton_rope.qkv_norm_rope(qkv, positions, inv_freq, q_weight, k_weight, eps, q, k, v)
+    return q, k, v
+
+
+kernel_op("qkv_norm_rope", mutates_args=(), reference=_qkv_norm_rope_op, triton=_qkv_norm_rope_triton,
+          fake=_qkv_norm_rope_fake)

@@ -11,22 +11,36 @@ checked by the CUDA tests); its fp16 and fp32 conversions round correctly, so th
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 import os
 from types import SimpleNamespace
 
 import kernel_cases as cases
-import numpy as np
 import pytest
 import torch
+from op_samples import samples
+from torch.library import opcheck
 
 pytestmark = [
     pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1 from the start"),
     pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU the CUDA tests run the compiled kernels"),
 ]
 MODULES = ("triton_utils", "triton_norm", "triton_activation", "triton_rope", "triton_moe")
+
+
+def _version(package: str) -> tuple[int, int]:
+    """``(major, minor)`` of an installed package, ``(0, 0)`` when it is not installed (collection must not fail: the
+    suite imports this file for its doctests on machines without Triton)."""
+    try:
+        text = importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return (0, 0)
+    return tuple(int(v) for v in text.split("+")[0].split(".")[:2])
+
+
 # Triton 3.6's interpreter turns a loop bound that is a kernel argument into an int with int(ndarray of shape
-# (1,)), which numpy >= 2.4 refuses; only the expert-order kernel loops over a runtime bound.
-NUMPY_RUNTIME_LOOPS = tuple(int(v) for v in np.__version__.split(".")[:2]) < (2, 4)
+# (1,)), which numpy >= 2.4 refuses (3.7 does not); only the expert-order kernel loops over a runtime bound.
+NUMPY_RUNTIME_LOOPS = _version("numpy") < (2, 4) or _version("triton") >= (3, 7)
 
 
 @pytest.fixture(scope="module")
@@ -130,7 +144,7 @@ def test_router_topk(run, dtype, rows, experts, top_k, renormalize):
     cases.check_router_topk(run, "cpu", dtype, rows, experts, top_k, renormalize, MIN_EXACT[dtype])
 
 
-@pytest.mark.skipif(not NUMPY_RUNTIME_LOOPS, reason="triton 3.6's interpreter needs numpy < 2.4 for runtime loops")
+@pytest.mark.skipif(not NUMPY_RUNTIME_LOOPS, reason="triton < 3.7's interpreter needs numpy < 2.4 for runtime loops")
 @pytest.mark.parametrize("ids_dtype", [torch.int64, torch.int32])
 @pytest.mark.parametrize("rows,experts,top_k", [(0, 8, 2), (1, 32, 4), (37, 32, 4), (70, 64, 8), (5, 6, 3)])
 def test_expert_order(run, rows, experts, top_k, ids_dtype):
@@ -141,3 +155,36 @@ def test_expert_order(run, rows, experts, top_k, ids_dtype):
 @pytest.mark.parametrize("rows,hidden,top_k", [(0, 64, 2), (1, 1000, 4), (6, 1536, 8)])
 def test_moe_combine(run, dtype, rows, hidden, top_k):
     cases.check_moe_combine(run, "cpu", dtype, rows, hidden, top_k, MIN_EXACT[dtype])
+
+
+@pytest.fixture(scope="module")
+def interpreted_ops(tk):
+    """Each kernel op's Triton implementation registered as a CPU op of its own (``bcg_interpret::<name>``, same
+    schema and fake kernel), so opcheck can hold the launchers to the schemas on CPU tensors."""
+    from bcg.ops.kernels.library import KERNEL_OPS
+
+    ops = {}
+    for name, spec in KERNEL_OPS.items():
+        op = torch.library.custom_op(f"bcg_interpret::{name}", spec.triton, mutates_args=spec.mutates_args)
+        op.register_fake(spec.fake)
+        ops[name] = getattr(torch.ops.bcg_interpret, name)
+    return ops
+
+
+OP_CASES = [(name, i) for name, args in samples().items() for i in range(len(args))]
+
+
+@pytest.mark.parametrize(("name", "case"), OP_CASES)
+def test_triton_implementations_of_the_ops_pass_opcheck(interpreted_ops, name, case):
+    if name == "expert_order" and not NUMPY_RUNTIME_LOOPS:
+        pytest.skip("triton < 3.7's interpreter needs numpy < 2.4 for runtime loops")
+    args = samples()[name][case]
+    opcheck(interpreted_ops[name], args)
+    got, want = interpreted_ops[name](*args), getattr(torch.ops.bcg, name)(*samples()[name][case])
+    if name == "fused_add_rms_norm_":
+        got, want = args[:2], samples()[name][case][:2]  # reference written into fresh copies of the samples
+        torch.ops.bcg.fused_add_rms_norm_(*want, *samples()[name][case][2:])
+    for g, e in zip(*(v if isinstance(v, tuple) else (v,) for v in (got, want))):
+        assert g.shape == e.shape and g.dtype == e.dtype and g.stride() == e.stride()
+        rtol = cases.RTOL[g.dtype] * 2 if g.dtype.is_floating_point else 0  # bf16 truncates here: one more unit
+        torch.testing.assert_close(g, e, rtol=rtol, atol=rtol)
