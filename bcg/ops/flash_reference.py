@@ -15,6 +15,9 @@ flash_varlen` sends CPU tensors here). The contract, as the kernel's entry point
   head_dim % 8 == 0, the kernel then reshapes q to ``(batch, num_kv_heads, groups, head_dim)``: it assumes every
   sequence has exactly one query and ignores ``cu_seqlens_q``. A batch with an empty sequence fails that reshape
   with "shape '[...]' is invalid for input of size N"; the same reshape runs here.
+* ``softcap`` ``c`` (flash-attn's, and the Triton kernel's: torch's aten op has none) caps the scaled scores as
+  ``c * tanh(s / c)`` before the mask and the softmax (gemma2's attention logit soft-capping). ``sinks`` (the Triton
+  kernel's, gpt-oss's) join every row's softmax as one more column per head with no value.
 * causal and windows are aligned bottom-right: query ``i`` of a sequence with ``Lq`` queries and ``Lk`` keys sees
   key ``j`` iff ``i + Lk - Lq - left <= j <= i + Lk - Lq + right`` (causal: right = 0; -1: unbounded).
 * a row that sees no key gets 0 and a log-sum-exp of +inf; rows past the last sequence are not written (a fresh
@@ -31,7 +34,7 @@ import math
 import torch
 from torch import Tensor
 
-__all__ = ["reference_flash_varlen"]
+__all__ = ["check_varlen_inputs", "reference_flash_varlen"]
 
 _HALF = (torch.float16, torch.bfloat16)
 
@@ -39,7 +42,7 @@ _HALF = (torch.float16, torch.bfloat16)
 def reference_flash_varlen(
     q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int,
     max_seqlen_k: int, *, is_causal: bool, scale: float | None = None, window_size_left: int = -1,
-    window_size_right: int = -1, out: Tensor | None = None,
+    window_size_right: int = -1, softcap: float | None = None, sinks: Tensor | None = None, out: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """FlashAttention-2's varlen forward: ``(out, lse)``, ``lse`` fp32 ``(num_heads, total_q)``.
 
@@ -50,6 +53,8 @@ def reference_flash_varlen(
         is_causal: bottom-right causal mask per sequence.
         scale: softmax scale (default ``head_dim ** -0.5``).
         window_size_left, window_size_right: FlashAttention's local window (-1: unbounded).
+        softcap: caps the scaled scores as ``softcap * tanh(scores / softcap)`` (None or 0: no cap, as flash-attn).
+        sinks: ``(num_heads,)`` logits of a value-less softmax column per head (the returned lse includes it).
         out: written in place when given (the in-place op's form); rows outside every sequence keep their values.
 
     Example:
@@ -60,7 +65,7 @@ def reference_flash_varlen(
         >>> o.shape, lse.shape
         (torch.Size([3, 4, 16]), torch.Size([4, 3]))
     """
-    _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, out)
+    _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, out, softcap, sinks)
     batch_size = cu_seqlens_q.numel() - 1
     total_q, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
@@ -75,20 +80,12 @@ def reference_flash_varlen(
         # every sequence has exactly one query (cu_seqlens_q is then ignored); anything else fails right here.
         q.reshape(batch_size, num_kv_heads, num_heads // num_kv_heads, head_dim)
         cu_seqlens_q = torch.arange(batch_size + 1, device=q.device, dtype=torch.int32)
-    _require(batch_size > 0, "batch size must be positive")
-    _require(head_dim <= 256, "FlashAttention forward only supports head dimension at most 256")
-    _require(num_heads % num_kv_heads == 0, "Number of heads in key/value must divide number of heads in query")
-    _require(head_dim % 8 == 0, "head_size must be a multiple of 8, this is ensured by padding!")
+    _check_shapes(q, k, v, cu_seqlens_q, cu_seqlens_k)
     if window_size_left >= max_seqlen_k:
         window_size_left = -1
     if window_size_right >= max_seqlen_k:
         window_size_right = -1
     total_k = k.shape[0]
-    _require(tuple(k.shape) == (total_k, num_kv_heads, head_dim) and k.shape == v.shape,
-             f"key and value must have shape (total_k, num_heads_k, head_size) = ({total_k}, {num_kv_heads}, "
-             f"{head_dim}), got {tuple(k.shape)} and {tuple(v.shape)}")
-    _require(cu_seqlens_k.shape == (batch_size + 1,),
-             f"cu_seqlens_k must have shape (batch_size + 1) = ({batch_size + 1},), got {tuple(cu_seqlens_k.shape)}")
     _check_bounds(cu_seqlens_q, total_q, max_seqlen_q, "q")
     _check_bounds(cu_seqlens_k, total_k, max_seqlen_k, "k")
 
@@ -109,9 +106,13 @@ def reference_flash_varlen(
     kh = k.float().transpose(0, 1).repeat_interleave(group, 0)
     vh = v.float().transpose(0, 1).repeat_interleave(group, 0)
     logits = (qh @ kh.transpose(1, 2)) * (scale if scale is not None else head_dim ** -0.5)
+    if softcap:
+        logits = torch.tanh(logits / softcap) * softcap
     logits = logits.masked_fill(~visible, -math.inf)
     lse = torch.logsumexp(logits, dim=-1)  # (heads, total_q); -inf where a row sees nothing
     seen = visible.any(-1)
+    if sinks is not None:
+        lse = torch.logaddexp(lse, sinks.float()[:, None])  # a row that sees no key still gets 0: exp(-inf - s)
     probs = torch.where(seen[:, None], torch.exp(logits - lse[..., None]), 0.0)
     result = (probs @ vh).transpose(0, 1).to(q.dtype)
     lse = torch.where(seen, lse, math.inf)
@@ -127,7 +128,40 @@ def _require(ok: bool, message: str) -> None:
         raise RuntimeError(message)
 
 
-def _check_inputs(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, out: Tensor | None) -> None:
+def check_varlen_inputs(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
+                        out: Tensor | None, softcap: float | None = None, sinks: Tensor | None = None) -> None:
+    """Every check of the contract that reads no device value (dtypes, devices, layouts, shapes); RuntimeError with
+    the kernel's message where it has one. A Triton kernel with the same contract runs it before launching.
+
+    Example:
+        >>> q = torch.zeros(2, 4, 12, dtype=torch.bfloat16)
+        >>> check_varlen_inputs(q, q, q, torch.tensor([0, 2], dtype=torch.int32), torch.tensor([0, 2]), None)
+        Traceback (most recent call last):
+        ...
+        RuntimeError: cu_seqlens_k must have dtype int32
+    """
+    _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, out, softcap, sinks)
+    _check_shapes(q, k, v, cu_seqlens_q, cu_seqlens_k)
+
+
+def _check_shapes(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor) -> None:
+    """The kernel's shape checks, in its order."""
+    batch_size = cu_q.numel() - 1
+    total_k, num_kv_heads = k.shape[0], k.shape[1]
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    _require(batch_size > 0, "batch size must be positive")
+    _require(head_dim <= 256, "FlashAttention forward only supports head dimension at most 256")
+    _require(num_heads % num_kv_heads == 0, "Number of heads in key/value must divide number of heads in query")
+    _require(head_dim % 8 == 0, "head_size must be a multiple of 8, this is ensured by padding!")
+    _require(tuple(k.shape) == (total_k, num_kv_heads, head_dim) and k.shape == v.shape,
+             f"key and value must have shape (total_k, num_heads_k, head_size) = ({total_k}, {num_kv_heads}, "
+             f"{head_dim}), got {tuple(k.shape)} and {tuple(v.shape)}")
+    _require(cu_k.shape == (batch_size + 1,),
+             f"cu_seqlens_k must have shape (batch_size + 1) = ({batch_size + 1},), got {tuple(cu_k.shape)}")
+
+
+def _check_inputs(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, out: Tensor | None,
+                  softcap: float | None, sinks: Tensor | None) -> None:
     """The kernel entry point's dtype, device, layout and rank checks (its messages, where it has one)."""
     _require(q.dtype in _HALF, f"FlashAttention only support fp16 and bf16 data type (got {q.dtype})")
     _require(k.dtype == q.dtype, "query and key must have the same dtype")
@@ -143,6 +177,11 @@ def _check_inputs(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, o
     _require(cu_q.is_contiguous(), "cu_seqlens_q must be contiguous")
     _require(cu_k.is_contiguous(), "cu_seqlens_k must be contiguous")
     _require(cu_q.dim() == 1, f"cu_seqlens_q must be 1-D (batch_size + 1), got shape {tuple(cu_q.shape)}")
+    _require(softcap is None or softcap >= 0, f"softcap must be positive (0 or None: no cap), got {softcap}")
+    if sinks is not None:
+        _require(tuple(sinks.shape) == (q.shape[1],) and sinks.device == q.device,
+                 f"sinks must be one logit per query head, ({q.shape[1]},) on {q.device}, got {tuple(sinks.shape)} "
+                 f"on {sinks.device}")
     if out is not None:
         _require(out.dtype == q.dtype, "Output must have the same dtype as inputs")
         _require(out.device == q.device, f"out must be on {q.device} like q, got {out.device}")

@@ -130,7 +130,8 @@ class EngineConfig:
             ``b`` reads ``b + prefix_capacity`` key slots per layer. None means ``chunked_prefill_size``; a batch
             with more keys runs eagerly (reason "too_many_keys").
         attention_backend: the attention kernel of the islands ("varlen": FlashAttention varlen, CUDA in half
-            precision; "sdpa": per-request SDPA, any device) or "static" (inside the graph: backend "full"'s); None
+            precision; "sdpa": per-request SDPA, any device; "triton": bcg's Triton varlen kernel, CUDA in half
+            precision) or "static" (inside the graph: backend "full"'s); None
             picks "static" for "full", else "varlen" where it runs and "sdpa" elsewhere (``bcg.ops.attention``).
         max_logit_rows: rows of the LM head inside a captured graph (bucket ``b`` computes ``min(b, max_logit_rows)``
             requests' logits); a batch that ends more requests computes the rest eagerly after the replay.

@@ -82,7 +82,7 @@ def test_sequences_and_integer_arrays_are_prompts() -> None:
         ({"verify": "false"}, TypeError, "verify must be True or False"),
         ({"auto_islands": 1}, TypeError, "auto_islands must be True or False"),
         ({"progress": None}, TypeError, "progress must be True or False"),
-        ({"attention_backend": "flash3"}, ValueError, "attention_backend must be one of sdpa, static, varlen"),
+        ({"attention_backend": "flash3"}, ValueError, "attention_backend must be one of sdpa, static, triton, varlen"),
         ({"max_logit_rows": 0}, ValueError, "max_logit_rows must be >= 1"),
     ],
     ids=lambda v: str(v) if not isinstance(v, dict) else "-".join(f"{k}={v[k]!r}" for k in v),

@@ -6,6 +6,8 @@
 * ``"varlen"`` (:mod:`.varlen`): FlashAttention varlen as an island, the default on CUDA in half precision (on a
   CPU, when asked for, FlashAttention's reference in plain torch: :mod:`bcg.ops.flash_reference`).
 * ``"sdpa"`` (:mod:`.sdpa`): per-request SDPA as an island, the exact reference and the default elsewhere.
+* ``"triton"`` (:mod:`.triton_varlen`): bcg's Triton varlen kernel as the same island, written in place, with
+  soft-caps, windows and sinks (the varlen backend uses it for soft-capped layers on CUDA).
 * ``"static"`` (:mod:`.static`): captured inside the graph over request slots and a key capacity (``full``'s).
 * :mod:`.features`: sliding windows, sinks, soft-caps and scales, the path of the layers that have them.
 
@@ -17,7 +19,7 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
-from bcg.ops.attention import sdpa, static, varlen  # noqa: F401 - each registers its backend
+from bcg.ops.attention import sdpa, static, triton_varlen, varlen  # noqa: F401 - each registers its backend
 from bcg.ops.attention.base import (
     ATTENTION_BACKENDS,
     AttentionBackend,
@@ -29,15 +31,16 @@ from bcg.ops.attention.base import (
 from bcg.ops.attention.island import attention, attention_island, kv_destination
 from bcg.ops.attention.sdpa import SdpaAttention, sdpa_attention
 from bcg.ops.attention.static import StaticAttention, StaticContext
+from bcg.ops.attention.triton_varlen import TritonAttention
 from bcg.ops.attention.varlen import VarlenAttention
 from bcg.ops.context import AttentionFeatures
 from bcg.ops.kv_cache import KVPool
 from bcg.ops.staging import Layout, Staged
 
 __all__ = ["ATTENTION_BACKENDS", "AttentionBackend", "AttentionFeatures", "BatchContext", "HostBatch",
-           "SdpaAttention", "StaticAttention", "StaticContext", "VarlenAttention", "attention", "attention_backend",
-           "attention_island", "default_attention_backend", "kv_destination", "register_attention_backend",
-           "sdpa_attention", "single_request_context"]
+           "SdpaAttention", "StaticAttention", "StaticContext", "TritonAttention", "VarlenAttention", "attention",
+           "attention_backend", "attention_island", "default_attention_backend", "kv_destination",
+           "register_attention_backend", "sdpa_attention", "single_request_context"]
 
 
 def default_attention_backend(device: torch.device, dtype: torch.dtype) -> str:

@@ -10,22 +10,55 @@ route (else one copy follows it, :func:`~bcg.ops.flash.copy_reason`, logged once
 with a prefix gathers its key ranges from the pool first. The causal mask must be aligned bottom-right when a
 request has a prefix (query ``i`` sees keys ``0..prefix+i``): that is probed once per device, and a top-left kernel
 sends those batches to the reference.
+
+Soft-capped layers (gemma2) run bcg's Triton varlen kernel on CUDA (:mod:`bcg.ops.kernels.attention`: torch's
+FlashAttention has no soft-cap), over the same metadata; without Triton, and on a CPU, they take the feature path's
+exact per-request math. :class:`~bcg.ops.attention.triton_varlen.TritonAttention` runs that kernel for every layer.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
 
 from bcg.ops.attention.base import AttentionBackend, BatchContext, register_attention_backend
 from bcg.ops.attention.sdpa import sdpa_attention
+from bcg.ops.context import AttentionFeatures
 from bcg.ops.flash import copy_reason, flash_varlen, runs_flash_varlen, varlen_causal_is_bottom_right
+from bcg.ops.kernels.attention import varlen_attention
+from bcg.ops.kernels.dispatch import fused_available
 from bcg.ops.kv_cache import KVPool
 
-__all__ = ["VarlenAttention"]
+__all__ = ["VarlenAttention", "VarlenKernel", "flash_kernel", "triton_kernel"]
+
+# A varlen kernel as the islands call it: (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, out),
+# causal and bottom-right aligned, written into out.
+VarlenKernel = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, int, int, Tensor], object]
+
+
+def flash_kernel(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int,
+                 max_seqlen_k: int, out: Tensor) -> None:
+    """FlashAttention varlen (:func:`~bcg.ops.flash.flash_varlen`), causal, into ``out``."""
+    flash_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal=True, out=out)
+
+
+def triton_kernel(features: AttentionFeatures | None = None) -> VarlenKernel:
+    """bcg's varlen kernel (:func:`~bcg.ops.kernels.attention.varlen_attention`: Triton on CUDA, the reference
+    elsewhere) with ``features`` (a window ``W`` is a left window of ``W - 1``)."""
+    if features is None:
+        return varlen_attention
+    window_left = None if features.window is None else features.window - 1
+    return functools.partial(varlen_attention, scale=features.scale, softcap=features.softcap,
+                             window_left=window_left, sinks=features.sinks)
+
+
+def runs_triton_varlen(q: Tensor, v: Tensor) -> bool:
+    """Whether the Triton varlen kernel takes these layers on their device: CUDA with Triton, equal head dims."""
+    return q.is_cuda and v.shape[-1] == q.shape[-1] and fused_available(q.device)
 
 logger = logging.getLogger(__name__)
 
@@ -68,15 +101,31 @@ class VarlenAttention(AttentionBackend):
         return None
 
     def attend(self, ctx: BatchContext, q: Tensor, k: Tensor, v: Tensor, out: Tensor, layer_id: int) -> None:
+        self.attend_rows(ctx, q, k, v, out, layer_id, flash_kernel)
+
+    def attend_with(self, ctx: BatchContext, q: Tensor, k: Tensor, v: Tensor, out: Tensor, layer_id: int,
+                    features: AttentionFeatures) -> None:
+        if features.softcap is not None and runs_triton_varlen(q, v):
+            _log_once(f"bcg varlen attention on {q.device}: soft-capped layers run bcg's Triton varlen kernel (torch's "
+                      "FlashAttention has no soft-cap)", logging.INFO)
+            self.attend_rows(ctx, q, k, v, out, layer_id, triton_kernel(features))
+            return
+        super().attend_with(ctx, q, k, v, out, layer_id, features)
+
+    def attend_rows(self, ctx: BatchContext, q: Tensor, k: Tensor, v: Tensor, out: Tensor, layer_id: int,
+                    kernel: VarlenKernel) -> None:
+        """``kernel`` over the live batch into ``out``: one call over every row (the padded ones as a sequence of
+        their own) when nothing is cached, else over the real rows and each request's gathered key range (then the
+        padded rows are zeroed)."""
         if not ctx.has_prefix:  # the common case: one kernel over every row, the padded ones as a sequence of their own
-            flash_varlen(q, k, v, ctx.padded_cu_seqlens, ctx.padded_cu_seqlens, ctx.padded_max_seqlen,
-                         ctx.padded_max_seqlen, is_causal=True, out=out)
+            kernel(q, k, v, ctx.padded_cu_seqlens, ctx.padded_cu_seqlens, ctx.padded_max_seqlen,
+                   ctx.padded_max_seqlen, out)
             return
         n = ctx.num_tokens
         keys, values = ctx.keys_values(layer_id, k, v)
-        if varlen_causal_is_bottom_right(q.device):
-            flash_varlen(q[:n], keys, values, ctx.cu_seqlens_q, ctx.cu_seqlens_k, ctx.max_seqlen_q, ctx.max_seqlen_k,
-                         is_causal=True, out=out[:n])
+        if kernel is not flash_kernel or varlen_causal_is_bottom_right(q.device):  # bcg's kernel is bottom-right
+            kernel(q[:n], keys, values, ctx.cu_seqlens_q, ctx.cu_seqlens_k, ctx.max_seqlen_q, ctx.max_seqlen_k,
+                   out[:n])
         else:
             out[:n].copy_(sdpa_attention(q[:n], keys, values, ctx))
         if n < ctx.num_padded_tokens:
@@ -84,5 +133,5 @@ class VarlenAttention(AttentionBackend):
 
 
 @functools.cache
-def _log_once(message: str) -> None:
-    logger.warning(message)
+def _log_once(message: str, level: int = logging.WARNING) -> None:
+    logger.log(level, message)

@@ -1,0 +1,114 @@
+# No ``from __future__ import annotations``: torch.library reads the op schemas from real annotations.
+"""Variable-length causal attention written into a given buffer, with soft-capping, a left window and sinks.
+
+:func:`varlen_attention` runs bcg's Triton kernel (:mod:`bcg.ops.kernels.triton_attention`) on CUDA and
+FlashAttention's reference in plain torch (:func:`bcg.ops.flash_reference.reference_flash_varlen`) everywhere else.
+It is what an attention island needs that torch 2.11's FlashAttention lacks: the result goes straight into ``out``
+(no copy after the kernel), and gemma2's soft-capping is one more switch of the same kernel.
+
+The contract (both implementations):
+
+* q/out ``(total_q, num_heads, head_dim)``, k/v ``(total_k, num_kv_heads, head_dim)``, fp16/bf16, last dims
+  contiguous; consecutive query heads share a K/V head (GQA); head_dim a multiple of 8, at most 256.
+* ``cu_seqlens_q/k`` int32 ``(num_seqs + 1,)`` on q's device; ``max_seqlen_q/k`` host upper bounds of the lengths
+  (nothing is read back to the host, so a graph may capture the call).
+* causal, bottom-right aligned per sequence (queries are the last rows of their keys: a cached prefix comes first);
+  ``window_left`` ``w`` keeps keys ``i - w .. i`` of query ``i``; ``softcap`` ``c`` caps the scaled scores as
+  ``c * tanh(s / c)``; ``sinks`` are fp32 per-head logits of a value-less softmax column.
+* empty sequences are fine (the padded rows of a full bucket), whatever ``max_seqlen_q`` is: unlike FlashAttention-2
+  there is no one-query GQA path that reshapes q. A row that sees no key gets 0; rows of no sequence keep ``out``'s
+  values.
+
+Registered as ``torch.ops.bcg.varlen_attention_`` (mutating ``out``): the reference on every device, the Triton
+kernel on CUDA, a fake kernel for tracing; :func:`varlen_attention` calls it while torch.compile traces and the two
+implementations directly otherwise (a trip through the dispatcher costs host time at every island).
+"""
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from bcg.ops.flash_reference import check_varlen_inputs, reference_flash_varlen
+from bcg.ops.kernels.dispatch import use_fused
+
+__all__ = ["varlen_attention", "varlen_attention_reference"]
+
+
+def varlen_attention_reference(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
+                               max_seqlen_q: int, max_seqlen_k: int, out: Tensor, scale: Optional[float] = None,
+                               softcap: Optional[float] = None, window_left: Optional[int] = None,
+                               sinks: Optional[Tensor] = None) -> None:
+    """The plain-torch implementation of :func:`varlen_attention` (any device; O(total_q * total_k) memory)."""
+    # FlashAttention's contract differs in two corners this op does not have: a bound of one query takes its
+    # one-query GQA reshape (2 is the same upper bound for causal rows), and a key bound of 0 zeroes every row.
+    reference_flash_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max(max_seqlen_q, 2), max(max_seqlen_k, 1),
+                           is_causal=True, scale=scale, softcap=softcap, sinks=sinks, out=out,
+                           window_size_left=-1 if window_left is None else window_left)
+
+
+def varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
+                     max_seqlen_q: int, max_seqlen_k: int, out: Tensor, *, scale: Optional[float] = None,
+                     softcap: Optional[float] = None, window_left: Optional[int] = None,
+                     sinks: Optional[Tensor] = None, impl: str = "fused") -> Tensor:
+    """Causal varlen attention written into ``out`` (returned); the contract is the module's.
+
+    Args:
+        q, k, v, out: packed ``(tokens, heads, head_dim)``; ``out`` q's shape and dtype.
+        cu_seqlens_q, cu_seqlens_k: int32 cumulative lengths, one entry more than sequences, on q's device.
+        max_seqlen_q, max_seqlen_k: host upper bounds of the query and key lengths.
+        scale: softmax scale (default ``head_dim ** -0.5``).
+        softcap: scores capped as ``softcap * tanh(score / softcap)`` after scaling (None: no cap).
+        window_left: query ``i`` sees keys ``i - window_left .. i`` (None: all before it).
+        sinks: ``(num_heads,)`` fp32 sink logits (None: none).
+        impl: ``"fused"`` (Triton on CUDA, the reference elsewhere) or ``"torch"`` (the reference).
+
+    Example:
+        >>> q = torch.randn(5, 4, 16, dtype=torch.bfloat16)
+        >>> kv = torch.randn(5, 2, 16, dtype=torch.bfloat16)
+        >>> cu = torch.tensor([0, 2, 5], dtype=torch.int32)
+        >>> out = torch.zeros_like(q)
+        >>> varlen_attention(q, kv, kv, cu, cu, 3, 3, out, softcap=50.0, window_left=1) is out
+        True
+    """
+    fused = use_fused(impl, q)
+    if fused:  # the reference checks the same itself
+        check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, out, softcap, sinks)
+    if torch.compiler.is_compiling():
+        torch.ops.bcg.varlen_attention_(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, out, scale,
+                                        softcap, window_left, sinks)
+    elif fused:
+        _triton(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, out, scale, softcap, window_left,
+                sinks)
+    else:
+        varlen_attention_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, out, scale,
+                                   softcap, window_left, sinks)
+    return out
+
+
+def _triton(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int,
+            max_seqlen_k: int, out: Tensor, scale: Optional[float], softcap: Optional[float],
+            window_left: Optional[int], sinks: Optional[Tensor]) -> None:
+    from bcg.ops.kernels import triton_attention
+
+    triton_attention.varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, out, scale,
+                                      softcap, window_left, sinks)
+
+
+# --- torch.library op: what torch.compile traces (opaque; writes ``out``). ---
+@torch.library.custom_op("bcg::varlen_attention_", mutates_args=("out",))
+def _varlen_attention_op(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
+                         max_seqlen_q: int, max_seqlen_k: int, out: Tensor, scale: Optional[float],
+                         softcap: Optional[float], window_left: Optional[int], sinks: Optional[Tensor]) -> None:
+    varlen_attention_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, out, scale, softcap,
+                               window_left, sinks)
+
+
+_varlen_attention_op.register_kernel("cuda")(_triton)
+
+
+@_varlen_attention_op.register_fake
+def _varlen_attention_fake(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
+                           max_seqlen_q: int, max_seqlen_k: int, out: Tensor, scale: Optional[float],
+                           softcap: Optional[float], window_left: Optional[int], sinks: Optional[Tensor]) -> None:
+    return None

@@ -1,0 +1,213 @@
+"""Variable-length causal attention forward as one Triton kernel (FlashAttention-2's algorithm), written in place.
+
+One program computes ``BLOCK_M`` query rows of one sequence for one query head: it walks the sequence's visible keys
+in ``BLOCK_N`` blocks with an online softmax (running max and denominator in fp32, scores and the output accumulated
+in fp32 on the tensor cores), then divides once and stores the rows straight into ``out``. The grid is
+``(cdiv(max_seqlen_q, BLOCK_M), num_seqs, num_heads)``: ``max_seqlen_q`` is a host upper bound, so programs past a
+sequence's end return at once and nothing is read back to the host. Rows of no sequence are never written.
+
+Masks, per sequence with ``Lq`` queries and ``Lk`` keys, bottom-right aligned (queries are the last ``Lq`` of the
+keys' positions, as with a cached prefix): query ``i`` sees key ``j`` iff ``j <= i + Lk - Lq`` and, with a left window
+``w >= 0``, ``j >= i + Lk - Lq - w``. Key blocks entirely outside that band are skipped, not masked. Soft-capping
+(``cap * tanh(s / cap)`` of the scaled score ``s``) and per-head sink logits (one more softmax column with no value,
+gpt-oss's) are compile-time switches. A row that sees no key gets 0.
+
+Block sizes are fixed per head dim and query length (:func:`block_config`; no autotuning, which benchmarks and so
+syncs the host: it cannot run inside a graph capture). Triton compiles each configuration at its first call: warm up
+before capturing. Importing this module needs Triton.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+from torch import Tensor
+from triton.language.extra import libdevice
+
+from bcg.ops.kernels.triton_utils import INTERPRETING, launch
+
+__all__ = ["BlockConfig", "block_config", "varlen_attention"]
+
+_ACCURATE_TANH = tl.constexpr(not INTERPRETING)  # the interpreter has no libdevice
+# The interpreter keeps bf16 as raw uint16 and its tl.dot multiplies those integers: it gets fp32 operands instead
+# (exact: bf16 -> fp32 is lossless, and the compiled dot accumulates in fp32 too).
+_DOT_F32 = tl.constexpr(INTERPRETING)
+
+
+class BlockConfig:
+    """One launch configuration: query rows and keys a program works on per step, warps and pipeline stages.
+
+    The defaults are starting points for an H200 (tune with ``benchmarks/kernels.py --attention``): 128 query rows
+    fill a warp group's MMA for long prompts, 64 rows waste less on short ones; 64 keys a step keep the fp32 score
+    block in registers at head dim 128.
+    """
+
+    def __init__(self, block_m: int, block_n: int, num_warps: int, num_stages: int) -> None:
+        self.block_m, self.block_n, self.num_warps, self.num_stages = block_m, block_n, num_warps, num_stages
+
+    def __repr__(self) -> str:
+        return (f"BlockConfig(block_m={self.block_m}, block_n={self.block_n}, num_warps={self.num_warps}, "
+                f"num_stages={self.num_stages})")
+
+
+# (largest head dim, short-query config, long-query config); a query run of at most SHORT_QUERY rows is "short".
+SHORT_QUERY = 64
+CONFIGS: list[tuple[int, BlockConfig, BlockConfig]] = [
+    (64, BlockConfig(64, 64, 4, 3), BlockConfig(128, 64, 4, 3)),
+    (128, BlockConfig(64, 64, 4, 3), BlockConfig(128, 64, 8, 3)),
+    (256, BlockConfig(64, 32, 4, 2), BlockConfig(64, 64, 8, 2)),
+]
+
+
+def block_config(head_dim: int, max_seqlen_q: int) -> BlockConfig:
+    """The launch configuration for ``head_dim`` (at most 256) and a query-length bound of ``max_seqlen_q``.
+
+    Example::
+
+        block_config(128, 2048)    # BlockConfig(block_m=128, block_n=64, num_warps=8, num_stages=3)
+    """
+    for max_dim, short, long in CONFIGS:
+        if head_dim <= max_dim:
+            return short if max_seqlen_q <= SHORT_QUERY else long
+    raise ValueError(f"head_dim {head_dim} is above the 256 this kernel supports")
+
+
+@triton.jit
+def _tanh(x):
+    if _ACCURATE_TANH:
+        return libdevice.tanh(x)
+    else:
+        return 2.0 * tl.sigmoid(2.0 * x) - 1.0
+
+
+@triton.jit
+def _key_block(q, acc, m_i, l_i, k_base, v_base, k_start, len_k, start_n, in_band, diag, stride_kt, stride_vt,
+               score_scale, softcap, window_left, offs_n, offs_d, d_ok, HAS_SOFTCAP: tl.constexpr,
+               HAS_WINDOW: tl.constexpr):
+    """One step of the online softmax: the scores of ``BLOCK_N`` keys from ``start_n``, masked, folded into the
+    running max ``m_i``, denominator ``l_i`` and output ``acc`` (all fp32, the max in log2 units)."""
+    cols = start_n + offs_n
+    col_ok = (cols < len_k) & in_band
+    kv_rows = (k_start + cols).to(tl.int64)
+    k = tl.load(k_base + kv_rows[None, :] * stride_kt + offs_d[:, None], mask=col_ok[None, :] & d_ok[:, None],
+                other=0.0)
+    if _DOT_F32:
+        s = tl.dot(q.to(tl.float32), k.to(tl.float32)) * score_scale
+    else:
+        s = tl.dot(q, k) * score_scale
+    if HAS_SOFTCAP:
+        s = _tanh(s) * (softcap * 1.4426950408889634)
+    visible = col_ok[None, :] & (cols[None, :] <= diag[:, None])
+    if HAS_WINDOW:
+        visible = visible & (cols[None, :] >= diag[:, None] - window_left)
+    s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    # A row that has seen nothing yet keeps a max of -inf: subtract 0 instead, so exp2 gives 0, not NaN.
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.math.exp2(s - m_safe[:, None])
+    alpha = tl.math.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = tl.load(v_base + kv_rows[:, None] * stride_vt + offs_d[None, :], mask=col_ok[:, None] & d_ok[None, :],
+                other=0.0)
+    if _DOT_F32:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32))
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _varlen_fwd(
+    Q, K, V, OUT, CU_Q, CU_K, SINKS,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
+    sm_scale, softcap, window_left,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr,
+    STATIC_BLOCKS_N: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    seq = tl.program_id(1)
+    head = tl.program_id(2)
+    q_start = tl.load(CU_Q + seq)
+    len_q = tl.load(CU_Q + seq + 1) - q_start
+    if pid_m * BLOCK_M >= len_q:
+        return
+    k_start = tl.load(CU_K + seq)
+    len_k = tl.load(CU_K + seq + 1) - k_start
+    kv_head = head // GROUP
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    row_ok = offs_m < len_q
+    d_ok = offs_d < HEAD_DIM
+    q_ptrs = Q + (q_start + offs_m)[:, None].to(tl.int64) * stride_qt + head * stride_qh + offs_d[None, :]
+    q = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+
+    # The last key each row sees (bottom-right causal), and the band of key blocks this row block can see.
+    diag = offs_m + (len_k - len_q)
+    hi = tl.minimum(len_k, (pid_m + 1) * BLOCK_M + len_k - len_q)
+    lo = 0
+    if HAS_WINDOW:
+        lo = tl.maximum(0, pid_m * BLOCK_M + len_k - len_q - window_left)
+        lo = (lo // BLOCK_N) * BLOCK_N
+
+    if HAS_SOFTCAP:
+        score_scale = sm_scale / softcap
+    else:
+        score_scale = sm_scale * 1.4426950408889634  # log2(e): the softmax runs on exp2
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    k_base = K + kv_head * stride_kh
+    v_base = V + kv_head * stride_vh
+    if STATIC_BLOCKS_N == 0:
+        for start_n in range(lo, hi, BLOCK_N):
+            acc, m_i, l_i = _key_block(q, acc, m_i, l_i, k_base, v_base, k_start, len_k, start_n, True, diag,
+                                       stride_kt, stride_vt, score_scale, softcap, window_left, offs_n, offs_d, d_ok,
+                                       HAS_SOFTCAP, HAS_WINDOW)
+    else:
+        # The interpreter's loops: a fixed count, with the blocks outside [lo, hi) masked out as a whole (the
+        # compiled loop's range has runtime bounds, which Triton 3.6's interpreter cannot take under numpy >= 2.4).
+        for block in range(STATIC_BLOCKS_N):
+            start_n = block * BLOCK_N
+            acc, m_i, l_i = _key_block(q, acc, m_i, l_i, k_base, v_base, k_start, len_k, start_n,
+                                       (start_n >= lo) & (start_n < hi), diag, stride_kt, stride_vt, score_scale,
+                                       softcap, window_left, offs_n, offs_d, d_ok, HAS_SOFTCAP, HAS_WINDOW)
+
+    if HAS_SINKS:
+        # One more softmax column per head with no value: it only grows the denominator.
+        sink = tl.load(SINKS + head).to(tl.float32) * 1.4426950408889634
+        m_new = tl.maximum(m_i, sink)
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.math.exp2(sink - m_new)
+        acc = acc * alpha[:, None]
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # a row that saw nothing: acc is 0, and so is its output
+    o = acc / l_safe[:, None]
+    o_ptrs = OUT + (q_start + offs_m)[:, None].to(tl.int64) * stride_ot + head * stride_oh + offs_d[None, :]
+    tl.store(o_ptrs, o.to(OUT.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+
+def varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int,
+                     max_seqlen_k: int, out: Tensor, scale: float | None = None, softcap: float | None = None,
+                     window_left: int | None = None, sinks: Tensor | None = None,
+                     config: BlockConfig | None = None) -> None:
+    """Launches the kernel: causal attention of ``q`` over ``k``/``v`` per sequence, written into ``out``.
+
+    Shapes and checks are the caller's (:func:`bcg.ops.kernels.varlen_attention.varlen_attention`): q/out
+    ``(total_q, H, D)``, k/v ``(total_k, H_kv, D)``, last dims contiguous, int32 cumulative lengths of one length.
+    ``config`` overrides :func:`block_config` (benchmarks tune with it).
+    """
+    num_seqs = cu_seqlens_q.numel() - 1
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    cfg = config or block_config(head_dim, max_seqlen_q)
+    grid = (triton.cdiv(max_seqlen_q, cfg.block_m), num_seqs, num_heads)
+    launch(_varlen_fwd, grid, q, k, v, out, cu_seqlens_q, cu_seqlens_k, sinks if sinks is not None else q,
+           q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
+           scale if scale is not None else head_dim ** -0.5, softcap or 1.0,
+           window_left if window_left is not None and window_left >= 0 else 0,
+           HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)), GROUP=num_heads // k.shape[1],
+           BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HAS_SOFTCAP=bool(softcap),
+           HAS_WINDOW=window_left is not None and window_left >= 0, HAS_SINKS=sinks is not None,
+           STATIC_BLOCKS_N=triton.cdiv(max_seqlen_k, cfg.block_n) if INTERPRETING else 0,
+           num_warps=cfg.num_warps, num_stages=cfg.num_stages)

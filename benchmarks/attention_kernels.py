@@ -1,0 +1,158 @@
+"""bcg's Triton varlen attention kernel against aten's FlashAttention, at the GPU presets' attention shapes.
+
+For each shape (llama-dense, the Llama-3.2-1B shape, llama-dense-2k) and token count, a batch of ``--requests``
+equal causal prompts runs through:
+
+* ``flash``: FlashAttention varlen returning a new tensor (what an island would pay with no output buffer);
+* ``flash+copy``: the same and a copy into the island's output (torch 2.11's island: no in-place route);
+* ``triton``: bcg's kernel written into the output in place (``bcg.ops.kernels.attention``);
+* ``triton+softcap``: with gemma2's soft-cap of 50 (FlashAttention has none: the feature path's per-request fp32
+  math is what it replaces, ``feature_path`` times that).
+
+Each variant is captured as one CUDA graph of ``--repeats`` calls (device time per call, median over ``--replays``
+replays, as ``benchmarks/kernels.py``), with TFLOP/s over the visible query-key pairs (4 FLOPs a pair per head
+dim), the host time to enqueue one eager call, and the largest difference from ``flash``. ``--block-m/--block-n/
+--warps/--stages`` override the kernel's block configuration to tune it. The last line is one JSON object.
+
+Usage::
+
+    python benchmarks/attention_kernels.py --tokens 64,256,2048 --out attention.json
+
+CUDA only: on a machine without a GPU it says so and exits with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(1, str(Path(__file__).resolve().parent.parent))
+from kernels import graph_us, host_us
+
+from bcg.ops.flash import copy_reason, flash_varlen
+from bcg.ops.kernels.attention import varlen_attention
+from bcg.ops.kernels.dispatch import fused_available
+
+DTYPE = torch.bfloat16
+# name -> (query heads, kv heads, head dim)
+SHAPES = {"llama-dense": (16, 4, 64), "llama-3.2-1b": (32, 8, 64), "llama-dense-2k": (16, 4, 128)}
+
+
+def variants(heads: int, kv_heads: int, dim: int, tokens: int, requests: int, config: object) -> dict:
+    """``name -> callable`` over fixed inputs, plus the visible query-key pairs of the batch."""
+    lens = [tokens // requests + (1 if r < tokens % requests else 0) for r in range(requests)]
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    q = torch.randn(tokens, heads, dim, device="cuda", dtype=DTYPE)
+    k, v = (torch.randn(tokens, kv_heads, dim, device="cuda", dtype=DTYPE) for _ in range(2))
+    out = torch.empty_like(q)
+    longest = max(lens)
+    pairs = sum(n * (n + 1) // 2 for n in lens)
+
+    def triton(**features):
+        if config is None:
+            return lambda: varlen_attention(q, k, v, cu, cu, longest, longest, out, **features)
+        from bcg.ops.kernels import triton_attention
+
+        return lambda: triton_attention.varlen_attention(q, k, v, cu, cu, longest, longest, out, config=config,
+                                                         **features)
+
+    def feature_path():  # the per-request fp32 math soft-capped layers take without this kernel
+        from bcg.ops.attention.features import request_attention, visible_keys
+
+        start = 0
+        for n in lens:
+            out[start : start + n] = request_attention(q[start : start + n], k[start : start + n],
+                                                       v[start : start + n], visible_keys(n, 0, None, "cuda"),
+                                                       dim ** -0.5, 50.0)
+            start += n
+
+    return {
+        "flash": lambda: flash_varlen(q, k, v, cu, cu, longest, longest, is_causal=True),
+        "flash+copy": lambda: out.copy_(flash_varlen(q, k, v, cu, cu, longest, longest, is_causal=True)),
+        "triton": triton(),
+        "triton+softcap": triton(softcap=50.0),
+        "feature_path": feature_path,
+    }, pairs, out
+
+
+def run(shapes: list[str], tokens: list[int], requests: int, repeats: int, replays: int, config: object) -> list:
+    rows = []
+    for shape in shapes:
+        heads, kv_heads, dim = SHAPES[shape]
+        for t in tokens:
+            torch.manual_seed(0)
+            fns, pairs, out = variants(heads, kv_heads, dim, t, min(requests, t), config)
+            want = fns["flash"]().float()
+            flops = 4.0 * pairs * heads * dim
+            for name, fn in fns.items():
+                if name == "feature_path" and t > 512:
+                    continue  # O(T^2) fp32 logits per request: slow and beside the point at long prompts
+                row = {"shape": shape, "tokens": t, "requests": min(requests, t), "variant": name}
+                try:
+                    us = graph_us(fn, repeats, replays)
+                    result = fn()
+                    got = (result if isinstance(result, torch.Tensor) else out).float()
+                    row.update(device_us=us, tflops=flops / us / 1e6, host_us=host_us(fn),
+                               max_diff_vs_flash=None if "softcap" in name or name == "feature_path"
+                               else (got - want).abs().max().item())
+                except Exception as exc:  # one broken variant must not cost the whole GPU run
+                    row["error"] = repr(exc)
+                    traceback.print_exc()
+                rows.append(row)
+                print(format_row(row), flush=True)
+    return rows
+
+
+def format_row(row: dict) -> str:
+    head = f"{row['shape']:<15} {row['tokens']:>5} {row['requests']:>3} {row['variant']:<15}"
+    if "error" in row:
+        return f"{head} ERROR {row['error'][:80]}"
+    diff = "-" if row["max_diff_vs_flash"] is None else f"{row['max_diff_vs_flash']:.3g}"
+    return f"{head} {row['device_us']:>9.2f} {row['tflops']:>8.1f} {row['host_us']:>8.1f} {diff:>8}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shapes", default=",".join(SHAPES))
+    parser.add_argument("--tokens", default="64,256,2048")
+    parser.add_argument("--requests", type=int, default=1, help="equal prompts the tokens are split into")
+    parser.add_argument("--repeats", type=int, default=20, help="calls per captured graph")
+    parser.add_argument("--replays", type=int, default=30, help="timed replays (median)")
+    parser.add_argument("--block-m", type=int, default=None, help="override the kernel's block configuration")
+    parser.add_argument("--block-n", type=int, default=64)
+    parser.add_argument("--warps", type=int, default=4)
+    parser.add_argument("--stages", type=int, default=3)
+    parser.add_argument("--out", type=Path, default=None, help="also write the JSON here")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available() or not fused_available("cuda"):
+        print("benchmarks/attention_kernels.py needs a CUDA GPU with triton importable; none found.")
+        return 2
+    import triton
+
+    from bcg.ops.kernels.triton_attention import BlockConfig
+
+    config = None if args.block_m is None else BlockConfig(args.block_m, args.block_n, args.warps, args.stages)
+    meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+            "dtype": str(DTYPE), "repeats": args.repeats, "replays": args.replays, "config": repr(config),
+            "flash_copy_reason": copy_reason(torch.device("cuda"))}
+    print(json.dumps(meta))
+    print(f"{'shape':<15} {'T':>5} {'req':>3} {'variant':<15} {'device_us':>9} {'TFLOP/s':>8} {'host_us':>8} "
+          f"{'maxdiff':>8}")
+    rows = run(args.shapes.split(","), [int(t) for t in args.tokens.split(",")], args.requests, args.repeats,
+               args.replays, config)
+    result = {"meta": meta, "results": rows}
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=1))
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,57 @@
+"""The Triton varlen attention kernel under Triton's interpreter, against the op's reference and the oracle.
+
+Run as ``TRITON_INTERPRET=1 python -m pytest tests/ops/kernels/interpret_attention.py`` (not ``test_*``: the
+interpreter must be on before anything imports Triton; ``test_varlen_attention.py`` runs it that way). The
+interpreter truncates fp32 -> bf16, so bf16 gets one more unit of tolerance than the compiled kernel would need.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from attention_cases import CASES, oracle, packed
+
+from bcg.ops.kernels.attention import varlen_attention_reference
+
+pytestmark = [
+    pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1 from the start"),
+    pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU the CUDA tests run the compiled kernel"),
+]
+TOL = {torch.bfloat16: 3e-2, torch.float16: 3e-3}
+
+
+@pytest.fixture(scope="module")
+def ta():
+    from bcg.ops.kernels import triton_attention, triton_utils
+
+    assert triton_utils.INTERPRETING
+    return triton_attention
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("name", list(CASES))
+def test_kernel_matches_reference_and_oracle(ta, name, dtype):
+    lens_q, lens_k, features = CASES[name]
+    q, k, v, cu_q, cu_k, features = packed(lens_q, lens_k, extra_q=2, dtype=dtype, **features)
+    got, ref = torch.full_like(q, 7.0), torch.full_like(q, 7.0)
+    ta.varlen_attention(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), got, **features)
+    varlen_attention_reference(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), ref, **features)
+    want = oracle(q, k, v, lens_q, lens_k, **features)
+    n = sum(lens_q)
+    assert (got[:n].double() - want[:n]).abs().max().item() <= TOL[dtype]
+    assert (got[:n].float() - ref[:n].float()).abs().max().item() <= TOL[dtype]
+    assert torch.equal(got[n:], torch.full_like(got[n:], 7.0))
+
+
+@pytest.mark.parametrize("dim", [64, 40])
+def test_head_dims_and_block_configs(ta, dim):
+    """A head dim that is not a power of two (masked columns), and each block configuration (short and long)."""
+    lens_q, lens_k = [70, 5], [90, 5]
+    q, k, v, cu_q, cu_k, _ = packed(lens_q, lens_k, heads=4, kv_heads=1, dim=dim, dtype=torch.float16)
+    want = oracle(q, k, v, lens_q, lens_k, softcap=3.0)
+    for cfg in (ta.block_config(dim, 8), ta.block_config(dim, 4096), ta.BlockConfig(16, 32, 4, 1)):
+        got = torch.empty_like(q)
+        ta.varlen_attention(q, k, v, cu_q, cu_k, 70, 90, got, softcap=3.0, config=cfg)
+        assert (got.double() - want).abs().max().item() <= TOL[torch.float16], cfg

@@ -1,0 +1,84 @@
+"""The compiled Triton varlen kernel on CUDA: against aten's FlashAttention in bf16 at the GPU presets' attention
+shapes (plain causal, prefixes, empty sequences, a left window), against the double oracle for what FlashAttention
+lacks (soft-caps, sinks), in place into ``out``, and captured in a CUDA graph."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from attention_cases import CASES, oracle, packed
+
+from bcg.ops.flash import flash_varlen, flash_varlen_lse
+from bcg.ops.kernels.attention import varlen_attention
+
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+BF16 = torch.bfloat16
+# (query heads, kv heads, head dim): llama-dense's and the Llama-3.2-1B shape's attention, and a small-head GQA.
+SHAPES = [(32, 8, 128), (32, 8, 64), (8, 1, 64)]
+BATCHES = {  # (query lengths, key lengths)
+    "64": ([64], [64]),
+    "256": ([256], [256]),
+    "2048": ([2048], [2048]),
+    "packed-with-prefixes": ([100, 37, 0, 500, 1], [100, 300, 0, 777, 9]),
+    "one-query-each": ([1, 1, 1], [1, 17, 200]),
+}
+
+
+def _max_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a.float() - b.float()).abs().max().item()
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("batch", list(BATCHES))
+def test_matches_flash_attention(shape, batch):
+    heads, kv_heads, dim = shape
+    lens_q, lens_k = BATCHES[batch]
+    q, k, v, cu_q, cu_k, _ = packed(lens_q, lens_k, heads, kv_heads, dim, dtype=BF16, device="cuda")
+    want = flash_varlen(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), is_causal=True)
+    out = torch.full_like(q, float("nan"))
+    got = varlen_attention(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), out)
+    assert got is out
+    assert _max_err(out, want) <= 1.6e-2  # a couple of bf16 units at |o| <= ~1
+
+
+@pytest.mark.parametrize("window_left", [0, 7, 127])
+def test_window_matches_flash_attention(window_left):
+    lens_q, lens_k = [300, 5], [700, 5]
+    q, k, v, cu_q, cu_k, _ = packed(lens_q, lens_k, 32, 8, 128, dtype=BF16, device="cuda")
+    want = torch.empty_like(q)
+    lse = flash_varlen_lse(q, k, v, cu_q, cu_k, 300, 700, want, window_left=window_left)
+    if lse is None:
+        pytest.skip("this torch's aten FlashAttention has no window argument to compare against")
+    got = torch.empty_like(q)
+    varlen_attention(q, k, v, cu_q, cu_k, 300, 700, got, window_left=window_left)
+    assert _max_err(got, want) <= 1.6e-2
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_every_case_matches_the_oracle(name):
+    lens_q, lens_k, features = CASES[name]
+    q, k, v, cu_q, cu_k, features = packed(lens_q, lens_k, 8, 2, 64, extra_q=3, dtype=BF16, device="cuda",
+                                           **features)
+    out = torch.full_like(q, 7.0)
+    varlen_attention(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), out, **features)
+    n = sum(lens_q)
+    assert (out[:n].double().cpu() - oracle(q, k, v, lens_q, lens_k, **features)[:n]).abs().max() <= 1.6e-2
+    assert torch.equal(out[n:], torch.full_like(out[n:], 7.0))  # in place: rows of no sequence untouched
+
+
+def test_captured_in_a_cuda_graph_and_replayed_on_new_lengths():
+    """No host read: warm up (compile), capture over fixed buffers, change the lengths in place, replay."""
+    q, k, v, cu_q, cu_k, _ = packed([40, 24], [40, 24], 32, 8, 128, dtype=BF16, device="cuda")
+    out = torch.zeros_like(q)
+    varlen_attention(q, k, v, cu_q, cu_k, 64, 64, out, softcap=30.0)  # compiles outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        varlen_attention(q, k, v, cu_q, cu_k, 64, 64, out, softcap=30.0)
+    new_cu = torch.tensor([0, 10, 64], dtype=torch.int32, device="cuda")
+    cu_q.copy_(new_cu)
+    cu_k.copy_(new_cu)
+    graph.replay()
+    want = torch.empty_like(q)
+    varlen_attention(q, k, v, new_cu, new_cu, 64, 64, want, softcap=30.0, impl="torch")
+    assert _max_err(out, want) <= 1.6e-2
