@@ -7,7 +7,7 @@
 #   STEPS    which steps, in order (default: tests models checkpoint hf baseline kernel_tests)
 #   MODELS   presets for the models step (default: llama-dense llama-dense-2k gptoss-moe glm-dsa)
 #   ANALYZE_MODELS  presets that also get `bcg analyze` (default: llama-dense)
-#   Other steps: device, device_baseline, host_path, hf_speed (see below); a before/after baseline needs the earlier
+#   Other steps: device, device_baseline, host_path, hf_speed, load, soak, attention (see below); a before/after baseline needs the earlier
 #            commit's bcg/ exported first: mkdir .baseline && git archive COMMIT bcg | tar -x -C .baseline
 #   DEVICE_MODELS / DEVICE_ARGS  models and flags of the device step (benchmarks/device_bound.py: wall against
 #            device time per length, whether a prefill ever synchronises, one timeline); device_baseline runs the
@@ -71,3 +71,13 @@ case $steps in *" host_path "*)
   step host_path 120 python3 benchmarks/host_path.py --model llama-dense --tokens 64 --out "$work/host_path" ;; esac
 case $steps in *" kernel_tests "*)
   step kernel_tests "${T_KERNELS:-150}" python3 -m pytest -q -m cuda -p no:cacheprovider -rf tests/ops/kernels ;; esac
+case $steps in *" load "*)  # serving under an open-loop load: every request answered, TTFT per backend and rate
+  step load "${T_LOAD:-300}" python3 -m bcg load --model "${LOAD_MODEL:-llama-dense}" \
+    --backends "${LOAD_BACKENDS:-breakable+fused,tc_piecewise}" --rates "${LOAD_RATES:-900,1800}" --duration 5 \
+    --lengths lognormal:180 --chunked-prefill-size 8192 --no-progress --out "$work/load" ${LOAD_ARGS:-} ;; esac
+case $steps in *" soak "*)  # the serving soak on the GPU, every attention backend the GPU runs
+  step soak "${T_SOAK:-240}" python3 benchmarks/serve_soak.py --device cuda --dtype bfloat16 \
+    --presets tiny-dense,tiny-moe ${SOAK_ARGS:-} ;; esac
+case $steps in *" attention "*)  # the Triton varlen kernel against FlashAttention (with and without the island's copy)
+  step attention "${T_ATTENTION:-150}" python3 benchmarks/attention_kernels.py --tokens 64,256,2048 \
+    --out "$work/attention_kernels.json" ;; esac
