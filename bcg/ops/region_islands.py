@@ -82,8 +82,8 @@ def _select_topk_here(index_q: Tensor, index_k: Tensor, head_weights: Tensor, to
     return dsa.select_topk(index_q, index_k, head_weights, _layer_field("index_group"), topk)
 
 
-def _sparse_attention_here(q: Tensor, k: Tensor, v: Tensor, selection: Tensor, out: Tensor) -> None:
-    dsa.sparse_attention(q, k, v, selection, out, _layer_field("attention"))
+def _sparse_attention_here(q: Tensor, k: Tensor, v: Tensor, plan: list[Tensor], out: Tensor) -> None:
+    dsa.sparse_attention(q, k, v, plan, out, _layer_field("attention"))
 
 
 # --- the opaque ops a compiled region calls ----------------------------------------------------------------------
@@ -111,21 +111,20 @@ def _region_select_topk_fake(index_q: Tensor, index_k: Tensor, head_weights: Ten
     return index_q.new_empty((index_q.shape[0], topk), dtype=torch.int64)
 
 
+# Not an island: the sparse attention has fixed shapes and runs where the compiled region runs (in the segment).
 @torch.library.custom_op("bcg::region_sparse_attention", mutates_args=("out",))
-def _region_sparse_attention_op(q: Tensor, k: Tensor, v: Tensor, selection: Tensor, out: Tensor) -> None:
-    _sparse_attention_here(q, k, v, selection, out)
+def _region_sparse_attention_op(q: Tensor, k: Tensor, v: Tensor, plan: list[Tensor], out: Tensor) -> None:
+    _sparse_attention_here(q, k, v, plan, out)
 
 
 @_region_sparse_attention_op.register_fake
-def _region_sparse_attention_fake(q: Tensor, k: Tensor, v: Tensor, selection: Tensor, out: Tensor) -> None:
+def _region_sparse_attention_fake(q: Tensor, k: Tensor, v: Tensor, plan: list[Tensor], out: Tensor) -> None:
     return None
 
 
 # A graph that runs islands itself (compile="traced") calls these functions in place of the ops.
 custom_ops.register_island_op(torch.ops.bcg.region_attention, _attention_here)
 custom_ops.register_island_op(torch.ops.bcg.region_select_topk, _select_topk_here, unsplittable=dsa.UNCAPTURABLE)
-custom_ops.register_island_op(torch.ops.bcg.region_sparse_attention, _sparse_attention_here,
-                              unsplittable=dsa.UNCAPTURABLE)
 
 
 # --- what the models call inside a region ------------------------------------------------------------------------
@@ -146,9 +145,9 @@ def region_select_topk(index_q: Tensor, index_k: Tensor, head_weights: Tensor, t
     return _select_topk_here(index_q, index_k, head_weights, topk)
 
 
-def region_sparse_attention(q: Tensor, k: Tensor, v: Tensor, selection: Tensor, out: Tensor) -> None:
-    """:func:`bcg.ops.dsa.sparse_attention` for the running layer."""
+def region_sparse_attention(q: Tensor, k: Tensor, v: Tensor, plan: list[Tensor], out: Tensor) -> None:
+    """:func:`bcg.ops.dsa.sparse_attention` for the running layer (an opaque op: it reads the forward context)."""
     if torch.compiler.is_compiling():
-        torch.ops.bcg.region_sparse_attention(q, k, v, selection, out)
+        torch.ops.bcg.region_sparse_attention(q, k, v, plan, out)
     else:
-        _sparse_attention_here(q, k, v, selection, out)
+        _sparse_attention_here(q, k, v, plan, out)
