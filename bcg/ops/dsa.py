@@ -53,14 +53,22 @@ def select_topk(index_q: Tensor, index_k: Tensor, head_weights: Tensor, group_id
     ctx = get_forward_context()
     ctx.kv_pool.index_k[group_id].index_copy_(0, ctx.write_slots, index_k)  # padded rows write the scratch slot
     # fp32 so the ranking does not hinge on bf16 rounding; converted here, where a graph captures it.
-    return topk_island(index_q.float(), index_k.float(), head_weights.float(), group_id, topk)
+    return topk_island(index_q.float(), index_k.float(), head_weights.float(), group_id, topk, ctx.write_slots)
 
 
 @eager_on_graph
-def topk_island(index_q: Tensor, index_k: Tensor, head_weights: Tensor, group_id: int, topk: int) -> Tensor:
+def topk_island(index_q: Tensor, index_k: Tensor, head_weights: Tensor, group_id: int, topk: int,
+                write_slots: Tensor | None = None) -> Tensor:
     """The island of :func:`select_topk` (same arguments, in fp32; the index keys already cached): each real row's
-    scores against every key of its request, top-k, pool slots; padded rows and missing picks ``-1``."""
+    scores against every key of its request, top-k, pool slots; padded rows and missing picks ``-1``.
+
+    ``write_slots`` are the slots the index-key write before it used: at replay, the ones the graph captured."""
     ctx: BatchContext = get_forward_context().live("bcg.ops.dsa.select_topk", UNCAPTURABLE)
+    if write_slots is not None and ctx.write_slots.data_ptr() != write_slots.data_ptr():
+        raise RuntimeError(
+            "the forward context's write slots are not the ones this graph was captured with, so the captured index-"
+            "key and K/V writes stored this batch at another batch's slots. Load every batch of a graph into the "
+            "fields it was captured against (one Layout of a MetadataArena), not into fresh ones")
     num_tokens, device = ctx.num_tokens, index_q.device
     # Keys are every request's range, packed like read_slots.
     keys = ctx.kv_pool.index_k[group_id][ctx.read_slots].float() if ctx.has_prefix else index_k[:num_tokens]

@@ -24,6 +24,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from bcg.islands import eager_on_graph
 from bcg.ops import custom_ops, dsa
 from bcg.ops.attention import attention
 
@@ -82,8 +83,15 @@ def _select_topk_here(index_q: Tensor, index_k: Tensor, head_weights: Tensor, to
     return dsa.select_topk(index_q, index_k, head_weights, _layer_field("index_group"), topk)
 
 
+@eager_on_graph
+def _sparse_attention_island(q: Tensor, k: Tensor, v: Tensor, plan: list[Tensor], out: Tensor, layer_id: int) -> None:
+    dsa.sparse_attention(q, k, v, plan, out, layer_id)
+
+
 def _sparse_attention_here(q: Tensor, k: Tensor, v: Tensor, plan: list[Tensor], out: Tensor) -> None:
-    dsa.sparse_attention(q, k, v, plan, out, _layer_field("attention"))
+    # An island although its shapes are fixed: a graph replaying the region's opaque op would need the running
+    # layer, which only the eager loop knows (the CPU emulation replays the op itself, not the kernels it launched).
+    _sparse_attention_island(q, k, v, plan, out, _layer_field("attention"))
 
 
 # --- the opaque ops a compiled region calls ----------------------------------------------------------------------
@@ -111,7 +119,6 @@ def _region_select_topk_fake(index_q: Tensor, index_k: Tensor, head_weights: Ten
     return index_q.new_empty((index_q.shape[0], topk), dtype=torch.int64)
 
 
-# Not an island: the sparse attention has fixed shapes and runs where the compiled region runs (in the segment).
 @torch.library.custom_op("bcg::region_sparse_attention", mutates_args=("out",))
 def _region_sparse_attention_op(q: Tensor, k: Tensor, v: Tensor, plan: list[Tensor], out: Tensor) -> None:
     _sparse_attention_here(q, k, v, plan, out)
@@ -125,6 +132,8 @@ def _region_sparse_attention_fake(q: Tensor, k: Tensor, v: Tensor, plan: list[Te
 # A graph that runs islands itself (compile="traced") calls these functions in place of the ops.
 custom_ops.register_island_op(torch.ops.bcg.region_attention, _attention_here)
 custom_ops.register_island_op(torch.ops.bcg.region_select_topk, _select_topk_here, unsplittable=dsa.UNCAPTURABLE)
+custom_ops.register_island_op(torch.ops.bcg.region_sparse_attention, _sparse_attention_here,
+                              unsplittable=dsa.UNCAPTURABLE)
 
 
 # --- what the models call inside a region ------------------------------------------------------------------------
@@ -146,7 +155,7 @@ def region_select_topk(index_q: Tensor, index_k: Tensor, head_weights: Tensor, t
 
 
 def region_sparse_attention(q: Tensor, k: Tensor, v: Tensor, plan: list[Tensor], out: Tensor) -> None:
-    """:func:`bcg.ops.dsa.sparse_attention` for the running layer (an opaque op: it reads the forward context)."""
+    """:func:`bcg.ops.dsa.sparse_attention` for the running layer, as an island (see ``_sparse_attention_here``)."""
     if torch.compiler.is_compiling():
         torch.ops.bcg.region_sparse_attention(q, k, v, plan, out)
     else:
