@@ -56,8 +56,7 @@ def select_topk(index_q: Tensor, index_k: Tensor, head_weights: Tensor, group_id
     return topk_island(index_q.float(), index_k.float(), head_weights.float(), group_id, topk, ctx.write_slots)
 
 
-@eager_on_graph
-def topk_island(index_q: Tensor, index_k: Tensor, head_weights: Tensor, group_id: int, topk: int,
+def _topk_island(index_q: Tensor, index_k: Tensor, head_weights: Tensor, group_id: int, topk: int,
                 write_slots: Tensor | None = None) -> Tensor:
     """The island of :func:`select_topk` (same arguments, in fp32; the index keys already cached): each real row's
     scores against every key of its request, top-k, pool slots; padded rows and missing picks ``-1``.
@@ -89,6 +88,11 @@ def topk_island(index_q: Tensor, index_k: Tensor, head_weights: Tensor, group_id
     picked = picks[0] if len(picks) == 1 else torch.cat(picks)
     missing = (0, topk - num_picks, 0, ctx.num_padded_tokens - num_tokens)
     return F.pad(picked, missing, value=-1) if any(missing) else picked
+
+
+# The island keeps the indexer's name: profiles, forecasts and refusals call it select_topk.
+_topk_island.__qualname__ = "select_topk"
+topk_island = eager_on_graph(_topk_island)
 
 
 def _hidden_keys(ctx: BatchContext, num_keys: int, rows: slice, device: torch.device) -> Tensor:

@@ -90,7 +90,7 @@ def test_a_forward_runs_one_lean_island_per_indexer_group():
     eng = Engine(config, backend="eager", device="cpu", buckets=[64], chunked_prefill_size=64, kv_tokens=512,
                  progress=False)
     names, ops = _island_ops(eng, [list(range(1, 41)), list(range(50, 60))])
-    assert names == ["topk_island"] * config.num_index_groups  # the sparse attention is no island
+    assert names == ["select_topk"] * config.num_index_groups  # the sparse attention is no island
     counts = [ops.get(f"{name}#{i}", 0) for i, name in enumerate(names)]
     assert 0 < counts[0] <= MAX_ISLAND_OPS + MAX_FIRST_EXTRA and all(0 < c <= MAX_ISLAND_OPS for c in counts[1:])
 
