@@ -35,7 +35,7 @@ import gc
 import json
 import sys
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -50,7 +50,7 @@ except ImportError:  # run from a checkout without installing it
 from host_path import prefill_times  # this folder is the script's own
 
 from bcg.bench.timing import gpu_kernel_ms, sync
-from bcg.bench.trace import Kernel, _is_launch, kernels_from_events
+from bcg.bench.trace import Kernel, _innermost, _is_launch, kernels_from_events  # the bench's own parsing
 from bcg.errors import first_line
 from bcg.models.config import ModelConfig
 from bcg.runtime import Engine
@@ -83,16 +83,17 @@ def sync_free(eng: Engine, prompts: list[torch.Tensor]) -> str:
     return "yes"
 
 
-def kernel_view(kernels: Sequence[Kernel], num_layers: int, eager: int) -> dict[str, Any]:
-    """The per-kernel view of one profiled prefill: counts, kernels a layer, and the kernels by name (count, total µs,
-    share of the summed kernel time), costliest first; ``eager`` is how many of them the host launched one by one.
+def kernel_view(kernels: Sequence[Kernel], num_layers: int, eager_ops: dict[str, int]) -> dict[str, Any]:
+    """The per-kernel view of one profiled prefill: counts, kernels a layer, the kernels by name (count, total µs,
+    share of the summed kernel time), costliest first, and the kernels the host launched one by one, by the op
+    that launched them (``eager_ops``), most first.
 
     Example::
 
         >>> view = kernel_view([Kernel("gemm", "aten::mm", 3.0), Kernel("gemm", "aten::mm", 5.0),
-        ...                     Kernel("norm", "", 2.0)], num_layers=2, eager=1)
-        >>> view["kernels"], view["kernels_per_layer"], view["by_name"][0]
-        (3, 1.5, {'name': 'gemm', 'count': 2, 'us': 8.0, 'share': 0.8})
+        ...                     Kernel("norm", "", 2.0)], num_layers=2, eager_ops={"aten::mm": 1})
+        >>> view["kernels"], view["kernels_per_layer"], view["by_name"][0], view["eager_by_op"]
+        (3, 1.5, {'name': 'gemm', 'count': 2, 'us': 8.0, 'share': 0.8}, [{'op': 'aten::mm', 'count': 1}])
     """
     count: dict[str, int] = defaultdict(int)
     us: dict[str, float] = defaultdict(float)
@@ -102,13 +103,25 @@ def kernel_view(kernels: Sequence[Kernel], num_layers: int, eager: int) -> dict[
     total = sum(us.values())
     by_name = [{"name": n, "count": count[n], "us": us[n], "share": us[n] / total if total else None}
                for n in sorted(us, key=lambda n: (-us[n], n))]
+    eager = sum(eager_ops.values())
     return {"kernels": len(kernels), "eager_kernels": eager, "kernels_per_layer": len(kernels) / num_layers,
-            "eager_per_layer": eager / num_layers, "kernel_ms": total / 1e3, "by_name": by_name}
+            "eager_per_layer": eager / num_layers, "kernel_ms": total / 1e3, "by_name": by_name,
+            "eager_by_op": [{"op": op, "count": c} for op, c in sorted(eager_ops.items(), key=lambda x: (-x[1], x[0]))]}
+
+
+def _eager_ops(events: Sequence[Any]) -> dict[str, int]:
+    """The host's launch calls (kernels, copies, memsets; a graph launch is not one) by the innermost aten op around
+    each: on CUDA, what the islands and the eager code launched one by one."""
+    from torch.autograd import DeviceType
+
+    ops = [(float(e.time_range.start), float(e.time_range.end), e.name) for e in events
+           if e.device_type == DeviceType.CPU and e.name.startswith("aten::")]
+    launches = [float(e.time_range.start) for e in events if _is_launch(e.name)]
+    return dict(Counter(op or "(no aten op)" for op in _innermost(ops, launches)))
 
 
 def profile_kernels(fn: Callable[[], Any], device: torch.device, num_layers: int) -> dict[str, Any]:
-    """:func:`kernel_view` of one call of ``fn`` (after one unprofiled call). On CUDA the eager kernels are the
-    host's launch calls (kernels, copies, memsets; a graph launch is not one); on a CPU every op is eager."""
+    """:func:`kernel_view` of one call of ``fn`` (after one unprofiled call). On a CPU every op is eager."""
     from torch.profiler import ProfilerActivity, profile
 
     cuda = device.type == "cuda"
@@ -119,8 +132,7 @@ def profile_kernels(fn: Callable[[], Any], device: torch.device, num_layers: int
         sync(device)
     events = prof.events()
     kernels = kernels_from_events(events, cuda).kernels
-    eager = sum(1 for e in events if _is_launch(e.name)) if cuda else len(kernels)
-    return kernel_view(kernels, num_layers, eager)
+    return kernel_view(kernels, num_layers, _eager_ops(events) if cuda else dict(Counter(k.name for k in kernels)))
 
 
 def measure(name: str, backend: str, lengths: list[int], runs: int, out: Path | None, timeline: bool,
@@ -147,7 +159,7 @@ def measure(name: str, backend: str, lengths: list[int], runs: int, out: Path | 
     for row, p in zip(rows, inputs):
         dev = gpu_kernel_ms(lambda p=p, e=eng: e.prefill(p), eng.device, warmup=0)
         row.update(device_ms=dev, wall_over_device=row["wall_ms"] / dev if dev else None,
-                   kernels=profile_kernels(lambda p=p, e=eng: e.prefill(p), eng.device, num_layers))
+                   kernel_view=profile_kernels(lambda p=p, e=eng: e.prefill(p), eng.device, num_layers))
     result = {"model": name, "backend": backend, "kernels": engine_args.get("kernels") or "default",
               "attention_backend": getattr(tele, "attention_backend", "?"),  # (older engines do not say)
               "build_s": build_s, "capture_ms": tele.capture_ms, "num_layers": num_layers,
@@ -180,11 +192,13 @@ def print_result(r: dict[str, Any], top: int) -> None:
     for row in r["rows"]:
         dev = "-" if row["device_ms"] is None else f"{row['device_ms']:.3f}"
         ratio = "-" if row["wall_over_device"] is None else f"{row['wall_over_device']:.2f}"
-        k = row["kernels"]
+        k = row["kernel_view"]
         print(f"  {row['tokens']:>6} {row['wall_ms']:>8.3f} {row['host_ms']:>8.3f} {dev:>9} {ratio:>11} "
               f"{k['kernels']:>7} {k['eager_kernels']:>6} {k['kernels_per_layer']:>7.1f} {k['eager_per_layer']:>11.1f}")
     for row in r["rows"] if top > 0 else []:
-        k = row["kernels"]
+        k = row["kernel_view"]
+        eager = ", ".join(f"{e['op']} x{e['count']}" for e in k["eager_by_op"][:top])
+        print(f"  {row['tokens']} tokens: {k['eager_kernels']} launched by the host: {eager}")
         print(f"  {row['tokens']} tokens: {k['kernels']} kernels, {k['kernel_ms']:.3f} ms summed; costliest:")
         for entry in k["by_name"][:top]:
             share = "-" if entry["share"] is None else f"{100 * entry['share']:.1f}%"
