@@ -27,20 +27,19 @@ MAX_ISLAND_OPS, MAX_FIRST_EXTRA = 12, 14
 
 def _varlen_reference(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int,
                       max_seqlen_k: int, *, is_causal: bool, out: Tensor | None = None) -> Tensor:
-    """What ``flash_varlen`` computes (non-causal here), sequence by sequence in fp32; a sequence without keys gets
-    NaN (the kernel leaves such rows unwritten)."""
+    """What ``flash_varlen`` computes (non-causal here) in fp32, with fixed shapes and no host read, so a graph can
+    capture it as it captures the kernel: every query row against every key row, masked to its sequence's keys. A
+    sequence without keys gets NaN (the kernel may leave such rows unwritten)."""
     assert not is_causal and out is None
-    result = torch.full_like(q, float("nan"))
+    rows, keys = torch.arange(q.shape[0]), torch.arange(k.shape[0])
+    seq = torch.searchsorted(cu_seqlens_q, rows, right=True) - 1  # each query row's sequence
+    first, stop = cu_seqlens_k[seq].long(), cu_seqlens_k[seq + 1].long()
+    visible = (keys >= first[:, None]) & (keys < stop[:, None])
     group = q.shape[1] // k.shape[1]
-    for i in range(cu_seqlens_q.numel() - 1):
-        qs, ks = slice(int(cu_seqlens_q[i]), int(cu_seqlens_q[i + 1])), slice(int(cu_seqlens_k[i]),
-                                                                              int(cu_seqlens_k[i + 1]))
-        assert qs.stop - qs.start <= max_seqlen_q and ks.stop - ks.start <= max_seqlen_k
-        if ks.stop > ks.start:
-            kk, vv = (t[ks].repeat_interleave(group, dim=1).float() for t in (k, v))
-            probs = torch.softmax(torch.einsum("qhd,khd->hqk", q[qs].float(), kk) * q.shape[-1] ** -0.5, dim=-1)
-            result[qs] = torch.einsum("hqk,khd->qhd", probs, vv).to(q.dtype)
-    return result
+    kk, vv = (t.repeat_interleave(group, dim=1).float() for t in (k, v))
+    scores = torch.einsum("qhd,khd->qhk", q.float(), kk) * q.shape[-1] ** -0.5
+    probs = torch.softmax(scores.masked_fill(~visible[:, None, :], float("-inf")), dim=-1)
+    return torch.einsum("qhk,khd->qhd", probs, vv).to(q.dtype)
 
 
 @pytest.mark.parametrize("rows_per_chunk", [24, 5])  # one chunk; five rows a chunk, the last one short
@@ -106,3 +105,19 @@ def test_a_breakable_graph_breaks_once_per_indexer_group():
                    progress=False)
     # (Not bit for bit: the graph runs 16 rows, eager 15, and a matmul may round differently at another row count.)
     assert (eng.prefill(prompts).logits - eager.prefill(prompts).logits).abs().max() <= 1e-5
+
+
+def test_a_breakable_graph_with_the_flash_layout_matches_the_reference(monkeypatch):
+    """The FlashAttention layout captured in the segments (here with a CPU stand-in for the kernel, chunks of three
+    rows) replays batches with prefixes and padding as the reference path computes them eagerly."""
+    config = replace(get_preset("tiny-dsa"), num_layers=4, index_share=2)
+    options = dict(device="cpu", buckets=[16], chunked_prefill_size=16, kv_tokens=256, progress=False)
+    batches = [[list(range(1, 12)), list(range(20, 24))], [list(range(40, 70))], [[5], list(range(80, 93))]]
+    expected = [Engine(config, backend="eager", **options).prefill(b).logits for b in batches]
+    monkeypatch.setattr(dsa_module, "is_varlen_usable", lambda q: True)
+    monkeypatch.setattr(dsa_module, "flash_varlen", _varlen_reference)
+    monkeypatch.setattr(dsa_module, "MAX_PAIRS_PER_CHUNK", 3 * config.index_topk)
+    eng = Engine(config, backend="breakable", **options)
+    for batch, want in zip(batches, expected):
+        res = eng.prefill(batch)
+        assert all(b.graph_used for b in res.batches) and (res.logits - want).abs().max() <= 1e-5
