@@ -8,7 +8,12 @@ backend, one engine is built and kept; at each length one request of that many t
 * **device**: the GPU's busy time during one prefill (the union of its kernels' intervals, from the profiler);
 * **wall/device**: 1.0 means the host hides entirely behind the GPU;
 * **syncs**: whether a prefill runs under ``torch.cuda.set_sync_debug_mode("error")`` (no host synchronisation
-  from the call to the result), checked once per model.
+  from the call to the result), checked once per model;
+* **kernels** (the per-kernel view, from one more profiled prefill at each length): how many kernels ran, how many
+  of them the host launched one by one (``eager``: island work; the rest replayed from a graph), kernels a layer,
+  and the kernels by name (count, total µs, share of the summed kernel time), costliest first. The table prints
+  the ``--top-kernels`` costliest names; the JSON has them all. On a CPU the "kernels" are the ops that compute
+  (:func:`bcg.bench.trace.kernels_from_events`), every one of them eager: the view's shape, not GPU numbers.
 
 With ``--timeline`` one prefill per model at the first length is written as a Chrome trace (host and device
 timelines side by side: load it in chrome://tracing or Perfetto). Build time and graph memory come from the engine's
@@ -18,6 +23,7 @@ Usage::
 
     python benchmarks/device_bound.py --models llama-dense,gptoss-moe,glm-dsa,llama-3.2-1b,qwen3-0.6b \\
         --lengths 64,256,1024,2048 --out OUT/device_bound
+    python benchmarks/device_bound.py --models llama-dense,llama-3.2-1b,glm-dsa --lengths 64,2048 --top-kernels 25
 
 Without CUDA it runs tiny-dense on the CPU as a smoke test: CPU timings say nothing about launch overhead.
 """
@@ -29,6 +35,8 @@ import gc
 import json
 import sys
 import time
+from collections import Counter, defaultdict
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +50,7 @@ except ImportError:  # run from a checkout without installing it
 from host_path import prefill_times  # this folder is the script's own
 
 from bcg.bench.timing import gpu_kernel_ms, sync
+from bcg.bench.trace import Kernel, _innermost, _is_launch, kernels_from_events  # the bench's own parsing
 from bcg.errors import first_line
 from bcg.models.config import ModelConfig
 from bcg.runtime import Engine
@@ -74,6 +83,58 @@ def sync_free(eng: Engine, prompts: list[torch.Tensor]) -> str:
     return "yes"
 
 
+def kernel_view(kernels: Sequence[Kernel], num_layers: int, eager_ops: dict[str, int]) -> dict[str, Any]:
+    """The per-kernel view of one profiled prefill: counts, kernels a layer, the kernels by name (count, total µs,
+    share of the summed kernel time), costliest first, and the kernels the host launched one by one, by the op
+    that launched them (``eager_ops``), most first.
+
+    Example::
+
+        >>> view = kernel_view([Kernel("gemm", "aten::mm", 3.0), Kernel("gemm", "aten::mm", 5.0),
+        ...                     Kernel("norm", "", 2.0)], num_layers=2, eager_ops={"aten::mm": 1})
+        >>> view["kernels"], view["kernels_per_layer"], view["by_name"][0], view["eager_by_op"]
+        (3, 1.5, {'name': 'gemm', 'count': 2, 'us': 8.0, 'share': 0.8}, [{'op': 'aten::mm', 'count': 1}])
+    """
+    count: dict[str, int] = defaultdict(int)
+    us: dict[str, float] = defaultdict(float)
+    for k in kernels:
+        count[k.name] += 1
+        us[k.name] += k.device_us
+    total = sum(us.values())
+    by_name = [{"name": n, "count": count[n], "us": us[n], "share": us[n] / total if total else None}
+               for n in sorted(us, key=lambda n: (-us[n], n))]
+    eager = sum(eager_ops.values())
+    return {"kernels": len(kernels), "eager_kernels": eager, "kernels_per_layer": len(kernels) / num_layers,
+            "eager_per_layer": eager / num_layers, "kernel_ms": total / 1e3, "by_name": by_name,
+            "eager_by_op": [{"op": op, "count": c} for op, c in sorted(eager_ops.items(), key=lambda x: (-x[1], x[0]))]}
+
+
+def _eager_ops(events: Sequence[Any]) -> dict[str, int]:
+    """The host's launch calls (kernels, copies, memsets; a graph launch is not one) by the innermost aten op around
+    each: on CUDA, what the islands and the eager code launched one by one."""
+    from torch.autograd import DeviceType
+
+    ops = [(float(e.time_range.start), float(e.time_range.end), e.name) for e in events
+           if e.device_type == DeviceType.CPU and e.name.startswith("aten::")]
+    launches = [float(e.time_range.start) for e in events if _is_launch(e.name)]
+    return dict(Counter(op or "(no aten op)" for op in _innermost(ops, launches)))
+
+
+def profile_kernels(fn: Callable[[], Any], device: torch.device, num_layers: int) -> dict[str, Any]:
+    """:func:`kernel_view` of one call of ``fn`` (after one unprofiled call). On a CPU every op is eager."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    fn()
+    sync(device)
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        fn()
+        sync(device)
+    events = prof.events()
+    kernels = kernels_from_events(events, cuda).kernels
+    return kernel_view(kernels, num_layers, _eager_ops(events) if cuda else dict(Counter(k.name for k in kernels)))
+
+
 def measure(name: str, backend: str, lengths: list[int], runs: int, out: Path | None, timeline: bool,
             engine_args: dict[str, Any]) -> dict[str, Any]:
     model: Any = SHAPES.get(name, name)
@@ -81,24 +142,29 @@ def measure(name: str, backend: str, lengths: list[int], runs: int, out: Path | 
     eng = Engine(model, backend=backend, progress=False, **engine_args)
     build_s = time.perf_counter() - t0
     tele = eng.telemetry
-    vocab = eng.model.config.vocab_size
+    vocab, num_layers = eng.model.config.vocab_size, eng.model.config.num_layers
     gen = torch.Generator().manual_seed(0)
-    rows = []
+    rows, inputs = [], []
     for n in lengths:
         prompts = [torch.randint(0, vocab, (n,), generator=gen)]
         timed = prefill_times(eng, prompts, runs)
         host, wall = timed["host_ms"], timed["wall_ms"]
-        dev = gpu_kernel_ms(lambda p=prompts, e=eng: e.prefill(p), eng.device, warmup=0)
         bucket = eng.prefill(prompts).batches[0]
-        rows.append({"tokens": n, "wall_ms": wall, "host_ms": host, "device_ms": dev,
-                     "wall_over_device": wall / dev if dev else None, "bucket": bucket.bucket,
+        inputs.append(prompts)
+        rows.append({"tokens": n, "wall_ms": wall, "host_ms": host, "bucket": bucket.bucket,
                      "graph_used": bucket.graph_used})
     prompts = [torch.randint(0, vocab, (lengths[0],), generator=gen)]
+    is_sync_free = sync_free(eng, prompts)
+    # Profiled only after every timed run: once loaded, the profiler slows later host work (bcg.bench.timing).
+    for row, p in zip(rows, inputs):
+        dev = gpu_kernel_ms(lambda p=p, e=eng: e.prefill(p), eng.device, warmup=0)
+        row.update(device_ms=dev, wall_over_device=row["wall_ms"] / dev if dev else None,
+                   kernel_view=profile_kernels(lambda p=p, e=eng: e.prefill(p), eng.device, num_layers))
     result = {"model": name, "backend": backend, "kernels": engine_args.get("kernels") or "default",
               "attention_backend": getattr(tele, "attention_backend", "?"),  # (older engines do not say)
-              "build_s": build_s, "capture_ms": tele.capture_ms,
+              "build_s": build_s, "capture_ms": tele.capture_ms, "num_layers": num_layers,
               "compile_ms": tele.compile_ms, "graph_memory_mib": tele.graph_memory_bytes / 2**20,
-              "buckets": tele.num_captured, "sync_free": sync_free(eng, prompts), "rows": rows}
+              "buckets": tele.num_captured, "sync_free": is_sync_free, "rows": rows}
     if timeline and out is not None and eng.device.type == "cuda":
         from torch.profiler import ProfilerActivity, profile
 
@@ -117,6 +183,30 @@ def measure(name: str, backend: str, lengths: list[int], runs: int, out: Path | 
     return result
 
 
+def print_result(r: dict[str, Any], top: int) -> None:
+    """The table of one model and backend, then its costliest ``top`` kernels at each length."""
+    print(f"\n{r['model']} / {r['backend']} ({r['attention_backend']} attention): build {r['build_s']:.1f} s, "
+          f"graph memory {r['graph_memory_mib']:.0f} MiB, {r['buckets']} buckets, sync-free: {r['sync_free']}")
+    print(f"  {'tokens':>6} {'wall ms':>8} {'host ms':>8} {'device ms':>9} {'wall/device':>11} {'kernels':>7} "
+          f"{'eager':>6} {'k/layer':>7} {'eager/layer':>11}")
+    for row in r["rows"]:
+        dev = "-" if row["device_ms"] is None else f"{row['device_ms']:.3f}"
+        ratio = "-" if row["wall_over_device"] is None else f"{row['wall_over_device']:.2f}"
+        k = row["kernel_view"]
+        print(f"  {row['tokens']:>6} {row['wall_ms']:>8.3f} {row['host_ms']:>8.3f} {dev:>9} {ratio:>11} "
+              f"{k['kernels']:>7} {k['eager_kernels']:>6} {k['kernels_per_layer']:>7.1f} {k['eager_per_layer']:>11.1f}")
+    for row in r["rows"] if top > 0 else []:
+        k = row["kernel_view"]
+        eager = ", ".join(f"{e['op']} x{e['count']}" for e in k["eager_by_op"][:top])
+        print(f"  {row['tokens']} tokens: {k['eager_kernels']} launched by the host: {eager}")
+        print(f"  {row['tokens']} tokens: {k['kernels']} kernels, {k['kernel_ms']:.3f} ms summed; costliest:")
+        for entry in k["by_name"][:top]:
+            share = "-" if entry["share"] is None else f"{100 * entry['share']:.1f}%"
+            name = entry["name"] if len(entry["name"]) <= 90 else entry["name"][:87] + "..."
+            print(f"    {entry['count']:>5} x {entry['us']:>9.1f} us {share:>6}  {name}")
+    sys.stdout.flush()
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     cuda = torch.cuda.is_available()
@@ -129,6 +219,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--attention-backend", default=None)
     p.add_argument("--chunked-prefill-size", type=int, default=2048 if cuda else 256)
     p.add_argument("--timeline", action="store_true", help="write one prefill per model as a Chrome trace")
+    p.add_argument("--top-kernels", type=int, default=12,
+                   help="costliest kernel names printed per model and length (0: none; the JSON has them all)")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
     if not cuda:
@@ -148,16 +240,7 @@ def main(argv: list[str] | None = None) -> int:
                 results.append({"model": name, "backend": backend, "error": first_line(e)})
                 print(f"{name} {backend}: {first_line(e)}", flush=True)
                 continue
-            r = results[-1]
-            print(f"\n{name} / {backend} ({r['attention_backend']} attention): build {r['build_s']:.1f} s, "
-                  f"graph memory {r['graph_memory_mib']:.0f} MiB, {r['buckets']} buckets, sync-free: "
-                  f"{r['sync_free']}", flush=True)
-            print(f"  {'tokens':>6} {'wall ms':>8} {'host ms':>8} {'device ms':>9} {'wall/device':>11}")
-            for row in r["rows"]:
-                dev = "-" if row["device_ms"] is None else f"{row['device_ms']:.3f}"
-                ratio = "-" if row["wall_over_device"] is None else f"{row['wall_over_device']:.2f}"
-                print(f"  {row['tokens']:>6} {row['wall_ms']:>8.3f} {row['host_ms']:>8.3f} {dev:>9} {ratio:>11}",
-                      flush=True)
+            print_result(results[-1], args.top_kernels)
     summary = {"kind": "device_bound", "torch": torch.__version__,
                "device": torch.cuda.get_device_name() if cuda else "cpu", "results": results}
     if args.out is not None:

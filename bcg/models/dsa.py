@@ -1,8 +1,8 @@
 """DSA model: attention restricted to keys picked by a lightweight indexer (DeepSeek/GLM style).
 
-The first layer of each group of ``index_share`` layers computes the selection with its :class:`Indexer`; the
-others reuse it. The indexer's top-k and the sparse attention are islands (:mod:`bcg.ops.dsa`): both read the live
-batch, and the sparse attention has data-dependent shapes.
+The first layer of each group of ``index_share`` layers computes the selection with its :class:`Indexer` and turns
+it into a pick plan; the others reuse the plan. Only the indexer's top-k is an island (:mod:`bcg.ops.dsa`): it reads
+the live batch. The plan and every layer's sparse attention have fixed shapes, so a graph segment captures them.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from bcg.models.moe import MoEFFN, prepare_experts
 from bcg.models.parallel_layers import row_linear
 from bcg.models.regions import LayerIds, run_layer
 from bcg.ops.bridge import carry, output_like
-from bcg.ops.dsa import select_topk, sparse_attention
+from bcg.ops.dsa import pick_plan, select_topk, sparse_attention
 from bcg.ops.parallel import SINGLE, TensorParallel
 from bcg.ops.region_islands import region_select_topk, region_sparse_attention
 
@@ -69,35 +69,35 @@ class SparseAttention(nn.Module):
         is_group_leader = layer_id % config.index_share == 0
         self.indexer = Indexer(config, layer_id // config.index_share) if is_group_leader else None
 
-    def forward(self, x: Tensor, rope: Rope, selection: Tensor | None,
-                bcg_region: bool = False) -> tuple[Tensor, Tensor]:
-        if self.indexer is not None:
-            selection = self.indexer(x, bcg_region)
-        if selection is None:
-            raise RuntimeError(f"layer {self.layer_id} has no indexer and was given no selection")
+    def forward(self, x: Tensor, rope: Rope, plan: list[Tensor] | None,
+                bcg_region: bool = False) -> tuple[Tensor, list[Tensor]]:
+        if self.indexer is not None:  # the group's selection, laid out once for all its layers
+            plan = pick_plan(self.indexer(x, bcg_region), x)
+        if plan is None:
+            raise RuntimeError(f"layer {self.layer_id} has no indexer and was given no pick plan")
         q, k, v = self.qkv.carried(x, rope)  # shared bridge buffers while capturing
         out = output_like("attn", q)
         if bcg_region:
-            region_sparse_attention(q, k, v, selection, out)
+            region_sparse_attention(q, k, v, plan, out)
         else:
-            sparse_attention(q, k, v, selection, out, self.layer_id)
-        return self.o_proj(out.flatten(1)), selection
+            sparse_attention(q, k, v, plan, out, self.layer_id)
+        return self.o_proj(out.flatten(1)), plan
 
 
 class SparseDecoderLayer(DecoderLayer):
-    """Pre-norm block around :class:`SparseAttention`; threads the residual stream and the selection through."""
+    """Pre-norm block around :class:`SparseAttention`; threads the residual stream and the pick plan through."""
 
     def forward(  # type: ignore[override]
-        self, hidden: Tensor, residual: Tensor | None, rope: Rope, selection: Tensor | None, bcg_region: bool = False
-    ) -> tuple[Tensor, Tensor, Tensor]:
+        self, hidden: Tensor, residual: Tensor | None, rope: Rope, plan: list[Tensor] | None, bcg_region: bool = False
+    ) -> tuple[Tensor, Tensor, list[Tensor]]:
         if residual is None:  # the first layer reads the stack's input and never writes it
-            attn_out, selection = self.self_attn(self.input_layernorm(hidden), rope, selection, bcg_region)
+            attn_out, plan = self.self_attn(self.input_layernorm(hidden), rope, plan, bcg_region)
             normed, residual = self.post_attention_layernorm.add(attn_out, hidden, inplace=False)
         else:
             normed, residual = self.input_layernorm.add(hidden, residual)
-            attn_out, selection = self.self_attn(normed, rope, selection, bcg_region)
+            attn_out, plan = self.self_attn(normed, rope, plan, bcg_region)
             normed, residual = self.post_attention_layernorm.add(attn_out, residual)
-        return self.mlp(normed), residual, selection
+        return self.mlp(normed), residual, plan
 
 
 class DSALM(CausalLM):
@@ -118,10 +118,10 @@ class DSALM(CausalLM):
     def forward_layers(self, hidden: Tensor, positions: Tensor) -> Tensor:
         rope = self.rotary.rope(positions)
         residual: Tensor | None = None
-        selection: Tensor | None = None
+        plan: list[Tensor] | None = None
         for i, layer in enumerate(self.layers):
             ids = LayerIds(attention=i, index_group=getattr(layer.self_attn.indexer, "group_id", None))
-            hidden, residual, selection = run_layer(layer, ids, hidden, residual, rope, selection)
+            hidden, residual, plan = run_layer(layer, ids, hidden, residual, rope, plan)
         return hidden + residual
 
     def post_init(self) -> None:

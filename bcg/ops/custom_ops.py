@@ -10,10 +10,11 @@ calling an island costs no extra check.
 * ``bcg::attention`` (mutates ``out``) stands for :func:`bcg.ops.attention.attention` and is a split point: the
   "tc_piecewise" backend cuts the traced graph there and runs the island eagerly between compiled pieces.
   :func:`register_split_op` adds more split points.
-* ``bcg::select_topk`` and ``bcg::sparse_attention`` stand for the DSA islands (:mod:`bcg.ops.dsa`). They are not
-  split points: a piecewise graph would capture them inside a piece, which their data-dependent shapes forbid, so
-  "tc_piecewise" refuses a graph holding one (:func:`unsplittable_islands`) with the reason. A breakable graph
-  breaks at every island, split point or not.
+* ``bcg::select_topk`` stands for the DSA indexer island (:mod:`bcg.ops.dsa`). It is not a split point: a piecewise
+  graph would capture it inside a piece, which its data-dependent shapes forbid, so "tc_piecewise" refuses a graph
+  holding one (:func:`unsplittable_islands`) with the reason. A breakable graph breaks at every island, split point
+  or not. ``bcg::sparse_attention`` (DSA attention over the picks) is opaque only because it reads the forward
+  context; its shapes are fixed, so it is no island and a graph captures it.
 
 Importing this module registers everything (the compiling backends do, when they compile).
 """
@@ -72,19 +73,19 @@ def _trace_select_topk(index_q: Tensor, index_k: Tensor, head_weights: Tensor, g
 
 
 @torch.library.custom_op("bcg::sparse_attention", mutates_args=("out",))
-def sparse_attention_op(q: Tensor, k: Tensor, v: Tensor, selection: Tensor, out: Tensor, layer_id: int) -> None:
-    """The DSA sparse-attention island as an opaque op: writes ``out``."""
-    dsa.sparse_attention(q, k, v, selection, out, layer_id)
+def sparse_attention_op(q: Tensor, k: Tensor, v: Tensor, plan: list[Tensor], out: Tensor, layer_id: int) -> None:
+    """The DSA sparse attention as an opaque op (it reads the forward context): writes ``out``."""
+    dsa.sparse_attention(q, k, v, plan, out, layer_id)
 
 
 @sparse_attention_op.register_fake
-def _sparse_attention_fake(q: Tensor, k: Tensor, v: Tensor, selection: Tensor, out: Tensor, layer_id: int) -> None:
+def _sparse_attention_fake(q: Tensor, k: Tensor, v: Tensor, plan: list[Tensor], out: Tensor, layer_id: int) -> None:
     return None
 
 
 @torch.compiler.substitute_in_graph(dsa.sparse_attention)
-def _trace_sparse_attention(q: Tensor, k: Tensor, v: Tensor, selection: Tensor, out: Tensor, layer_id: int) -> None:
-    torch.ops.bcg.sparse_attention(q, k, v, selection, out, layer_id)
+def _trace_sparse_attention(q: Tensor, k: Tensor, v: Tensor, plan: list[Tensor], out: Tensor, layer_id: int) -> None:
+    torch.ops.bcg.sparse_attention(q, k, v, plan, out, layer_id)
 
 
 # Op overload packet -> the island's Python function. A compiled graph that runs islands itself (not through the
@@ -93,12 +94,11 @@ def _trace_sparse_attention(q: Tensor, k: Tensor, v: Tensor, selection: Tensor, 
 ISLAND_OPS: dict[Any, Callable[..., Any]] = {
     torch.ops.bcg.attention: attention,
     torch.ops.bcg.select_topk: dsa.select_topk,
-    torch.ops.bcg.sparse_attention: dsa.sparse_attention,
 }
 # Split points of "tc_piecewise" (a subset of the islands).
 SPLIT_OPS: dict[Any, Callable[..., Any]] = {}
 # Island op name -> why a piecewise graph cannot hold it.
-UNSPLITTABLE: dict[str, str] = {"bcg.select_topk": dsa.UNCAPTURABLE, "bcg.sparse_attention": dsa.UNCAPTURABLE}
+UNSPLITTABLE: dict[str, str] = {"bcg.select_topk": dsa.UNCAPTURABLE}
 
 
 def register_island_op(op: Any, eager_fn: Callable[..., Any], unsplittable: str | None = None) -> None:

@@ -1,14 +1,17 @@
-"""The islands of DSA models: an indexer that picks each query's keys, and attention over only those keys.
+"""DSA models' attention: an indexer island that picks each query's keys, and attention over only those keys.
 
 Per token the indexer produces ``index_n_heads`` index queries and one index key (all of ``index_head_dim``) plus
 one weight per head. The score of query ``i`` for key ``j`` is ``sum_h w_ih * relu(q_ih . k_j)``, causal within a
 request (cached prefix included). Each query keeps its ``index_topk`` best keys; ties go to the earlier key (stable
 sort), so the selection does not depend on how requests are packed.
 
-Both steps are eager islands because both read the live batch (its key ranges size their work). Neither reads a
-value back to the host, so a replay never drains the GPU at a DSA layer: the sparse attention handles each query's
-``index_topk`` picks at a fixed size, unused picks masked (FlashAttention varlen over the valid picks, packed on
-the device, on CUDA in half precision; an explicit masked softmax elsewhere, the exact reference).
+Only the scores and the top-k are an island (:func:`select_topk`): they read the live batch, whose key ranges size
+them. Everything else has fixed shapes per bucket and is captured in the graph segments: the index keys' write into
+the pool before the island; after it, once per indexer group, the pick plan (:func:`pick_plan`: which pool rows each
+query attends, laid out for the kernel), and in every layer the K/V write, the gather of the picked keys and values
+from the pool, and the attention over them (:func:`sparse_attention`: FlashAttention varlen with one query a
+sequence, on CUDA in half precision; elsewhere an explicit masked softmax, the exact reference). A forward thus
+breaks once per indexer group, not once per layer, and nothing reads a value back to the host.
 """
 
 from __future__ import annotations
@@ -22,20 +25,19 @@ from bcg.ops.attention import BatchContext
 from bcg.ops.context import get_forward_context
 from bcg.ops.flash import flash_varlen, is_varlen_usable
 
-__all__ = ["UNCAPTURABLE", "picked_attention", "select_topk", "sparse_attention"]
+__all__ = ["UNCAPTURABLE", "pick_plan", "picked_attention", "select_topk", "sparse_attention", "topk_island"]
 
-# Bounds the memory of the pair tensors in sparse attention (each is pairs x num_heads x head_dim).
-MAX_PAIRS_PER_CHUNK = 1 << 18
+# Bounds the memory of the gathered keys and values (each is pairs x num_kv_heads x head_dim), per chunk of rows.
+MAX_PAIRS_PER_CHUNK = 1 << 16
 # Bounds the indexer's fp32 score tensor (rows x heads x packed keys) per chunk of query rows.
 MAX_SCORES_PER_CHUNK = 1 << 25
-# Why neither island fits a whole-layer-stack graph (raised when one meets the "full" backend's static context).
+# Why the indexer island does not fit a whole-layer-stack graph (raised when it meets the "full" backend's context).
 UNCAPTURABLE = ("the DSA indexer select_topk sizes its scores by the live batch's packed key ranges, and "
                 "sparse_attention gathers the selected keys from those ranges")
 
 
-@eager_on_graph
 def select_topk(index_q: Tensor, index_k: Tensor, head_weights: Tensor, group_id: int, topk: int) -> Tensor:
-    """Indexer island: cache the real tokens' index keys and pick each query's top keys.
+    """The indexer: caches every row's index key (in the segment), then picks each query's top keys (the island).
 
     Args:
         index_q: ``(T_pad, index_n_heads, index_head_dim)``.
@@ -45,34 +47,52 @@ def select_topk(index_q: Tensor, index_k: Tensor, head_weights: Tensor, group_id
         topk: keys kept per query.
 
     Returns:
-        int64 ``(T_pad, topk)``: per query, the positions (within its request, prefix included)
-        of the selected keys, best first; ``-1`` marks unused picks and fills padded rows.
+        int64 ``(T_pad, topk)``: per query, the pool slots of the selected keys, best first; ``-1`` marks unused
+        picks and fills padded rows.
     """
+    ctx = get_forward_context()
+    ctx.kv_pool.index_k[group_id].index_copy_(0, ctx.write_slots, index_k)  # padded rows write the scratch slot
+    # fp32 so the ranking does not hinge on bf16 rounding; converted here, where a graph captures it.
+    return topk_island(index_q.float(), index_k.float(), head_weights.float(), group_id, topk, ctx.write_slots)
+
+
+def _topk_island(index_q: Tensor, index_k: Tensor, head_weights: Tensor, group_id: int, topk: int,
+                write_slots: Tensor | None = None) -> Tensor:
+    """The island of :func:`select_topk` (same arguments, in fp32; the index keys already cached): each real row's
+    scores against every key of its request, top-k, pool slots; padded rows and missing picks ``-1``.
+
+    ``write_slots`` are the slots the index-key write before it used: at replay, the ones the graph captured."""
     ctx: BatchContext = get_forward_context().live("bcg.ops.dsa.select_topk", UNCAPTURABLE)
+    if write_slots is not None and ctx.write_slots.data_ptr() != write_slots.data_ptr():
+        raise RuntimeError(
+            "the forward context's write slots are not the ones this graph was captured with, so the captured index-"
+            "key and K/V writes stored this batch at another batch's slots. Load every batch of a graph into the "
+            "fields it was captured against (one Layout of a MetadataArena), not into fresh ones")
     num_tokens, device = ctx.num_tokens, index_q.device
-    cache = ctx.kv_pool.index_k[group_id]
-    cache.index_copy_(0, ctx.write_slots, index_k)  # every row: padded ones write the scratch slot
-    # fp32 so the ranking does not hinge on bf16 rounding. Keys are every request's range, packed.
-    keys = (cache[ctx.read_slots] if ctx.has_prefix else index_k[:num_tokens]).float()
+    # Keys are every request's range, packed like read_slots.
+    keys = ctx.kv_pool.index_k[group_id][ctx.read_slots].float() if ctx.has_prefix else index_k[:num_tokens]
     num_keys = keys.shape[0]
-    # All requests at once (no host loop per request): query row i of request r sees the packed keys
-    # [cu_k[r], cu_k[r+1] - cu_q[r+1] + i], i.e. its own range up to its own position.
-    selection = torch.full((ctx.num_padded_tokens, topk), -1, dtype=torch.int64, device=device)
     num_picks = min(topk, num_keys)
     rows_per_chunk = max(1, MAX_SCORES_PER_CHUNK // (num_keys * index_q.shape[1]))
+    picks = []
     for start in range(0, num_tokens, rows_per_chunk):  # bounded by memory, not by the number of requests
         rows = slice(start, min(num_tokens, start + rows_per_chunk))
-        dots = torch.einsum("qhd,kd->qhk", index_q[rows].float(), keys)
-        scores = torch.bmm(head_weights[rows].float()[:, None, :], dots.relu_()).squeeze(1)
+        dots = torch.einsum("qhd,kd->qhk", index_q[rows], keys)
+        scores = torch.bmm(head_weights[rows][:, None, :], dots.relu_()).squeeze(1)
         # The same for every indexer of the forward: made by the first, reused by the others.
-        is_hidden = ctx.memo(("dsa.hidden_keys", start, rows_per_chunk),
-                             lambda r=rows: _hidden_keys(ctx, num_keys, r, device))
-        scores.masked_fill_(is_hidden, float("-inf"))
-        values, picks = scores.sort(dim=-1, descending=True, stable=True)
-        values, picks = values[:, :num_picks], picks[:, :num_picks]
-        first = _key_range(ctx)[0]
-        selection[rows, :num_picks] = (picks - first[rows, None]).masked_fill(values == float("-inf"), -1)
-    return selection
+        scores.masked_fill_(ctx.memo(("dsa.hidden_keys", start, rows_per_chunk),
+                                     lambda r=rows: _hidden_keys(ctx, num_keys, r, device)), float("-inf"))
+        values, order = scores.sort(dim=-1, descending=True, stable=True)
+        slots = ctx.read_slots[order[:, :num_picks]]
+        picks.append(slots.masked_fill_(values[:, :num_picks] == float("-inf"), -1))
+    picked = picks[0] if len(picks) == 1 else torch.cat(picks)
+    missing = (0, topk - num_picks, 0, ctx.num_padded_tokens - num_tokens)
+    return F.pad(picked, missing, value=-1) if any(missing) else picked
+
+
+# The island keeps the indexer's name: profiles, forecasts and refusals call it select_topk.
+_topk_island.__qualname__ = "select_topk"
+topk_island = eager_on_graph(_topk_island)
 
 
 def _hidden_keys(ctx: BatchContext, num_keys: int, rows: slice, device: torch.device) -> Tensor:
@@ -96,70 +116,72 @@ def _key_range(ctx: BatchContext) -> tuple[Tensor, Tensor]:
     return ctx.memo("dsa.key_range", make)
 
 
-@eager_on_graph
-def sparse_attention(q: Tensor, k: Tensor, v: Tensor, selection: Tensor, out: Tensor, layer_id: int) -> None:
-    """Sparse attention island: each real query attends only to its selected keys.
+def pick_plan(selection: Tensor, q: Tensor) -> list[Tensor]:
+    """How every row attends its picks, from :func:`select_topk`'s ``(T_pad, topk)`` slots; fixed shapes, made once
+    per indexer group in the graph segment and read by every layer of the group (:func:`sparse_attention`).
+
+    The rows go in chunks of ``R`` (``MAX_PAIRS_PER_CHUNK // topk``, at most ``T_pad``). For the reference:
+    ``[has_picks, slots (T_pad, topk) with unused picks at slot 0, is_valid]``. On CUDA in half precision, for
+    FlashAttention varlen with one query a sequence: ``[has_picks, packed slots (C * R * topk,), cu_seqlens_k (C, R +
+    1), cu_seqlens_q (R + 1,)]``: chunk ``c``'s valid picks are packed row after row from ``c * R * topk`` (a row's
+    valid picks are a prefix of it, best first; they go to positions from a device-side prefix sum, no host read).
+
+    Example:
+        >>> plan = pick_plan(torch.tensor([[5, 2], [7, -1], [-1, -1]]), torch.zeros(3, 1, 4))
+        >>> [t.tolist() for t in plan]
+        [[True, True, False], [[5, 2], [7, 0], [0, 0]], [[True, True], [True, False], [False, False]]]
+    """
+    is_valid = selection >= 0
+    has_picks = is_valid[:, 0]  # best first: a row with any pick has its first
+    if not is_varlen_usable(q):
+        return [has_picks, selection.clamp_min(0), is_valid]
+    num_rows, topk = selection.shape
+    chunk = min(num_rows, max(1, MAX_PAIRS_PER_CHUNK // topk))
+    num_chunks = -(-num_rows // chunk)
+    lengths = F.pad(is_valid.sum(1, dtype=torch.int32), (0, num_chunks * chunk - num_rows)).view(num_chunks, chunk)
+    cu_seqlens_k = F.pad(lengths.cumsum(1, dtype=torch.int32), (1, 0))
+    # Pair (i, j) of chunk c goes to c * R * topk + cu_seqlens_k[c, i] + j; unused pairs to a dump slot at the end.
+    base = torch.arange(num_chunks, device=q.device)[:, None] * (chunk * topk) + cu_seqlens_k[:, :-1]
+    dest = base.flatten()[:num_rows, None] + torch.arange(topk, device=q.device)
+    dest = torch.where(is_valid, dest, num_chunks * chunk * topk)
+    packed = torch.zeros(num_chunks * chunk * topk + 1, dtype=torch.int64, device=q.device)
+    packed.scatter_(0, dest.flatten(), selection.flatten())
+    cu_seqlens_q = torch.arange(chunk + 1, dtype=torch.int32, device=q.device)
+    return [has_picks, packed[:-1], cu_seqlens_k, cu_seqlens_q]
+
+
+def sparse_attention(q: Tensor, k: Tensor, v: Tensor, plan: list[Tensor], out: Tensor, layer_id: int) -> None:
+    """Each real query attends only to its selected keys; fixed shapes only, so a graph segment captures it.
 
     Args:
         q: ``(T_pad, num_heads, head_dim)``; k, v: ``(T_pad, num_kv_heads, head_dim)``.
-        selection: ``(T_pad, topk)`` from :func:`select_topk`.
+        plan: :func:`pick_plan` of the layer's indexer group.
         out: ``(T_pad, num_heads, head_dim)``; real rows get the result, padded rows zeros.
-        layer_id: which layer's KV cache to use (every row's K/V is written there first).
-
-    Nothing here reads a value back to the host: every shape follows from the batch's host ints and ``topk``, so
-    the host keeps launching the next segment while the GPU works.
+        layer_id: which layer's KV cache to use (every row's K/V is written there first, then read back by slot).
     """
-    ctx: BatchContext = get_forward_context().live("bcg.ops.dsa.sparse_attention", UNCAPTURABLE)
-    num_tokens = ctx.num_tokens
+    ctx = get_forward_context()
     ctx.store_kv(layer_id, k, v)
-    keys, values = ctx.keys_values(layer_id, k, v)
-    key_starts = _key_range(ctx)[0]  # each query's request's first packed key: a position maps to a packed row
-    topk = selection.shape[1]
-    rows_per_chunk = max(1, MAX_PAIRS_PER_CHUNK // topk)
-    for start in range(0, num_tokens, rows_per_chunk):
-        stop = min(num_tokens, start + rows_per_chunk)
-        # Which keys a row attends depends only on the selection, which the layers of an indexer group share:
-        # the first of them works it out, the others reuse it (the selection is a fixed-address buffer per group).
-        owner, plan = ctx.memo(("dsa.picks", selection.data_ptr(), start),
-                               lambda a=start, b=stop: (selection, _pick_plan(selection[a:b], key_starts[a:b], q)))
-        if owner is not selection:  # (the memo holds its selection, so no other tensor can have that address)
-            raise RuntimeError("two DSA selections of one forward share an address")
-        out[start:stop] = _attend_picks(q[start:stop], plan, keys, values)
-    if num_tokens < out.shape[0]:
-        out[num_tokens:].zero_()
-
-
-def _pick_plan(picks: Tensor, key_starts: Tensor, q: Tensor) -> tuple[Tensor, ...]:
-    """How rows attend their picks ``(M, topk)``: ``(is_valid, key_rows)`` for the reference, and on CUDA in half
-    precision ``(packed key rows, cu_seqlens_q, cu_seqlens_k)`` for FlashAttention varlen.
-
-    :func:`select_topk` sorts each row's picks best first, so a row's valid picks are a prefix of it; on CUDA they are
-    packed row after row (a scatter to positions from a device-side prefix sum, no host read of how many there are).
-    """
-    is_valid = picks >= 0
-    key_rows = key_starts[:, None] + picks.clamp_min(0)  # unused picks point at a valid key, masked
-    if not is_varlen_usable(q):
-        return is_valid, key_rows
-    num_rows, topk = picks.shape
-    lengths = is_valid.sum(1, dtype=torch.int32)
-    cu_seqlens_k = F.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0))
-    # Pair (i, j) goes to cu_seqlens_k[i] + j; unused pairs go to a dump slot past the end.
-    dest = cu_seqlens_k[:-1, None].long() + torch.arange(topk, device=q.device)
-    dest = torch.where(is_valid, dest, num_rows * topk)
-    packed = torch.zeros(num_rows * topk + 1, dtype=torch.int64, device=q.device)
-    packed.scatter_(0, dest.flatten(), key_rows.flatten())
-    cu_seqlens_q = torch.arange(num_rows + 1, dtype=torch.int32, device=q.device)
-    return packed[:-1], cu_seqlens_q, cu_seqlens_k
-
-
-def _attend_picks(q: Tensor, plan: tuple[Tensor, ...], keys: Tensor, values: Tensor) -> Tensor:
-    """Each query row over its valid picks (:func:`_pick_plan`): FlashAttention varlen, or the reference."""
-    if len(plan) == 2:
-        is_valid, key_rows = plan
-        return picked_attention(q, is_valid, keys[key_rows], values[key_rows], q.shape[-1] ** -0.5)
-    packed, cu_seqlens_q, cu_seqlens_k = plan
-    topk = packed.shape[0] // q.shape[0]
-    return flash_varlen(q, keys[packed], values[packed], cu_seqlens_q, cu_seqlens_k, 1, topk, is_causal=False)
+    keys, values = ctx.kv_pool.k[layer_id], ctx.kv_pool.v[layer_id]
+    has_picks, num_rows = plan[0], q.shape[0]
+    if len(plan) == 3:
+        slots, is_valid = plan[1], plan[2]
+        chunk = max(1, MAX_PAIRS_PER_CHUNK // slots.shape[1])
+        for a in range(0, num_rows, chunk):
+            r = slice(a, min(num_rows, a + chunk))
+            result = picked_attention(q[r], is_valid[r], keys[slots[r]], values[slots[r]], q.shape[-1] ** -0.5)
+            # where, not a multiply: a row with no pick (a padded one) softmaxes only -inf, i.e. NaN.
+            out[r] = torch.where(has_picks[r, None, None], result, 0.0)
+        return
+    packed, cu_seqlens_k, cu_seqlens_q = plan[1], plan[2], plan[3]
+    chunk = cu_seqlens_q.shape[0] - 1
+    topk = packed.shape[0] // (chunk * cu_seqlens_k.shape[0])
+    for c, a in enumerate(range(0, num_rows, chunk)):
+        r = slice(a, min(num_rows, a + chunk))
+        pairs = packed[c * chunk * topk : (c + 1) * chunk * topk]
+        m = r.stop - r.start
+        result = flash_varlen(q[r], keys[pairs], values[pairs], cu_seqlens_q[: m + 1], cu_seqlens_k[c, : m + 1], 1,
+                              topk, is_causal=False)
+        out[r] = torch.where(has_picks[r, None, None], result, 0.0)  # a row with no pick: whatever the kernel left
 
 
 def picked_attention(q: Tensor, is_valid: Tensor, k_picks: Tensor, v_picks: Tensor, scale: float) -> Tensor:

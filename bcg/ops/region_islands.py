@@ -24,6 +24,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from bcg.islands import eager_on_graph
 from bcg.ops import custom_ops, dsa
 from bcg.ops.attention import attention
 
@@ -82,8 +83,15 @@ def _select_topk_here(index_q: Tensor, index_k: Tensor, head_weights: Tensor, to
     return dsa.select_topk(index_q, index_k, head_weights, _layer_field("index_group"), topk)
 
 
-def _sparse_attention_here(q: Tensor, k: Tensor, v: Tensor, selection: Tensor, out: Tensor) -> None:
-    dsa.sparse_attention(q, k, v, selection, out, _layer_field("attention"))
+@eager_on_graph
+def _sparse_attention_island(q: Tensor, k: Tensor, v: Tensor, plan: list[Tensor], out: Tensor, layer_id: int) -> None:
+    dsa.sparse_attention(q, k, v, plan, out, layer_id)
+
+
+def _sparse_attention_here(q: Tensor, k: Tensor, v: Tensor, plan: list[Tensor], out: Tensor) -> None:
+    # An island although its shapes are fixed: a graph replaying the region's opaque op would need the running
+    # layer, which only the eager loop knows (the CPU emulation replays the op itself, not the kernels it launched).
+    _sparse_attention_island(q, k, v, plan, out, _layer_field("attention"))
 
 
 # --- the opaque ops a compiled region calls ----------------------------------------------------------------------
@@ -112,12 +120,12 @@ def _region_select_topk_fake(index_q: Tensor, index_k: Tensor, head_weights: Ten
 
 
 @torch.library.custom_op("bcg::region_sparse_attention", mutates_args=("out",))
-def _region_sparse_attention_op(q: Tensor, k: Tensor, v: Tensor, selection: Tensor, out: Tensor) -> None:
-    _sparse_attention_here(q, k, v, selection, out)
+def _region_sparse_attention_op(q: Tensor, k: Tensor, v: Tensor, plan: list[Tensor], out: Tensor) -> None:
+    _sparse_attention_here(q, k, v, plan, out)
 
 
 @_region_sparse_attention_op.register_fake
-def _region_sparse_attention_fake(q: Tensor, k: Tensor, v: Tensor, selection: Tensor, out: Tensor) -> None:
+def _region_sparse_attention_fake(q: Tensor, k: Tensor, v: Tensor, plan: list[Tensor], out: Tensor) -> None:
     return None
 
 
@@ -146,9 +154,9 @@ def region_select_topk(index_q: Tensor, index_k: Tensor, head_weights: Tensor, t
     return _select_topk_here(index_q, index_k, head_weights, topk)
 
 
-def region_sparse_attention(q: Tensor, k: Tensor, v: Tensor, selection: Tensor, out: Tensor) -> None:
-    """:func:`bcg.ops.dsa.sparse_attention` for the running layer."""
+def region_sparse_attention(q: Tensor, k: Tensor, v: Tensor, plan: list[Tensor], out: Tensor) -> None:
+    """:func:`bcg.ops.dsa.sparse_attention` for the running layer, as an island (see ``_sparse_attention_here``)."""
     if torch.compiler.is_compiling():
-        torch.ops.bcg.region_sparse_attention(q, k, v, selection, out)
+        torch.ops.bcg.region_sparse_attention(q, k, v, plan, out)
     else:
-        _sparse_attention_here(q, k, v, selection, out)
+        _sparse_attention_here(q, k, v, plan, out)

@@ -1,4 +1,5 @@
-"""DSA islands: the indexer's top-k selection and sparse attention against a masked dense reference."""
+"""DSA attention: the indexer's top-k selection and sparse attention against a masked dense reference, the
+FlashAttention layout of the picks, and how little of it runs eagerly."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import torch
 from bcg.models.config import ModelConfig, get_preset
 from bcg.ops import dsa as dsa_module
 from bcg.ops.context import forward_context
-from bcg.ops.dsa import picked_attention, select_topk, sparse_attention
+from bcg.ops.dsa import pick_plan, picked_attention, select_topk, sparse_attention
 from bcg.ops.kv_cache import KVPool
 from bcg.runtime.batch import PrefillBatch, PrefillItem
 
@@ -44,7 +45,7 @@ def test_dsa_selection_and_sparse_attention_match_masked_dense():
     out = torch.full_like(q, float("nan"))
     with forward_context(ctx):
         selection = select_topk(index_q, index_k, head_weights, 0, topk)
-        sparse_attention(q, k, v, selection, out, 0)
+        sparse_attention(q, k, v, pick_plan(selection, q), out, 0)
     assert selection.shape == (num_padded, topk) and selection.dtype == torch.int64
     n = ctx.num_tokens
     assert (selection[n:] == -1).all() and (out[n:] == 0).all()
@@ -53,9 +54,11 @@ def test_dsa_selection_and_sparse_attention_match_masked_dense():
     for r, (len_q, prefix_len) in enumerate(zip(seq_lens_q, prefix_lens)):
         slots = ctx.read_slots[int(ctx.cu_seqlens_k[r]) : int(ctx.cu_seqlens_k[r + 1])]
         keys, values, ikeys = pool.k[0][slots], pool.v[0][slots], pool.index_k[0][slots]
+        position = {int(s): j for j, s in enumerate(slots)}  # the selection holds pool slots
         for i in range(len_q):
             t, visible = row + i, prefix_len + i + 1
-            picks = selection[t][selection[t] >= 0]
+            picks = torch.tensor([position[int(s)] for s in selection[t] if s >= 0])
+            assert (selection[t][: picks.numel()] >= 0).all()  # best first: the unused picks come last
             # Selection: exactly min(topk, visible) causal picks, and they are the best-scoring keys.
             assert picks.numel() == min(topk, visible) and picks.max() < visible
             scores = (torch.relu(index_q[t] @ ikeys[:visible].T) * head_weights[t][:, None]).sum(0)
@@ -98,7 +101,8 @@ def test_sparse_attention_flash_path_matches_the_reference_bf16(monkeypatch):
         monkeypatch.setattr(dsa_module, "is_varlen_usable", lambda q, flag=is_flash: flag)
         out = torch.full_like(q, float("nan"))
         with forward_context(ctx):
-            sparse_attention(q, k, v, select_topk(index_q, index_k, head_weights, 0, config.index_topk), out, 0)
+            selection = select_topk(index_q, index_k, head_weights, 0, config.index_topk)
+            sparse_attention(q, k, v, pick_plan(selection, q), out, 0)
         outs.append(out.float())
     assert (outs[0] - outs[1]).abs().max() <= 2e-2
     assert (outs[0][ctx.num_tokens :] == 0).all()
