@@ -25,7 +25,8 @@ def _vocab_wide_storages(vocab: int, model: torch.nn.Module) -> dict[int, int]:
     weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
     found = {}
     for obj in gc.get_objects():
-        if issubclass(type(obj), torch.Tensor) and obj.dim() == 2 and obj.shape[-1] == vocab and obj.device.type == "cpu":
+        is_tensor = issubclass(type(obj), torch.Tensor)  # type(), not isinstance: no object's __class__ is read
+        if is_tensor and obj.dim() == 2 and obj.shape[-1] == vocab and obj.device.type == "cpu":
             storage = obj.untyped_storage()
             if storage.data_ptr() not in weights:
                 found[storage.data_ptr()] = storage.nbytes()
