@@ -92,6 +92,24 @@ class EngineSpec:
         v = parse_variant(variant)
         return dataclasses.replace(self.config, backend=v.backend, kernels=v.kernels, compile=v.compile)
 
+    def describe(self, variants: list[str]) -> str:
+        """What each variant's engine will run, resolved for this machine as the engine resolves it (kernels,
+        attention backend, compiler, buckets, device and dtype): one clause per variant, for a run's first line.
+
+        Example::
+
+            spec = EngineSpec("tiny-dense", EngineConfig(device="cpu", chunked_prefill_size=64))
+            spec.describe(["eager", "breakable+fused"])
+            # 'eager: backend eager, kernels torch, ...; breakable+fused: backend breakable, kernels fused, ...'
+        """
+        clauses = []
+        for variant in variants:
+            try:
+                clauses.append(f"{variant}: {self.config_for(variant).describe()}")
+            except ValueError as e:  # the engine's build will record the same refusal
+                clauses.append(f"{variant}: cannot run here ({first_line(e)})")
+        return "; ".join(clauses)
+
 
 @contextlib.contextmanager
 def engine_for(spec: EngineSpec, variant: str, record: BuildRecord | None = None) -> Iterator[Any]:

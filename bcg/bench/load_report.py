@@ -27,15 +27,17 @@ CPU_LOAD_NOTE = ("CPU smoke test: graphs are emulated and the threads share the 
 
 
 def load_header(cfg: Any, env: dict[str, Any], workload: dict[str, Any]) -> str:
-    """The first line of a run: what runs where, the workload, how long it may take, and on a CPU that it is a smoke
-    test."""
+    """The first line of a run: what runs where, the workload, how long it may take, what each variant's engine runs
+    (kernels, attention backend, compiler, buckets: :meth:`~bcg.bench.engines.EngineSpec.describe`), and on a CPU
+    that it is a smoke test."""
     arrivals = (f"the trace {cfg.trace}" if cfg.trace else
                 f"Poisson arrivals at {', '.join(f'{r:g}' for r in cfg.rates)} req/s for {cfg.duration:g} s each")
     prefix = f" after a shared prefix of {cfg.shared_prefix} tokens" if cfg.shared_prefix else ""
     where = "the CPU, under the CUDA-graph emulation" if cfg.emulated else f"{env['device_name']} ({cfg.device})"
     line = (f"bcg load: {cfg.model} on {where}; {arrivals}; prompts {workload['lengths']}{prefix}; token budget "
             f"{cfg.chunked_prefill_size} (--chunked-prefill-size), prefix cache {'on' if cfg.prefix_cache else 'off'}, "
-            f"{cfg.schedule_policy} order; a variant falls behind once a request waits {cfg.max_wait:g} s.")
+            f"{cfg.schedule_policy} order; a variant falls behind once a request waits {cfg.max_wait:g} s. "
+            f"Engines: {cfg.engine_spec().describe(cfg.backends)}.")
     return line + (f" {CPU_LOAD_NOTE}." if cfg.emulated else "")
 
 

@@ -11,6 +11,7 @@ first: once loaded, the profiler slows later host work (DESIGN.md).
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 from collections import defaultdict
@@ -48,7 +49,9 @@ class FullStep:
         from bcg.runtime.runner.inputs import StaticInputs
 
         runner, mc = eng.runner, eng.model.config
-        attention = FullBackend.make_attention(eng.kv_pool, eng.config, eng.device, eng.dtype)
+        # The engine's resolved config names its own attention backend; the full step attends with the static one.
+        config = dataclasses.replace(eng.config, attention_backend=None)
+        attention = FullBackend.make_attention(eng.kv_pool, config, eng.device, eng.dtype)
         self.step, self.bucket = runner.step, bucket
         self.inputs = StaticInputs(attention, runner.inputs.live_attention, eng.kv_pool, [bucket], mc.hidden_size,
                                    mc.vocab_size, eng.config.max_logit_rows, eng.device, eng.dtype)

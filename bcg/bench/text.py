@@ -23,8 +23,9 @@ NOISY_SPREAD = 0.25
 
 
 def header(command: str, cfg: Any, environment: dict[str, Any]) -> str:
-    """The first line a run prints: what runs, where, how (model implementation, tensor parallel size, threads)
-    and, on a CPU, what its numbers cannot show.
+    """The first line a run prints: what runs, where, how (model implementation, tensor parallel size, threads), what
+    each variant's engine runs (kernels, attention backend, compiler, buckets: :meth:`EngineSpec.describe`) and, on
+    a CPU, what its numbers cannot show.
 
     Example::
 
@@ -38,11 +39,13 @@ def header(command: str, cfg: Any, environment: dict[str, Any]) -> str:
     if hasattr(cfg, "tp"):
         how.append(f"tensor parallel size {cfg.tp} (--tp)")
     how.append(f"{threads} torch thread{'s' if threads != 1 else ''} (--threads)")
+    # What each engine runs, resolved as the engine resolves it (a config without variants, e.g. verify's, has none).
+    runs = f" Engines: {cfg.engine_spec().describe(cfg.backends)}." if getattr(cfg, "backends", None) else ""
     if not cfg.emulated:
-        return f"bcg {command}: {cfg.model} on {environment['device_name']} ({cfg.device}), {', '.join(how)}."
-    return (f"bcg {command}: {cfg.model} on the CPU, under the CUDA-graph emulation, {', '.join(how)}. CPU timings "
-            "carry no kernel-launch overhead: a speedup here measures the emulation against eager, not what graphs "
-            "save on a GPU. Run on a GPU for real numbers.")
+        return f"bcg {command}: {cfg.model} on {environment['device_name']} ({cfg.device}), {', '.join(how)}.{runs}"
+    return (f"bcg {command}: {cfg.model} on the CPU, under the CUDA-graph emulation, {', '.join(how)}.{runs} CPU "
+            "timings carry no kernel-launch overhead: a speedup here measures the emulation against eager, not what "
+            "graphs save on a GPU. Run on a GPU for real numbers.")
 
 
 def _noisy(r: LatencyRow) -> bool:

@@ -104,9 +104,16 @@ class CausalLM(nn.Module):
             hidden, residual = run_layer(layer, LayerIds(attention=i), hidden, residual, rope)
         return hidden + residual
 
-    def compute_logits(self, hidden_last: Tensor) -> Tensor:
-        """Final norm + LM head on ``(R, hidden_size)`` rows -> fp32 logits ``(R, vocab_size)``."""
-        return self.lm_head(self.norm(hidden_last)).float()
+    def compute_logits(self, hidden_last: Tensor, out: Tensor | None = None) -> Tensor:
+        """Final norm + LM head on ``(R, hidden_size)`` rows -> fp32 logits ``(R, vocab_size)``, written into ``out``
+        when given (and returned). A one-rank head in fp32 writes ``out`` straight from its matmul: no ``(R, vocab)``
+        temporary, which a captured graph would otherwise hold for the engine's life, one per bucket."""
+        normed = self.norm(hidden_last)
+        head = self.lm_head
+        if out is not None and type(head) is nn.Linear and head.weight.dtype == out.dtype == normed.dtype:
+            return torch.mm(normed, head.weight.t(), out=out)
+        logits = head(normed).float()
+        return logits if out is None else out.copy_(logits)
 
     def make_kv_pool(self, num_slots: int, device: torch.device | str, dtype: torch.dtype) -> KVPool:
         """The KV pool this model's islands read and write, for ``num_slots`` cached tokens.

@@ -7,7 +7,7 @@ are set in Python.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -18,7 +18,7 @@ from bcg.ops.attention import ATTENTION_BACKENDS
 from bcg.runtime.backend_registry import ALIASES, REGISTRY
 from bcg.runtime.compile import COMPILERS
 
-__all__ = ["BACKENDS", "SCHEDULE_POLICIES", "EngineConfig", "resolve_backend"]
+__all__ = ["BACKENDS", "SCHEDULE_POLICIES", "EngineConfig", "describe_buckets", "resolve_backend"]
 
 # Names follow SGLang's --cuda-graph-backend-prefill values; "disabled" is an alias of "eager".
 BACKENDS = tuple(REGISTRY)
@@ -101,9 +101,25 @@ def _buckets(buckets: Any) -> list[int] | None:
     return list(buckets)
 
 
+def describe_buckets(buckets: list[int]) -> str:
+    """Buckets as a user reads them: every size when there are few, else the range and how many.
+
+    Example:
+        >>> describe_buckets([8, 16]), describe_buckets(list(range(4, 68, 4)))
+        ('8,16', '4..64 (16 buckets)')
+    """
+    if len(buckets) <= 6:
+        return ",".join(map(str, buckets))
+    return f"{buckets[0]}..{buckets[-1]} ({len(buckets)} buckets)"
+
+
 @dataclass
 class EngineConfig:
     """Everything an :class:`~bcg.runtime.engine.Engine` needs besides the model.
+
+    Fields left ``None`` are chosen for the machine; :meth:`resolved` settles them, and an engine's ``config`` is
+    always resolved, so ``engine.config.kernels`` says which kernels it runs (``engine.config.describe()``: all of it
+    in one line).
 
     Attributes:
         backend: "eager" ("disabled"), "breakable", "full" or "tc_piecewise".
@@ -268,3 +284,45 @@ class EngineConfig:
         if self.dtype is None:
             return torch.bfloat16 if self.torch_device.type == "cuda" else torch.float32
         return getattr(torch, self.dtype)
+
+    def resolved(self) -> EngineConfig:
+        """A copy with every choice left to bcg settled for this machine: ``device``, ``dtype``, ``kernels``,
+        ``attention_backend`` and ``buckets`` (with ``max_tokens``, their largest). Resolving twice changes nothing.
+
+        Raises:
+            ValueError: ``kernels="fused"`` on CUDA without Triton (naming the fix).
+
+        Example::
+
+            cfg = EngineConfig(device="cpu", chunked_prefill_size=64).resolved()
+            cfg.kernels, cfg.attention_backend, cfg.buckets[-1]        # ('torch', 'sdpa', 64)
+        """
+        from bcg.ops.kernels import fused_available
+        from bcg.runtime.backend_registry import backend_class
+        from bcg.runtime.runner.buckets import default_ladder  # the runner package imports this module
+
+        device, dtype = self.torch_device, self.torch_dtype
+        has_fused = fused_available(device)
+        kernels = self.kernels or ("fused" if has_fused else "torch")
+        if kernels == "fused" and device.type == "cuda" and not has_fused:
+            raise ValueError("kernels='fused' needs Triton on CUDA, which cannot be imported here; install the triton "
+                             "that matches your torch, or pass kernels='torch'")
+        attention = self.attention_backend or backend_class(self.backend).default_attention(device, dtype)
+        buckets = self.buckets or default_ladder(self.max_tokens or self.chunked_prefill_size)
+        return replace(self, device=str(device), dtype=str(dtype).removeprefix("torch."), kernels=kernels,
+                       attention_backend=attention, buckets=sorted(set(buckets)), max_tokens=max(buckets))
+
+    def describe(self) -> str:
+        """What an engine of this config runs, in one line (resolved first, so nothing reads "auto").
+
+        Example::
+
+            EngineConfig(device="cpu", chunked_prefill_size=64).describe()
+            # 'backend breakable, kernels torch, attention sdpa, compile none, buckets 4..64 (10 buckets), cpu float32'
+        """
+        cfg = self.resolved()
+        compiler = (f"tc_compiler {cfg.tc_compiler}" if cfg.backend == "tc_piecewise" else
+                    f"compile {cfg.compile or 'none'}")
+        graphs = "no graphs" if cfg.backend == "eager" else f"buckets {describe_buckets(cfg.buckets)}"
+        return (f"backend {cfg.backend}, kernels {cfg.kernels}, attention {cfg.attention_backend}, {compiler}, "
+                f"{graphs}, {cfg.device} {cfg.dtype}")

@@ -16,7 +16,6 @@ from typing import Any, get_type_hints
 
 import torch
 
-from bcg.ops.kernels import fused_available
 from bcg.ops.parallel import init_tensor_parallel
 from bcg.runtime.batch import PrefillBatch, PrefillItem
 from bcg.runtime.config import EngineConfig
@@ -25,7 +24,7 @@ from bcg.runtime.model_source import load_model
 from bcg.runtime.prompts import validate_prompts
 from bcg.runtime.runner import Runner
 from bcg.runtime.runner.agreement import RankAgreement
-from bcg.runtime.runner.buckets import BucketRecord, default_ladder
+from bcg.runtime.runner.buckets import BucketRecord
 from bcg.runtime.runner.telemetry import BatchRecord, Telemetry
 from bcg.runtime.runner.verify import verify_buckets
 from bcg.runtime.scheduler import Chunk, plan_batches
@@ -100,19 +99,14 @@ class Engine:
                              "device='cpu' (graphs are emulated there)")
         self.tp = init_tensor_parallel(requested.tp_size, requested.torch_device, requested.tp_timeout_s)
         t0 = time.perf_counter()
-        model, self.config = load_model(model, requested, self.tp)
+        model, loaded = load_model(model, requested, self.tp)
+        # Resolved once, here: every choice left to bcg (kernels, attention, buckets) reads from engine.config.
+        self.config = cfg = loaded.resolved()
         self.model = model.eval()
         self.load_ms = (time.perf_counter() - t0) * 1e3
-        self.device, self.dtype = self.config.torch_device, self.config.torch_dtype
-        cfg = self.config
-        # Fused kernels wherever Triton runs: the native models' ops and a transformers model's fused stand-ins.
-        has_fused = fused_available(self.device)
-        kernels = cfg.kernels or ("fused" if has_fused else "torch")
-        if kernels == "fused" and self.device.type == "cuda" and not has_fused:
-            raise ValueError("kernels='fused' needs Triton on CUDA, which cannot be imported here; install the triton "
-                             "that matches your torch, or pass kernels='torch'")
-        self.model.set_kernels(kernels)
-        sizes = cfg.buckets or default_ladder(cfg.max_tokens or cfg.chunked_prefill_size)
+        self.device, self.dtype = cfg.torch_device, cfg.torch_dtype
+        self.model.set_kernels(cfg.kernels)
+        sizes = cfg.buckets
         # The pool must hold one largest-bucket dummy batch during capture; a prefill holds at most its peak. Its
         # bytes per token are read off the model's own pool layout, built on the meta device (no memory).
         per_token = self.model.make_kv_pool(1, "meta", self.dtype).bytes_per_token

@@ -10,6 +10,7 @@ from dataclasses import replace
 import pytest
 import torch
 from engine_cache import EngineCache, random_prompts
+from stand_ins import wrong_output
 
 from bcg.graph import EagerStep
 from bcg.models import get_preset
@@ -149,12 +150,7 @@ def test_segment_check_names_a_wrong_island_on_real_graphs() -> None:
     eng = engine("tiny-dense", "breakable")
     step = [s for s in eng.runner.handles[64].steps if isinstance(s, EagerStep)][1]
     real = step.fn
-
-    def wrong(q, k, v, out, layer_id):
-        real(q, k, v, out, layer_id)
-        out[:4].mul_(1.5)  # a wrong output from the right inputs
-
-    step.fn = wrong
+    step.fn = wrong_output(real, rows=4, factor=1.5)  # the same stand-in as the CPU twin (tests/runtime/runner)
     try:
         report = verify_segments(eng.runner, 40)
     finally:

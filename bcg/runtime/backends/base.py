@@ -105,6 +105,14 @@ class GraphBackend(ABC):
         self.resources = resources
 
     @classmethod
+    def default_attention(cls, device: torch.device, dtype: torch.dtype) -> str:
+        """The attention backend this backend runs when ``attention_backend`` is None (what
+        :meth:`EngineConfig.resolved` writes there): the live default for the device and dtype."""
+        from bcg.ops.attention import default_attention_backend
+
+        return default_attention_backend(device, dtype)
+
+    @classmethod
     def make_attention(cls, kv_pool: KVPool, config: EngineConfig, device: torch.device,
                        dtype: torch.dtype) -> AttentionBackend:
         """The attention backend this backend's graphs run (by default the live one, :meth:`live_attention`)."""

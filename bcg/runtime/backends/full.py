@@ -37,6 +37,10 @@ class FullBackend(GraphBackend):
     name = "full"
 
     @classmethod
+    def default_attention(cls, device: torch.device, dtype: torch.dtype) -> str:
+        return StaticAttention.name  # attends inside the graph, whatever the device
+
+    @classmethod
     def make_attention(cls, kv_pool: KVPool, config: EngineConfig, device: torch.device,
                        dtype: torch.dtype) -> AttentionBackend:
         if config.attention_backend not in (None, StaticAttention.name):

@@ -13,6 +13,7 @@ that gets the other rows' logits from an eager head after the replay (their row 
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -26,10 +27,67 @@ from bcg.ops.kv_cache import KVPool
 from bcg.ops.staging import Field, Layout, MetadataArena, Staged
 from bcg.runtime.batch import PrefillBatch, PrefillItem
 
-__all__ = ["Loaded", "StaticInputs"]
+__all__ = ["Loaded", "StaticBytes", "StaticInputs", "available_bytes", "check_static_bytes"]
 
 # The runner's variable-size field: logit rows beyond what a graph's head computes.
 _EXTRA_ROWS = Field("extra_logit_rows", 0)
+
+
+@dataclass(frozen=True)
+class StaticBytes:
+    """What a runner's static buffers take, before any is allocated: one set per engine, shared by every bucket and
+    sized for the largest (``static_logits``: the head's rows by the vocabulary in fp32; ``static_output``: the
+    largest bucket's hidden rows; the metadata arena).
+
+    Example:
+        >>> need = StaticBytes(head_rows=64, vocab_size=2**17, max_bucket=2048, hidden_size=4096, itemsize=2, words=9)
+        >>> need.logits, need.output
+        (33554432, 16777216)
+    """
+
+    head_rows: int
+    vocab_size: int
+    max_bucket: int
+    hidden_size: int
+    itemsize: int
+    words: int
+
+    @property
+    def logits(self) -> int:
+        return self.head_rows * self.vocab_size * 4
+
+    @property
+    def output(self) -> int:
+        return self.max_bucket * self.hidden_size * self.itemsize
+
+    @property
+    def total(self) -> int:
+        return self.logits + self.output + self.words * 8
+
+
+def available_bytes(device: torch.device) -> int | None:
+    """Free memory where the static buffers go: the CUDA device's, or the host's available RAM (None where the OS
+    does not say)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, OSError, ValueError):
+        return None
+
+
+def check_static_bytes(need: StaticBytes, device: torch.device, max_logit_rows: int) -> None:
+    """Raises a one-line ValueError, before anything is allocated, when the static buffers do not fit the free memory
+    (an allocation that large would fail deep inside torch on CUDA, or swap the host to a halt)."""
+    free = available_bytes(device)
+    if free is None or need.total <= free:
+        return
+    gib = 2**30
+    raise ValueError(
+        f"the static buffers need {need.total / gib:.1f} GiB and the {device.type} has {free / gib:.1f} GiB free: "
+        f"logits {need.head_rows} rows x {need.vocab_size} vocab in fp32 = {need.logits / gib:.1f} GiB, hidden "
+        f"{need.max_bucket} tokens x {need.hidden_size} = {need.output / gib:.1f} GiB; lower max_logit_rows (now "
+        f"{max_logit_rows}) or the largest bucket (max_tokens or buckets, now {need.max_bucket})")
 
 
 @dataclass
@@ -73,6 +131,8 @@ class StaticInputs:
         # (the keys of one batch are distinct pool slots), extra logit rows.
         words = max(sum(f.words for f in fields) for fields, _ in fixed.values())
         words += (3 * max_bucket + 5) // 2 + 1 + kv_pool.num_slots + max_bucket + max_bucket
+        check_static_bytes(StaticBytes(self.head_rows(max_bucket), vocab_size, max_bucket, hidden_size,
+                                       dtype.itemsize, words), device, max_logit_rows)
         self.arena = MetadataArena(device, words)
         self.layouts = {b: self.arena.layout(*fixed[b]) for b in buckets}
         self.static_output = torch.zeros(max_bucket, hidden_size, device=device, dtype=dtype)

@@ -4,12 +4,15 @@ A forward spends its host time before the first kernel with the GPU idle, and af
 LM head. So the captured step starts at the token ids and ends at the logits: ``embed(input_ids)``, the layer stack
 (``model.forward_layers``, or its compiled form), the hidden rows copied into ``static_output`` (what the
 verification tools compare), then the final norm and LM head on the ``logit_rows`` (the last token of each request
-that ends in this batch) into ``static_logits``. Eager batches run the very same function on tensors of their own
-size, so a graph and its eager fallback compute the same thing.
+that ends in this batch) into ``static_logits``, which the head writes itself where the model can (``out=``): one
+logits buffer per engine, shared by every bucket, rather than a ``(rows, vocab)`` temporary held by each graph.
+Eager batches run the very same function on tensors of their own size, so a graph and its eager fallback compute
+the same thing.
 """
 
 from __future__ import annotations
 
+import inspect
 import types
 from collections.abc import Callable
 
@@ -39,6 +42,9 @@ class ModelStep:
     def __init__(self, model: torch.nn.Module, layers: Callable[[Tensor, Tensor], Tensor]) -> None:
         self.model = model
         self.layers = layers
+        # A head that writes the logits buffer itself holds no (rows, vocab) temporary: with a large vocabulary that
+        # temporary, kept by every bucket's graph, would be most of the graphs' memory.
+        self.head_writes_out = "out" in inspect.signature(model.compute_logits).parameters
 
     @property
     def is_compiled(self) -> bool:
@@ -46,7 +52,10 @@ class ModelStep:
 
     def __call__(self, input_ids: Tensor, positions: Tensor, logit_rows: Tensor, out: Tensor, logits: Tensor) -> None:
         out.copy_(self.layers(self.model.embed(input_ids), positions))
-        logits.copy_(self.model.compute_logits(out[logit_rows]))
+        if self.head_writes_out:
+            self.model.compute_logits(out[logit_rows], out=logits)
+        else:
+            logits.copy_(self.model.compute_logits(out[logit_rows]))
 
     def function(self) -> StepFn:
         """The step as a plain function with a code object of its own (what ``torch.compile`` takes: dynamo keeps

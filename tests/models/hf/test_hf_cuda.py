@@ -31,6 +31,24 @@ def _compare(res, want: torch.Tensor) -> None:
     assert torch.equal(res.next_tokens[clear], want.argmax(-1)[clear])
 
 
+def _compare_within_bf16_spread(arch: str, experts: str, res, ref) -> None:
+    """Logits within a bound derived from transformers itself rather than a fixed share: its own bf16 forward's
+    distance from its fp32 forward on the same weights and prompts. bcg's bf16 forward is another rounding of the same
+    fp32 function (fused kernels, another summation order, a routing decision near a tie rounding the other way), so
+    it must land as close to the fp32 logits as transformers' bf16 does, up to the one factor 2 of two independent
+    roundings of the same size; greedy tokens must equal the fp32 ones wherever the fp32 top-2 margin clears both."""
+    truth_model = make_model(arch).to("cuda")
+    truth_model.set_experts_implementation(experts)
+    truth = reference_logits(truth_model, prompts())
+    spread = (reference_logits(ref, prompts()) - truth).abs().max().item()  # transformers' own bf16 error
+    bound = 2 * spread
+    error = (res.logits - truth).abs().max().item()
+    assert spread > 0.0 and error <= bound, f"bcg's bf16 logits are {error:.4f} from fp32, transformers' {spread:.4f}"
+    top2 = truth.topk(2, dim=-1).values
+    clear = (top2[:, 0] - top2[:, 1]) > 2 * bound
+    assert torch.equal(res.next_tokens[clear], truth.argmax(-1)[clear])
+
+
 def _graph_engine(model, **kw) -> Engine:
     eng = Engine(model, backend="breakable", verify=True, **{**OPTS, **kw})
     assert eng.telemetry.refused_reason is None
@@ -59,7 +77,9 @@ def test_experts_implementations_capture(experts):
     assert bool(eng.telemetry.auto_islands) == (experts == "eager")
     res = eng.prefill(prompts())
     assert all(b.graph_used for b in res.batches)
-    _compare(res, reference_logits(ref, prompts()))
+    # Routed experts amplify bf16 rounding (a token whose top-k gate is a near tie can take another expert), so a
+    # fixed share of the largest logit is no bound here: measure transformers' own bf16 error instead.
+    _compare_within_bf16_spread("qwen3_moe", experts, res, ref)
 
 
 def test_full_backend_on_cuda():

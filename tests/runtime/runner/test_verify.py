@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from stand_ins import wrong_output
 
 from bcg.runtime import Engine
 from bcg.runtime.runner.verify import default_tolerance, verify_buckets, verify_segments
@@ -84,13 +85,7 @@ def test_segment_check_blames_an_island_whose_inputs_matched() -> None:
     eng = _engine()
     _, islands = _segments(eng.runner.handles[16])
     step = islands[1]
-    real = step.fn
-
-    def faulty(*args, **kwargs):  # replay only: the eager run calls the model's island
-        real(*args, **kwargs)
-        args[3][:2].mul_(3.0)  # a wrong output from the right inputs
-
-    step.fn = faulty
+    step.fn = wrong_output(step.fn, rows=2, factor=3.0)  # replay only: the eager run calls the model's island
     report = verify_segments(eng.runner, 12)
     bad = report.first_divergence
     assert (bad.kind, bad.index, bad.name) == ("island", 1, f"{step.name}#1")
