@@ -44,6 +44,9 @@ class PathCosts:
     engine's island host µs per layer it was measured against, and how long the measuring took."""
 
     per_layer_us: dict[str, float] = field(default_factory=dict)
+    # one layer's whole host µs on the replay path, island included: per_layer_us is this less the island's time on
+    # the eager engine, clamped at 0 where timing the island there (its observer included) costs more than the rest
+    layer_total_us: dict[str, float] = field(default_factory=dict)
     fixed_us: dict[str, float] = field(default_factory=dict)
     island_us: float = 0.0
     params_per_layer: float = 0.0  # parameter tensors a toy layer adds (dynamo guards each one)
@@ -136,6 +139,7 @@ def measure_paths(device: torch.device | str, backends: tuple[str, ...] = ("brea
             out.errors[backend] = first_line(e)
             continue
         per_layer = (h_high - h_low) / (high - low)
+        out.layer_total_us[backend] = per_layer
         out.per_layer_us[backend] = max(per_layer - island_per_layer, 0.0)
         out.fixed_us[backend] = max((h_low - low * per_layer) - eager_fixed, 0.0)
     out.seconds = time.perf_counter() - t0

@@ -11,6 +11,9 @@ def test_breakables_replay_path_is_measured_once_per_process() -> None:
     paths = measure_paths("cpu", ("breakable",), cache=False)
     assert set(paths.per_layer_us) == set(paths.fixed_us) == {"breakable"} and paths.errors == {}
     assert paths.per_layer_us["breakable"] >= 0 and paths.fixed_us["breakable"] >= 0 and paths.island_us >= 0
+    # the whole layer's host time is at least what is left beyond the island (the latter clamped at 0)
+    assert paths.layer_total_us["breakable"] > 0
+    assert paths.per_layer_us["breakable"] >= paths.layer_total_us["breakable"] - paths.island_us - 1e-9
     assert paths.params_per_layer > 0  # a dense layer's norms and projections
     assert paths.seconds > 0
     again = measure_paths("cpu", ("breakable",))  # the cache=False call filled the cache

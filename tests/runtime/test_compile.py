@@ -236,12 +236,14 @@ def test_inductor_compiles_fused_transformers_layers_of_real_shapes_on_cuda(arch
     """compile="inductor" on the transformers path compiles the fused layers (Triton kernels as custom ops) and its
     breakable graphs give the uncompiled engine's greedy tokens wherever its top two logits are not a bf16 tie."""
     kw = dict(HF, kernels="fused", device="cuda", kv_tokens=1024, buckets=[16, 32, 64], chunked_prefill_size=64)
-    model = lambda: _transformers_model(arch, torch.bfloat16, num_hidden_layers=2, vocab_size=4096,  # noqa: E731
+    model = lambda: _transformers_model(arch, torch.bfloat16, num_hidden_layers=3, vocab_size=4096,  # noqa: E731
                                         max_position_embeddings=4096, **REAL_SHAPES[arch]).to("cuda")
     eng = Engine(model(), backend="breakable", compile="inductor", **kw)
     plain = Engine(model(), backend="breakable", **kw)
     assert eng.telemetry.compile_error is None and eng.telemetry.refused_reason is None, eng.telemetry.compile_error
-    assert eng.runner.step.layers.num_graphs == 1 and HF_LAYER_OPS <= set(eng.runner.step.layers.ops)
+    # one graph per layer structure (the first layer, whose residual input is the embedding, may be its own), never
+    # one per layer (three layers here)
+    assert eng.runner.step.layers.num_graphs <= 2 and HF_LAYER_OPS <= set(eng.runner.step.layers.ops)
     for lengths in ([3, 13, 40, 7], [64], [150]):
         batch = prompts(lengths, seed=5, vocab=4096)
         res, want = eng.prefill(batch), plain.prefill(batch)
