@@ -7,7 +7,7 @@
 #   STEPS    which steps, in order (default: tests models checkpoint hf baseline kernel_tests)
 #   MODELS   presets for the models step (default: llama-dense llama-dense-2k gptoss-moe glm-dsa)
 #   ANALYZE_MODELS  presets that also get `bcg analyze` (default: llama-dense)
-#   Other steps: device, device_baseline, host_path, hf_speed, load, soak, attention (see below); a before/after baseline needs the earlier
+#   Other steps: device, device_baseline, host_path, hf_speed, load, soak, attention, retest (see below); a before/after baseline needs the earlier
 #            commit's bcg/ exported first: mkdir .baseline && git archive COMMIT bcg | tar -x -C .baseline
 #   DEVICE_MODELS / DEVICE_ARGS  models and flags of the device step (benchmarks/device_bound.py: wall against
 #            device time per length, whether a prefill ever synchronises, one timeline); device_baseline runs the
@@ -81,3 +81,5 @@ case $steps in *" soak "*)  # the serving soak on the GPU, every attention backe
 case $steps in *" attention "*)  # the Triton varlen kernel against FlashAttention (with and without the island's copy)
   step attention "${T_ATTENTION:-150}" python3 benchmarks/attention_kernels.py --tokens 64,256,2048 \
     --out "$work/attention_kernels.json" ;; esac
+case $steps in *" retest "*)  # chosen CUDA tests again (RETEST: pytest node ids), e.g. those a fix was made for
+  step retest "${T_RETEST:-180}" python3 -m pytest -q -m cuda -p no:cacheprovider -rf ${RETEST:-tests} ;; esac
