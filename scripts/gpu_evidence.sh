@@ -8,8 +8,8 @@
 #   MODELS   presets for the models step (default: llama-dense llama-dense-2k gptoss-moe glm-dsa)
 #   ANALYZE_MODELS  presets that also get `bcg analyze` (default: llama-dense)
 #   Other steps: device, device_baseline, host_path, hf_speed, load, soak, attention, retest (see below); a before/after baseline needs the earlier
-#            commit's bcg/ exported first: mkdir .baseline && git archive COMMIT bcg | tar -x -C .baseline
-#   DEVICE_MODELS / DEVICE_ARGS  models and flags of the device step (benchmarks/device_bound.py: wall against
+#            commit's bcg/ (and benchmarks/device_bound.py) exported first: mkdir .baseline && git archive COMMIT bcg | tar -x -C .baseline
+#   DEVICE_MODELS / DEVICE_ARGS / BASELINE_ARGS  models and flags of the device steps (benchmarks/device_bound.py: wall against
 #            device time per length, whether a prefill ever synchronises, one timeline); device_baseline runs the
 #            same on the code in .baseline/ (an export of an earlier commit's bcg/) for a before/after
 #   BENCH_ARGS / ANALYZE_ARGS / TEST_ARGS / HF_ARGS  extra flags; T_* the per-step time limits in seconds.
@@ -62,8 +62,10 @@ case $steps in *" device "*)
     --out "$work/device" ${DEVICE_ARGS:-} ;; esac
 case $steps in *" device_baseline "*)
   if [ -d .baseline/bcg ]; then
-    step device_baseline "${T_DEVICE:-240}" env PYTHONPATH="$PWD/.baseline" python3 benchmarks/device_bound.py \
-      --models "$device_models" --out "$work/device-baseline" ${DEVICE_ARGS:-}
+    script=benchmarks/device_bound.py  # the earlier commit's own script where it was exported too (it puts its
+    [ -f .baseline/$script ] && script=.baseline/$script  # checkout first on the path, before this one)
+    step device_baseline "${T_DEVICE:-240}" env PYTHONPATH="$PWD/.baseline" python3 $script \
+      --models "$device_models" --out "$work/device-baseline" ${BASELINE_ARGS:-${DEVICE_ARGS:-}}
   fi ;; esac
 case $steps in *" hf_speed "*)  # transformers models against native and their own forward (benchmarks/hf_speed.py)
   step hf_speed "${T_HF_SPEED:-270}" python3 benchmarks/hf_speed.py --out "$work/hf_speed.json" ${HF_SPEED_ARGS:-} ;; esac
