@@ -10,13 +10,11 @@ before anything imports Triton: this test starts a fresh ``pytest`` with ``TRITO
 from __future__ import annotations
 
 import importlib.util
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from interpreter import run_under_interpreter
 
 HERE = Path(__file__).resolve().parent
 
@@ -25,9 +23,4 @@ HERE = Path(__file__).resolve().parent
                     reason="triton is not installed: torch's CPU wheels do not bring it; pip install -e .[test] does")
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU the CUDA tests run the compiled kernels")
 def test_kernels_under_the_interpreter_in_a_fresh_process():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(HERE / "interpret_kernels.py")]
-    result = subprocess.run(cmd, cwd=HERE.parents[2], env=env, capture_output=True, text=True, timeout=900)
-    summary = result.stdout.strip().splitlines()[-1] if result.stdout.strip() else ""
-    assert result.returncode == 0, f"{' '.join(cmd)} failed:\n{result.stdout[-8000:]}\n{result.stderr[-3000:]}"
-    assert " passed" in summary, summary
+    run_under_interpreter(HERE / "interpret_kernels.py")

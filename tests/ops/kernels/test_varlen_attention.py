@@ -6,14 +6,12 @@ when triton is importable)."""
 from __future__ import annotations
 
 import importlib.util
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from attention_cases import CASES, oracle, packed
+from interpreter import run_under_interpreter
 
 from bcg.ops.kernels.attention import varlen_attention
 
@@ -112,11 +110,6 @@ def test_compiled_code_calls_the_op():
                     reason="the Triton kernel under the interpreter needs triton importable (pip install triton)")
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU the CUDA tests run the compiled kernel")
 def test_the_triton_kernel_under_the_interpreter_in_a_fresh_process():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(HERE / "interpret_attention.py")]
-    result = subprocess.run(cmd, cwd=HERE.parents[2], env=env, capture_output=True, text=True, timeout=900)
-    summary = result.stdout.strip().splitlines()[-1] if result.stdout.strip() else ""
-    assert result.returncode == 0, f"{' '.join(cmd)} failed:\n{result.stdout[-8000:]}\n{result.stderr[-3000:]}"
-    assert " passed" in summary and "skipped" not in summary, summary
+    run_under_interpreter(HERE / "interpret_attention.py", allow_skips=False)
 
 
