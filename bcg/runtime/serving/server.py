@@ -39,7 +39,7 @@ from torch import Tensor
 
 from bcg.errors import first_line
 from bcg.ops.kv_cache import KVPool
-from bcg.runtime.serving.batcher import Batcher, Plan
+from bcg.runtime.serving.batcher import Batcher, Plan, finished_logits
 from bcg.runtime.serving.callbacks import CallbackThread, ServedFuture
 from bcg.runtime.serving.gate import ActivityGate
 from bcg.runtime.serving.policy import make_queue
@@ -233,10 +233,7 @@ class Server:
         try:
             with self._lock:
                 out = self._forward(plan.batch)
-                logits = next_tokens = None
-                if plan.finishing:  # the rows are a view of the graph's static buffers: copy them out now
-                    logits = out.logits.clone()
-                    next_tokens = logits.argmax(dim=-1)
+                logits, next_tokens = finished_logits(plan, out.logits) or (None, None)
                 event = self._record_event()
         except BaseException as e:  # this forward's requests fail, nobody else's; an interrupt then stops the loop
             self.gate.exit()
