@@ -58,18 +58,6 @@ class PrefillItem:
         if self.prefix_slots.numel() != self.prefix_len:
             raise ValueError(f"prefix_len={self.prefix_len} but {self.prefix_slots.numel()} prefix slots")
 
-    @classmethod
-    def unchecked(cls, token_ids: Tensor, new_slots: Tensor, prefix_len: int, prefix_slots: Tensor) -> PrefillItem:
-        """An item from CPU int64 1-D tensors of matching lengths, without normalising or checking them.
-
-        For callers that have already validated their inputs (the engine builds one item per request per
-        prefill, on the host's critical path). Anything else should call the constructor.
-        """
-        item = cls.__new__(cls)
-        item.token_ids, item.new_slots = token_ids, new_slots
-        item.prefix_len, item.prefix_slots = prefix_len, prefix_slots
-        return item
-
     @property
     def num_new_tokens(self) -> int:
         """Number of new tokens."""
@@ -89,8 +77,8 @@ class PrefillBatch:
         kv_pool: the pool their slots belong to.
         logit_requests: the requests whose last token's logits are wanted (default: all); a chunk that does not end
             its request wants none.
-        check: verify that every slot is in the pool's range and used once (the engine, whose slots come from its own
-            lease, skips it).
+        check: verify that every slot is in the pool's range and used once (the planner, whose slots come from the
+            pool or a reservation of it, skips it and builds its batches with :meth:`from_arrays`).
 
     Attributes:
         num_tokens, num_requests, seq_lens_q, prefix_lens, has_prefix, max_seqlen_q, max_seqlen_k: host values.

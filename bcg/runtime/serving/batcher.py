@@ -30,13 +30,13 @@ from torch import Tensor
 
 from bcg.ops.kv_cache import KVPool, KVPoolFullError
 from bcg.runtime.batch import PrefillBatch
-from bcg.runtime.kv_slots import SlotReservation
+from bcg.runtime.kv_slots import SlotReservation, slots_held
 from bcg.runtime.runner.telemetry import BatchRecord
 from bcg.runtime.serving.policy import FifoQueue
 from bcg.runtime.serving.prefix_cache import PrefixCache
 from bcg.runtime.serving.request import Request
 
-__all__ = ["Batcher", "Plan", "finished_logits"]
+__all__ = ["Batcher", "Plan", "finished_logits", "plan_chunks"]
 
 
 @dataclass
@@ -239,3 +239,27 @@ class Batcher:
             self.reservation.give(slots)
         elif slots.size:  # one call for the whole forward, in ascending order (the pool hands out its lowest)
             self.pool.free(torch.from_numpy(np.sort(slots)), check=False)
+
+
+def plan_chunks(lengths: list[int], budget: int) -> list[list[tuple[int, int, int]]]:
+    """The forwards :meth:`Engine.prefill <bcg.runtime.engine.Engine.prefill>` runs for prompts of ``lengths``:
+    per forward, ``(prompt, first token, end token)`` per chunk. A dry run of the planner over a scratch pool of
+    bookkeeping only, for tools and tests that model the engine's chunking.
+
+    Example::
+
+        >>> plan_chunks([3, 6], 4)
+        [[(0, 0, 3), (1, 0, 1)], [(1, 1, 5)], [(1, 5, 6)]]
+    """
+    pool = KVPool(int(slots_held(lengths, budget).max()), 0, 1, 1, torch.float32, "cpu")  # no layers: no memory
+    reservation = SlotReservation(pool, lengths, budget)
+    reservation.reserve()
+    batcher = Batcher(pool, None, budget, FifoQueue(), reservation)
+    for seq, n in enumerate(lengths):
+        batcher.add(Request(torch.zeros(n, dtype=torch.int64), None, seq=seq))
+    forwards, record = [], BatchRecord(0, 0, None, False, "dry run")
+    while batcher.has_work:
+        plan = batcher.plan()
+        forwards.append([(req.seq, start, end) for req, start, end in plan.chunks])
+        batcher.launched(plan, record)
+    return forwards
