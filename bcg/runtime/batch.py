@@ -142,16 +142,18 @@ class PrefillBatch:
               seq_lens_q: list[int], prefix_lens: list[int], logit_requests: Sequence[int] | None,
               check: bool) -> None:
         self.kv_pool, self.seq_lens_q, self.prefix_lens = kv_pool, seq_lens_q, prefix_lens
+        # Scalars from the Python lists (a builtin over a few ints costs less than a numpy call), arrays in numpy.
+        self.num_tokens = total = sum(seq_lens_q)
+        self.has_prefix = any(prefix_lens)
         seq_q = np.array(seq_lens_q, dtype=np.int64)
         prefix = np.array(prefix_lens, dtype=np.int64)
-        self.num_tokens = total = int(seq_q.sum())
-        self.has_prefix = bool(prefix.any())
         if check:
             _check_arrays(input_ids, write, read, seq_q, prefix, self.has_prefix)
+        seq_k = seq_q + prefix if self.has_prefix else seq_q
         cu_q = np.zeros(len(seq_q) + 1, dtype=np.int64)
         cu_k = np.zeros(len(seq_q) + 1, dtype=np.int64)
         np.cumsum(seq_q, out=cu_q[1:])
-        np.cumsum(seq_q + prefix, out=cu_k[1:])
+        np.cumsum(seq_k, out=cu_k[1:])
         self.host_cu_seqlens_q, self.host_cu_seqlens_k = cu_q, cu_k
         self.host_positions = (np.arange(total, dtype=np.int64) + np.repeat(prefix - cu_q[:-1], seq_q)
                                if self.has_prefix or len(seq_q) > 1 else np.arange(total, dtype=np.int64))
@@ -162,8 +164,8 @@ class PrefillBatch:
         last_rows = cu_q[1:] - 1
         self.host_logit_rows = last_rows if logit_requests is None else last_rows[np.asarray(logit_requests,
                                                                                              dtype=np.int64)]
-        self.max_seqlen_q = int(seq_q.max())
-        self.max_seqlen_k = int(cu_k[-1]) if len(seq_q) == 1 else int((seq_q + prefix).max())
+        self.max_seqlen_q = max(seq_lens_q)
+        self.max_seqlen_k = int(seq_k.max()) if self.has_prefix else self.max_seqlen_q
 
     @property
     def num_requests(self) -> int:

@@ -174,7 +174,7 @@ class SlotReservation:
 
     def finished_forward(self) -> None:
         """A forward ran (its finished prompts' slots given back): what no later forward needs goes back to the pool
-        (the highest slots first, so the pool keeps handing out its lowest ones first)."""
+        (the highest slots, so the pool keeps handing out its lowest ones first)."""
         keep = self._keep[self._forward] if self._forward < len(self._keep) else 0
         self._forward += 1
         surplus = self._top + self._num_lent - keep
@@ -182,10 +182,10 @@ class SlotReservation:
             return
         region = self._free[: self._top]
         if surplus < self._top:
-            region.sort()
+            # The highest go back (linear time, no sort of the whole stack); the order of the rest does not matter.
+            region.partition(self._top - surplus)
             back = region[self._top - surplus :].copy()
             self._top -= surplus
-            self._free[: self._top] = region[: self._top][::-1].copy()  # lowest on top: handed out first
         else:
             back, self._top = region.copy(), 0
         self._returned.append(back)

@@ -157,13 +157,18 @@ class Batcher:
         tokens and slots (a request's read slots, its prefix then its new ones, are its slots up to the chunk's
         end)."""
         reservation = self.reservation
+        # Under a reservation the forward's new slots are taken at once: they are its write slots, back to back.
+        fresh = reservation.take(sum(end - start for _, start, end in chunks)) if reservation is not None else None
         ids, write, read, seq_lens, prefix_lens, last = [], [], [], [], [], []
+        offset = 0
         for i, (req, start, end) in enumerate(chunks):
             slots = req.slots
-            if reservation is not None:
-                slots[start:end] = reservation.take(end - start)
+            if fresh is not None:
+                slots[start:end] = fresh[offset : offset + end - start]
+                offset += end - start
+            else:
+                write.append(slots[start:end])
             ids.append(req.tokens[start:end])
-            write.append(slots[start:end])
             read.append(slots[:end])
             seq_lens.append(end - start)
             prefix_lens.append(start)
@@ -172,8 +177,9 @@ class Batcher:
         one = len(chunks) == 1
         has_prefix = any(prefix_lens)
         batch = PrefillBatch.from_arrays(
-            self.pool, ids[0] if one else np.concatenate(ids), write[0] if one else np.concatenate(write), seq_lens,
-            prefix_lens, (read[0] if one else np.concatenate(read)) if has_prefix else None,
+            self.pool, ids[0] if one else np.concatenate(ids),
+            fresh if fresh is not None else write[0] if one else np.concatenate(write), seq_lens, prefix_lens,
+            (read[0] if one else np.concatenate(read)) if has_prefix else None,
             None if len(last) == len(chunks) else last, check=False)
         return Plan(chunks, batch, [chunks[i][0] for i in last])
 
