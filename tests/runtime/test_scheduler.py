@@ -27,7 +27,7 @@ def run_plan(lengths: list[int], budget: int, pool: KVPool) -> list[list[tuple[i
     batcher = Batcher(pool, None, budget, FifoQueue(), reservation)
     for seq, n in enumerate(lengths):
         batcher.add(Request(torch.arange(n), None, seq=seq))
-    held, forwards = slots_held(lengths, budget).tolist(), []
+    held, forwards, ended = slots_held(lengths, budget).tolist(), [], []
     try:
         while batcher.has_work:
             plan = batcher.plan()
@@ -39,11 +39,13 @@ def run_plan(lengths: list[int], budget: int, pool: KVPool) -> list[list[tuple[i
             ending = [i for i, (req, _, end) in enumerate(plan.chunks) if end == len(req.ids)]
             assert [r.seq for r in plan.finishing] == [plan.chunks[i][0].seq for i in ending]
             assert plan.batch.host_logit_rows.tolist() == [offsets[i + 1] - 1 for i in ending]  # their last tokens
+            ended += [r.seq for r in plan.finishing]
             forwards.append([(req.seq, start, end, plan.batch.host_write_slots[offsets[i] : offsets[i + 1]])
                              for i, (req, start, end) in enumerate(plan.chunks)])
             batcher.launched(plan, RECORD)
     finally:
         assert reservation.release()
+    assert ended == list(range(len(lengths)))  # prompts end in order: prefill's logits need no reordering
     return forwards
 
 
