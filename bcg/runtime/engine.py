@@ -174,7 +174,11 @@ class Engine:
                 short = bucket - self.kv_pool.num_free
                 if short > 0:
                     self.prefix_cache.evict(short)
-            return self.runner.recapture(bucket)
+            self._gate.hold()  # the dummy batch's slots come back: a prefill short of them waits, not fails
+            try:
+                return self.runner.recapture(bucket)
+            finally:
+                self._gate.release()
 
     @torch.inference_mode()
     def prefill(self, prompts: Sequence[Prompt]) -> PrefillResult:

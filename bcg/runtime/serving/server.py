@@ -189,6 +189,7 @@ class Server:
                 arrivals, self._inbox, self._woken = self._inbox, [], False
             for req in arrivals:
                 self.batcher.add(req)
+            self._set_holding(True)  # admission takes slots: a holder before it takes any, not after
             plan = self.batcher.plan()
             self._set_holding()
             if plan is None:
@@ -264,10 +265,11 @@ class Server:
         event.record()
         return event
 
-    def _set_holding(self) -> None:
-        """Counts the scheduler as a holder of slots in the gate while it runs requests (a prefill waiting for
-        slots then waits for them instead of failing)."""
-        holding = bool(self.batcher.running)
+    def _set_holding(self, holding: bool | None = None) -> None:
+        """Counts the scheduler as a holder of slots in the gate while it runs requests or admits them (a prefill
+        short of slots then waits for them instead of failing); ``holding`` overrides what the running requests say."""
+        if holding is None:
+            holding = bool(self.batcher.running)
         if holding != self._holding:
             self._holding = holding
             self.gate.hold() if holding else self.gate.release()
