@@ -9,7 +9,7 @@ padded rows at all.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Protocol
 
 import numpy as np
@@ -81,10 +81,6 @@ class KVPool:
         self._num_free = num_slots
         self._is_free = np.ones(num_slots, dtype=bool)
         self._lock = threading.Lock()
-        # Called with the shortfall when an allocation finds too few free slots, outside the pool's lock, before
-        # the allocation is tried once more; it frees what it can (a prefix cache evicts its least recently used
-        # unlocked entries). None: an allocation that does not fit fails at once.
-        self.reclaim: Callable[[int], object] | None = None
 
     @classmethod
     def for_model(
@@ -150,19 +146,14 @@ class KVPool:
     def alloc(self, n: int) -> Tensor:
         """Take ``n`` free slots; returns a CPU ``int64`` tensor of slot indices.
 
-        When fewer are free, :attr:`reclaim` (if set) is asked to free the shortfall first.
+        The pool knows nothing of who caches what: a caller that can free slots (the prefix cache, which evicts
+        for a shortfall) does so before it calls this.
 
         Raises:
             KVPoolFullError: fewer than ``n`` slots are free; nothing is allocated.
         """
         if n < 0:
             raise ValueError(f"cannot allocate a negative number of slots ({n})")
-        with self._lock:
-            if n <= self._num_free:
-                return self._take(n)
-            short = n - self._num_free
-        if self.reclaim is not None:
-            self.reclaim(short)  # outside the lock: it frees slots through free()
         with self._lock:
             if n > self._num_free:
                 raise KVPoolFullError(

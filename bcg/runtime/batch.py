@@ -58,18 +58,6 @@ class PrefillItem:
         if self.prefix_slots.numel() != self.prefix_len:
             raise ValueError(f"prefix_len={self.prefix_len} but {self.prefix_slots.numel()} prefix slots")
 
-    @classmethod
-    def unchecked(cls, token_ids: Tensor, new_slots: Tensor, prefix_len: int, prefix_slots: Tensor) -> PrefillItem:
-        """An item from CPU int64 1-D tensors of matching lengths, without normalising or checking them.
-
-        For callers that have already validated their inputs (the engine builds one item per request per
-        prefill, on the host's critical path). Anything else should call the constructor.
-        """
-        item = cls.__new__(cls)
-        item.token_ids, item.new_slots = token_ids, new_slots
-        item.prefix_len, item.prefix_slots = prefix_len, prefix_slots
-        return item
-
     @property
     def num_new_tokens(self) -> int:
         """Number of new tokens."""
@@ -89,8 +77,8 @@ class PrefillBatch:
         kv_pool: the pool their slots belong to.
         logit_requests: the requests whose last token's logits are wanted (default: all); a chunk that does not end
             its request wants none.
-        check: verify that every slot is in the pool's range and used once (the engine, whose slots come from its own
-            lease, skips it).
+        check: verify that every slot is in the pool's range and used once (the planner, whose slots come from the
+            pool or a reservation of it, skips it and builds its batches with :meth:`from_arrays`).
 
     Attributes:
         num_tokens, num_requests, seq_lens_q, prefix_lens, has_prefix, max_seqlen_q, max_seqlen_k: host values.
@@ -111,33 +99,73 @@ class PrefillBatch:
                  check: bool = True) -> None:
         if not items:
             raise ValueError("a prefill batch needs at least one item")
-        self.kv_pool = kv_pool
-        self.seq_lens_q = [item.num_new_tokens for item in items]
-        self.prefix_lens = [item.prefix_len for item in items]
-        self.num_tokens = total = sum(self.seq_lens_q)
-        seq_q = np.array(self.seq_lens_q, dtype=np.int64)
-        prefix = np.array(self.prefix_lens, dtype=np.int64)
-        cu_q = np.zeros(len(items) + 1, dtype=np.int64)
-        cu_k = np.zeros(len(items) + 1, dtype=np.int64)
+        seq_lens_q = [item.num_new_tokens for item in items]
+        prefix_lens = [item.prefix_len for item in items]
+        input_ids = (items[0].token_ids.numpy() if len(items) == 1
+                     else np.concatenate([item.token_ids.numpy() for item in items]))
+        write = (items[0].new_slots.numpy() if len(items) == 1
+                 else np.concatenate([item.new_slots.numpy() for item in items]))
+        read = (np.concatenate([s.numpy() for item in items for s in (item.prefix_slots, item.new_slots)])
+                if any(prefix_lens) else None)
+        self._fill(kv_pool, input_ids, write, read, seq_lens_q, prefix_lens, logit_requests, check)
+
+    @classmethod
+    def from_arrays(cls, kv_pool: KVPool, input_ids: np.ndarray, write_slots: np.ndarray, seq_lens_q: list[int],
+                    prefix_lens: list[int], read_slots: np.ndarray | None = None,
+                    logit_requests: Sequence[int] | None = None, check: bool = True) -> PrefillBatch:
+        """A batch from the packed arrays themselves (what a planner builds in one pass over its chunks), with no
+        per-request object or tensor in between.
+
+        Args:
+            kv_pool: the pool the slots belong to.
+            input_ids: int64 ``(num_tokens,)`` the requests' new tokens, back to back.
+            write_slots: int64 ``(num_tokens,)`` the pool slot of each new token.
+            seq_lens_q: new tokens per request (each at least one).
+            prefix_lens: cached tokens per request.
+            read_slots: int64, per request its prefix slots then its new slots; may be None when no request has a
+                prefix (it is ``write_slots`` then).
+            logit_requests, check: as for the constructor (``check=False``: the caller vouches for the shapes and
+                the slots, which it was handed by the pool).
+
+        Example:
+            >>> pool = KVPool(num_slots=16, num_layers=1, num_kv_heads=1, head_dim=4, dtype=torch.float32)
+            >>> batch = PrefillBatch.from_arrays(pool, np.array([1, 2, 3, 4]), np.array([5, 6, 7, 8]), [3, 1], [0, 2],
+            ...                                  read_slots=np.array([5, 6, 7, 0, 1, 8]))
+            >>> batch.host_positions.tolist(), batch.max_seqlen_k
+            ([0, 1, 2, 2], 3)
+        """
+        batch = cls.__new__(cls)
+        batch._fill(kv_pool, input_ids, write_slots, read_slots, seq_lens_q, prefix_lens, logit_requests, check)
+        return batch
+
+    def _fill(self, kv_pool: KVPool, input_ids: np.ndarray, write: np.ndarray, read: np.ndarray | None,
+              seq_lens_q: list[int], prefix_lens: list[int], logit_requests: Sequence[int] | None,
+              check: bool) -> None:
+        self.kv_pool, self.seq_lens_q, self.prefix_lens = kv_pool, seq_lens_q, prefix_lens
+        # Scalars from the Python lists (a builtin over a few ints costs less than a numpy call), arrays in numpy.
+        self.num_tokens = total = sum(seq_lens_q)
+        self.has_prefix = any(prefix_lens)
+        seq_q = np.array(seq_lens_q, dtype=np.int64)
+        prefix = np.array(prefix_lens, dtype=np.int64)
+        if check:
+            _check_arrays(input_ids, write, read, seq_q, prefix, self.has_prefix)
+        seq_k = seq_q + prefix if self.has_prefix else seq_q
+        cu_q = np.zeros(len(seq_q) + 1, dtype=np.int64)
+        cu_k = np.zeros(len(seq_q) + 1, dtype=np.int64)
         np.cumsum(seq_q, out=cu_q[1:])
-        np.cumsum(seq_q + prefix, out=cu_k[1:])
+        np.cumsum(seq_k, out=cu_k[1:])
         self.host_cu_seqlens_q, self.host_cu_seqlens_k = cu_q, cu_k
-        self.host_positions = np.arange(total, dtype=np.int64) + np.repeat(prefix - cu_q[:-1], seq_q)
-        self.host_input_ids = (items[0].token_ids.numpy() if len(items) == 1
-                               else np.concatenate([item.token_ids.numpy() for item in items]))
-        self.host_write_slots = (items[0].new_slots.numpy() if len(items) == 1
-                                 else np.concatenate([item.new_slots.numpy() for item in items]))
-        self.has_prefix = any(self.prefix_lens)
-        self.host_read_slots = (np.concatenate([s.numpy() for item in items for s in (item.prefix_slots,
-                                                                                         item.new_slots)])
-                                if self.has_prefix else self.host_write_slots)
+        self.host_positions = (np.arange(total, dtype=np.int64) + np.repeat(prefix - cu_q[:-1], seq_q)
+                               if self.has_prefix or len(seq_q) > 1 else np.arange(total, dtype=np.int64))
+        self.host_input_ids, self.host_write_slots = input_ids, write
+        self.host_read_slots = read if self.has_prefix else write
         if check:
             check_slots(self.host_read_slots, kv_pool.num_slots)
         last_rows = cu_q[1:] - 1
         self.host_logit_rows = last_rows if logit_requests is None else last_rows[np.asarray(logit_requests,
                                                                                              dtype=np.int64)]
-        self.max_seqlen_q = max(self.seq_lens_q)
-        self.max_seqlen_k = int((seq_q + prefix).max())
+        self.max_seqlen_q = max(seq_lens_q)
+        self.max_seqlen_k = int(seq_k.max()) if self.has_prefix else self.max_seqlen_q
 
     @property
     def num_requests(self) -> int:
@@ -187,6 +215,24 @@ class PrefillBatch:
         staged = Staged(Layout(*backend.fields(num_padded_tokens)), backend.tail_lengths(self), self.kv_pool.device)
         backend.stage(self, num_padded_tokens, staged)
         return backend.context(self, num_padded_tokens, staged.upload())
+
+
+def _check_arrays(input_ids: np.ndarray, write: np.ndarray, read: np.ndarray | None, seq_q: np.ndarray,
+                  prefix: np.ndarray, has_prefix: bool) -> None:
+    """ValueError unless the packed arrays agree with the per-request lengths."""
+    if seq_q.size == 0:
+        raise ValueError("a prefill batch needs at least one request")
+    if int(seq_q.min()) <= 0:
+        raise ValueError("a prefill item needs at least one new token")
+    if int(prefix.min()) < 0 or prefix.size != seq_q.size:
+        raise ValueError(f"prefix_lens {prefix.tolist()} must be one non-negative length per request")
+    total = int(seq_q.sum())
+    if input_ids.shape != (total,) or write.shape != (total,):
+        raise ValueError(f"{total} new tokens by seq_lens_q but {input_ids.shape} token ids and {write.shape} new "
+                         "slots; pass 1-D arrays of one entry per new token")
+    if has_prefix and (read is None or read.shape != (total + int(prefix.sum()),)):
+        raise ValueError(f"read_slots must hold each request's prefix then its new slots ({total + int(prefix.sum())} "
+                         f"in all), got {None if read is None else read.shape}")
 
 
 def check_slots(slots: Tensor | np.ndarray, num_slots: int) -> None:

@@ -1,7 +1,9 @@
-"""The prefill engine: validate prompts, schedule chunks, lease KV slots, run the chunks through the runner, sample
-greedily. An engine can be called from several threads: its runner serialises the forwards (from loading the static
-buffers to the LM head) and each prefill leases its KV slots from a thread-safe pool. ``submit`` serves one prompt
-at a time through a scheduler thread with a prefix cache (:mod:`bcg.runtime.serving`)."""
+"""The prefill engine: validate prompts, reserve KV slots, plan chunks, run them through the runner, sample greedily.
+An engine can be called from several threads: its runner serialises the forwards (from loading the static buffers to
+the LM head) and each prefill reserves its KV slots from a thread-safe pool. ``prefill`` and ``submit`` plan with the
+one planner (:class:`~bcg.runtime.serving.batcher.Batcher`): ``prefill`` inline on the caller's thread over its
+reservation, ``submit`` one prompt at a time through a scheduler thread with a prefix cache
+(:mod:`bcg.runtime.serving`)."""
 
 from __future__ import annotations
 
@@ -17,9 +19,8 @@ from typing import Any, get_type_hints
 import torch
 
 from bcg.ops.parallel import init_tensor_parallel
-from bcg.runtime.batch import PrefillBatch, PrefillItem
 from bcg.runtime.config import EngineConfig
-from bcg.runtime.kv_slots import SlotLease, default_kv_tokens, make_kv_pool
+from bcg.runtime.kv_slots import SlotReservation, default_kv_tokens, make_kv_pool
 from bcg.runtime.model_source import load_model
 from bcg.runtime.prompts import validate_prompts
 from bcg.runtime.runner import Runner
@@ -27,9 +28,11 @@ from bcg.runtime.runner.agreement import RankAgreement
 from bcg.runtime.runner.buckets import BucketRecord
 from bcg.runtime.runner.telemetry import BatchRecord, Telemetry
 from bcg.runtime.runner.verify import verify_buckets
-from bcg.runtime.scheduler import Chunk, plan_batches
 from bcg.runtime.serving import ActivityGate, EngineClosedError, PrefixCache, RequestResult, Server
+from bcg.runtime.serving.batcher import Batcher, finished_logits
 from bcg.runtime.serving.callbacks import served_result
+from bcg.runtime.serving.policy import FifoQueue
+from bcg.runtime.serving.request import Request
 
 __all__ = ["Engine", "PrefillResult"]
 
@@ -165,7 +168,11 @@ class Engine:
                 short = bucket - self.kv_pool.num_free
                 if short > 0:
                     self.prefix_cache.evict(short)
-            return self.runner.recapture(bucket)
+            self._gate.hold()  # the dummy batch's slots come back: a prefill short of them waits, not fails
+            try:
+                return self.runner.recapture(bucket)
+            finally:
+                self._gate.release()
 
     @torch.inference_mode()
     def prefill(self, prompts: Sequence[Prompt]) -> PrefillResult:
@@ -182,52 +189,42 @@ class Engine:
         ids, lengths = validate_prompts(prompts, config.vocab_size, config.max_position_embeddings, self.device)
         if self.runner.agreement is not None:  # tensor parallel: the same prompts on every rank, or nothing runs
             self.runner.agreement.agree_prompts(ids)
-        plan = plan_batches(lengths, self.config.chunked_prefill_size)
-        lease = SlotLease(self.kv_pool, plan, on_free=self._gate.notify, alloc=self._alloc)
-        try:  # all or nothing: every exit path, KeyboardInterrupt included, returns the lease
+        budget = self.config.chunked_prefill_size
+        reservation = SlotReservation(self.kv_pool, lengths, budget, on_free=self._gate.notify, alloc=self._alloc)
+        try:  # all or nothing: every exit path, KeyboardInterrupt included, returns the reservation
             # Slots first, then the forwards: a prefill waiting for slots is no forward in flight, so a recapture
             # never waits for it (the slots' holder may itself wait for that recapture).
-            self._gate.reserve(lease.reserve, lease.peak, self.kv_pool)
+            self._gate.reserve(reservation.reserve, reservation.peak, self.kv_pool)
             with self._gate.active():
-                return self._run(ids, plan, lease)
+                return self._run(ids, Batcher(self.kv_pool, None, budget, FifoQueue(), reservation))
         finally:
-            if lease.release():
+            if reservation.release():
                 self._gate.release()
 
-    def _run(self, ids: list[torch.Tensor], plan: list[list[Chunk]], lease: SlotLease) -> PrefillResult:
-        """Runs ``plan``'s forwards with ``lease``'s slots (reserved) and gathers the last-token logits."""
-        config = self.model.config
+    def _run(self, ids: list[torch.Tensor], batcher: Batcher) -> PrefillResult:
+        """Plans and runs the forwards of ``ids`` on this thread (no prefix cache, first come first served, so every
+        tensor-parallel rank plans the same ones) and gathers the last-token logits, which come out in prompt order:
+        a prompt never ends before an earlier one."""
+        for seq, t in enumerate(ids):
+            batcher.add(Request(t, None, seq=seq))
         records: list[BatchRecord] = []
-        logits = torch.empty(len(ids), config.vocab_size, dtype=torch.float32, device=self.device)
-        for index, chunks in enumerate(plan):
-            last = [i for i, c in enumerate(chunks) if c.is_last]
-            items = [self._item(ids[c.request], lease, c) for c in chunks]
-            batch = PrefillBatch(items, self.kv_pool, None if len(last) == len(chunks) else last, check=False)
+        logits: list[torch.Tensor] = []
+        next_tokens: list[torch.Tensor] = []
+        while batcher.has_work:
+            plan = batcher.plan()
+            if plan is None:  # the reservation covers every chunk: the planner cannot be blocked here
+                raise RuntimeError("prefill's planner found nothing to run with prompts left; report this")
             with self.runner.lock:  # a replay's logits are a view of the runner's static buffers
-                out = self.runner.forward(batch)
-                records.append(out.record)
-                if last:
-                    self._place(logits, [chunks[i].request for i in last], out.logits)
-            lease.finish(index)
-        return PrefillResult(logits, logits.argmax(dim=-1), records)
-
-    @staticmethod
-    def _place(logits: torch.Tensor, requests: list[int], rows: torch.Tensor) -> None:
-        """Copies the logits of ``requests`` (in order) into their rows of the result."""
-        first, last = requests[0], requests[-1]
-        if last - first == len(requests) - 1:  # the common case: consecutive requests, one copy
-            logits[first : last + 1].copy_(rows)
-            return
-        for row, request in enumerate(requests):  # a chunked request in between ends later: no index tensor
-            logits[request].copy_(rows[row])
-
-    @staticmethod
-    def _item(ids: torch.Tensor, lease: SlotLease, chunk: Chunk) -> PrefillItem:
-        # ids were validated and slots come from the pool, all CPU int64: no per-item normalisation needed.
-        new_slots, prefix_slots = lease.take(chunk)
-        if chunk.start == 0 and chunk.is_last:  # a whole prompt: no slicing ops on the host's per-request path
-            return PrefillItem.unchecked(ids, new_slots, 0, prefix_slots)
-        return PrefillItem.unchecked(ids[chunk.start : chunk.end], new_slots, chunk.start, prefix_slots)
+                out = self.runner.forward(plan.batch)
+                finished = finished_logits(plan, out.logits)
+            records.append(out.record)
+            if finished is not None:
+                logits.append(finished[0])
+                next_tokens.append(finished[1])
+            batcher.launched(plan, out.record)
+        if len(logits) == 1:  # the common case: every prompt ended in one forward
+            return PrefillResult(logits[0], next_tokens[0], records)
+        return PrefillResult(torch.cat(logits), torch.cat(next_tokens), records)
 
     # ---------------------------------------------------------------- serving
     def submit(self, prompt: Prompt) -> Future[RequestResult]:

@@ -1,12 +1,13 @@
-"""The engine's KV slots: how many the pool holds, and how one prefill leases them.
+"""The engine's KV slots: how many the pool holds, and how one prefill reserves them.
 
 The pool is sized like a serving engine's (:func:`default_kv_tokens`): a share of the free device memory on CUDA,
 the model's context length plus one chunk on the CPU, never less than the largest bucket (capture runs a dummy batch
-of that size). A prefill then holds no more than it needs at any one time: :class:`SlotLease` reserves, all at once,
-the most slots the prefill's batches hold together (:func:`slots_held`), hands each chunk its slots as it runs, takes
-a request's slots back as soon as its last chunk ran and returns what no later batch needs to the pool. A long prompt
-chunked through therefore needs its own length plus what the other requests in flight hold, and a prefill either
-gets its whole peak up front or nothing.
+of that size). A prefill then holds no more than it needs at any one time: :class:`SlotReservation` takes, all at
+once, the most slots its prompts hold together while the planner packs them first come first served
+(:func:`slots_held`), hands each chunk its slots as the planner packs it, takes a prompt's slots back as soon as its
+last chunk ran and returns what no later forward needs to the pool. A long prompt chunked through therefore needs
+its own length plus what the other prompts in flight hold, and a prefill either gets its whole peak up front or
+nothing.
 """
 
 from __future__ import annotations
@@ -20,9 +21,8 @@ import torch
 from torch import Tensor
 
 from bcg.ops.kv_cache import KVPool
-from bcg.runtime.scheduler import Chunk
 
-__all__ = ["SlotLease", "default_kv_tokens", "make_kv_pool", "slots_held"]
+__all__ = ["SlotReservation", "default_kv_tokens", "make_kv_pool", "slots_held"]
 
 
 def _available_host_bytes() -> int | None:
@@ -79,69 +79,70 @@ def make_kv_pool(model: Any, kv_tokens: int, per_token: int, device: torch.devic
         raise refuse() from e
 
 
-def slots_held(plan: Sequence[Sequence[Chunk]]) -> list[int]:
-    """Slots the requests in flight hold while each batch of ``plan`` runs (a chunk's request holds one slot per
-    token up to the chunk's end; a request gives its slots back after its last chunk).
+def slots_held(lengths: Sequence[int], budget: int) -> np.ndarray:
+    """Slots the prompts in flight hold during each forward when prompts of ``lengths`` are packed first come first
+    served into forwards of ``budget`` tokens (the planner's rule, :class:`~bcg.runtime.serving.batcher.Batcher`):
+    a prompt holds one slot per token up to the end of its chunk, and gives them back after its last chunk.
+
+    That packing cuts the prompts' tokens, back to back, into windows of ``budget``, so the answer is arithmetic on
+    the windows, with no per-prompt loop: forward ``b`` holds the tokens up to its window's end less those of the
+    prompts that ended before its window starts.
 
     Example::
 
-        >>> from bcg.runtime.scheduler import plan_batches
-        >>> slots_held(plan_batches([90, 30, 30], 32))  # the long prompt's slots come back after its third batch
+        >>> slots_held([90, 30, 30], 32).tolist()  # the long prompt's slots come back after the third forward
         [32, 64, 96, 38, 30]
     """
-    held, taken, out = 0, {}, []
-    for batch in plan:
-        for c in batch:
-            held += c.end - taken.get(c.request, 0)
-            taken[c.request] = c.end
-        out.append(held)
-        for c in batch:
-            if c.is_last:
-                held -= taken.pop(c.request)
-    return out
+    ends = np.cumsum(np.asarray(lengths, dtype=np.int64))
+    total = int(ends[-1])
+    if total <= budget:  # the common case: every prompt whole, in one forward
+        return np.array([total], dtype=np.int64)
+    starts = np.arange(0, total, budget, dtype=np.int64)
+    ended = np.concatenate(([0], ends))[np.searchsorted(ends, starts, side="right")]
+    return np.minimum(starts + budget, total) - ended
 
 
-class SlotLease:
-    """The KV slots of one prefill: reserved at once, handed to chunks, recycled as requests finish.
+class SlotReservation:
+    """The KV slots of one prefill: reserved at once, handed to chunks, recycled as prompts finish.
 
     Args:
         pool: the KV pool.
-        plan: the prefill's batches (:func:`bcg.runtime.scheduler.plan_batches`).
-        on_free: called after slots went back to the pool (the engine wakes prefills waiting for slots).
+        lengths: the prompts' lengths, packed first come first served.
+        budget: most tokens a forward holds (``chunked_prefill_size``).
+        on_free: called after slots went back to the pool (the engine wakes those waiting for slots).
         alloc: takes slots of ``pool`` (default ``pool.alloc``; the engine's prefix cache evicts for a shortfall).
 
-    Call :meth:`reserve` once, then per batch :meth:`take` for each chunk and :meth:`finish` after it ran, and
-    :meth:`release` on every exit path (it returns whatever is still held, and may be called again).
+    Call :meth:`reserve` once, then :meth:`take` for each chunk the planner packs, :meth:`give` for a finished prompt's
+    slots and :meth:`finished_forward` after each forward, and :meth:`release` on every exit path (it returns
+    whatever is still held, the slots lent to chunks included, and may be called again).
 
     Example::
 
         >>> pool = KVPool(num_slots=8, num_layers=1, num_kv_heads=1, head_dim=4, dtype=torch.float32)
-        >>> from bcg.runtime.scheduler import plan_batches
-        >>> plan = plan_batches([6, 2], 4)
-        >>> lease = SlotLease(pool, plan)
-        >>> lease.peak, lease.reserve(), pool.num_free
+        >>> res = SlotReservation(pool, [6, 2], budget=4)
+        >>> res.peak, res.reserve(), pool.num_free
         (8, None, 0)
-        >>> new, prefix = lease.take(plan[0][0])
-        >>> new.tolist(), prefix.tolist()
-        ([0, 1, 2, 3], [])
-        >>> lease.finish(0); lease.release(), pool.num_free
+        >>> res.take(4).tolist()
+        [0, 1, 2, 3]
+        >>> res.finished_forward(); res.release(), pool.num_free
         (True, 8)
     """
 
-    def __init__(self, pool: KVPool, plan: Sequence[Sequence[Chunk]], on_free: Callable[[], None] | None = None,
+    def __init__(self, pool: KVPool, lengths: Sequence[int], budget: int, on_free: Callable[[], None] | None = None,
                  alloc: Callable[[int], Tensor] | None = None) -> None:
-        self.pool, self.plan, self.on_free = pool, plan, on_free
+        self.pool, self.on_free = pool, on_free
         self._alloc = alloc or pool.alloc
-        held = slots_held(plan)
-        self.peak = max(held)
-        # After batch b the lease keeps what any later batch holds: the suffix maximum of ``held``.
-        self._keep = [0] * len(held)
-        for b in range(len(held) - 2, -1, -1):
-            self._keep[b] = max(held[b + 1], self._keep[b + 1])
-        self._free = np.empty(0, dtype=np.int64)  # reserved, not lent: a stack whose top is self._top
-        self._top = 0
-        self._lent: dict[int, list[Tensor]] = {}  # request -> the slots of its chunks so far
-        self._num_lent = 0
+        held = slots_held(lengths, budget)
+        self.peak = int(held.max())
+        # After forward b the reservation keeps what any later forward holds: the suffix maximum of ``held``.
+        keep = np.zeros_like(held)
+        keep[:-1] = np.maximum.accumulate(held[::-1])[::-1][1:]
+        self._keep = keep.tolist()
+        self._forward = 0
+        self._reserved = np.empty(0, dtype=np.int64)
+        self._free = self._reserved  # reserved, not lent: a stack whose top is self._top
+        self._top = self._num_lent = 0
+        self._returned: list[np.ndarray] = []  # given back to the pool before the end
         self.is_reserved = False
 
     def reserve(self) -> None:
@@ -150,55 +151,60 @@ class SlotLease:
         Raises:
             KVPoolFullError: the pool has fewer free slots; nothing is reserved.
         """
-        self._free = self._alloc(self.peak).numpy()[::-1].copy()
+        self._reserved = self._alloc(self.peak).numpy()
+        self._free = self._reserved[::-1].copy()  # the lowest on top: handed out first
         self._top, self.is_reserved = self.peak, True
 
-    def take(self, chunk: Chunk) -> tuple[Tensor, Tensor]:
-        """Slots for ``chunk``'s new tokens, and those already holding its request's prefix (in position order)."""
-        n = chunk.end - chunk.start
-        new = torch.from_numpy(self._free[self._top - n : self._top][::-1].copy())
+    def take(self, n: int) -> np.ndarray:
+        """``n`` reserved slots for a chunk's new tokens."""
+        if n > self._top:  # the reservation covers the planner's peak: running short is a bug, never a wait
+            raise RuntimeError(f"a chunk of {n} tokens found {self._top} reserved slots free (peak {self.peak}): "
+                               "the plan does not match slots_held; report this")
+        slots = self._free[self._top - n : self._top][::-1].copy()
         self._top -= n
         self._num_lent += n
-        mine = self._lent.setdefault(chunk.request, [])
-        prefix = mine[0] if len(mine) == 1 else torch.cat(mine) if mine else new[:0]
-        mine.append(new)
-        return new, prefix
+        return slots
 
-    def finish(self, index: int) -> None:
-        """Batch ``index`` ran: its finished requests' slots come back, and what no later batch needs goes back to
-        the pool (the highest slots first, so the pool keeps handing out its lowest ones first)."""
-        for c in self.plan[index]:
-            if c.is_last:
-                self._push(self._lent.pop(c.request))
-        surplus = self._top + self._num_lent - self._keep[index]
+    def give(self, slots: np.ndarray) -> None:
+        """A finished prompt's slots come back (for later chunks of this prefill)."""
+        n = slots.size
+        self._free[self._top : self._top + n] = slots
+        self._top += n
+        self._num_lent -= n
+
+    def finished_forward(self) -> None:
+        """A forward ran (its finished prompts' slots given back): what no later forward needs goes back to the pool
+        (the highest slots, so the pool keeps handing out its lowest ones first)."""
+        keep = self._keep[self._forward] if self._forward < len(self._keep) else 0
+        self._forward += 1
+        surplus = self._top + self._num_lent - keep
         if surplus <= 0:
             return
         region = self._free[: self._top]
         if surplus < self._top:
-            region.sort()
+            # The highest go back (linear time, no sort of the whole stack); the order of the rest does not matter.
+            region.partition(self._top - surplus)
             back = region[self._top - surplus :].copy()
             self._top -= surplus
-            self._free[: self._top] = region[: self._top][::-1].copy()  # lowest on top: handed out first
-            self._give_back(back)
         else:
-            self._top = 0
-            self._give_back(region.copy())
+            back, self._top = region.copy(), 0
+        self._returned.append(back)
+        self._give_back(back)
 
     def release(self) -> bool:
-        """Returns every slot still held to the pool (on success and on any failure); True if a reservation
-        ended here, False if there was none (never reserved, or already released)."""
-        was_reserved, self.is_reserved = self.is_reserved, False
-        parts = [self._free[: self._top]] + [t.numpy() for ts in self._lent.values() for t in ts]
-        self._top, self._lent, self._num_lent = 0, {}, 0
-        self._give_back(np.concatenate(parts))
-        return was_reserved
-
-    def _push(self, slots: list[Tensor]) -> None:
-        for t in slots:
-            n = t.numel()
-            self._free[self._top : self._top + n] = t.numpy()
-            self._top += n
-            self._num_lent -= n
+        """Returns every slot still held to the pool (on success and on any failure, lent ones included); True if a
+        reservation ended here, False if there was none (never reserved, or already released)."""
+        if not self.is_reserved:
+            return False
+        self.is_reserved = False
+        if self._num_lent == 0:  # every chunk's slots came back: what is held is the free stack
+            held = self._free[: self._top]
+        else:  # a failure part-way: everything reserved and not yet returned, whoever it was lent to
+            held = self._reserved if not self._returned else np.setdiff1d(self._reserved,
+                                                                            np.concatenate(self._returned))
+        self._top = self._num_lent = 0
+        self._give_back(held)
+        return True
 
     def _give_back(self, slots: np.ndarray) -> None:
         if slots.size:

@@ -74,11 +74,11 @@ def test_predict_breakable_sums_parts() -> None:
 
 
 def test_chunk_sizes_match_the_scheduler() -> None:
-    from bcg.runtime.scheduler import plan_batches
+    from bcg.runtime.serving.batcher import plan_chunks
 
     for length in (1, 7, 2048, 2049, 5000):
         ours = coverage.chunk_sizes(length, 2048)
-        theirs = [c.end - c.start for batch in plan_batches([length], 2048) for c in batch]
+        theirs = [end - start for forward in plan_chunks([length], 2048) for _, start, end in forward]
         assert ours == theirs
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -71,12 +72,43 @@ def test_forward_context_nests_and_resets(pool):
         get_forward_context()
 
 
-def test_unchecked_item_builds_the_same_batch_as_a_checked_one():
-    pool = KVPool(num_slots=16, num_layers=1, num_kv_heads=1, head_dim=4, dtype=torch.float32)
-    ids, slots, prefix = torch.tensor([4, 5, 6]), torch.tensor([7, 8, 9]), torch.tensor([2])
-    a = PrefillBatch([PrefillItem(ids, slots, 1, prefix)], pool)
-    b = PrefillBatch([PrefillItem.unchecked(ids, slots, 1, prefix)], pool)
-    for name in ("input_ids", "positions", "write_slots", "read_slots", "logits_indices", "cu_seqlens_q",
-                 "cu_seqlens_k"):
+FIELDS = ("input_ids", "positions", "write_slots", "read_slots", "logits_indices", "cu_seqlens_q", "cu_seqlens_k")
+
+
+@pytest.mark.parametrize("with_prefix", [True, False])
+@pytest.mark.parametrize("check", [True, False])
+def test_arrays_build_the_same_batch_as_items(pool, with_prefix: bool, check: bool):
+    prefix = pool.alloc(3) if with_prefix else torch.empty(0, dtype=torch.long)
+    first, second, third = pool.alloc(2), pool.alloc(4), pool.alloc(1)
+    p = prefix.numel()
+    a = PrefillBatch([PrefillItem([10, 11], first), PrefillItem([20, 21, 22, 23], second, p, prefix),
+                      PrefillItem([30], third)], pool, logit_requests=[0, 2])
+    ids = np.array([10, 11, 20, 21, 22, 23, 30])
+    b = PrefillBatch.from_arrays(pool, ids, torch.cat([first, second, third]).numpy(), [2, 4, 1], [0, p, 0],
+                                 torch.cat([first, prefix, second, third]).numpy(), logit_requests=[0, 2], check=check)
+    for name in FIELDS:
         assert torch.equal(getattr(a, name), getattr(b, name)), name
-    assert (a.max_seqlen_k, a.has_prefix) == (b.max_seqlen_k, b.has_prefix) == (4, True)
+    assert (a.max_seqlen_q, a.max_seqlen_k, a.has_prefix, a.num_logit_rows) == (
+        b.max_seqlen_q, b.max_seqlen_k, b.has_prefix, b.num_logit_rows) == (4, 4 + p, with_prefix, 2)
+    assert b.seq_lens_q == [2, 4, 1] and b.prefix_lens == [0, p, 0]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (([1, 2], [0, 1], [1, 1], [0, 0]), None),  # valid: the reference for the cases below
+        (([1, 2], [0, 1], [2, 0], [0, 0]), "at least one new token"),
+        (([1, 2], [0], [1, 1], [0, 0]), "2 new tokens by seq_lens_q"),
+        (([1, 2], [0, 1], [1, 1], [0, 2]), "read_slots"),  # a prefix needs read slots
+        (([1, 2], [0, 32], [1, 1], [0, 0]), "out of range"),  # 32 is the scratch slot
+        (([1, 2], [3, 3], [1, 1], [0, 0]), "twice"),
+    ],
+)
+def test_invalid_arrays_are_refused_with_the_field_named(pool, args, message):
+    ids, slots, seq, prefix = args
+    make = lambda: PrefillBatch.from_arrays(pool, np.array(ids), np.array(slots), seq, prefix)  # noqa: E731
+    if message is None:
+        assert make().num_tokens == 2
+        return
+    with pytest.raises(ValueError, match=message):
+        make()

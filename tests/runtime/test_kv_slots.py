@@ -19,15 +19,25 @@ class Injected(Exception):
     pass
 
 
+class _NoMemoryLogits(torch.Tensor):
+    """Logits whose copy out of the forward's buffers runs out of memory."""
+
+    def clone(self, *args, **kwargs):
+        raise torch.OutOfMemoryError("out of memory (injected) copying the logits out")
+
+
 def _fail_logits_alloc(monkeypatch: pytest.MonkeyPatch, eng: Engine) -> None:
-    real = torch.empty
+    real = eng.runner.forward
+    calls = {"n": 0}
 
-    def empty(*args, **kwargs):
-        if kwargs.get("dtype") is torch.float32 and args and args[-1] == eng.model.config.vocab_size:
-            raise torch.OutOfMemoryError("out of memory (injected) allocating the logits")
-        return real(*args, **kwargs)
+    def forward(batch):
+        out = real(batch)
+        calls["n"] += 1
+        if calls["n"] == 2:  # a later forward: an earlier prompt's slots went back to the reservation meanwhile
+            out.logits = out.logits.as_subclass(_NoMemoryLogits)
+        return out
 
-    monkeypatch.setattr(torch, "empty", empty)
+    monkeypatch.setattr(eng.runner, "forward", forward)
 
 
 def _interrupt_runner(monkeypatch: pytest.MonkeyPatch, eng: Engine) -> None:
@@ -44,19 +54,27 @@ def _interrupt_runner(monkeypatch: pytest.MonkeyPatch, eng: Engine) -> None:
 
 
 def _fail_logits(monkeypatch: pytest.MonkeyPatch, eng: Engine) -> None:
-    def place(logits, requests, rows):  # the LM head runs in the graph: fail where its logits are read out
+    import bcg.runtime.engine as engine_module
+
+    def finished(plan, logits):  # the LM head runs in the graph: fail where its logits are read out
         raise Injected("reading the logits out failed")
 
-    monkeypatch.setattr(Engine, "_place", staticmethod(place))
+    monkeypatch.setattr(engine_module, "finished_logits", finished)
 
 
 def _fail_batch(monkeypatch: pytest.MonkeyPatch, eng: Engine) -> None:
-    import bcg.runtime.engine as engine_module
+    from bcg.runtime.batch import PrefillBatch
 
-    def batch(*args, **kwargs):
-        raise Injected("batch packing failed")
+    calls = {"n": 0}
+    real = PrefillBatch.from_arrays
 
-    monkeypatch.setattr(engine_module, "PrefillBatch", batch)
+    def from_arrays(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 3:  # packing the third forward: chunks hold lent slots, and some went back to the pool
+            raise Injected("batch packing failed")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(PrefillBatch, "from_arrays", from_arrays)
 
 
 INJECTIONS = {"logits_alloc": (_fail_logits_alloc, torch.OutOfMemoryError),

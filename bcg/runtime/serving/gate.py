@@ -2,7 +2,7 @@
 KV reservation that finds too few free slots waits while some holder of this engine's slots will give them back.
 
 Every path that runs forwards (``Engine.prefill`` and the serving scheduler) and every path that holds KV slots
-(a prefill's :class:`~bcg.runtime.kv_slots.SlotLease`, the scheduler's running requests) reports here, so each of
+(a prefill's :class:`~bcg.runtime.kv_slots.SlotReservation`, the scheduler's running requests) reports here, so each of
 them sees the others: a prefill waits for slots the scheduler holds instead of failing, and the scheduler is woken
 when a prefill gives slots back.
 
@@ -43,7 +43,7 @@ class ActivityGate:
     def __init__(self) -> None:
         self._cond = threading.Condition()
         self.num_active = 0  # forwards in flight (a forward counts until its result is complete)
-        self.num_holders = 0  # reservations of KV slots that will be given back (leases, the scheduler)
+        self.num_holders = 0  # reservations of KV slots that will be given back (prefills, the scheduler)
         self.num_recaptures = 0
         self._listeners: list[Callable[[], Any]] = []
 

@@ -49,14 +49,14 @@ class RequestResult:
 
 @dataclass(eq=False)
 class Request:
-    """The scheduler's state of one request (owned by the scheduler thread once it is queued).
+    """The planner's state of one request (owned by the thread that plans: the scheduler's, or a prefill's caller).
 
     ``slots`` holds one pool slot per prompt token once admitted: ``slots[:cached]`` are the prefix cache's (read,
     never freed by the request), the rest the request's own until the cache adopts them (``adopted``).
     """
 
     ids: Tensor  # CPU int64, validated
-    future: Future
+    future: Future | None  # None: one prompt of a prefill() call, which the caller's thread runs to its end
     arrival: float = field(default_factory=time.perf_counter)
     seq: int = 0  # order of arrival
     cached: int = 0

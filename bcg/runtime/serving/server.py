@@ -39,7 +39,7 @@ from torch import Tensor
 
 from bcg.errors import first_line
 from bcg.ops.kv_cache import KVPool
-from bcg.runtime.serving.batcher import Batcher, Plan
+from bcg.runtime.serving.batcher import Batcher, Plan, finished_logits
 from bcg.runtime.serving.callbacks import CallbackThread, ServedFuture
 from bcg.runtime.serving.gate import ActivityGate
 from bcg.runtime.serving.policy import make_queue
@@ -189,6 +189,7 @@ class Server:
                 arrivals, self._inbox, self._woken = self._inbox, [], False
             for req in arrivals:
                 self.batcher.add(req)
+            self._set_holding(True)  # admission takes slots: a holder before it takes any, not after
             plan = self.batcher.plan()
             self._set_holding()
             if plan is None:
@@ -233,10 +234,7 @@ class Server:
         try:
             with self._lock:
                 out = self._forward(plan.batch)
-                logits = next_tokens = None
-                if plan.finishing:  # the rows are a view of the graph's static buffers: copy them out now
-                    logits = out.logits.clone()
-                    next_tokens = logits.argmax(dim=-1)
+                logits, next_tokens = finished_logits(plan, out.logits) or (None, None)
                 event = self._record_event()
         except BaseException as e:  # this forward's requests fail, nobody else's; an interrupt then stops the loop
             self.gate.exit()
@@ -267,10 +265,11 @@ class Server:
         event.record()
         return event
 
-    def _set_holding(self) -> None:
-        """Counts the scheduler as a holder of slots in the gate while it runs requests (a prefill waiting for
-        slots then waits for them instead of failing)."""
-        holding = bool(self.batcher.running)
+    def _set_holding(self, holding: bool | None = None) -> None:
+        """Counts the scheduler as a holder of slots in the gate while it runs requests or admits them (a prefill
+        short of slots then waits for them instead of failing); ``holding`` overrides what the running requests say."""
+        if holding is None:
+            holding = bool(self.batcher.running)
         if holding != self._holding:
             self._holding = holding
             self.gate.hold() if holding else self.gate.release()
