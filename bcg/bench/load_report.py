@@ -3,9 +3,9 @@
 
 ``results.json`` holds ``config`` (every flag, resolved), ``environment``, ``workload`` (lengths, shared prefix,
 rates or the trace, requests and tokens per rate), ``builds`` (one :class:`~bcg.bench.engines.BuildRecord` per
-variant), ``rows`` (one :class:`~bcg.bench.load.LoadRow` per variant and rate: ``ttft_ms`` and ``queue_ms``
+variant), ``rows`` (one :class:`~bcg.bench.load_run.LoadRow` per variant and rate: ``ttft_ms`` and ``queue_ms``
 percentiles, ``tokens_per_s``, ``requests_per_s``, ``cached_share``, ``graph_share``, ``cold_forwards``,
-``fell_behind``, ``skipped``), ``warmups`` (one :class:`~bcg.bench.load.Warmup` per variant: what ran before the
+``fell_behind``, ``skipped``), ``warmups`` (one :class:`~bcg.bench.load_run.Warmup` per variant: what ran before the
 measured windows, and for how long), ``note`` (what a CPU run cannot show, else null) and ``plots``.
 """
 

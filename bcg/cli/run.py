@@ -138,7 +138,7 @@ def run_load(cfg: Any) -> dict[str, Any]:
 
     from bcg.bench import load_report, plots
     from bcg.bench.config import BenchError
-    from bcg.bench.load import run_load as measure
+    from bcg.bench.load_run import run_load as measure
     from bcg.bench.results import write_json
 
     env = _environment(cfg)

@@ -60,7 +60,7 @@ def test_the_warm_up_runs_every_path_and_is_reported_apart_from_the_windows(tmp_
 
 
 def test_a_forward_on_a_path_new_to_the_window_is_counted_cold() -> None:
-    from bcg.bench.load import measure_rate
+    from bcg.bench.load_run import measure_rate
     from bcg.bench.workload import make_workload, parse_lengths
     from bcg.runtime import Engine
 
@@ -100,7 +100,7 @@ def test_ctrl_c_exits_130_and_stops_the_engine_threads(tmp_path: Path, capsys: p
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     import threading
 
-    import bcg.bench.load as load
+    import bcg.bench.load_run as load
 
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from bcg.models.hf import UnsupportedModelError
-from bcg.models.hf.fused import FusedModule, NormSpec
+from bcg.models.hf.fused_layer import FusedModule, NormSpec
 from bcg.models.hf.joined import JoinedWeight, head_rows
 from bcg.ops import bridge
 from bcg.ops import kernels as fused

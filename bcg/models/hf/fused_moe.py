@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from bcg.models.hf.fused import FusedModule, NoMatch
+from bcg.models.hf.fused_layer import FusedModule, NoMatch
 from bcg.models.hf.moe_routing import NotARouter, RouterSpec, router_spec
 from bcg.ops import kernels as fused
 from bcg.ops.kernels import fused_available

@@ -5,11 +5,12 @@
 * attention modules with q/k/v projections (or one qkv projection), an output projection, optional q/k RMSNorms and
   sinks, RoPE from the body's rotary embedding (its ``inv_freq`` buffers): :class:`~.fused_attention.FusedAttention`;
 * gate/up MLPs (``gate_proj``/``up_proj``/``down_proj`` or ``gate_up_proj``/``down_proj`` and an activation):
-  :class:`~.fused.FusedMLP`;
+  :class:`~.fused_layer.FusedMLP`;
 * mixture-of-experts blocks (a router of a known rule, stacked gate/up experts, optional shared experts):
   :class:`~.fused_moe.FusedMoE`;
-* RMSNorm modules, ``w * x / rms(x)`` or ``(1 + w) * x / rms(x)`` (decided numerically): :class:`~.fused.FusedRMSNorm`;
-* decoder layers of exactly the pre-norm or the sandwich structure: :class:`~.fused.FusedDecoderLayer`
+* RMSNorm modules, ``w * x / rms(x)`` or ``(1 + w) * x / rms(x)`` (decided numerically):
+  :class:`~.fused_layer.FusedRMSNorm`;
+* decoder layers of exactly the pre-norm or the sandwich structure: :class:`~.fused_layer.FusedDecoderLayer`
 
 (the patterns are :mod:`bcg.models.hf.patterns`). One probe forward records every candidate's input and output as
 written; each stand-in is then swapped in and run on its module's recorded input, and kept only if its output
@@ -33,8 +34,8 @@ import torch
 from torch import Tensor, nn
 
 from bcg.errors import first_line
-from bcg.models.hf.fused import FusedModule, FusedRMSNorm
 from bcg.models.hf.fused_attention import FusedAttention
+from bcg.models.hf.fused_layer import FusedModule, FusedRMSNorm
 from bcg.models.hf.fused_moe import FusedMoE, is_moe_block, moe_specs
 from bcg.models.hf.moe_ties import near_tie_rows
 from bcg.models.hf.patterns import (

@@ -17,8 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from bcg.models.hf.fused import FusedDecoderLayer, FusedMLP, FusedRMSNorm, NoMatch, NormSpec, norm_eps
 from bcg.models.hf.fused_attention import AttentionSpec, rope_layout
+from bcg.models.hf.fused_layer import FusedDecoderLayer, FusedMLP, FusedRMSNorm, NoMatch, NormSpec, norm_eps
 from bcg.tensors import tensor_leaves
 
 __all__ = ["DIFFERS", "TOLERANCE", "NoMatch", "attention_specs", "compare", "decoder_layers", "is_attention",

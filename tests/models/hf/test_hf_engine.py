@@ -9,7 +9,7 @@ import torch
 from engine_cache import EngineCache, max_diff
 from hf_cases import ARCHS, expected, make_model, one_thread, prompts, reference_copy, reference_logits
 
-from bcg.models.hf.fused import FusedModule
+from bcg.models.hf.fused_layer import FusedModule
 from bcg.models.hf.model import HFCausalLM
 
 TOL = 1e-4  # fp32 on the CPU

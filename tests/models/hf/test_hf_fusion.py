@@ -12,8 +12,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import bcg.models.hf.patterns as patterns
 from bcg.models.config import get_preset
-from bcg.models.hf.fused import FusedModule
 from bcg.models.hf.fused_attention import rope_layout
+from bcg.models.hf.fused_layer import FusedModule
 from bcg.models.hf.model import HFCausalLM
 from bcg.models.registry import build_model
 from bcg.ops.kernels import qkv_norm_rope_reference
@@ -180,7 +180,7 @@ def test_fusion_can_be_switched_off(monkeypatch):
 def test_a_layer_whose_residual_scale_is_dropped_is_refused(monkeypatch):
     """Negative control for the scaled-residual layout: a stand-in that ignores granite's residual_multiplier differs
     from the layer as written, so the layers are left as written and the logits stay transformers'."""
-    from bcg.models.hf.fused import FusedDecoderLayer
+    from bcg.models.hf.fused_layer import FusedDecoderLayer
 
     real = FusedDecoderLayer.__init__
     monkeypatch.setattr(FusedDecoderLayer, "__init__", lambda self, o, k, n, s=1.0: real(self, o, k, n, 1.0))
