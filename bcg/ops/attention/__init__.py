@@ -41,9 +41,9 @@ from bcg.ops.kv_cache import KVPool
 from bcg.ops.staging import Layout, Staged
 
 __all__ = ["ATTENTION_BACKENDS", "AttentionBackend", "AttentionFeatures", "BatchContext", "HostBatch",
-           "SdpaAttention", "StaticAttention", "StaticContext", "StaticTritonAttention", "TritonAttention", "VarlenAttention", "attention",
-           "attention_backend", "attention_island", "default_attention_backend", "kv_destination",
-           "register_attention_backend", "sdpa_attention", "single_request_context"]
+           "SdpaAttention", "StaticAttention", "StaticContext", "StaticTritonAttention", "TritonAttention",
+           "VarlenAttention", "attention", "attention_backend", "attention_island", "default_attention_backend",
+           "kv_destination", "register_attention_backend", "sdpa_attention", "single_request_context"]
 
 
 def default_attention_backend(device: torch.device, dtype: torch.dtype) -> str:
