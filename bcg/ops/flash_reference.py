@@ -23,6 +23,11 @@ flash_varlen` sends CPU tensors here). The contract, as the kernel's entry point
 * a row that sees no key gets 0 and a log-sum-exp of +inf; rows past the last sequence are not written (a fresh
   output holds NaN there, like uninitialized memory); ``max_seqlen_k == 0`` zeroes the whole output.
 
+Two extensions of bcg's Triton kernel, off by default (FlashAttention has neither): ``kv_slots`` reads key ``j`` of
+sequence ``s`` from row ``kv_slots[cu_seqlens_k[s] + j]`` of k/v (a KV pool's layer; the slots outside every sequence
+are never read, so they may index anything in range and the rows they name may hold NaN), and ``zero_tail`` writes
+0 into the rows past the last sequence.
+
 Everything runs on the device with shapes fixed by the arguments (no host read), so it can be captured in a graph
 as the kernel can. It is O(total_q * total_k) memory: a reference for tests and the CPU, never a fast path.
 """
@@ -43,6 +48,7 @@ def reference_flash_varlen(
     q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int,
     max_seqlen_k: int, *, is_causal: bool, scale: float | None = None, window_size_left: int = -1,
     window_size_right: int = -1, softcap: float | None = None, sinks: Tensor | None = None, out: Tensor | None = None,
+    kv_slots: Tensor | None = None, zero_tail: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """FlashAttention-2's varlen forward: ``(out, lse)``, ``lse`` fp32 ``(num_heads, total_q)``.
 
@@ -56,6 +62,9 @@ def reference_flash_varlen(
         softcap: caps the scaled scores as ``softcap * tanh(scores / softcap)`` (None or 0: no cap, as flash-attn).
         sinks: ``(num_heads,)`` logits of a value-less softmax column per head (the returned lse includes it).
         out: written in place when given (the in-place op's form); rows outside every sequence keep their values.
+        kv_slots: int32/int64 ``(total_k,)``: key ``i`` of the packed sequences is row ``kv_slots[i]`` of k/v,
+            which may then have any number of rows (a pool layer, gathered here in plain torch).
+        zero_tail: rows past the last sequence get 0 (their lse stays NaN) instead of keeping ``out``'s values.
 
     Example:
         >>> q = torch.randn(3, 4, 16, dtype=torch.bfloat16)
@@ -65,7 +74,7 @@ def reference_flash_varlen(
         >>> o.shape, lse.shape
         (torch.Size([3, 4, 16]), torch.Size([4, 3]))
     """
-    _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, out, softcap, sinks)
+    _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, out, softcap, sinks, kv_slots)
     batch_size = cu_seqlens_q.numel() - 1
     total_q, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
@@ -81,6 +90,8 @@ def reference_flash_varlen(
         q.reshape(batch_size, num_kv_heads, num_heads // num_kv_heads, head_dim)
         cu_seqlens_q = torch.arange(batch_size + 1, device=q.device, dtype=torch.int32)
     _check_shapes(q, k, v, cu_seqlens_q, cu_seqlens_k)
+    if kv_slots is not None:
+        k, v = _gather_slots(k, v, kv_slots, cu_seqlens_k)
     if window_size_left >= max_seqlen_k:
         window_size_left = -1
     if window_size_right >= max_seqlen_k:
@@ -117,10 +128,25 @@ def reference_flash_varlen(
     result = (probs @ vh).transpose(0, 1).to(q.dtype)
     lse = torch.where(seen, lse, math.inf)
     lse = torch.where(covered, lse, math.nan)  # rows of no sequence: never written
+    if zero_tail:  # rows past the last sequence are written, with 0
+        result = torch.where((seq_q == batch_size)[:, None, None], 0.0, result)
+        covered = covered | (seq_q == batch_size)
     if out is None:
         return torch.where(covered[:, None, None], result, math.nan), lse
     out.copy_(torch.where(covered[:, None, None], result, out))
     return out, lse
+
+
+def _gather_slots(k: Tensor, v: Tensor, kv_slots: Tensor, cu_k: Tensor) -> tuple[Tensor, Tensor]:
+    """The keys/values ``kv_slots`` names, packed; those outside every sequence are zeroed (the kernel never reads
+    them, and a NaN there would reach real rows through a zero weight). Slots out of range fail a device assert."""
+    torch._assert_async(((kv_slots >= 0) & (kv_slots < k.shape[0])).all(),
+                        f"kv_slots must index rows of k/v (0 .. {k.shape[0] - 1})")
+    slots = kv_slots.long().clamp(0, k.shape[0] - 1)
+    _, _, _, is_key = _positions(cu_k, slots.numel(), cu_k.numel() - 1)
+    is_key = is_key[:, None, None]
+    return (torch.where(is_key, k.index_select(0, slots), 0.0).to(k.dtype),
+            torch.where(is_key, v.index_select(0, slots), 0.0).to(v.dtype))
 
 
 def _require(ok: bool, message: str) -> None:
@@ -129,7 +155,8 @@ def _require(ok: bool, message: str) -> None:
 
 
 def check_varlen_inputs(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
-                        out: Tensor | None, softcap: float | None = None, sinks: Tensor | None = None) -> None:
+                        out: Tensor | None, softcap: float | None = None, sinks: Tensor | None = None,
+                        kv_slots: Tensor | None = None) -> None:
     """Every check of the contract that reads no device value (dtypes, devices, layouts, shapes); RuntimeError with
     the kernel's message where it has one. A Triton kernel with the same contract runs it before launching.
 
@@ -140,7 +167,7 @@ def check_varlen_inputs(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, c
         ...
         RuntimeError: cu_seqlens_k must have dtype int32
     """
-    _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, out, softcap, sinks)
+    _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, out, softcap, sinks, kv_slots)
     _check_shapes(q, k, v, cu_seqlens_q, cu_seqlens_k)
 
 
@@ -161,7 +188,7 @@ def _check_shapes(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor) -
 
 
 def _check_inputs(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, out: Tensor | None,
-                  softcap: float | None, sinks: Tensor | None) -> None:
+                  softcap: float | None, sinks: Tensor | None, kv_slots: Tensor | None = None) -> None:
     """The kernel entry point's dtype, device, layout and rank checks (its messages, where it has one)."""
     _require(q.dtype in _HALF, f"FlashAttention only support fp16 and bf16 data type (got {q.dtype})")
     _require(k.dtype == q.dtype, "query and key must have the same dtype")
@@ -182,6 +209,11 @@ def _check_inputs(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, o
         _require(tuple(sinks.shape) == (q.shape[1],) and sinks.device == q.device,
                  f"sinks must be one logit per query head, ({q.shape[1]},) on {q.device}, got {tuple(sinks.shape)} "
                  f"on {sinks.device}")
+    if kv_slots is not None:
+        _require(kv_slots.dtype in (torch.int32, torch.int64) and kv_slots.dim() == 1 and kv_slots.is_contiguous()
+                 and kv_slots.device == q.device,
+                 f"kv_slots must be a contiguous 1-D int32/int64 tensor of slots on {q.device}, got "
+                 f"{kv_slots.dtype} {tuple(kv_slots.shape)} on {kv_slots.device}")
     if out is not None:
         _require(out.dtype == q.dtype, "Output must have the same dtype as inputs")
         _require(out.device == q.device, f"out must be on {q.device} like q, got {out.device}")

@@ -147,7 +147,8 @@ class EngineConfig:
             with more keys runs eagerly (reason "too_many_keys").
         attention_backend: the attention kernel of the islands ("varlen": FlashAttention varlen, CUDA in half
             precision; "sdpa": per-request SDPA, any device; "triton": bcg's Triton varlen kernel, CUDA in half
-            precision) or "static" (inside the graph: backend "full"'s); None
+            precision) or "static" (inside the graph: backend "full"'s; "static_triton": the same with bcg's
+            Triton kernel reading the KV pool in place, opt-in); None
             picks "static" for "full", else "varlen" where it runs and "sdpa" elsewhere (``bcg.ops.attention``).
         max_logit_rows: rows of the LM head inside a captured graph (bucket ``b`` computes ``min(b, max_logit_rows)``
             requests' logits); a batch that ends more requests computes the rest eagerly after the replay.

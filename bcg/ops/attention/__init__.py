@@ -9,6 +9,8 @@
 * ``"triton"`` (:mod:`.triton_varlen`): bcg's Triton varlen kernel as the same island, written in place, with
   soft-caps, windows and sinks (the varlen backend uses it for soft-capped layers on CUDA).
 * ``"static"`` (:mod:`.static`): captured inside the graph over request slots and a key capacity (``full``'s).
+* ``"static_triton"`` (:mod:`.static_triton`): the same, bcg's Triton kernel reading the pool through the slots (no
+  gather; opt-in).
 * :mod:`.features`: sliding windows, sinks, soft-caps and scales, the path of the layers that have them.
 
 A new attention kernel is a new file here with a class registered by :func:`register_attention_backend`.
@@ -19,7 +21,7 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
-from bcg.ops.attention import sdpa, static, triton_varlen, varlen  # noqa: F401 - each registers its backend
+from bcg.ops.attention import sdpa, static, static_triton, triton_varlen, varlen  # noqa: F401 - each registers one
 from bcg.ops.attention.base import (
     ATTENTION_BACKENDS,
     AttentionBackend,
@@ -31,6 +33,7 @@ from bcg.ops.attention.base import (
 from bcg.ops.attention.island import attention, attention_island, kv_destination
 from bcg.ops.attention.sdpa import SdpaAttention, sdpa_attention
 from bcg.ops.attention.static import StaticAttention, StaticContext
+from bcg.ops.attention.static_triton import StaticTritonAttention
 from bcg.ops.attention.triton_varlen import TritonAttention
 from bcg.ops.attention.varlen import VarlenAttention
 from bcg.ops.context import AttentionFeatures
@@ -38,9 +41,9 @@ from bcg.ops.kv_cache import KVPool
 from bcg.ops.staging import Layout, Staged
 
 __all__ = ["ATTENTION_BACKENDS", "AttentionBackend", "AttentionFeatures", "BatchContext", "HostBatch",
-           "SdpaAttention", "StaticAttention", "StaticContext", "TritonAttention", "VarlenAttention", "attention",
-           "attention_backend", "attention_island", "default_attention_backend", "kv_destination",
-           "register_attention_backend", "sdpa_attention", "single_request_context"]
+           "SdpaAttention", "StaticAttention", "StaticContext", "StaticTritonAttention", "TritonAttention",
+           "VarlenAttention", "attention", "attention_backend", "attention_island", "default_attention_backend",
+           "kv_destination", "register_attention_backend", "sdpa_attention", "single_request_context"]
 
 
 def default_attention_backend(device: torch.device, dtype: torch.dtype) -> str:

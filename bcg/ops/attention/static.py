@@ -13,12 +13,18 @@ static read slots, and no value is read back to the host. Two implementations co
 * CUDA, bf16/fp16: FlashAttention varlen with the static ``cu_seqlens``; ``max_seqlen_q`` is the bucket and
   ``max_seqlen_k`` the key capacity (upper bounds, so the graph is valid for every batch that fits). Sentinel
   request slots are zero-length sequences; rows past the last sequence are left unwritten by the kernel and zeroed.
+* ``attention_backend="static_triton"`` (:class:`~bcg.ops.attention.static_triton.StaticTritonAttention`, CUDA
+  with Triton, or the kernel's reference on a CPU; fp16/bf16): bcg's Triton varlen kernel reads every key straight
+  from the pool through ``read_slots`` (no gather per layer) on the same grid (``max_seqlen_q`` the bucket, the key
+  capacity as ``max_seqlen_k``), and zeroes the rows past the last sequence in the same launch (no fill).
 * Everything else (CPU, fp32): one SDPA call over all rows and the whole key capacity, with a mask built on the
   device from the per-row/per-key request ids and positions (same request, key position <= row position). Unused
   keys and values are zeroed first: the scratch slot may hold anything (a NaN there must not reach a real row).
 """
 
 from __future__ import annotations
+
+from typing import ClassVar
 
 import numpy as np
 import torch
@@ -28,6 +34,7 @@ from bcg.capture_rules import UncapturableOpError
 from bcg.ops.attention.base import AttentionBackend, HostBatch, register_attention_backend
 from bcg.ops.context import ForwardContext
 from bcg.ops.flash import flash_varlen, is_varlen_usable, varlen_causal_is_bottom_right
+from bcg.ops.kernels.attention import varlen_attention
 from bcg.ops.kv_cache import KVPool
 from bcg.ops.sdpa import gqa_sdpa
 from bcg.ops.staging import Field, Staged
@@ -46,6 +53,8 @@ class StaticContext(ForwardContext):
         key_capacity: key slots gathered per layer (``max_seqlen_k``): the bucket plus the prefix capacity.
         num_request_slots: ``R``; ``cu_seqlens_q/k`` have ``R + 1`` entries.
         use_varlen: the captured attention calls FlashAttention varlen (else masked SDPA over the key capacity).
+        use_slot_kernel: the captured attention is bcg's varlen kernel reading the pool through ``read_slots``
+            (it then takes precedence over ``use_varlen``).
         write_slots: int64 ``(num_padded_tokens,)``, KV slot of each row; padded rows hold the scratch slot.
         read_slots: int64 ``(key_capacity,)``, each live request's prefix then new slots, then scratch.
         query_request, key_request: int64 request id per row / key slot (``PAD_QUERY`` / ``PAD_KEY`` when unused).
@@ -57,9 +66,10 @@ class StaticContext(ForwardContext):
     attends_in_graph = True
 
     def __init__(self, num_padded_tokens: int, key_capacity: int, num_request_slots: int, use_varlen: bool,
-                 views: dict[str, Tensor], kv_pool: KVPool) -> None:
+                 views: dict[str, Tensor], kv_pool: KVPool, use_slot_kernel: bool = False) -> None:
         self.num_padded_tokens, self.key_capacity = num_padded_tokens, key_capacity
         self.num_request_slots, self.use_varlen = num_request_slots, use_varlen
+        self.use_slot_kernel = use_slot_kernel
         self.write_slots, self.read_slots = views["write_slots"], views["read_slots"]
         self.query_request, self.key_request = views["query_request"], views["key_request"]
         self.query_positions, self.key_positions = views["query_positions"], views["key_positions"]
@@ -69,7 +79,8 @@ class StaticContext(ForwardContext):
 
     def __repr__(self) -> str:
         return (f"StaticContext(num_padded_tokens={self.num_padded_tokens}, key_capacity={self.key_capacity}, "
-                f"num_request_slots={self.num_request_slots}, use_varlen={self.use_varlen})")
+                f"num_request_slots={self.num_request_slots}, use_varlen={self.use_varlen}, "
+                f"use_slot_kernel={self.use_slot_kernel})")
 
     def store_kv(self, layer_id: int, k: Tensor, v: Tensor) -> None:
         # Every row writes: padded rows land in the scratch slot, which no request reads.
@@ -79,6 +90,13 @@ class StaticContext(ForwardContext):
     def attend(self, q: Tensor, k: Tensor, v: Tensor, out: Tensor, layer_id: int) -> None:
         """Causal attention of the bucket's rows into ``out`` (padded rows zeroed); fixed shapes only."""
         pool = self.kv_pool
+        if self.use_slot_kernel:
+            # One launch: keys and values read in place through the slots, padded rows (past the last sequence,
+            # sentinel slots being empty) written 0 by the kernel itself.
+            varlen_attention(q, pool.k[layer_id], pool.v[layer_id], self.cu_seqlens_q, self.cu_seqlens_k,
+                             self.num_padded_tokens, self.key_capacity, out, kv_slots=self.read_slots,
+                             zero_tail=True)
+            return
         keys = pool.k[layer_id].index_select(0, self.read_slots)
         values = pool.v[layer_id].index_select(0, self.read_slots)
         if self.use_varlen:
@@ -127,6 +145,7 @@ class StaticAttention(AttentionBackend):
 
     name = "static"
     is_island = False
+    use_slot_kernel: ClassVar[bool] = False  # bcg's varlen kernel over the pool's slots (``static_triton``)
 
     def __init__(self, kv_pool: KVPool, max_requests: int = 4, prefix_capacity: int = 0,
                  use_varlen: bool | None = None) -> None:
@@ -188,7 +207,7 @@ class StaticAttention(AttentionBackend):
 
     def context(self, batch: HostBatch, num_rows: int, views: dict[str, Tensor]) -> StaticContext:
         return StaticContext(num_rows, self.key_capacity(num_rows), self.max_requests, self.use_varlen, views,
-                             self.kv_pool)
+                             self.kv_pool, self.use_slot_kernel)
 
     def attend(self, ctx: StaticContext, q: Tensor, k: Tensor, v: Tensor, out: Tensor,  # type: ignore[override]
                layer_id: int) -> None:

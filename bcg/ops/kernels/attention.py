@@ -17,7 +17,10 @@ The contract (both implementations):
   ``c * tanh(s / c)``; ``sinks`` are fp32 per-head logits of a value-less softmax column.
 * empty sequences are fine (the padded rows of a full bucket), whatever ``max_seqlen_q`` is: unlike FlashAttention-2
   there is no one-query GQA path that reshapes q. A row that sees no key gets 0; rows of no sequence keep ``out``'s
-  values.
+  values, unless ``zero_tail``: then the rows past the last sequence get 0 in the same launch.
+* ``kv_slots`` (int32/int64, contiguous): key ``j`` of sequence ``s`` is row ``kv_slots[cu_seqlens_k[s] + j]`` of
+  k/v, which are then a KV pool's layer (any number of rows): attention straight from the pool, no gather. Slots
+  outside every sequence are never read.
 
 Registered as ``torch.ops.bcg.varlen_attention_`` (mutating ``out``): the reference on every device, the Triton
 kernel on CUDA, a fake kernel for tracing; :func:`varlen_attention` calls it while torch.compile traces and the two
@@ -38,19 +41,22 @@ __all__ = ["varlen_attention", "varlen_attention_reference"]
 def varlen_attention_reference(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
                                max_seqlen_q: int, max_seqlen_k: int, out: Tensor, scale: Optional[float] = None,
                                softcap: Optional[float] = None, window_left: Optional[int] = None,
-                               sinks: Optional[Tensor] = None) -> None:
+                               sinks: Optional[Tensor] = None, kv_slots: Optional[Tensor] = None,
+                               zero_tail: bool = False) -> None:
     """The plain-torch implementation of :func:`varlen_attention` (any device; O(total_q * total_k) memory)."""
     # FlashAttention's contract differs in two corners this op does not have: a bound of one query takes its
     # one-query GQA reshape (2 is the same upper bound for causal rows), and a key bound of 0 zeroes every row.
     reference_flash_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max(max_seqlen_q, 2), max(max_seqlen_k, 1),
                            is_causal=True, scale=scale, softcap=softcap, sinks=sinks, out=out,
-                           window_size_left=-1 if window_left is None else window_left)
+                           window_size_left=-1 if window_left is None else window_left, kv_slots=kv_slots,
+                           zero_tail=zero_tail)
 
 
 def varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
                      max_seqlen_q: int, max_seqlen_k: int, out: Tensor, *, scale: Optional[float] = None,
                      softcap: Optional[float] = None, window_left: Optional[int] = None,
-                     sinks: Optional[Tensor] = None, impl: str = "fused") -> Tensor:
+                     sinks: Optional[Tensor] = None, kv_slots: Optional[Tensor] = None, zero_tail: bool = False,
+                     impl: str = "fused") -> Tensor:
     """Causal varlen attention written into ``out`` (returned); the contract is the module's.
 
     Args:
@@ -61,6 +67,8 @@ def varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_s
         softcap: scores capped as ``softcap * tanh(score / softcap)`` after scaling (None: no cap).
         window_left: query ``i`` sees keys ``i - window_left .. i`` (None: all before it).
         sinks: ``(num_heads,)`` fp32 sink logits (None: none).
+        kv_slots: int32/int64 slot of each packed key in k/v (None: key ``i`` is row ``i``); k/v then a pool layer.
+        zero_tail: write 0 into the rows past the last sequence (else they keep ``out``'s values).
         impl: ``"fused"`` (Triton on CUDA, the reference elsewhere) or ``"torch"`` (the reference).
 
     Example:
@@ -70,38 +78,45 @@ def varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_s
         >>> out = torch.zeros_like(q)
         >>> varlen_attention(q, kv, kv, cu, cu, 3, 3, out, softcap=50.0, window_left=1) is out
         True
+        >>> pool = torch.cat([kv.flip(0), torch.full((1, 2, 16), float("nan"), dtype=torch.bfloat16)])
+        >>> slots = torch.tensor([4, 3, 2, 1, 0, 5])          # key i at pool row 4 - i; the last (unused) is NaN
+        >>> pooled = varlen_attention(q, pool, pool, cu, cu, 3, 3, torch.zeros_like(q), kv_slots=slots)
+        >>> torch.equal(pooled, varlen_attention(q, kv, kv, cu, cu, 3, 3, torch.zeros_like(q)))
+        True
     """
     fused = use_fused(impl, q)
     if fused:  # the reference checks the same itself
-        check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, out, softcap, sinks)
+        check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, out, softcap, sinks, kv_slots)
     if torch.compiler.is_compiling():
         torch.ops.bcg.varlen_attention_(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, out, scale,
-                                        softcap, window_left, sinks)
+                                        softcap, window_left, sinks, kv_slots, zero_tail)
     elif fused:
         _triton(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, out, scale, softcap, window_left,
-                sinks)
+                sinks, kv_slots, zero_tail)
     else:
         varlen_attention_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, out, scale,
-                                   softcap, window_left, sinks)
+                                   softcap, window_left, sinks, kv_slots, zero_tail)
     return out
 
 
 def _triton(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int,
             max_seqlen_k: int, out: Tensor, scale: Optional[float], softcap: Optional[float],
-            window_left: Optional[int], sinks: Optional[Tensor]) -> None:
+            window_left: Optional[int], sinks: Optional[Tensor], kv_slots: Optional[Tensor] = None,
+            zero_tail: bool = False) -> None:
     from bcg.ops.kernels import triton_attention
 
     triton_attention.varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, out, scale,
-                                      softcap, window_left, sinks)
+                                      softcap, window_left, sinks, kv_slots=kv_slots, zero_tail=zero_tail)
 
 
 # --- torch.library op: what torch.compile traces (opaque; writes ``out``). ---
 @torch.library.custom_op("bcg::varlen_attention_", mutates_args=("out",))
 def _varlen_attention_op(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
                          max_seqlen_q: int, max_seqlen_k: int, out: Tensor, scale: Optional[float],
-                         softcap: Optional[float], window_left: Optional[int], sinks: Optional[Tensor]) -> None:
+                         softcap: Optional[float], window_left: Optional[int], sinks: Optional[Tensor],
+                         kv_slots: Optional[Tensor] = None, zero_tail: bool = False) -> None:
     varlen_attention_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, out, scale, softcap,
-                               window_left, sinks)
+                               window_left, sinks, kv_slots, zero_tail)
 
 
 _varlen_attention_op.register_kernel("cuda")(_triton)
@@ -110,5 +125,6 @@ _varlen_attention_op.register_kernel("cuda")(_triton)
 @_varlen_attention_op.register_fake
 def _varlen_attention_fake(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
                            max_seqlen_q: int, max_seqlen_k: int, out: Tensor, scale: Optional[float],
-                           softcap: Optional[float], window_left: Optional[int], sinks: Optional[Tensor]) -> None:
+                           softcap: Optional[float], window_left: Optional[int], sinks: Optional[Tensor],
+                           kv_slots: Optional[Tensor] = None, zero_tail: bool = False) -> None:
     return None

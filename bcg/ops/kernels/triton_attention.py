@@ -4,7 +4,13 @@ One program computes ``BLOCK_M`` query rows of one sequence for one query head: 
 in ``BLOCK_N`` blocks with an online softmax (running max and denominator in fp32, scores and the output accumulated
 in fp32 on the tensor cores), then divides once and stores the rows straight into ``out``. The grid is
 ``(cdiv(max_seqlen_q, BLOCK_M), num_seqs, num_heads)``: ``max_seqlen_q`` is a host upper bound, so programs past a
-sequence's end return at once and nothing is read back to the host. Rows of no sequence are never written.
+sequence's end return at once and nothing is read back to the host. Rows of no sequence are never written, unless
+``zero_tail``: then the programs of the last sequence also zero the rows after it (the padded rows of a bucket: one
+kernel, no fill before it).
+
+Keys and values are read directly (key ``j`` of sequence ``s`` is row ``cu_k[s] + j`` of ``k``/``v``) or, with
+``kv_slots``, through a slot index (row ``kv_slots[cu_k[s] + j]``): the kernel then attends straight from a KV pool's
+layer, with no gather of each request's keys first. Only slots of keys inside a sequence are read.
 
 Masks, per sequence with ``Lq`` queries and ``Lk`` keys, bottom-right aligned (queries are the last ``Lq`` of the
 keys' positions, as with a cached prefix): query ``i`` sees key ``j`` iff ``j <= i + Lk - Lq`` and, with a left window
@@ -81,14 +87,17 @@ def _tanh(x):
 
 
 @triton.jit
-def _key_block(q, acc, m_i, l_i, k_base, v_base, k_start, len_k, start_n, in_band, diag, stride_kt, stride_vt,
-               score_scale, softcap, window_left, offs_n, offs_d, d_ok, HAS_SOFTCAP: tl.constexpr,
-               HAS_WINDOW: tl.constexpr):
+def _key_block(q, acc, m_i, l_i, k_base, v_base, kv_slots, k_start, len_k, start_n, in_band, diag, stride_kt,
+               stride_vt, score_scale, softcap, window_left, offs_n, offs_d, d_ok, HAS_SOFTCAP: tl.constexpr,
+               HAS_WINDOW: tl.constexpr, HAS_KV_SLOTS: tl.constexpr):
     """One step of the online softmax: the scores of ``BLOCK_N`` keys from ``start_n``, masked, folded into the
     running max ``m_i``, denominator ``l_i`` and output ``acc`` (all fp32, the max in log2 units)."""
     cols = start_n + offs_n
     col_ok = (cols < len_k) & in_band
-    kv_rows = (k_start + cols).to(tl.int64)
+    if HAS_KV_SLOTS:  # the pool rows of these keys; keys outside the sequence read no slot (it may be anything)
+        kv_rows = tl.load(kv_slots + k_start + cols, mask=col_ok, other=0).to(tl.int64)
+    else:
+        kv_rows = (k_start + cols).to(tl.int64)
     k = tl.load(k_base + kv_rows[None, :] * stride_kt + offs_d[:, None], mask=col_ok[None, :] & d_ok[:, None],
                 other=0.0)
     if _DOT_F32:
@@ -118,29 +127,37 @@ def _key_block(q, acc, m_i, l_i, k_base, v_base, k_start, len_k, start_n, in_ban
 
 @triton.jit
 def _varlen_fwd(
-    Q, K, V, OUT, CU_Q, CU_K, SINKS,
+    Q, K, V, OUT, CU_Q, CU_K, SINKS, KV_SLOTS, total_q,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
     sm_scale, softcap, window_left,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr,
-    STATIC_BLOCKS_N: tl.constexpr,
+    STATIC_BLOCKS_N: tl.constexpr, HAS_KV_SLOTS: tl.constexpr, ZERO_TAIL: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     seq = tl.program_id(1)
     head = tl.program_id(2)
     q_start = tl.load(CU_Q + seq)
-    len_q = tl.load(CU_Q + seq + 1) - q_start
+    q_end = tl.load(CU_Q + seq + 1)
+    len_q = q_end - q_start
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    if ZERO_TAIL:
+        if seq == tl.num_programs(1) - 1:
+            # Rows past the last sequence (the host sizes the grid to cover them): zeros, in this same launch.
+            tail = q_end + offs_m
+            t_ptrs = OUT + tail[:, None].to(tl.int64) * stride_ot + head * stride_oh + offs_d[None, :]
+            tl.store(t_ptrs, tl.zeros([BLOCK_M, BLOCK_D], tl.float32).to(OUT.dtype.element_ty),
+                     mask=(tail < total_q)[:, None] & d_ok[None, :])
     if pid_m * BLOCK_M >= len_q:
         return
     k_start = tl.load(CU_K + seq)
     len_k = tl.load(CU_K + seq + 1) - k_start
     kv_head = head // GROUP
 
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
     row_ok = offs_m < len_q
-    d_ok = offs_d < HEAD_DIM
     q_ptrs = Q + (q_start + offs_m)[:, None].to(tl.int64) * stride_qt + head * stride_qh + offs_d[None, :]
     q = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
 
@@ -163,17 +180,18 @@ def _varlen_fwd(
     v_base = V + kv_head * stride_vh
     if STATIC_BLOCKS_N == 0:
         for start_n in range(lo, hi, BLOCK_N):
-            acc, m_i, l_i = _key_block(q, acc, m_i, l_i, k_base, v_base, k_start, len_k, start_n, True, diag,
-                                       stride_kt, stride_vt, score_scale, softcap, window_left, offs_n, offs_d, d_ok,
-                                       HAS_SOFTCAP, HAS_WINDOW)
+            acc, m_i, l_i = _key_block(q, acc, m_i, l_i, k_base, v_base, KV_SLOTS, k_start, len_k, start_n, True,
+                                       diag, stride_kt, stride_vt, score_scale, softcap, window_left, offs_n, offs_d,
+                                       d_ok, HAS_SOFTCAP, HAS_WINDOW, HAS_KV_SLOTS)
     else:
         # The interpreter's loops: a fixed count, with the blocks outside [lo, hi) masked out as a whole (the
         # compiled loop's range has runtime bounds, which Triton 3.6's interpreter cannot take under numpy >= 2.4).
         for block in range(STATIC_BLOCKS_N):
             start_n = block * BLOCK_N
-            acc, m_i, l_i = _key_block(q, acc, m_i, l_i, k_base, v_base, k_start, len_k, start_n,
+            acc, m_i, l_i = _key_block(q, acc, m_i, l_i, k_base, v_base, KV_SLOTS, k_start, len_k, start_n,
                                        (start_n >= lo) & (start_n < hi), diag, stride_kt, stride_vt, score_scale,
-                                       softcap, window_left, offs_n, offs_d, d_ok, HAS_SOFTCAP, HAS_WINDOW)
+                                       softcap, window_left, offs_n, offs_d, d_ok, HAS_SOFTCAP, HAS_WINDOW,
+                                       HAS_KV_SLOTS)
 
     if HAS_SINKS:
         # One more softmax column per head with no value: it only grows the denominator.
@@ -191,18 +209,23 @@ def _varlen_fwd(
 def varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int,
                      max_seqlen_k: int, out: Tensor, scale: float | None = None, softcap: float | None = None,
                      window_left: int | None = None, sinks: Tensor | None = None,
-                     config: BlockConfig | None = None) -> None:
+                     config: BlockConfig | None = None, kv_slots: Tensor | None = None,
+                     zero_tail: bool = False) -> None:
     """Launches the kernel: causal attention of ``q`` over ``k``/``v`` per sequence, written into ``out``.
 
-    Shapes and checks are the caller's (:func:`bcg.ops.kernels.varlen_attention.varlen_attention`): q/out
-    ``(total_q, H, D)``, k/v ``(total_k, H_kv, D)``, last dims contiguous, int32 cumulative lengths of one length.
-    ``config`` overrides :func:`block_config` (benchmarks tune with it).
+    Shapes and checks are the caller's (:func:`bcg.ops.kernels.attention.varlen_attention`): q/out
+    ``(total_q, H, D)``, k/v ``(total_k, H_kv, D)`` (with ``kv_slots``: any number of rows, the pool's), last dims
+    contiguous, int32 cumulative lengths of one length, ``kv_slots`` int32/int64 contiguous. ``zero_tail`` zeroes
+    the rows past the last sequence. ``config`` overrides :func:`block_config` (benchmarks tune with it).
     """
     num_seqs = cu_seqlens_q.numel() - 1
-    num_heads, head_dim = q.shape[1], q.shape[2]
+    total_q, num_heads, head_dim = q.shape
     cfg = config or block_config(head_dim, max_seqlen_q)
-    grid = (triton.cdiv(max_seqlen_q, cfg.block_m), num_seqs, num_heads)
+    # The tail has at most total_q rows: with zero_tail the grid covers them too (the bucket is max_seqlen_q anyway).
+    rows = max(max_seqlen_q, total_q) if zero_tail else max_seqlen_q
+    grid = (triton.cdiv(rows, cfg.block_m), num_seqs, num_heads)
     launch(_varlen_fwd, grid, q, k, v, out, cu_seqlens_q, cu_seqlens_k, sinks if sinks is not None else q,
+           kv_slots if kv_slots is not None else cu_seqlens_k, total_q,
            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
            scale if scale is not None else head_dim ** -0.5, softcap or 1.0,
            window_left if window_left is not None and window_left >= 0 else 0,
@@ -210,4 +233,5 @@ def varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_s
            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HAS_SOFTCAP=bool(softcap),
            HAS_WINDOW=window_left is not None and window_left >= 0, HAS_SINKS=sinks is not None,
            STATIC_BLOCKS_N=triton.cdiv(max_seqlen_k, cfg.block_n) if INTERPRETING else 0,
+           HAS_KV_SLOTS=kv_slots is not None, ZERO_TAIL=zero_tail,
            num_warps=cfg.num_warps, num_stages=cfg.num_stages)

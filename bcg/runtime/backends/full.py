@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from bcg.ops.attention import AttentionBackend, StaticAttention
+from bcg.ops.attention import AttentionBackend, StaticAttention, attention_backend
 from bcg.ops.kv_cache import KVPool
 from bcg.runtime.backends.base import GraphBackend
 from bcg.runtime.backends.capture import capturing, new_graph
@@ -43,15 +43,20 @@ class FullBackend(GraphBackend):
     @classmethod
     def make_attention(cls, kv_pool: KVPool, config: EngineConfig, device: torch.device,
                        dtype: torch.dtype) -> AttentionBackend:
-        if config.attention_backend not in (None, StaticAttention.name):
+        cls_ = attention_backend(config.attention_backend or StaticAttention.name)
+        if not issubclass(cls_, StaticAttention):
             raise ValueError(f"backend='full' captures its attention inside the graph with attention_backend="
-                             f"'static'; attention_backend={config.attention_backend!r} attends in islands, which "
-                             "backend='breakable' runs")
+                             f"'static' or 'static_triton'; attention_backend={config.attention_backend!r} attends "
+                             "in islands, which backend='breakable' runs")
+        reason = cls_.is_usable(device, dtype)
+        if reason is not None:
+            raise ValueError(f"attention_backend={cls_.name!r} cannot run here: {reason}")
         chunk = config.chunked_prefill_size
         # Defaults: one slot per 512 tokens of a chunk, and a whole chunk of cached prefix keys.
         max_requests = config.max_requests or max(chunk // 512, 1)
         prefix_capacity = config.prefix_capacity if config.prefix_capacity is not None else chunk
-        return StaticAttention(kv_pool, max_requests, prefix_capacity)  # varlen inside the graph where it probes right
+        # "static": FlashAttention varlen inside the graph where it probes right; "static_triton": bcg's kernel.
+        return cls_(kv_pool, max_requests, prefix_capacity)
 
     def can_run(self, batch: PrefillBatch, bucket: int) -> str | None:
         return self.resources.inputs.attention.check(batch, bucket)

@@ -64,3 +64,16 @@ def oracle(q, k, v, lens_q, lens_k, scale=None, softcap=None, window_left=None, 
         out[q0 : q0 + lq] = torch.einsum("hqk,khd->qhd", probs, vs)
         q0, k0 = q0 + lq, k0 + lk
     return out
+
+
+def pooled(k, v, unused=3, seed=0, slot_dtype=torch.int64):
+    """``(pool_k, pool_v, kv_slots)``: the packed k/v scattered to shuffled rows of a larger pool whose other rows
+    are NaN, the pool slot of each packed key, then ``unused`` slots naming a NaN row (a bucket's unused keys)."""
+    total = k.shape[0]
+    rows = total + 6
+    perm = torch.randperm(rows - 1, generator=torch.Generator().manual_seed(seed))[:total].to(k.device)
+    pool_k = torch.full((rows, *k.shape[1:]), math.nan, dtype=k.dtype, device=k.device)
+    pool_v = torch.full((rows, *v.shape[1:]), math.nan, dtype=v.dtype, device=v.device)
+    pool_k[perm], pool_v[perm] = k, v
+    slots = torch.cat([perm, torch.full((unused,), rows - 1, device=k.device)]).to(slot_dtype)
+    return pool_k, pool_v, slots

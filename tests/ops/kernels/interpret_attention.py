@@ -11,7 +11,7 @@ import os
 
 import pytest
 import torch
-from attention_cases import CASES, oracle, packed
+from attention_cases import CASES, oracle, packed, pooled
 
 from bcg.ops.kernels.attention import varlen_attention_reference
 
@@ -55,3 +55,34 @@ def test_head_dims_and_block_configs(ta, dim):
         got = torch.empty_like(q)
         ta.varlen_attention(q, k, v, cu_q, cu_k, 70, 90, got, softcap=3.0, config=cfg)
         assert (got.double() - want).abs().max().item() <= TOL[torch.float16], cfg
+
+
+@pytest.mark.parametrize("slot_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("name", ["prefixes", "empty-sequences", "long", "everything"])
+def test_slot_mode_reads_the_pool_in_place(ta, name, slot_dtype):
+    """Keys through ``kv_slots`` from a pool whose other rows are NaN, rows past the last sequence zeroed: the same
+    numbers as the direct mode on the packed keys, and as the reference given the same slots."""
+    lens_q, lens_k, features = CASES[name]
+    q, k, v, cu_q, cu_k, features = packed(lens_q, lens_k, extra_q=5, **features)
+    pool_k, pool_v, slots = pooled(k, v, slot_dtype=slot_dtype)
+    direct, got, ref = (torch.full_like(q, 7.0) for _ in range(3))
+    ta.varlen_attention(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), direct, **features)
+    ta.varlen_attention(q, pool_k, pool_v, cu_q, cu_k, max(lens_q), max(lens_k), got, kv_slots=slots,
+                        zero_tail=True, **features)
+    varlen_attention_reference(q, pool_k, pool_v, cu_q, cu_k, max(lens_q), max(lens_k), ref, kv_slots=slots,
+                               zero_tail=True, **features)
+    n = sum(lens_q)
+    assert torch.equal(got[:n], direct[:n]) and got[:n].abs().sum() > 0
+    assert torch.equal(got[n:], torch.zeros_like(got[n:]))  # the tail, written by the same launch
+    assert (got.float() - ref.float()).abs().max().item() <= TOL[torch.bfloat16]
+
+
+def test_zero_tail_covers_a_tail_longer_than_the_longest_sequence(ta):
+    """A bucket with few real rows: the tail (more rows than max_seqlen_q would cover) is zeroed in full."""
+    q, k, v, cu_q, cu_k, _ = packed([3, 0, 0], [5, 0, 0], extra_q=150)
+    pool_k, pool_v, slots = pooled(k, v, unused=20)
+    got = torch.full_like(q, 7.0)
+    ta.varlen_attention(q, pool_k, pool_v, cu_q, cu_k, 3, 25, got, kv_slots=slots, zero_tail=True)
+    want = oracle(q, k, v, [3, 0, 0], [5, 0, 0])
+    assert (got[:3].double() - want[:3]).abs().max().item() <= TOL[torch.bfloat16]
+    assert torch.equal(got[3:], torch.zeros_like(got[3:]))

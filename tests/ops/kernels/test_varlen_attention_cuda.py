@@ -1,12 +1,13 @@
 """The compiled Triton varlen kernel on CUDA: against aten's FlashAttention in bf16 at the GPU presets' attention
 shapes (plain causal, prefixes, empty sequences, a left window), against the double oracle for what FlashAttention
-lacks (soft-caps, sinks), in place into ``out``, and captured in a CUDA graph."""
+lacks (soft-caps, sinks), in place into ``out``, and captured in a CUDA graph; keys read through slots from a pool
+(``kv_slots``) with the tail zeroed (``zero_tail``), equal to the direct mode and replayed in a graph."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from attention_cases import CASES, oracle, packed
+from attention_cases import CASES, oracle, packed, pooled
 
 from bcg.ops.flash import flash_varlen, flash_varlen_lse
 from bcg.ops.kernels.attention import varlen_attention
@@ -82,3 +83,44 @@ def test_captured_in_a_cuda_graph_and_replayed_on_new_lengths():
     want = torch.empty_like(q)
     varlen_attention(q, k, v, new_cu, new_cu, 64, 64, want, softcap=30.0, impl="torch")
     assert _max_err(out, want) <= 1.6e-2
+
+
+@pytest.mark.parametrize("slot_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("batch", ["packed-with-prefixes", "2048"])
+def test_slot_mode_equals_the_direct_mode_and_zeroes_the_tail(batch, slot_dtype):
+    lens_q, lens_k = BATCHES[batch]
+    q, k, v, cu_q, cu_k, _ = packed(lens_q, lens_k, 32, 8, 128, extra_q=70, dtype=BF16, device="cuda")
+    pool_k, pool_v, slots = pooled(k, v, unused=50, slot_dtype=slot_dtype)  # every row no sequence names is NaN
+    direct, got = torch.full_like(q, 7.0), torch.full_like(q, 7.0)
+    varlen_attention(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), direct)
+    varlen_attention(q, pool_k, pool_v, cu_q, cu_k, max(lens_q), max(lens_k), got, kv_slots=slots, zero_tail=True)
+    n = sum(lens_q)
+    assert torch.equal(got[:n], direct[:n]) and torch.equal(got[n:], torch.zeros_like(got[n:]))
+
+
+def test_slot_mode_captured_in_a_cuda_graph_as_the_full_backend_runs_it():
+    """A bucket of 64 rows, 4 request slots, a key capacity of 96 read from a NaN pool: capture once, then new
+    lengths, slots and sentinels written in place; the replay equals the reference on the new metadata."""
+    bucket, capacity = 64, 96
+    gen = torch.Generator().manual_seed(3)
+    pool_k, pool_v = (torch.randn(300, 8, 128, generator=gen).to("cuda", BF16) for _ in range(2))
+    q = torch.randn(bucket, 32, 128, generator=gen).to("cuda", BF16)
+    cu_q = torch.tensor([0, 30, 64, 64, 64], dtype=torch.int32, device="cuda")
+    cu_k = torch.tensor([0, 50, 84, 84, 84], dtype=torch.int32, device="cuda")
+    slots = torch.randperm(299, generator=gen)[:capacity].to("cuda")
+    out = torch.full_like(q, float("nan"))
+    args = (q, pool_k, pool_v, cu_q, cu_k, bucket, capacity, out)
+    varlen_attention(*args, kv_slots=slots, zero_tail=True)  # compiles outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        varlen_attention(*args, kv_slots=slots, zero_tail=True)
+    pool_k[299] = pool_v[299] = float("nan")  # the scratch slot, named by the unused key slots below
+    cu_q.copy_(torch.tensor([0, 5, 12, 12, 12], dtype=torch.int32))  # two live requests, two sentinels, 52 padded
+    cu_k.copy_(torch.tensor([0, 25, 32, 32, 32], dtype=torch.int32))
+    slots[32:] = 299
+    out.fill_(float("nan"))
+    graph.replay()
+    want = torch.full_like(q, float("nan"))
+    varlen_attention(*args[:7], want, kv_slots=slots, zero_tail=True, impl="torch")
+    assert _max_err(out, want) <= 1.6e-2 and torch.equal(out[12:], torch.zeros_like(out[12:]))
