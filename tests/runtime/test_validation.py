@@ -93,6 +93,15 @@ def test_bad_options_are_named(options: dict, error: type, match: str) -> None:
         EngineConfig(**options)
 
 
+@pytest.mark.parametrize("backend", ["breakable", "eager", "tc_piecewise"])
+@pytest.mark.parametrize("attention", ["static", "static_triton"])
+def test_an_attention_only_whole_graph_capture_holds_is_refused_elsewhere(backend: str, attention: str) -> None:
+    """Such an attention was silently swapped for the live default while the resolved config still named it."""
+    with pytest.raises(ValueError, match=f"attention_backend='{attention}' attends inside a whole-layer-stack graph"):
+        Engine("tiny-dense", backend=backend, attention_backend=attention, dtype="bfloat16", buckets=[16],
+               progress=False, tc_compiler="traced")
+
+
 def test_a_torch_dtype_is_accepted() -> None:
     cfg = EngineConfig(dtype=torch.float32, device="cpu")
     assert cfg.torch_dtype is torch.float32 and cfg.dtype == "float32"

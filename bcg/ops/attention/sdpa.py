@@ -13,7 +13,7 @@ from torch import Tensor
 from torch.nn.attention.bias import causal_lower_right
 
 from bcg.ops.attention.base import AttentionBackend, BatchContext, register_attention_backend
-from bcg.ops.sdpa import gqa_sdpa
+from bcg.ops.attention.gqa import gqa_sdpa
 
 __all__ = ["SdpaAttention", "sdpa_attention"]
 

@@ -32,11 +32,11 @@ from torch import Tensor
 
 from bcg.capture_rules import UncapturableOpError
 from bcg.ops.attention.base import AttentionBackend, HostBatch, register_attention_backend
+from bcg.ops.attention.gqa import gqa_sdpa
 from bcg.ops.context import ForwardContext
 from bcg.ops.flash import flash_varlen, is_varlen_usable, varlen_causal_is_bottom_right
 from bcg.ops.kernels.attention import varlen_attention
 from bcg.ops.kv_cache import KVPool
-from bcg.ops.sdpa import gqa_sdpa
 from bcg.ops.staging import Field, Staged
 
 __all__ = ["PAD_KEY", "PAD_QUERY", "StaticAttention", "StaticContext"]

@@ -115,7 +115,14 @@ class GraphBackend(ABC):
     @classmethod
     def make_attention(cls, kv_pool: KVPool, config: EngineConfig, device: torch.device,
                        dtype: torch.dtype) -> AttentionBackend:
-        """The attention backend this backend's graphs run (by default the live one, :meth:`live_attention`)."""
+        """The attention backend this backend's graphs run (by default the live one, :meth:`live_attention`); an
+        attention that only a whole-layer-stack graph holds ("static", "static_triton") is refused here rather than
+        swapped for the live default, so the resolved config never names an attention the engine does not run."""
+        asked = config.attention_backend
+        if asked is not None and not attention_backend(asked).is_island:
+            raise ValueError(f"attention_backend={asked!r} attends inside a whole-layer-stack graph, which only "
+                             f"backend='full' captures; with backend={cls.name!r} leave attention_backend unset or "
+                             "name an island attention (varlen, triton, sdpa)")
         return cls.live_attention(kv_pool, config, device, dtype)
 
     @staticmethod
