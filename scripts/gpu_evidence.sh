@@ -7,7 +7,7 @@
 #   STEPS    which steps, in order (default: tests models checkpoint hf baseline kernel_tests)
 #   MODELS   presets for the models step (default: llama-dense llama-dense-2k gptoss-moe glm-dsa)
 #   ANALYZE_MODELS  presets that also get `bcg analyze` (default: llama-dense)
-#   Other steps: device, device2, device_baseline, host_path, hf_speed, load, soak, attention, retest (see below); a before/after baseline needs the earlier
+#   Other steps: device, device2, device_baseline, host_path, hf_speed, load, soak, attention, retest, capacity; a before/after baseline needs the earlier
 #            commit's bcg/ (and benchmarks/device_bound.py) exported first: mkdir .baseline && git archive COMMIT bcg | tar -x -C .baseline
 #   DEVICE_MODELS / DEVICE_ARGS / BASELINE_ARGS  models and flags of the device steps (benchmarks/device_bound.py: wall against
 #            device time per length, whether a prefill ever synchronises, one timeline); device_baseline runs the
@@ -88,3 +88,6 @@ case $steps in *" retest "*)  # chosen CUDA tests again (RETEST: pytest node ids
 case $steps in *" device2 "*)  # the device step again with other flags (DEVICE2_ARGS), e.g. another attention backend
   step device2 "${T_DEVICE:-300}" python3 benchmarks/device_bound.py --models "$device_models" \
     --out "$work/device2" ${DEVICE2_ARGS:-} ;; esac
+case $steps in *" capacity "*)  # submit against a loop of prefill() calls on the same requests, past saturation
+  step capacity "${T_CAPACITY:-150}" python3 benchmarks/serve_capacity.py --out "$work/capacity.json" \
+    ${CAPACITY_ARGS:-} ;; esac

@@ -28,6 +28,18 @@ def test_host_path_smoke(tmp_path: Path) -> None:
     assert (out / "host_path.json").exists() and "prefill" in (out / "profile_3req.txt").read_text()
 
 
+def test_serve_capacity_smoke(tmp_path: Path) -> None:
+    """Both ways serve every request of the same workload; the verdict compares them."""
+    result = run_script("serve_capacity.py", "--rate", "120", "--duration", "0.5", "--rounds", "1",
+                        "--out", str(tmp_path / "cap.json"))
+    assert result["kind"] == "serve_capacity" and result["requests"] > 20
+    for way in ("submit", "prefill_loop"):
+        (run,) = result["runs"][way]
+        assert run["tokens_per_s"] > 0 and 0 < run["ttft_ms"]["p50"] <= run["ttft_ms"]["p99"]
+    assert result["runs"]["submit"][0]["submit_ms"]["p99"] > 0 and result["runs"]["prefill_loop"][0]["forwards"] >= 1
+    assert result["verdict"]["submit_over_loop"] > 0 and (tmp_path / "cap.json").exists()
+
+
 def test_device_bound_smoke(tmp_path: Path) -> None:
     out = tmp_path / "db"
     result = run_script("device_bound.py", "--models", "tiny-dense,tiny-dsa", "--backends", "breakable,full",
