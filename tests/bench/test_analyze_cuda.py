@@ -79,8 +79,9 @@ def test_replay_paths_on_cuda() -> None:
     paths = measure_paths("cuda", ("breakable", "tc_piecewise"), cache=False)
     assert paths.errors == {} and set(paths.per_layer_us) == {"breakable", "tc_piecewise"}
     assert paths.island_us > 0  # the attention island's own host time on the eager toy
-    # a piecewise layer (a piece call from dynamo's split graph and an island through its custom op) costs the host
-    # more than a breakable one (a segment launch and an eager step); beyond the island, what is left of a breakable
-    # layer can be below the island observer's own cost, and is then 0, never negative
-    assert paths.layer_total_us["tc_piecewise"] > paths.layer_total_us["breakable"] > 0
-    assert paths.per_layer_us["tc_piecewise"] > paths.per_layer_us["breakable"] >= 0
+    # Host timings of toy engines on a shared machine: which backend's layer costs more is a measurement for the
+    # benchmarks, not an assertion (it flipped between two H200 runs); what holds by construction is checked here:
+    # a layer costs the host something, and what is left beyond the island is the whole less the island, at least 0.
+    for backend in ("breakable", "tc_piecewise"):
+        total, beyond = paths.layer_total_us[backend], paths.per_layer_us[backend]
+        assert total > 0 and beyond >= 0 and abs(beyond - max(total - paths.island_us, 0.0)) < 1e-6

@@ -56,33 +56,6 @@ def test_two_threads_on_one_engine_reproduce_its_answers(backend: str) -> None:
     assert errors == [] and eng.kv_pool.num_free == eng.kv_pool.num_slots
 
 
-def test_kv_slots_come_back_on_every_exit_path(monkeypatch: pytest.MonkeyPatch) -> None:
-    eng = engine("tiny-dense", "breakable")
-    batch = random_prompts([90, 20, 30])
-    real_forward, real_empty = eng.runner.forward, torch.empty
-    calls = {"n": 0}
-
-    def forward(b):
-        calls["n"] += 1
-        if calls["n"] == 2:
-            raise KeyboardInterrupt
-        return real_forward(b)
-
-    def empty(*args, **kwargs):
-        if args and args[-1] == eng.model.config.vocab_size:
-            raise torch.OutOfMemoryError("out of memory (injected)")
-        return real_empty(*args, **kwargs)
-
-    for target, name, fake, error in ((eng.runner, "forward", forward, KeyboardInterrupt),
-                                      (torch, "empty", empty, torch.OutOfMemoryError)):
-        with monkeypatch.context() as m:
-            m.setattr(target, name, fake)
-            with pytest.raises(error):
-                eng.prefill(batch)
-        assert eng.kv_pool.num_free == eng.kv_pool.num_slots
-    assert close(eng.prefill(batch), engine("tiny-dense", "eager").prefill(batch))
-
-
 def test_transient_replay_failures_retry_and_a_bucket_recaptures_while_serving() -> None:
     from bcg.runtime import Engine
 
