@@ -2,7 +2,8 @@
 the model (and the lengths its context holds), the device, the dtype and the output folder.
 
 Each check raises ``ValueError`` with one line naming the flag, the bad value and the fix; the CLI prints it as a
-usage error (exit status 2) before anything is built or measured.
+usage error (exit status 2) before anything is built or measured. Importing it does not import torch: argparse
+calls its parsers while it reads the flags, and a mistyped flag must fail fast.
 """
 
 from __future__ import annotations
@@ -10,8 +11,6 @@ from __future__ import annotations
 import json
 import tempfile
 from pathlib import Path
-
-import torch
 
 __all__ = ["DTYPES", "MAX_CHUNK", "MAX_LENGTH", "TRACE_KEYS", "check_chunk", "check_context", "check_counts",
            "check_device", "check_dtype", "check_lengths", "check_model", "check_out_dir", "check_threads",
@@ -240,6 +239,8 @@ def check_threads(threads: int | None) -> None:
 
 def check_device(device: str) -> None:
     """Accepts ``cpu``, ``cuda`` and ``cuda:N`` of a visible GPU; raises ValueError naming the device asked for."""
+    import torch  # here, not at the top: the flags' types (parse_int_list, parse_size) run before any torch
+
     try:
         dev = torch.device(device)
     except (RuntimeError, ValueError):

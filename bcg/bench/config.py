@@ -1,11 +1,11 @@
 """Configuration of ``bcg bench``, ``bcg analyze`` and ``bcg verify`` (``bcg load``'s is :mod:`.load_config`): one
-dataclass each, its fields named like the
-CLI flags (``--chunked-prefill-size`` is ``chunked_prefill_size``).
+dataclass each, its fields named like the CLI flags (``--chunked-prefill-size`` is ``chunked_prefill_size``).
 
 Fields left ``None`` take a device-dependent default in ``resolved()``, the same for every command
-(:data:`CUDA_DEFAULTS`, :data:`CPU_DEFAULTS`): on CUDA the paper-sized ``llama-dense`` sweep, without CUDA a small
-``tiny-dense`` run under the CPU emulation that finishes in seconds, on one torch thread so its timings hold still on
-a shared machine. Validation raises ``ValueError`` with a message the CLI prints as a usage error;
+(:data:`~bcg.bench.defaults.CUDA_DEFAULTS`, :data:`~bcg.bench.defaults.CPU_DEFAULTS`, kept in a torch-free module so
+that ``--help`` shows them without importing torch): on CUDA the paper-sized ``llama-dense`` sweep, without CUDA a
+small ``tiny-dense`` run under the CPU emulation that finishes in seconds, on one torch thread so its timings hold
+still on a shared machine. Validation raises ``ValueError`` with a message the CLI prints as a usage error;
 :class:`BenchError` is a run that could not measure anything. ``engine_spec()`` / ``engine_config()`` turn a resolved
 config into what its engines are built from.
 """
@@ -20,6 +20,15 @@ from typing import TYPE_CHECKING
 import torch
 
 from bcg.bench import checks
+from bcg.bench.defaults import (
+    ANALYZE_BACKENDS,
+    CPU_DEFAULTS,
+    CUDA_DEFAULTS,
+    RUNS,
+    TC_COMPILERS,
+    WARMUP,
+    MachineDefaults,
+)
 
 if TYPE_CHECKING:
     from bcg.bench.engines import EngineSpec
@@ -28,33 +37,6 @@ if TYPE_CHECKING:
 __all__ = ["ANALYZE_BACKENDS", "AnalyzeConfig", "BenchConfig", "BenchError", "CPU_DEFAULTS", "CUDA_DEFAULTS",
            "MachineDefaults", "Run", "TC_COMPILERS", "VerifyConfig", "default_device", "resolve_machine",
            "show_progress", "spec", "tc_compiler_for"]
-
-RUNS, WARMUP = 20, 5
-
-
-@dataclass(frozen=True)
-class MachineDefaults:
-    """What a ``None`` field becomes on one kind of machine (``threads=None``: torch's own default)."""
-
-    model: str
-    backends: tuple[str, ...]
-    lengths: tuple[int, ...]
-    chunked_prefill_size: int
-    length: int
-    threads: int | None
-    tc_compiler: str  # what compiles tc_piecewise's pieces (tc_compiler_for)
-
-
-# The variants of bcg/bench/variants.py: plain torch ops unless "+fused", uncompiled unless "+inductor".
-CUDA_DEFAULTS = MachineDefaults("llama-dense", ("eager", "breakable", "breakable+fused", "breakable+inductor",
-                                                "full", "tc_piecewise"),
-                                (64, 128, 256, 512, 1024, 2048), 2048, 512, None, "inductor")
-# One thread: two threads on two shared cores wait on each other whenever a neighbour is busy, and the timings
-# swing by an order of magnitude; one thread is slower but repeatable. A 256-token chunk keeps the emulated ladder
-# to 22 captures. The CPU emulation cannot run Inductor's generated code inside a graph, so tc_piecewise's pieces are
-# dynamo's trace there.
-CPU_DEFAULTS = MachineDefaults("tiny-dense", ("eager", "breakable"), (16, 32, 64, 128), 256, 64, 1, "traced")
-TC_COMPILERS = ("inductor", "traced")
 
 
 class BenchError(RuntimeError):
@@ -145,12 +127,6 @@ class BenchConfig(Run):
                      chunked_prefill_size=self.chunked_prefill_size, max_tokens=self.ceiling,
                      kv_tokens=max(self.lengths), tc_compiler=self.tc_compiler, progress=self.progress,
                      tp_size=self.tp, model_impl=self.model_impl)
-
-
-# The variants bcg analyze predicts by default (eager, and eager on the fused kernels when a +fused variant is
-# asked, are always measured: they are the baseline and every graph variant's fallback).
-ANALYZE_BACKENDS = {"cuda": ("breakable", "breakable+fused", "full", "tc_piecewise", "breakable+inductor"),
-                    "cpu": ("breakable", "full", "tc_piecewise")}
 
 
 @dataclass

@@ -1,4 +1,5 @@
-"""Configuration of ``bcg load``: its dataclass, fields named like the CLI flags, and its machine defaults."""
+"""Configuration of ``bcg load``: its dataclass, fields named like the CLI flags; its machine defaults are
+:data:`~bcg.bench.defaults.LOAD_CUDA_DEFAULTS` and :data:`~bcg.bench.defaults.LOAD_CPU_DEFAULTS`."""
 
 from __future__ import annotations
 
@@ -10,30 +11,13 @@ import torch
 
 from bcg.bench import checks
 from bcg.bench.config import Run, resolve_machine, show_progress, spec, tc_compiler_for
+from bcg.bench.defaults import LOAD_CPU_DEFAULTS, LOAD_CUDA_DEFAULTS, LoadDefaults
 
 if TYPE_CHECKING:
     from bcg.bench.engines import EngineSpec
     from bcg.bench.workload import LengthSpec
 
 __all__ = ["LOAD_CPU_DEFAULTS", "LOAD_CUDA_DEFAULTS", "LoadConfig", "LoadDefaults"]
-
-
-@dataclass(frozen=True)
-class LoadDefaults:
-    """What a ``None`` field of :class:`LoadConfig` becomes on one kind of machine."""
-
-    backends: tuple[str, ...]
-    rates: tuple[float, ...]
-    duration: float
-    lengths: str
-    max_wait: float
-
-
-# CUDA: the issue-22 workload (Poisson arrivals, lognormal lengths of median 180 in 16..4000). CPU: a smoke test
-# that takes seconds; its times measure the emulation.
-LOAD_CUDA_DEFAULTS = LoadDefaults(("eager", "breakable+fused", "full+fused", "tc_piecewise"), (100.0, 300.0, 900.0),
-                                  10.0, "lognormal:180", 5.0)
-LOAD_CPU_DEFAULTS = LoadDefaults(("eager", "breakable"), (10.0, 40.0), 1.5, "lognormal:24:4:96", 2.0)
 
 
 @dataclass

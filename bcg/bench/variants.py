@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from bcg.runtime.backend_registry import resolve_backend
+
 __all__ = ["Variant", "parse_variant"]
 
 _KERNELS = {"fused": "fused", "torch": "torch"}
@@ -58,8 +60,6 @@ def parse_variant(text: str, tc_compiler: str = "inductor") -> Variant:
         >>> parse_variant("breakable+inductor").compile
         'inductor'
     """
-    from bcg.runtime.config import resolve_backend
-
     backend, *options = [t.strip() for t in text.split("+")]
     backend = resolve_backend(backend)
     kernels, compile_ = "torch", None

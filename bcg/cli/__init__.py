@@ -10,9 +10,10 @@ full results are in ``--out``/results.json next to the PNGs. Under tensor parall
 bcg bench --tp N``) every rank measures, and only rank 0 prints and writes files.
 
 This file parses the flags and maps the outcome to an exit status. Only the named command's flags are built (each
-command's module: :mod:`.bench`, :mod:`.analyze`, :mod:`.verify`, :mod:`.load`), so ``bcg --help``, ``bcg
---version`` and a mistyped command never import torch; the runs are :mod:`.run`'s, the process set-up
-:mod:`.process`'s.
+command's module: :mod:`.bench`, :mod:`.analyze`, :mod:`.verify`, :mod:`.load`), from torch-free modules
+(:mod:`bcg.bench.defaults` and the like); the config class is named, and imported when the run starts. So ``bcg
+--help``, ``bcg --version``, a mistyped command, every ``bcg COMMAND --help`` and a bad flag never import torch; the
+runs are :mod:`.run`'s, the process set-up :mod:`.process`'s.
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ def build_parser(commands: Iterable[str] = tuple(COMMANDS)) -> argparse.Argument
     sub = parser.add_subparsers(dest="command", required=True, metavar="{" + ",".join(COMMANDS) + "}")
     wanted = set(commands)
     for name, module_name in COMMANDS.items():
-        module = importlib.import_module(module_name)  # flags only: torch comes with add_flags' imports
+        module = importlib.import_module(module_name)  # flags only, torch-free: their defaults are plain data
         p = sub.add_parser(name, help=module.HELP, description=module.HELP)
         if name in wanted:
             module.add_flags(p)
@@ -139,17 +140,19 @@ def _exit_on_ctrl_c(name: str) -> Callable[[], None]:
 
 def _run(args: list[str], command: str | None, restore: Callable[[], None]) -> int:
     import logging
+    import pkgutil
     from dataclasses import fields
 
     parser = build_parser([command] if command in COMMANDS else [])
-    ns = parser.parse_args(args)  # a bad flag exits 2 here, before torch is imported
+    ns = parser.parse_args(args)  # --help, or a bad flag (exit 2), ends here, before torch is imported
     from bcg.bench.checks import check_out_dir
     from bcg.bench.config import BenchError
     from bcg.bench.results import summary_line
     from bcg.cli.process import process
 
+    config = pkgutil.resolve_name(ns.config)  # named by the flags' module, imported only now: it imports torch
     try:
-        cfg = ns.config(**{f.name: getattr(ns, f.name) for f in fields(ns.config)}).resolved()
+        cfg = config(**{f.name: getattr(ns, f.name) for f in fields(config)}).resolved()
         if hasattr(cfg, "out"):
             check_out_dir(cfg.out)  # before the run: an unwritable folder must not cost its results
     except ValueError as e:

@@ -18,9 +18,9 @@ HELP = "predict every backend before capturing anything, and recommend one"
 
 def add_flags(an: argparse.ArgumentParser) -> None:
     """Fills in the ``analyze`` subcommand's parser (:class:`~bcg.bench.config.AnalyzeConfig`, one flag per field)."""
-    from bcg.bench.config import ANALYZE_BACKENDS, AnalyzeConfig
-    from bcg.bench.config import CPU_DEFAULTS as C
-    from bcg.bench.config import CUDA_DEFAULTS as G
+    from bcg.bench.defaults import ANALYZE_BACKENDS
+    from bcg.bench.defaults import CPU_DEFAULTS as C
+    from bcg.bench.defaults import CUDA_DEFAULTS as G
     from bcg.cli.run import run_analyze
 
     an.description = ("Profiles one eager forward per length and microbenchmarks this machine's launch, replay, "
@@ -63,4 +63,4 @@ def add_flags(an: argparse.ArgumentParser) -> None:
                     help="comma list of core counts: repeat the host measurements (and with --validate the "
                     "measurements) with the process pinned to that many cores and as many torch threads "
                     "(default: the process as it is)")
-    an.set_defaults(func=run_analyze, parser=an, config=AnalyzeConfig)
+    an.set_defaults(func=run_analyze, parser=an, config="bcg.bench.config:AnalyzeConfig")

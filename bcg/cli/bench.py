@@ -16,9 +16,8 @@ HELP = "isolated prefill latency, build time and memory of every backend"
 
 def add_flags(bench: argparse.ArgumentParser) -> None:
     """Fills in the ``bench`` subcommand's parser (:class:`~bcg.bench.config.BenchConfig`, one flag per field)."""
-    from bcg.bench.config import CPU_DEFAULTS as C
-    from bcg.bench.config import CUDA_DEFAULTS as G
-    from bcg.bench.config import BenchConfig
+    from bcg.bench.defaults import CPU_DEFAULTS as C
+    from bcg.bench.defaults import CUDA_DEFAULTS as G
     from bcg.cli.run import run_bench
 
     bench.description = ("One request at a time, fixed input lengths, every backend; plus a many-request batch, "
@@ -49,4 +48,4 @@ def add_flags(bench: argparse.ArgumentParser) -> None:
                        "machine lands on all alike (default: build, measure and free one variant at a time)")
     bench.add_argument("--tp", type=int, default=1,
                        help="tensor parallel ranks; launch with torchrun --nproc-per-node TP (default: %(default)s)")
-    bench.set_defaults(func=run_bench, parser=bench, config=BenchConfig)
+    bench.set_defaults(func=run_bench, parser=bench, config="bcg.bench.config:BenchConfig")

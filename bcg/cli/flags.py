@@ -52,10 +52,10 @@ def both(gpu: Any, cpu: Any) -> str:
 def engine_flags(p: argparse.ArgumentParser, model_help: str, model: str | None = None) -> None:
     """The flags every command shares: what runs, where, and with which chunk, seed and progress bars."""
     from bcg.bench.checks import DTYPES, MAX_CHUNK
-    from bcg.bench.config import CPU_DEFAULTS as C
-    from bcg.bench.config import CUDA_DEFAULTS as G
+    from bcg.bench.defaults import CPU_DEFAULTS as C
+    from bcg.bench.defaults import CUDA_DEFAULTS as G
     from bcg.models.config import PRESETS
-    from bcg.models.model_impl import MODEL_IMPLS
+    from bcg.models.impl_names import MODEL_IMPLS
 
     p.add_argument("--model", default=model, help=f"a preset ({', '.join(PRESETS)}) or a Hugging Face checkpoint "
                    f"folder (config.json and *.safetensors); default: {model_help}")
@@ -76,9 +76,9 @@ def engine_flags(p: argparse.ArgumentParser, model_help: str, model: str | None 
 
 def measure_flags(p: argparse.ArgumentParser, out: str) -> None:
     """The flags of bench and analyze: how often to time, on how many threads, and where the results go."""
-    from bcg.bench.config import CPU_DEFAULTS as C
-    from bcg.bench.config import CUDA_DEFAULTS as G
-    from bcg.bench.config import RUNS, WARMUP
+    from bcg.bench.defaults import CPU_DEFAULTS as C
+    from bcg.bench.defaults import CUDA_DEFAULTS as G
+    from bcg.bench.defaults import RUNS, WARMUP
 
     engine_flags(p, both(G.model, C.model))
     p.add_argument("--runs", type=int, default=RUNS,
@@ -97,9 +97,9 @@ def measure_flags(p: argparse.ArgumentParser, out: str) -> None:
 def tc_compiler_flag(p: argparse.ArgumentParser) -> None:
     """``--tc-compiler``, the same for every command; ``None`` takes this machine's default in the config's
     ``resolved()`` (:func:`bcg.bench.config.tc_compiler_for`)."""
-    from bcg.bench.config import CPU_DEFAULTS as C
-    from bcg.bench.config import CUDA_DEFAULTS as G
-    from bcg.bench.config import TC_COMPILERS
+    from bcg.bench.defaults import CPU_DEFAULTS as C
+    from bcg.bench.defaults import CUDA_DEFAULTS as G
+    from bcg.bench.defaults import TC_COMPILERS
 
     p.add_argument("--tc-compiler", default=None, choices=TC_COMPILERS,
                    help="what compiles tc_piecewise's pieces: inductor (generated kernels), or traced (dynamo's "

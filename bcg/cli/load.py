@@ -16,17 +16,18 @@ HELP = "time to first token and throughput under an open-loop load"
 
 def add_flags(load: argparse.ArgumentParser) -> None:
     """Fills in the ``load`` subcommand's parser (:class:`~bcg.bench.load_config.LoadConfig`, one flag per field)."""
-    from bcg.bench.load_config import LOAD_CPU_DEFAULTS as LC
-    from bcg.bench.load_config import LOAD_CUDA_DEFAULTS as LG
-    from bcg.bench.load_config import LoadConfig
+    from bcg.bench.defaults import CPU_DEFAULTS as C
+    from bcg.bench.defaults import CUDA_DEFAULTS as G
+    from bcg.bench.defaults import LOAD_CPU_DEFAULTS as LC
+    from bcg.bench.defaults import LOAD_CUDA_DEFAULTS as LG
     from bcg.cli.run import run_load
-    from bcg.runtime.config import SCHEDULE_POLICIES
+    from bcg.runtime.schedule_policies import SCHEDULE_POLICIES
 
     load.description = ("Poisson arrivals at each offered rate (or a trace) through Engine.submit, every backend "
                         "in turn on the same requests: TTFT p50/p90/p99, queueing time and tokens/s per backend and "
                         "rate, a PNG of TTFT against offered load. A backend that falls behind a rate stops there and "
                         "skips its higher rates. On the CPU it is a smoke test.")
-    engine_flags(load, both("llama-dense", "tiny-dense"))
+    engine_flags(load, both(G.model, C.model))  # resolve_machine's model, as for bench
     rates = ",".join(f"{r:g}" for r in LG.rates), ",".join(f"{r:g}" for r in LC.rates)
     variants = ",".join(LG.backends), ",".join(LC.backends)
     load.add_argument("--backends", type=backend_list, default=None,
@@ -61,4 +62,4 @@ def add_flags(load: argparse.ArgumentParser) -> None:
                       help="torch CPU threads (default: torch's own on CUDA, 1 on the CPU)")
     load.add_argument("--no-plots", dest="plots", action="store_false",
                       help="skip load.png, and remove that of an earlier run in --out (default: draw it)")
-    load.set_defaults(func=run_load, parser=load, config=LoadConfig)
+    load.set_defaults(func=run_load, parser=load, config="bcg.bench.load_config:LoadConfig")

@@ -22,14 +22,14 @@ HELP = "replay graphs segment by segment against eager; name the first divergenc
 
 def add_flags(p: argparse.ArgumentParser) -> None:
     """Fills in the ``verify`` subcommand's parser (:class:`~bcg.bench.config.VerifyConfig`, one flag per field)."""
-    from bcg.bench.config import VerifyConfig
     from bcg.cli.run import run_verify
+    from bcg.runtime.backend_registry import BACKENDS
 
     p.description = ("Builds an engine, then for each batch size replays the bucket it uses step by step against an "
                      "eager run at the same padded shape and names the first segment (and the island before it) "
                      "whose outputs diverge. Exits 1 on divergence.")
     engine_flags(p, "%(default)s on every machine", model="tiny-dense")
-    p.add_argument("--backend", default="breakable", choices=("breakable", "full", "tc_piecewise"),
+    p.add_argument("--backend", default="breakable", choices=[b for b in BACKENDS if b != "eager"],
                    help="breakable (segment by segment), full or tc_piecewise (output only) (default: %(default)s)")
     p.add_argument("--buckets", type=int_list("buckets"), default=None,
                    help="comma list of buckets to capture (default: the ladder up to --max-tokens)")
@@ -45,4 +45,4 @@ def add_flags(p: argparse.ArgumentParser) -> None:
                    "allowance for the others)")
     p.add_argument("--leak-check", choices=("off", "warn", "raise"), default="warn",
                    help="report tensors an island keeps without returning them, at capture (default: %(default)s)")
-    p.set_defaults(func=run_verify, parser=p, config=VerifyConfig)
+    p.set_defaults(func=run_verify, parser=p, config="bcg.bench.config:VerifyConfig")

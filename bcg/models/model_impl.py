@@ -20,20 +20,11 @@ import torch
 from torch import nn
 
 from bcg.models.hf import require_transformers
+from bcg.models.impl_names import MODEL_IMPLS, check_model_impl
 from bcg.models.loader import CheckpointError, UnsupportedCheckpoint, config_from_hf, load_checkpoint, read_json
 from bcg.ops.parallel import SINGLE, TensorParallel
 
 __all__ = ["MODEL_IMPLS", "check_model_impl", "load_model_folder", "resolve_model_impl"]
-
-MODEL_IMPLS = ("auto", "native", "transformers")
-
-
-def check_model_impl(model_impl: str) -> str:
-    """Returns ``model_impl`` or raises ValueError naming the choices."""
-    if model_impl not in MODEL_IMPLS:
-        raise ValueError(f"model_impl must be one of {', '.join(MODEL_IMPLS)}, got {model_impl!r}")
-    return model_impl
-
 
 def resolve_model_impl(path: str | os.PathLike, model_impl: str) -> str:
     """``"native"`` or ``"transformers"``: the implementation that serves the checkpoint folder ``path``.

@@ -1,14 +1,15 @@
 """The prefill backends by name, the one list to edit for a new one (its module goes in
 :mod:`bcg.runtime.backends`): the engine's option check (:class:`~bcg.runtime.config.EngineConfig`) and the runner
 read it. Names match SGLang's ``--cuda-graph-backend-prefill`` values. It sits below the config and the backends,
-which both read it; a backend's module is imported when it is chosen, so its own dependencies load only then.
+which both read it; a backend's module is imported when it is chosen, so its own dependencies load only then (and
+this module imports no torch: ``bcg verify --help`` lists the names).
 """
 
 from __future__ import annotations
 
 import importlib
 
-__all__ = ["ALIASES", "REGISTRY", "backend_class"]
+__all__ = ["ALIASES", "BACKENDS", "REGISTRY", "backend_class", "resolve_backend"]
 
 # name -> (module, class)
 REGISTRY = {
@@ -19,6 +20,22 @@ REGISTRY = {
 }
 # SGLang's name for no graphs.
 ALIASES = {"disabled": "eager"}
+BACKENDS = tuple(REGISTRY)
+
+
+def resolve_backend(name: str) -> str:
+    """Canonical backend name; raises ValueError naming the valid choices.
+
+    Example:
+        >>> resolve_backend("disabled")
+        'eager'
+    """
+    if not isinstance(name, str):
+        raise TypeError(f"backend must be a string, one of {', '.join(BACKENDS)}; got {name!r}")
+    name = ALIASES.get(name, name)
+    if name not in BACKENDS:
+        raise ValueError(f"unknown backend {name!r}; choose one of {', '.join(BACKENDS)} (or 'disabled')")
+    return name
 
 
 def backend_class(name: str) -> type:

@@ -13,27 +13,13 @@ from typing import Any
 import torch
 
 from bcg.leaks import LEAK_CHECK_MODES
-from bcg.models.model_impl import check_model_impl
+from bcg.models.impl_names import check_model_impl
 from bcg.ops.attention import ATTENTION_BACKENDS
-from bcg.runtime.backend_registry import ALIASES, REGISTRY
+from bcg.runtime.backend_registry import BACKENDS, resolve_backend
 from bcg.runtime.compile import COMPILERS
+from bcg.runtime.schedule_policies import SCHEDULE_POLICIES
 
 __all__ = ["BACKENDS", "SCHEDULE_POLICIES", "EngineConfig", "describe_buckets", "resolve_backend"]
-
-# Names follow SGLang's --cuda-graph-backend-prefill values; "disabled" is an alias of "eager".
-BACKENDS = tuple(REGISTRY)
-# The orders of bcg.runtime.serving.policy (named here: the config sits below the serving package).
-SCHEDULE_POLICIES = ("fifo", "shortest")
-
-
-def resolve_backend(name: str) -> str:
-    """Canonical backend name; raises ValueError naming the valid choices."""
-    if not isinstance(name, str):
-        raise TypeError(f"backend must be a string, one of {', '.join(BACKENDS)}; got {name!r}")
-    name = ALIASES.get(name, name)
-    if name not in BACKENDS:
-        raise ValueError(f"unknown backend {name!r}; choose one of {', '.join(BACKENDS)} (or 'disabled')")
-    return name
 
 
 def _int(name: str, value: Any, minimum: int | None, optional: bool = False) -> None:

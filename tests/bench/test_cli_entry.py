@@ -1,9 +1,10 @@
-"""The `bcg` entry point as a user meets it: help without torch, Ctrl-C at any moment, a closed pipe, one rule for
-`--tc-compiler` in every command, and `--out ''` refused."""
+"""The `bcg` entry point as a user meets it: help (every command's too) and a bad flag without torch, Ctrl-C at any
+moment, a closed pipe, one rule for `--tc-compiler` in every command, and `--out ''` refused."""
 
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import subprocess
 import sys
@@ -28,6 +29,68 @@ def test_help_version_and_a_mistyped_command_do_not_import_torch(argv: list[str]
     assert proc.stderr.splitlines()[-1] == "no torch", proc.stderr
     if argv == ["--version"]:
         assert proc.stdout.startswith("bcg 0.") and "torch 2." in proc.stdout
+
+
+def _main_in_a_fresh_process(argv: list[str], columns: int = 120) -> tuple[int, str, str]:
+    """(exit status, stdout, stderr without its last line) of ``main(argv)`` in a new interpreter; the last line of
+    stderr says whether torch was imported by then."""
+    code = ("import sys\nfrom bcg.cli import main\ntry:\n    code = main(sys.argv[1:])\nexcept SystemExit as e:\n"
+            "    code = e.code\nprint('torch imported' if 'torch' in sys.modules else 'no torch', file=sys.stderr)\n"
+            "sys.exit(code)")
+    env = {**os.environ, "COLUMNS": str(columns)}  # argparse wraps its help at the terminal's width
+    proc = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=60, env=env)
+    *err, torch_line = proc.stderr.splitlines()
+    assert torch_line == "no torch", proc.stderr
+    return proc.returncode, proc.stdout, "\n".join(err)
+
+
+@pytest.mark.parametrize("command", list(COMMANDS))
+def test_every_commands_help_does_not_import_torch(command: str) -> None:
+    code, out, err = _main_in_a_fresh_process([command, "--help"])
+    assert code == 0 and out.startswith(f"usage: bcg {command} ") and "--tc-compiler" in out and not err, err
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["bench", "--runs", "x"], "argument --runs: invalid int value: 'x'"),
+    (["bench", "--lengths", "0"], "argument --lengths: 0 must be >= 1"),
+    (["bench", "--backends", "bogus"], "argument --backends: unknown backend 'bogus'"),
+    (["analyze", "--memory-budget", "2XB"], "argument --memory-budget: '2XB': unknown unit 'xb'"),
+    (["verify", "--backend", "eager"], "argument --backend: invalid choice: 'eager'"),
+    (["load", "--schedule-policy", "lifo"], "argument --schedule-policy: invalid choice: 'lifo'"),
+])
+def test_a_bad_flag_is_refused_before_torch_is_imported(argv: list[str], message: str) -> None:
+    code, out, err = _main_in_a_fresh_process(argv)
+    assert code == 2 and not out, (code, out)
+    assert err.splitlines()[-1].startswith(f"bcg {argv[0]}: error: {message}"), err
+
+
+def test_bench_help_shows_the_defaults_each_machine_resolves_to() -> None:
+    # Read in a fresh process, without torch, the defaults must be those the config resolves to on each machine.
+    from bcg.bench.config import BenchConfig
+    from bcg.models.config import PRESETS
+
+    code, out, _ = _main_in_a_fresh_process(["bench", "--help"], columns=1000)  # one line per flag
+    assert code == 0
+    cpu = BenchConfig(device="cpu").resolved()
+    helps: dict[str, str] = {}  # each flag and its help (on the next line when the flag's name is long)
+    for line in out.splitlines():
+        if line.startswith("  --"):
+            flag = line.split()[0].rstrip(",")
+            helps[flag] = line
+        elif line.startswith("     ") and helps:
+            helps[flag] += " " + line.strip()
+    assert "(default: eager,breakable,breakable+fused,breakable+inductor,full,tc_piecewise on CUDA, " \
+        f"{','.join(cpu.backends)} on the CPU)" in helps["--backends"]
+    assert "(default: 64,128,256,512,1024,2048 on CUDA, " \
+        f"{','.join(map(str, cpu.lengths))} on the CPU)" in helps["--lengths"]
+    assert f"default: llama-dense on CUDA, {cpu.model} on the CPU" in helps["--model"]
+    assert f"a preset ({', '.join(PRESETS)})" in helps["--model"]
+    assert f"(default: 2048 on CUDA, {cpu.chunked_prefill_size} on the CPU, for every command alike)" \
+        in helps["--chunked-prefill-size"]
+    assert f"(default: inductor on CUDA, {cpu.tc_compiler} on the CPU)" in helps["--tc-compiler"]
+    assert "(default: bfloat16 on CUDA, float32 on the CPU)" in helps["--dtype"]
+    assert helps["--runs"].endswith(f"(default: {cpu.runs})") and helps["--warmup"].endswith(f"(default: {cpu.warmup})")
+    assert "{auto,native,transformers}" in helps["--model-impl"]
 
 
 @pytest.mark.parametrize("delay_s", [0.3, 1.5])
