@@ -6,8 +6,9 @@ print its help, its version or a usage error without the seconds ``import torch`
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from bcg.lazy import lazy_exports
 
 if TYPE_CHECKING:
     from bcg.boundary import BoundaryMismatchError
@@ -58,14 +59,4 @@ __all__ = [
 __version__ = "0.1.0"
 
 
-def __getattr__(name: str) -> Any:
-    home = _HOMES.get(name)
-    if home is None:
-        raise AttributeError(f"module 'bcg' has no attribute {name!r}")
-    value = getattr(importlib.import_module(home), name)
-    globals()[name] = value  # later lookups skip this function
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *_HOMES})
+__getattr__, __dir__ = lazy_exports(__name__, _HOMES, globals())

@@ -38,3 +38,15 @@ def random_prompts(lengths: list[int], seed: int = 0, vocab: int = 256) -> list[
 
 def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a - b).abs().max().item()
+
+
+def poison_scratch(eng: Engine) -> None:
+    """NaN in the KV pool's scratch slot: padded rows write it and no request may read it, so no answer may see it."""
+    for cache in (*eng.kv_pool.k, *eng.kv_pool.v):
+        cache[eng.kv_pool.scratch_slot] = float("nan")
+
+
+def same_answer(got: Any, want: Any, tol: float) -> None:
+    """Logits within ``tol`` and the same greedy tokens."""
+    assert (got.logits - want.logits).abs().max().item() <= tol
+    assert torch.equal(got.next_tokens, want.next_tokens)

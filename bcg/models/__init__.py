@@ -6,8 +6,9 @@ importable without torch, for ``bcg bench --help``.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from bcg.lazy import lazy_exports
 
 if TYPE_CHECKING:
     from bcg.models.base import CausalLM
@@ -27,14 +28,4 @@ _HOMES = {
 __all__ = ["PRESETS", "CausalLM", "ModelConfig", "build_model", "get_preset", "load_checkpoint"]
 
 
-def __getattr__(name: str) -> Any:
-    home = _HOMES.get(name)
-    if home is None:
-        raise AttributeError(f"module 'bcg.models' has no attribute {name!r}")
-    value = getattr(importlib.import_module(home), name)
-    globals()[name] = value  # later lookups skip this function
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *_HOMES})
+__getattr__, __dir__ = lazy_exports(__name__, _HOMES, globals())

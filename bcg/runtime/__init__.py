@@ -6,8 +6,9 @@ The names below are imported on first use, as in :mod:`bcg`: the torch-free modu
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from bcg.lazy import lazy_exports
 
 if TYPE_CHECKING:
     from bcg.runtime.backend_registry import BACKENDS
@@ -27,14 +28,4 @@ _HOMES = {
 __all__ = ["BACKENDS", "Engine", "EngineClosedError", "EngineConfig", "PrefillResult", "RequestResult"]
 
 
-def __getattr__(name: str) -> Any:
-    home = _HOMES.get(name)
-    if home is None:
-        raise AttributeError(f"module 'bcg.runtime' has no attribute {name!r}")
-    value = getattr(importlib.import_module(home), name)
-    globals()[name] = value  # later lookups skip this function
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *_HOMES})
+__getattr__, __dir__ = lazy_exports(__name__, _HOMES, globals())

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from engine_cache import poison_scratch
 
 import bcg.ops.attention.varlen as varlen_module
 from bcg.ops.attention import AttentionFeatures, TritonAttention, VarlenAttention, attention_backend
@@ -41,11 +42,6 @@ def kernel_calls(monkeypatch):
     return calls
 
 
-def _poison_scratch(eng: Engine) -> None:
-    for cache in (*eng.kv_pool.k, *eng.kv_pool.v):
-        cache[eng.kv_pool.scratch_slot] = float("nan")
-
-
 def test_the_backend_is_selectable_and_says_where_it_cannot_run():
     assert attention_backend("triton") is TritonAttention
     assert TritonAttention.is_usable(torch.device("cpu"), torch.bfloat16) is None
@@ -66,7 +62,7 @@ def test_prefill_matches_eager_sdpa(engines, kernel_calls, name, lengths):
     assert eng.telemetry.attention_backend == "triton" and eng.telemetry.notes == []
     gen = torch.Generator().manual_seed(len(name))
     prompts = [torch.randint(0, eng.model.config.vocab_size, (n,), generator=gen).tolist() for n in lengths]
-    _poison_scratch(eng)
+    poison_scratch(eng)
     got, want = eng.prefill(prompts), ref.prefill(prompts)
     assert (got.logits - want.logits).abs().max().item() <= TOL
     assert torch.equal(got.next_tokens, want.next_tokens)

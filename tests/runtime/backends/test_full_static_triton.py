@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from engine_cache import poison_scratch, same_answer
 
 import bcg.ops.attention.static as static_module
 from bcg.ops.attention import StaticAttention, StaticContext, StaticTritonAttention, attention, attention_backend
@@ -30,15 +31,6 @@ def engines():
     ref.close()
 
 
-def _same(got, want) -> None:
-    assert (got.logits - want.logits).abs().max().item() <= TOL
-    assert torch.equal(got.next_tokens, want.next_tokens)
-
-
-def _poison_scratch(eng: Engine) -> None:
-    """Padded rows write the scratch slot and unused key slots name it: NaN there must not reach an answer."""
-    for cache in (*eng.kv_pool.k, *eng.kv_pool.v):
-        cache[eng.kv_pool.scratch_slot] = float("nan")
 
 
 def test_the_option_is_selectable_and_says_where_it_cannot_run(engines):
@@ -68,9 +60,9 @@ def test_prefill_matches_eager_sdpa(engines, name, lengths):
     eng, ref = engines
     gen = torch.Generator().manual_seed(len(name))
     prompts = [torch.randint(0, eng.model.config.vocab_size, (n,), generator=gen).tolist() for n in lengths]
-    _poison_scratch(eng)
+    poison_scratch(eng)
     got, want = eng.prefill(prompts), ref.prefill(prompts)
-    _same(got, want)
+    same_answer(got, want, TOL)
     assert got.logits.isfinite().all()
     assert all(b.graph_used for b in got.batches), [b.reason for b in got.batches]
     if name == "chunked":
@@ -84,10 +76,10 @@ def test_prefix_cache_hits_and_repeats_match_eager_sdpa(engines):
     gen = torch.Generator().manual_seed(1)
     head = torch.randint(0, eng.model.config.vocab_size, (40,), generator=gen).tolist()
     prompts = [head + [7, 8, 9], head[:33] + [4], head[:20] + list(range(1, 12)), head + [7, 8, 9]]
-    _poison_scratch(eng)
+    poison_scratch(eng)
     results = [eng.submit(p).result(timeout=120) for p in prompts]
     for p, res in zip(prompts, results):
-        _same(res, ref.prefill([p]))
+        same_answer(res, ref.prefill([p]), TOL)
     assert results[1].cached_tokens > 0 and results[3].cached_tokens == len(prompts[3]) - 1
     batches = [b for res in results for b in res.batches]
     assert all(b.graph_used for b in batches), [b.reason for b in batches]
