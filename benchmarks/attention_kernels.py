@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parent.parent))
 from kernels import graph_us, host_us
 
+from bcg.bench.results import write_json
 from bcg.ops.flash import copy_reason, flash_varlen
 from bcg.ops.kernels.attention import varlen_attention
 from bcg.ops.kernels.dispatch import fused_available
@@ -148,8 +149,7 @@ def main(argv: list[str] | None = None) -> int:
                args.replays, config)
     result = {"meta": meta, "results": rows}
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=1))
+        write_json(args.out, result)
     print(json.dumps(result))
     return 0
 

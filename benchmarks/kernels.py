@@ -36,6 +36,7 @@ except ImportError:  # run from a checkout without installing it
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     from bcg.ops import kernels
 
+from bcg.bench.results import write_json
 from bcg.models.config import get_preset
 from bcg.ops.kernels.rope import rope_angles, rotate
 
@@ -272,8 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = run(args.presets.split(","), [int(t) for t in args.tokens.split(",")], args.repeats, args.replays)
     result = {"meta": meta, "results": rows}
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=1))
+        write_json(args.out, result)
     print(json.dumps(result))
     return 0
 

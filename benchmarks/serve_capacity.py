@@ -37,6 +37,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's bcg, even beside an installed one
 
+from bcg.bench.results import write_json
 from bcg.bench.tables import table
 from bcg.bench.timing import sync
 from bcg.bench.workload import Workload, make_workload, parse_lengths
@@ -134,8 +135,7 @@ def main(argv: list[str] | None = None) -> int:
            "rounds_tokens_per_s_median": {k: statistics.median(x["tokens_per_s"] for x in v) for k, v in runs.items()}}
     eng.close()
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(out, indent=1))
+        write_json(args.out, out)
     print(json.dumps(out))
     return 0
 

@@ -50,3 +50,20 @@ def same_answer(got: Any, want: Any, tol: float) -> None:
     """Logits within ``tol`` and the same greedy tokens."""
     assert (got.logits - want.logits).abs().max().item() <= tol
     assert torch.equal(got.next_tokens, want.next_tokens)
+
+
+def check_prefix_hits(eng: Engine, ref: Engine, tol: float) -> None:
+    """Served requests against ``ref``'s lone prefills: a shared 40-token system prompt cut at different tokens (hits
+    end anywhere) and an exact repeat (all of it cached: its last token runs again as a one-token request after a
+    prefix), with NaN in the scratch slot; every forward replays a graph."""
+    gen = torch.Generator().manual_seed(1)
+    head = torch.randint(0, eng.model.config.vocab_size, (40,), generator=gen).tolist()
+    prompts = [head + [7, 8, 9], head[:33] + [4], head[:20] + list(range(1, 12)), head + [7, 8, 9]]
+    poison_scratch(eng)
+    results = [eng.submit(p).result(timeout=120) for p in prompts]
+    for p, res in zip(prompts, results):
+        same_answer(res, ref.prefill([p]), tol)
+    assert results[1].cached_tokens > 0 and results[3].cached_tokens == len(prompts[3]) - 1
+    batches = [b for res in results for b in res.batches]
+    assert all(b.graph_used for b in batches), [b.reason for b in batches]
+

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_cache import poison_scratch, same_answer
+from engine_cache import check_prefix_hits, poison_scratch, same_answer
 
 from bcg.runtime import Engine
 
@@ -56,14 +56,4 @@ def test_prefill_matches_eager_sdpa(engines, name, lengths):
 def test_prefix_cache_hits_and_repeats_match_eager_sdpa(engines):
     """Served requests: a shared system prompt cut at different tokens (hits end anywhere), and an exact repeat
     (all of it cached: its last token runs again as a one-token request after a prefix)."""
-    eng, ref = engines
-    gen = torch.Generator().manual_seed(1)
-    head = torch.randint(0, eng.model.config.vocab_size, (40,), generator=gen).tolist()
-    prompts = [head + [7, 8, 9], head[:33] + [4], head[:20] + list(range(1, 12)), head + [7, 8, 9]]
-    poison_scratch(eng)
-    results = [eng.submit(p).result(timeout=120) for p in prompts]
-    for p, res in zip(prompts, results):
-        same_answer(res, ref.prefill([p]), TOL)
-    assert results[1].cached_tokens > 0 and results[3].cached_tokens == len(prompts[3]) - 1
-    batches = [b for res in results for b in res.batches]
-    assert all(b.graph_used for b in batches), [b.reason for b in batches]
+    check_prefix_hits(*engines, TOL)

@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import pytest
 import torch
 from engine_cache import max_diff, random_prompts
+from threads import in_thread
 
 from bcg.runtime import Engine
 from bcg.runtime.serving.batcher import Batcher
@@ -21,19 +22,6 @@ from bcg.runtime.serving.batcher import Batcher
 SMALL = dict(device="cpu", buckets=[8, 16], chunked_prefill_size=16, seed=0, progress=False)
 HANG_S = 30.0
 
-
-def in_thread(fn: Callable[[], Any]) -> tuple[threading.Thread, dict[str, Any]]:
-    out: dict[str, Any] = {}
-
-    def run() -> None:
-        try:
-            out["result"] = fn()
-        except BaseException as e:
-            out["error"] = e
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    return thread, out
 
 
 def assert_same_as_eager(res: Any, prompt: list[int]) -> None:

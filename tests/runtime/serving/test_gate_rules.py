@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 from engine_cache import max_diff, random_prompts
+from threads import in_thread
 
 import bcg.runtime.engine as engine_module
 from bcg.runtime import Engine, EngineClosedError
@@ -36,20 +37,6 @@ def same(res: Any, prompt: list[int]) -> bool:
     ref = reference(prompt)
     return max_diff(res.logits, ref.logits) <= 1e-5 and torch.equal(res.next_tokens.cpu(), ref.next_tokens.cpu())
 
-
-def in_thread(fn: Callable[[], Any]) -> tuple[threading.Thread, dict[str, Any]]:
-    """Starts ``fn`` on a daemon thread; the dict gets its ``result`` or ``error``."""
-    out: dict[str, Any] = {}
-
-    def run() -> None:
-        try:
-            out["result"] = fn()
-        except BaseException as e:
-            out["error"] = e
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    return thread, out
 
 
 def finishes(thread: threading.Thread, what: str) -> None:
