@@ -7,7 +7,9 @@
 #   STEPS    which steps, in order (default: tests models checkpoint hf baseline kernel_tests)
 #   MODELS   presets for the models step (default: llama-dense llama-dense-2k gptoss-moe glm-dsa)
 #   ANALYZE_MODELS  presets that also get `bcg analyze` (default: llama-dense)
-#   Other steps: device, device2, device_baseline, host_path, hf_speed, load, soak, attention, retest, capacity; a before/after baseline needs the earlier
+#   LOAD_MODELS / LOAD_RATES / LOAD_BACKENDS  the load step's presets and flags; prefix: the shared-prefix pair
+#   Other steps: prefix, device, device2, device_baseline, host_path, hf_speed, load, soak, attention, retest, capacity,
+#            validate (VALIDATE_MODELS); a before/after baseline needs the earlier
 #            commit's bcg/ (and benchmarks/device_bound.py) exported first: mkdir .baseline && git archive COMMIT bcg | tar -x -C .baseline
 #   DEVICE_MODELS / DEVICE_ARGS / BASELINE_ARGS  models and flags of the device steps (benchmarks/device_bound.py: wall against
 #            device time per length, whether a prefill ever synchronises, one timeline); device_baseline runs the
@@ -74,9 +76,19 @@ case $steps in *" host_path "*)
 case $steps in *" kernel_tests "*)
   step kernel_tests "${T_KERNELS:-150}" python3 -m pytest -q -m cuda -p no:cacheprovider -rf tests/ops/kernels ;; esac
 case $steps in *" load "*)  # serving under an open-loop load: every request answered, TTFT per backend and rate
-  step load "${T_LOAD:-300}" python3 -m bcg load --model "${LOAD_MODEL:-llama-dense}" \
-    --backends "${LOAD_BACKENDS:-breakable+fused,tc_piecewise}" --rates "${LOAD_RATES:-900,1800}" --duration 5 \
-    --lengths lognormal:180 --chunked-prefill-size 8192 --no-progress --out "$work/load" ${LOAD_ARGS:-} ;; esac
+  for model in ${LOAD_MODELS:-llama-dense}; do
+    step "load-$model" "${T_LOAD:-300}" python3 -m bcg load --model "$model" \
+      --backends "${LOAD_BACKENDS:-breakable+fused,tc_piecewise}" --rates "${LOAD_RATES:-900,1800}" --duration 5 \
+      --lengths lognormal:180 --chunked-prefill-size 8192 --no-progress --out "$work/load-$model" ${LOAD_ARGS:-}
+  done ;; esac
+case $steps in *" prefix "*)  # a 1024-token shared system prompt with the prefix cache on and off, same requests
+  for cache in prefix-cache no-prefix-cache; do
+    step "$cache" "${T_LOAD:-300}" python3 -m bcg load --model llama-dense --backends breakable+fused \
+      --rates "${PREFIX_RATES:-300}" --duration 5 --lengths lognormal:180 --shared-prefix 1024 --"$cache" \
+      --chunked-prefill-size 8192 --no-progress --out "$work/$cache"
+  done
+  step load_targets 60 python3 benchmarks/load_targets.py --runs "$work"/load-* --prefix-on "$work/prefix-cache" \
+    --prefix-off "$work/no-prefix-cache" ;; esac
 case $steps in *" soak "*)  # the serving soak on the GPU, every attention backend the GPU runs
   step soak "${T_SOAK:-240}" python3 benchmarks/serve_soak.py --device cuda --dtype bfloat16 \
     --presets tiny-dense,tiny-moe ${SOAK_ARGS:-} ;; esac
@@ -88,6 +100,11 @@ case $steps in *" retest "*)  # chosen CUDA tests again (RETEST: pytest node ids
 case $steps in *" device2 "*)  # the device step again with other flags (DEVICE2_ARGS), e.g. another attention backend
   step device2 "${T_DEVICE:-300}" python3 benchmarks/device_bound.py --models "$device_models" \
     --out "$work/device2" ${DEVICE2_ARGS:-} ;; esac
+case $steps in *" validate "*)  # `bcg analyze --validate`: every backend predicted, then built and measured
+  for model in ${VALIDATE_MODELS:-llama-dense}; do
+    step "validate-$model" "${T_VALIDATE:-240}" python3 -m bcg analyze --model "$model" --validate --no-progress \
+      --out "$work/validate-$model" ${VALIDATE_ARGS:---runs 10 --warmup 3}
+  done ;; esac
 case $steps in *" capacity "*)  # submit against a loop of prefill() calls on the same requests, past saturation
   step capacity "${T_CAPACITY:-150}" python3 benchmarks/serve_capacity.py --out "$work/capacity.json" \
     ${CAPACITY_ARGS:-} ;; esac
