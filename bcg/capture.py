@@ -21,9 +21,10 @@ import torch
 
 from bcg import env, leaks, streams
 from bcg.boundary import Boundary
-from bcg.emulation import EmulatedGraph
+from bcg.emulation import EmulatedGraph, poisoned
 from bcg.graph import BreakableCUDAGraph, CaptureError, EagerStep, _warnings_lock
 from bcg.islands import _CAPTURE
+from bcg.tensors import storage_key, tensor_leaves
 
 __all__ = ["breakable_graph"]
 
@@ -54,6 +55,7 @@ class _CaptureState:
         self.in_eager = False
         self.error: BaseException | None = None
         self.pool_poisoned = False  # a CUDA segment's capture_end failed (see BreakableCUDAGraph._discard_pool)
+        self.unwritten: set[int] = set()  # emulation: storages this capture's segments allocated (garbage on CUDA)
 
     def begin_segment(self) -> None:
         seg = EmulatedGraph() if self.graph.is_emulated else torch.cuda.CUDAGraph()
@@ -84,6 +86,7 @@ class _CaptureState:
         if self.graph.is_emulated:
             seg.capture_end()
             is_empty = seg.num_ops == 0
+            self.unwritten |= seg.fresh_storages()
         else:
             # catch_warnings swaps process-wide state: without the lock, a concurrent capture in another thread
             # could record this segment's "empty" warning (or lose its own) and drop the wrong segment.
@@ -127,11 +130,14 @@ class _CaptureState:
                 self.barrier_fn()
             self.in_eager = True
             call = stub if stub is not None else fn
+            # Emulation: what a CUDA segment only recorded holds garbage when the function runs at capture.
+            unwritten = [t for t in tensor_leaves((args, kwargs)) if storage_key(t) in self.unwritten]
             try:
-                if self.leak_check == "off":
-                    out = call(*args, **kwargs)
-                else:
-                    out = leaks.checked_call(call, name, args, kwargs, self.leak_check)
+                with poisoned(unwritten):
+                    if self.leak_check == "off":
+                        out = call(*args, **kwargs)
+                    else:
+                        out = leaks.checked_call(call, name, args, kwargs, self.leak_check)
             finally:
                 self.in_eager = False
             self.graph._append(EagerStep(name, fn, args, kwargs, Boundary(name, out, self.graph.device_type)))

@@ -20,17 +20,21 @@ Because every tensor of an emulated capture stands for device memory, host-side 
 capture, exactly as it must on a GPU. Emulation is for correctness, not speed. What a capture refuses is decided by
 :mod:`bcg.capture_rules`, which the capturability probe applies too; this file records and replays.
 
-Known divergence: on CUDA, capture does not execute kernels, so values computed during capture are garbage; the
-emulation executes them (all but collectives, so ranks are no more coupled during a capture than on CUDA). Code
-that relies on capture-time values (rather than using ``capture_stub``) can therefore pass here and fail on a GPU;
-the CUDA test tier covers that.
+On CUDA, capture does not execute kernels, so tensors a segment allocates hold garbage at capture; the emulation
+executes them (all but collectives, so ranks are no more coupled during a capture than on CUDA). Where that would
+matter, it is made to: an eager function called at capture sees every tensor a segment of the same capture allocated
+(:meth:`EmulatedGraph.fresh_storages`) poisoned (:func:`poisoned`: NaN, the largest integer), as a CUDA island sees
+memory no kernel has written yet. A function that indexes with such values (``one_hot``, ``gather``, an expert loop)
+fails here as it would corrupt or kill the CUDA context there; give it a ``capture_stub``. The segments themselves
+keep executing on real values, so the emulation never fails where the GPU, which runs nothing at capture, does not.
 """
 
 from __future__ import annotations
 
 import contextvars
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -45,7 +49,7 @@ from bcg.capture_rules import (
 )
 from bcg.tensors import storage_key, tensor_leaves
 
-__all__ = ["RECORDS_COMPILED_CODE", "EmulatedGraph", "emulated_pool_handle"]
+__all__ = ["RECORDS_COMPILED_CODE", "EmulatedGraph", "emulated_pool_handle", "poison_value", "poisoned"]
 
 aten = torch.ops.aten
 _FUNCTIONAL = "_c10d_functional"
@@ -145,9 +149,9 @@ RECORDS_COMPILED_CODE = hasattr(TorchDispatchMode, "ignore_compile_internals")
 
 
 class _RecordMode(TorchDispatchMode):
-    def __init__(self, ops: list[_Op]) -> None:
+    def __init__(self, ops: list[_Op], fresh: set[int]) -> None:
         super().__init__()
-        self.ops = ops
+        self.ops, self.fresh = ops, fresh
 
     @classmethod
     def ignore_compile_internals(cls) -> bool:
@@ -163,6 +167,7 @@ class _RecordMode(TorchDispatchMode):
         else:
             out = func(*args, **kwargs)
         op = _Op(func, args, kwargs, out)
+        self.fresh.update(storage_key(t) for t, fresh in zip(op.outputs, op.copy_back) if fresh)
         if not _is_noop_on_replay(func, op):
             self.ops.append(op)
         return out
@@ -184,6 +189,7 @@ class EmulatedGraph:
 
     def __init__(self) -> None:
         self._ops: list[_Op] = []
+        self._fresh: set[int] = set()
         self._mode: _RecordMode | None = None
         self._token: contextvars.Token | None = None
         self._inference = False
@@ -194,7 +200,7 @@ class EmulatedGraph:
         if self._mode is not None or self._captured:
             raise RuntimeError("this EmulatedGraph was already captured; create a new one")
         self._inference = torch.is_inference_mode_enabled()
-        self._mode = _RecordMode(self._ops)
+        self._mode = _RecordMode(self._ops, self._fresh)
         self._token = begin_segment_capture(self)
         self._mode.__enter__()
 
@@ -213,6 +219,11 @@ class EmulatedGraph:
             raise UncapturableOpError(f"the capture was invalidated by an earlier uncapturable operation: "
                                       f"{self._invalid}")
 
+    def fresh_storages(self) -> set[int]:
+        """Storage keys of the tensors this graph's recorded ops allocated (not views or in-place writes of tensors
+        that existed before): on CUDA their contents at capture are whatever the pool held."""
+        return set(self._fresh)
+
     @property
     def num_ops(self) -> int:
         """Recorded ops that replay re-executes (0 means an empty graph)."""
@@ -227,6 +238,32 @@ class EmulatedGraph:
                 op.run()
 
     def reset(self) -> None:
-        self._ops = []
+        self._ops, self._fresh = [], set()
         self._captured = False
         self._invalid = None
+
+
+def poison_value(dtype: torch.dtype) -> float | int | bool:
+    """What an emulated island reads at capture from memory no kernel wrote: NaN, or the largest integer (an index
+    out of every range)."""
+    if dtype.is_floating_point or dtype.is_complex:
+        return float("nan")
+    if dtype == torch.bool:
+        return True
+    return torch.iinfo(dtype).max
+
+
+@contextmanager
+def poisoned(tensors: list[torch.Tensor]) -> Iterator[None]:
+    """Inside the block ``tensors`` hold :func:`poison_value`; afterwards their values are back (the later segments
+    of an emulated capture execute on them, where a CUDA capture executes nothing)."""
+    with torch.inference_mode():  # the tensors may be inference tensors (a build runs under inference mode)
+        saved = [(t, t.clone()) for t in tensors]
+        for t in tensors:
+            t.fill_(poison_value(t.dtype))
+    try:
+        yield
+    finally:
+        with torch.inference_mode():
+            for t, copy in saved:
+                t.copy_(copy)

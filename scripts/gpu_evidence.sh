@@ -87,7 +87,7 @@ case $steps in *" prefix "*)  # a 1024-token shared system prompt with the prefi
       --rates "${PREFIX_RATES:-300}" --duration 5 --lengths lognormal:180 --shared-prefix 1024 --"$cache" \
       --chunked-prefill-size 8192 --no-progress --out "$work/$cache"
   done
-  step load_targets 60 python3 benchmarks/load_targets.py --runs "$work"/load-* --prefix-on "$work/prefix-cache" \
+  step load_targets 60 python3 benchmarks/load_targets.py --runs "$work"/load-*/ --prefix-on "$work/prefix-cache" \
     --prefix-off "$work/no-prefix-cache" ;; esac
 case $steps in *" soak "*)  # the serving soak on the GPU, every attention backend the GPU runs
   step soak "${T_SOAK:-240}" python3 benchmarks/serve_soak.py --device cuda --dtype bfloat16 \

@@ -209,7 +209,7 @@ def test_the_same_op_is_fine_inside_an_eager_function(op):
     x, out = _input(), torch.zeros(2)
     g = bcg.BreakableCUDAGraph(emulate=True)
     with bcg.breakable_graph(g):
-        host_side(x * 1, out)
+        host_side(x, out)  # a graph input: its values at capture are real (a segment's output would be garbage)
         y = out * 2
     x.fill_(3.0)
     g.replay()
@@ -366,3 +366,48 @@ def test_repeat_interleave_with_tensor_repeats_is_still_refused(inference, call)
             call(x, repeats)
         with pytest.raises(bcg.UncapturableOpError, match="invalidated"):
             g.capture_end()
+
+
+def test_an_island_at_capture_sees_what_a_segment_allocated_as_garbage():
+    """On CUDA a segment's kernels only record at capture, so the island called next reads memory nothing wrote. The
+    emulation shows it that (NaN, the largest integer) and gives the values back afterwards; graph inputs and
+    tensors that existed before the capture keep their values."""
+    seen = {}
+
+    @bcg.eager_on_graph
+    def island(h, idx, static):
+        seen.update(h=h.clone(), idx=idx.clone(), static=static.clone())
+        return h + static
+
+    static = torch.arange(4.0)
+    g = bcg.BreakableCUDAGraph(emulate=True)
+    with bcg.breakable_graph(g):
+        h = static * 2
+        idx = torch.argmax(h).reshape(1)
+        out = island(h, idx, static) + 1
+    assert seen["h"].isnan().all() and seen["idx"].item() == torch.iinfo(torch.int64).max
+    assert torch.equal(seen["static"], torch.arange(4.0))
+    assert torch.equal(h, static * 2) and idx.item() == 3  # back for the rest of the emulated capture
+    static.fill_(1.0)
+    g.replay()
+    assert torch.equal(out, torch.full((4,), 4.0))
+
+
+def test_an_island_that_indexes_with_garbage_fails_at_capture_and_a_stub_fixes_it():
+    """one_hot over garbage expert ids is a device-side assert on CUDA (the process's CUDA context is lost); the
+    emulation fails the same capture, and a capture_stub that runs on zeros passes it."""
+    def experts(idx):
+        return torch.nn.functional.one_hot(idx, num_classes=4).float().sum(0)
+
+    for stub, fails in ((None, True), (lambda idx: experts(torch.zeros_like(idx)), False)):
+        island = bcg.eager_on_graph(experts, capture_stub=stub)
+        x = torch.tensor([0.0, 3.0, 1.0])
+        g = bcg.BreakableCUDAGraph(emulate=True)
+        if fails:
+            with pytest.raises(RuntimeError, match="num_classes"), bcg.breakable_graph(g):
+                island(torch.argmax(x).reshape(1))
+            continue
+        with bcg.breakable_graph(g):
+            out = island(torch.argmax(x).reshape(1)) * 1
+        g.replay()
+        assert torch.equal(out, torch.tensor([0.0, 1.0, 0.0, 0.0]))

@@ -83,7 +83,13 @@ def _select_topk_here(index_q: Tensor, index_k: Tensor, head_weights: Tensor, to
     return dsa.select_topk(index_q, index_k, head_weights, _layer_field("index_group"), topk)
 
 
-@eager_on_graph
+def _nothing_at_capture(*args: object, **kwargs: object) -> None:
+    """At capture the plan holds garbage (its segment only recorded): gathering keys by it could index out of the
+    pool, a device-side assert that ends the CUDA context. The island only writes ``out``, which nothing reads
+    until a replay has run the real island."""
+
+
+@eager_on_graph(capture_stub=_nothing_at_capture)
 def _sparse_attention_island(q: Tensor, k: Tensor, v: Tensor, plan: list[Tensor], out: Tensor, layer_id: int) -> None:
     dsa.sparse_attention(q, k, v, plan, out, layer_id)
 

@@ -6,11 +6,17 @@ instance of each offending class with ``bcg.eager_on_graph``: at capture a call 
 and what it returns becomes a boundary buffer that each replay refreshes. Wrapping the class, not only the
 instances the probe saw offend, covers data-dependent paths a probe on one input may not take in every layer. The
 decoder body itself is never wrapped (that would be no graph at all); an offence there refuses graph capture with
-its location. Each message names the module, the op, the line and the fix.
+its location. Each message names the module, the op, the line and the fix. At capture an island runs on zeros
+(:func:`_on_zeros`), never on the garbage a recorded segment leaves.
 """
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
 from torch import nn
 
 from bcg import eager_on_graph
@@ -68,9 +74,25 @@ def install_auto_islands(body: nn.Module, report: ProbeReport) -> list[str]:
             return __fn(*args, **kwargs)
 
         island.__qualname__ = f"auto_island[{path}]"
-        module.forward = eager_on_graph(island)
+        module.forward = eager_on_graph(island, capture_stub=functools.partial(_on_zeros, fn))
         wrapped.append(f"{path} ({f.module_class}): {f.op} at {f.source}")
     return wrapped
+
+
+def _on_zeros(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``fn`` on zero-filled copies of its tensor arguments: what an automatic island runs at capture. On CUDA the
+    tensors a segment computes are only recorded then, so they hold whatever memory held; a module that indexes with
+    them (an expert loop's ``one_hot`` over garbage expert ids) would trip a device-side assert, which ends the
+    process's CUDA context. Only the result's shape matters at capture; zeros are in range for every index."""
+    def zeros(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            return torch.zeros_like(value)
+        if isinstance(value, (tuple, list)):
+            return type(value)(zeros(v) for v in value)
+        if isinstance(value, dict):
+            return {k: zeros(v) for k, v in value.items()}
+        return value
+    return fn(*zeros(args), **zeros(kwargs))
 
 
 def restore_islands(body: nn.Module) -> None:
