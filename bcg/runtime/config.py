@@ -171,6 +171,9 @@ class EngineConfig:
             long prompt may wait as long as shorter ones keep coming); ``bcg.runtime.serving.policy``.
         max_inflight_batches: forwards the serving scheduler launches ahead of the device (at least 1): with 2 it
             prepares and launches the next forward while the device runs the current one.
+        full_graph_tokens: backend "breakable" only: the buckets up to this many tokens also hold a whole-step graph
+            with the attention inside ("static_triton" where it runs, else "static"); a batch within its request
+            slots and key capacity replays that one (no island launched), any other the breakable one. 0: off.
     """
 
     backend: str = "breakable"
@@ -204,6 +207,7 @@ class EngineConfig:
     prefix_cache: bool | None = None
     schedule_policy: str = "fifo"
     max_inflight_batches: int = 2
+    full_graph_tokens: int = 0
 
     def __post_init__(self) -> None:
         self.backend = resolve_backend(self.backend)
@@ -251,6 +255,11 @@ class EngineConfig:
             raise ValueError(f"schedule_policy must be one of {', '.join(SCHEDULE_POLICIES)}, got "
                              f"{self.schedule_policy!r}")
         _int("max_inflight_batches", self.max_inflight_batches, 1)
+        _int("full_graph_tokens", self.full_graph_tokens, 0)
+        if self.full_graph_tokens and (self.backend != "breakable" or self.tp_size > 1):
+            raise ValueError(f"full_graph_tokens={self.full_graph_tokens} adds whole-step graphs to backend="
+                             "'breakable' on one process; leave it 0 with backend="
+                             f"{self.backend!r}{' and tp_size > 1' if self.tp_size > 1 else ''}")
         if self.leak_check is not None and self.leak_check not in LEAK_CHECK_MODES:
             raise ValueError(f"leak_check must be one of {', '.join(LEAK_CHECK_MODES)} or None (BCG_LEAK_CHECK), "
                              f"got {self.leak_check!r}")
@@ -311,5 +320,7 @@ class EngineConfig:
         compiler = (f"tc_compiler {cfg.tc_compiler}" if cfg.backend == "tc_piecewise" else
                     f"compile {cfg.compile or 'none'}")
         graphs = "no graphs" if cfg.backend == "eager" else f"buckets {describe_buckets(cfg.buckets)}"
+        if cfg.full_graph_tokens:
+            graphs += f", full graphs up to {cfg.full_graph_tokens} tokens"
         return (f"backend {cfg.backend}, kernels {cfg.kernels}, attention {cfg.attention_backend}, {compiler}, "
                 f"{graphs}, {cfg.device} {cfg.dtype}")

@@ -130,6 +130,8 @@ class Engine:
         if cfg.verify and self.runner.handles:
             verify_buckets(self.runner)
             self.runner.agree_buckets("verify")
+        if cfg.verify and self.runner.full is not None and self.runner.full.handles:
+            verify_buckets(self.runner.full)  # the whole-step graphs of the small buckets (full_graph_tokens)
         # Every allocation of the engine's own goes through the prefix cache, which evicts unlocked entries for a
         # shortfall first (the pool knows nothing of the cache).
         self.prefix_cache = PrefixCache(self.kv_pool) if cfg.uses_prefix_cache else None

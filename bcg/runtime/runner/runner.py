@@ -22,7 +22,7 @@ import logging
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -36,7 +36,7 @@ from bcg.runtime.backends import GraphResources, backend_class
 from bcg.runtime.backends.capture import GraphPool
 from bcg.runtime.batch import PrefillBatch
 from bcg.runtime.compile import compile_layers
-from bcg.runtime.config import EngineConfig
+from bcg.runtime.config import EngineConfig, describe_buckets
 from bcg.runtime.runner.agreement import RankAgreement
 from bcg.runtime.runner.buckets import BucketTable
 from bcg.runtime.runner.build import GraphBuilder, frozen_gc
@@ -106,6 +106,10 @@ class Runner:
         self.backend = cls(self.resources)
         self.builder = GraphBuilder(self.step, self.inputs, self.backend, self.resources, self.table, self.telemetry,
                                     config, self.agreement)
+        # The small buckets' whole-step graphs (config.full_graph_tokens), tried before the breakable ones: a batch
+        # that fits their request slots and key capacity replays one graph and launches no island.
+        small = [b for b in self.table.sizes if b <= config.full_graph_tokens] if cls.uses_graphs else []
+        self.full = Runner(model, full_graph_config(config, small), kv_pool, small, tp) if small else None
 
     @property
     def static_output(self) -> Tensor | None:
@@ -124,6 +128,16 @@ class Runner:
         with self.lock:
             self.builder.prepare()
             self.builder.capture_all()
+            if self.full is not None and self.table.refused_reason is None:
+                self.full.build()
+                full = self.full.telemetry
+                self.telemetry.capture_ms += full.capture_ms
+                self.telemetry.graph_memory_bytes += full.graph_memory_bytes
+                self.telemetry.notes.append(
+                    f"full graphs: {full.num_captured} of buckets {describe_buckets(self.full.table.sizes)} also "
+                    f"hold the whole step with {full.attention_backend} attention inside, replayed by the batches "
+                    f"that fit ({full.capture_ms:.0f} ms, {full.graph_memory_bytes / 2**20:.0f} MiB)"
+                    + (f"; refused: {full.refused_reason}" if full.refused_reason else ""))
 
     def agree_buckets(self, what: str) -> None:
         """Tensor parallel: disables on this rank every bucket disabled on another (after ``what``, e.g. verify)."""
@@ -194,6 +208,10 @@ class Runner:
         and counts against its bucket, which is disabled after ``max_replay_failures`` failures in a row.
         """
         with self.lock:
+            if self.full is not None:
+                replayed = self.full.replay_if_fits(batch)
+                if replayed is not None:
+                    return ForwardOutput(replayed[1], self._record(batch, replayed[0], True, "graph_full"))
             bucket, reason = self.choose(batch.num_tokens, batch)
             if self.agreement is not None:  # tensor parallel: the same bucket (or eager) on every rank
                 bucket, reason = self.agreement.agree_choice(bucket, reason)
@@ -205,6 +223,14 @@ class Runner:
             if reason != "backend_eager":
                 self.telemetry.log_once(reason, f"bcg: running a batch eagerly ({reason}); logged once per reason")
             return ForwardOutput(self._run_eagerly(batch), self._record(batch, None, False, reason))
+
+    def replay_if_fits(self, batch: PrefillBatch) -> tuple[int, Tensor] | None:
+        """``(bucket, logits)`` when a graph of this runner takes ``batch`` and replays it; None (nothing run, no
+        eager fallback) when none fits or the replay failed, so the caller runs the batch another way."""
+        with self.lock:
+            bucket, _ = self.choose(batch.num_tokens, batch)
+            logits = self._replay(batch, bucket) if bucket is not None else None
+            return None if logits is None else (bucket, logits)
 
     def _replay(self, batch: PrefillBatch, bucket: int) -> Tensor | None:
         """Replays ``bucket`` for ``batch``; its logits, or None when the replay failed (counted against it)."""
@@ -276,3 +302,13 @@ class Runner:
 
     def _record(self, batch: PrefillBatch, bucket: int | None, used: bool, reason: str) -> BatchRecord:
         return self.telemetry.add_batch(BatchRecord(batch.num_tokens, batch.num_requests, bucket, used, reason))
+
+
+def full_graph_config(config: EngineConfig, buckets: list[int]) -> EngineConfig:
+    """The config of a breakable runner's whole-step graphs (``full_graph_tokens``): backend "full" on ``buckets``,
+    with bcg's Triton varlen kernel reading the KV pool in place where it runs, else the static attention."""
+    from bcg.ops.attention import StaticTritonAttention
+
+    usable = StaticTritonAttention.is_usable(config.torch_device, config.torch_dtype) is None
+    return replace(config, backend="full", attention_backend="static_triton" if usable else "static",
+                   full_graph_tokens=0, buckets=buckets, max_tokens=max(buckets), verify=False)
