@@ -236,4 +236,11 @@ def check_clamped_swiglu(run, device: str, dtype: torch.dtype, rows: int, inter:
     out = poisoned(rows, inter, dtype=dtype, device=device)
     run.clamped_swiglu(x, b, expert, 1.702, 7.0, out)
     assert all(torch.equal(t, t0) for t, t0 in zip((x, expert), inputs)), "an input changed"
-    return _match(run, out, clamped_swiglu_reference(x, b, expert, 1.702, 7.0), min_exact, "clamped_swiglu")
+    ref = clamped_swiglu_reference(x, b, expert, 1.702, 7.0)
+    if run.ulps.get(dtype, 1.0) > 1.0 and rows:
+        # A tier that truncates (the interpreter's bf16) moves one of the six roundings by a unit, and ``up + 1``
+        # cancels near up = -1: there the error is a unit of the row's scale, not of the element.
+        assert not out.isnan().any(), "clamped_swiglu: NaN (unwritten?)"
+        assert (out.float() - ref.float()).abs().max() <= 4 * RTOL[dtype] * ref.float().abs().max()
+        return 0.0
+    return _match(run, out, ref, min_exact, "clamped_swiglu")
