@@ -11,7 +11,8 @@ module, fused by the MLP pattern). Per forward, as :class:`bcg.models.moe.MoEFFN
 3. the gate/up and down projections as two ``F.grouped_mm`` over the stacked weights (the weights as stored: rows
    ``(E, out, in)`` for most families, ``(E, in, out)`` for gpt_oss), with the experts' biases gathered per row, and
    the activation between them: SiLU-and-multiply in one kernel (gate and up halves), or gpt_oss's clamped SwiGLU
-   on interleaved gate/up columns (``(up + 1) * gate * sigmoid(alpha * gate)``, both clamped at ``limit``);
+   on interleaved gate/up columns (``(up + 1) * gate * sigmoid(alpha * gate)``, both clamped at ``limit``), the
+   experts' gate/up bias added in the same kernel;
 4. :func:`bcg.ops.kernels.moe_combine`: the k outputs of each token, weighted, summed in a fixed order in fp32.
 
 Where ``grouped_mm`` does not run for the weights' device, dtype and layout (probed at load), each row's expert
@@ -65,14 +66,10 @@ class ExpertsSpec:
     def activate(self, gate_up: Tensor, impl: str) -> Tensor:
         if self.activation == "silu":
             return fused.silu_and_mul(gate_up, impl=impl)
-        gate, up = gate_up[..., ::2], gate_up[..., 1::2]
         if self.activation == "silu_interleaved":
-            return F.silu(gate) * up
+            return F.silu(gate_up[..., ::2]) * gate_up[..., 1::2]
         # gpt_oss's arithmetic, in its order (the clamps are exact; the products round as the module's do).
-        gate = gate.clamp(min=None, max=self.limit)
-        up = up.clamp(min=-self.limit, max=self.limit)
-        glu = gate * torch.sigmoid(gate * self.alpha)
-        return (up + 1) * glu
+        return fused.clamped_swiglu_reference(gate_up, None, None, self.alpha, self.limit)
 
 
 @dataclass
@@ -90,7 +87,7 @@ class MoESpec:
         r, e = self.router, self.experts
         rule = {"softmax_topk": f"softmax then top-{r.top_k}" + (", renormalised" if r.renormalize else ""),
                 "topk_softmax": f"top-{r.top_k} then softmax",
-                "sigmoid_bias": f"sigmoid with a correction bias, top-{r.top_k}"
+                "sigmoid_topk": f"sigmoid with a correction bias, top-{r.top_k}"
                                 + (f" in the best {r.topk_group} of {r.n_group} groups" if r.n_group > 1 else "")
                                 + (", renormalised" if r.renormalize else "")
                                 + (f", scaled by {r.scaling:g}" if r.scaling != 1.0 else "")}[r.rule]
@@ -130,9 +127,13 @@ class FusedMoE(FusedModule):
         weights, ids = spec.router.route(x, impl)
         order = fused.expert_order(ids, spec.router.num_experts, impl=impl)
         gate_up = self._mm(x[order.token_index], e.gate_up, order.expert, order.group_end)
-        if e.gate_up_bias is not None:
-            gate_up = gate_up + e.gate_up_bias[order.expert]
-        y_sorted = self._mm(e.activate(gate_up, impl), e.down, order.expert, order.group_end)
+        if e.activation == "clamped_swiglu":  # the experts' bias and gpt_oss's activation in one kernel
+            act = fused.clamped_swiglu(gate_up, e.gate_up_bias, order.expert, e.alpha, e.limit, impl=impl)
+        else:
+            if e.gate_up_bias is not None:
+                gate_up = gate_up + e.gate_up_bias[order.expert]
+            act = e.activate(gate_up, impl)
+        y_sorted = self._mm(act, e.down, order.expert, order.group_end)
         if e.down_bias is not None:
             y_sorted = y_sorted + e.down_bias[order.expert]
         # The fused combine reads fp32 weights as they are; the reference multiplies in the rows' dtype.

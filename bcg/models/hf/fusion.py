@@ -37,7 +37,7 @@ from bcg.errors import first_line
 from bcg.models.hf.fused_attention import FusedAttention
 from bcg.models.hf.fused_layer import FusedModule, FusedRMSNorm
 from bcg.models.hf.fused_moe import FusedMoE, is_moe_block, moe_specs
-from bcg.models.hf.moe_ties import near_tie_rows
+from bcg.models.hf.moe_ties import MoEInputs, near_tie_rows
 from bcg.models.hf.patterns import (
     DIFFERS,
     TOLERANCE,
@@ -196,10 +196,11 @@ def _swap(where: tuple[nn.Module, str], module: nn.Module, make: Callable[[], Fu
     setattr(parent, name, stand_in)
     args, kwargs, want = recorded[module]
     try:
-        got = stand_in(*_clone(args), **_clone(kwargs))
+        with MoEInputs(stand_in) as seen:
+            got = stand_in(*_clone(args), **_clone(kwargs))
         why = compare(got, want)
-        if why is not None:  # allowed only where the router's choice was within rounding of a tie (moe_ties)
-            ties = near_tie_rows(stand_in, lambda m: recorded.get(m, ((None,),))[0][0], _tolerance(want))
+        if why is not None:  # allowed only on tokens a near-tie routed to other experts (moe_ties)
+            ties = near_tie_rows(seen, lambda m: recorded.get(m, ((None,),))[0][0], _tolerance(want))
             if ties is not None and compare(got, want, skip_rows=ties) is None:
                 why = None
                 fusion.tie_tokens[type(module).__name__] += int(ties.sum())

@@ -3,12 +3,15 @@
 A router maps a token's hidden state to ``k`` expert ids and their weights. Three rules cover the families bcg fuses:
 
 * ``"softmax_topk"`` (qwen3_moe, mixtral): fp32 softmax over the experts' logits, top-k, optionally renormalised to
-  sum to one; bcg's router kernel does all of it in one launch. The weights stay fp32 (mixtral) or are rounded to
-  the logits' dtype (qwen3_moe), as the router returns them;
+  sum to one. The weights stay fp32 (mixtral) or are rounded to the logits' dtype (qwen3_moe), as the router returns
+  them;
 * ``"topk_softmax"`` (gpt_oss): top-k of the (biased) logits, then a softmax over those k;
-* ``"sigmoid_bias"`` (glm4_moe, the DeepSeek-V3 rule): sigmoid scores in fp32, a correction bias added for the
+* ``"sigmoid_topk"`` (glm4_moe, the DeepSeek-V3 rule): sigmoid scores in fp32, a correction bias added for the
   choice only, top-k within the best ``topk_group`` of ``n_group`` expert groups (a group scores the sum of its two
   best), the chosen experts' unbiased scores optionally renormalised, times ``routed_scaling_factor``.
+
+Each rule runs as the router's GEMM and one kernel (:func:`bcg.ops.kernels.router_topk`, whose plain-torch reference
+runs on the CPU).
 
 Which rule a router runs is read from its attributes and then checked on a random input against the router's own
 output (:func:`router_spec`): the ids must be the same sets and the weights equal to rounding. :meth:`RouterSpec.margin`
@@ -34,7 +37,7 @@ from bcg.ops import kernels as fused
 
 __all__ = ["RULES", "RouterSpec", "router_spec"]
 
-RULES = ("softmax_topk", "topk_softmax", "sigmoid_bias")
+RULES = ("softmax_topk", "topk_softmax", "sigmoid_topk")
 
 
 @dataclass
@@ -62,20 +65,13 @@ class RouterSpec:
         return F.linear(x.float() if self.logits_fp32 else x, self.weight, self.bias)
 
     def route(self, x: Tensor, impl: str) -> tuple[Tensor, Tensor]:
-        """``(T, H)`` -> top-k weights ``(T, k)`` and int64 expert ids ``(T, k)``, no host read."""
+        """``(T, H)`` -> top-k weights ``(T, k)`` and int64 expert ids ``(T, k)``, no host read: the logits' GEMM,
+        then every rule in one kernel (:func:`bcg.ops.kernels.router_topk`)."""
         logits = self.logits(x)
-        if self.rule == "softmax_topk":
-            out = torch.float32 if self.weights_fp32 else logits.dtype
-            return fused.router_topk(logits, self.top_k, renormalize=self.renormalize, out_dtype=out, impl=impl)
-        if self.rule == "topk_softmax":
-            values, ids = logits.topk(self.top_k, dim=-1)
-            return torch.softmax(values, dim=1, dtype=values.dtype), ids
-        scores = logits.float().sigmoid()
-        ids = self._choice(scores).topk(self.top_k, dim=-1, sorted=False)[1]
-        weights = scores.gather(1, ids)
-        if self.renormalize:
-            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-        return weights * self.scaling, ids
+        out = torch.float32 if self.weights_fp32 else logits.dtype
+        return fused.router_topk(logits, self.top_k, renormalize=self.renormalize, out_dtype=out, rule=self.rule,
+                                 correction_bias=self.correction_bias, n_group=self.n_group,
+                                 topk_group=self.topk_group, scaling=self.scaling, impl=impl)
 
     def _choice(self, scores: Tensor) -> Tensor:
         """The sigmoid rule's choice scores: corrected, and outside the best groups -inf (one group: no mask)."""
@@ -92,7 +88,7 @@ class RouterSpec:
         """Per token, the gap between its k-th and (k+1)-th choice score over the largest score's magnitude:
         how far the routing is from a tie (fp32, ``(T,)``; +inf when every expert is chosen)."""
         logits = self.logits(x).float()
-        choice = self._choice(logits.sigmoid()) if self.rule == "sigmoid_bias" else logits
+        choice = self._choice(logits.sigmoid()) if self.rule == "sigmoid_topk" else logits
         if self.top_k >= self.num_experts:
             return torch.full(choice.shape[:1], float("inf"), device=choice.device)
         top = choice.topk(self.top_k + 1, dim=-1)[0]
@@ -126,7 +122,7 @@ def router_spec(router: nn.Module, top_k: int, renormalize: bool | None, dtype: 
         fp32 = weight if weight.dtype == torch.float32 else weight.detach().float()
         for renorm in _both(getattr(router, "norm_topk_prob", renormalize)):
             candidates.append(RouterSpec(
-                "sigmoid_bias", fp32, None, top_k, renorm, True, True, correction.detach().float(),
+                "sigmoid_topk", fp32, None, top_k, renorm, True, True, correction.detach().float(),
                 int(getattr(router, "num_group", getattr(router, "n_group", 1)) or 1),
                 int(getattr(router, "topk_group", 1) or 1), float(getattr(router, "routed_scaling_factor", 1.0))))
     elif isinstance(bias, Tensor):

@@ -1,10 +1,11 @@
 """Fused kernels for the models' non-matmul ops: Triton on CUDA, a plain-torch reference everywhere else.
 
 Inside a CUDA graph each kernel costs about a microsecond of device time even when it is tiny, so the ops between
-matmuls are fused: RMSNorm and in-place residual add + RMSNorm, SiLU-and-multiply, the qkv split with q/k norm and
-RoPE written straight into the attention island's inputs, the MoE router's softmax/top-k, and the token permutation
-around the experts. Each entry point takes ``impl="fused" | "torch"`` (default ``"fused"``; the models pass
-their own setting); ``"fused"`` runs Triton for CUDA tensors and the reference on any other device.
+matmuls are fused: RMSNorm and in-place residual add + RMSNorm, SiLU-and-multiply and gpt-oss's clamped SwiGLU,
+the qkv split with q/k norm and RoPE written straight into the attention island's inputs, the MoE router (softmax
+or sigmoid scores, top-k, the weights), and the token permutation around the experts. Each entry point takes
+``impl="fused" | "torch"`` (default ``"fused"``; the models pass their own setting); ``"fused"`` runs Triton for
+CUDA tensors and the reference on any other device.
 The kernels are capturable (no host reads, no allocation of data-dependent size; Triton
 compiles a kernel at its first call, so warm up before capturing) and registered as ``torch.ops.bcg.*`` custom
 ops (:mod:`bcg.ops.kernels.library`), which is what ``torch.compile`` traces when the fused path is on, on any
@@ -19,7 +20,12 @@ Example:
     torch.Size([4, 128])
 """
 
-from bcg.ops.kernels.activation import silu_and_mul, silu_and_mul_reference
+from bcg.ops.kernels.activation import (
+    clamped_swiglu,
+    clamped_swiglu_reference,
+    silu_and_mul,
+    silu_and_mul_reference,
+)
 from bcg.ops.kernels.dispatch import KernelImpl, fused_available
 from bcg.ops.kernels.moe_permute import (
     ExpertOrder,
@@ -38,8 +44,8 @@ from bcg.ops.kernels.norm import (
 from bcg.ops.kernels.rope import qkv_norm_rope, qkv_norm_rope_reference
 
 __all__ = [
-    "ExpertOrder", "KernelImpl", "expert_order", "expert_order_reference", "fused_add_rms_norm",
-    "fused_add_rms_norm_reference", "fused_available", "moe_combine", "moe_combine_reference",
-    "qkv_norm_rope", "qkv_norm_rope_reference", "rms_norm", "rms_norm_reference", "router_topk",
-    "router_topk_reference", "silu_and_mul", "silu_and_mul_reference",
+    "ExpertOrder", "KernelImpl", "clamped_swiglu", "clamped_swiglu_reference", "expert_order",
+    "expert_order_reference", "fused_add_rms_norm", "fused_add_rms_norm_reference", "fused_available", "moe_combine",
+    "moe_combine_reference", "qkv_norm_rope", "qkv_norm_rope_reference", "rms_norm", "rms_norm_reference",
+    "router_topk", "router_topk_reference", "silu_and_mul", "silu_and_mul_reference",
 ]

@@ -25,7 +25,7 @@ Example:
     >>> import torch
     >>> from bcg.ops import kernels
     >>> sorted(KERNEL_OPS)[:3]
-    ['add_rms_norm', 'expert_order', 'fused_add_rms_norm_']
+    ['add_rms_norm', 'clamped_swiglu', 'expert_order']
     >>> torch.ops.bcg.rms_norm(torch.ones(2, 4), torch.ones(4), 1e-6).shape
     torch.Size([2, 4])
 """

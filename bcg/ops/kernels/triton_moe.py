@@ -1,6 +1,7 @@
 """Triton kernels behind :mod:`bcg.ops.kernels.moe_router` and :mod:`bcg.ops.kernels.moe_permute`.
 
-* router: one program per token: softmax over the experts, k rounds of arg-max, renormalisation.
+* router: one program per token: the experts' scores (softmax, raw logits or sigmoid with a correction bias and
+  group selection), k rounds of arg-max, the weights (softmax over the k, renormalisation, scaling), shared columns.
 * expert order: a stable counting sort of the ``T * k`` (token, choice) pairs by expert without atomics. Program
   ``c`` owns a chunk of pairs; it counts every expert over all pairs and over the pairs before its chunk (integer
   histograms: order-free, so deterministic), which gives its chunk's first row in each expert group, then ranks its
@@ -25,41 +26,94 @@ _RANK_ELEMENTS = 8192  # chunk * padded experts: the one-hot tile a program rank
 
 @triton.jit
 def _router_topk_kernel(
-    logits_ptr, logits_stride, w_ptr, ids_ptr, n_experts,
-    TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, E_BLOCK: tl.constexpr, K_BLOCK: tl.constexpr,
+    logits_ptr, logits_stride, bias_ptr, w_ptr, ids_ptr, n_experts, group_size, scaling,
+    TOP_K: tl.constexpr, NUM_SHARED: tl.constexpr, RULE: tl.constexpr, RENORMALIZE: tl.constexpr,
+    HAS_BIAS: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, E_BLOCK: tl.constexpr,
+    K_BLOCK: tl.constexpr, G_BLOCK: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, E_BLOCK)
     valid = e < n_experts
     logits = tl.load(logits_ptr + t * logits_stride + e, mask=valid, other=float("-inf")).to(tl.float32)
-    p = tl.where(valid, exp_f32(logits - tl.max(logits, axis=0)), 0.0)
-    p = tl.div_rn(p, tl.sum(p, axis=0))
+    if RULE == 0:  # softmax_topk: the choice is the probability itself
+        scores = tl.where(valid, exp_f32(logits - tl.max(logits, axis=0)), 0.0)
+        scores = tl.div_rn(scores, tl.sum(scores, axis=0))
+        choice = scores
+    elif RULE == 1:  # topk_softmax: the k largest logits, softmax over them below
+        scores = logits
+        choice = logits
+    else:  # sigmoid_topk: 1 / (1 + exp(-x)) as torch's sigmoid, the correction bias only in the choice
+        scores = tl.div_rn(1.0, 1.0 + exp_f32(-logits))
+        choice = scores
+        if HAS_BIAS:
+            choice = scores + tl.load(bias_ptr + e, mask=valid, other=0.0).to(tl.float32)
+        if N_GROUP > 1:  # only the best TOPK_GROUP groups (by the sum of their two best) may be chosen
+            grp = e // group_size
+            g = tl.arange(0, G_BLOCK)
+            group_score = tl.full([G_BLOCK], float("-inf"), tl.float32)
+            for i in tl.static_range(N_GROUP):
+                c = tl.where(valid & (grp == i), choice, float("-inf"))
+                first = tl.max(c, axis=0)
+                first_i = tl.min(tl.where(c == first, e, E_BLOCK), axis=0)
+                second = tl.max(tl.where(e == first_i, float("-inf"), c), axis=0)
+                group_score = tl.where(g == i, first + second, group_score)
+            group_taken = g >= N_GROUP
+            keep = e < 0
+            for _ in tl.static_range(TOPK_GROUP):
+                gc = tl.where(group_taken, float("-inf"), group_score)
+                best = tl.max(gc, axis=0)
+                best_g = tl.min(tl.where(~group_taken & (gc == best), g, G_BLOCK), axis=0)
+                group_taken = group_taken | (g == best_g)
+                keep = keep | (grp == best_g)
+            choice = tl.where(keep, choice, float("-inf"))
+    choice = tl.where(valid, choice, float("-inf"))
     k = tl.arange(0, K_BLOCK)
     top_w = tl.zeros([K_BLOCK], dtype=tl.float32)
     top_i = tl.zeros([K_BLOCK], dtype=tl.int32)
-    candidates = tl.where(valid, p, -1.0)
+    taken = e >= n_experts  # experts past the end are never chosen
     total = tl.sum(top_w, axis=0)
     for i in tl.static_range(TOP_K):
-        best = tl.max(candidates, axis=0)
-        best_i = tl.min(tl.where(candidates == best, e, E_BLOCK), axis=0)  # ties: the lower expert id
-        top_w = tl.where(k == i, best, top_w)
+        c = tl.where(taken, float("-inf"), choice)
+        best = tl.max(c, axis=0)
+        best_i = tl.min(tl.where(~taken & (c == best), e, E_BLOCK), axis=0)  # ties: the lower expert id
+        # A NaN row matches nothing: take the lowest expert not chosen yet, so every id stays in range.
+        best_i = tl.where(best_i == E_BLOCK, tl.min(tl.where(taken, E_BLOCK, e), axis=0), best_i)
+        pick = e == best_i
+        score = tl.sum(tl.where(pick, scores, 0.0), axis=0)
+        top_w = tl.where(k == i, score, top_w)
         top_i = tl.where(k == i, best_i, top_i)
-        total += best
-        candidates = tl.where(e == best_i, -2.0, candidates)
+        total += score
+        taken = taken | pick
+    chosen = k < TOP_K
+    if RULE == 1:
+        top_w = tl.where(chosen, exp_f32(top_w - tl.max(tl.where(chosen, top_w, float("-inf")), axis=0)), 0.0)
+        top_w = tl.div_rn(top_w, tl.sum(top_w, axis=0))
     if RENORMALIZE:
+        if RULE == 2:
+            total += 1e-20  # DeepSeek-V3's guard
         top_w = tl.div_rn(top_w, total)
-    tl.store(w_ptr + t * TOP_K + k, top_w.to(w_ptr.dtype.element_ty), mask=k < TOP_K)
-    tl.store(ids_ptr + t * TOP_K + k, top_i.to(ids_ptr.dtype.element_ty), mask=k < TOP_K)
+    top_w = top_w * scaling
+    cols: tl.constexpr = TOP_K + NUM_SHARED
+    tl.store(w_ptr + t * cols + k, top_w.to(w_ptr.dtype.element_ty), mask=chosen)
+    tl.store(ids_ptr + t * cols + k, top_i.to(ids_ptr.dtype.element_ty), mask=chosen)
+    for s in tl.static_range(NUM_SHARED):  # the shared experts: ids E, E + 1, ..., weight 1
+        tl.store(w_ptr + t * cols + TOP_K + s, tl.full([], 1.0, tl.float32).to(w_ptr.dtype.element_ty))
+        tl.store(ids_ptr + t * cols + TOP_K + s, (n_experts + s).to(ids_ptr.dtype.element_ty))
 
 
-def router_topk(logits: Tensor, renormalize: bool, weights: Tensor, ids: Tensor) -> None:
-    """Write ``weights (T, k)`` and ``ids (T, k)`` (both contiguous) from ``logits (T, E)``."""
+def router_topk(logits: Tensor, top_k: int, renormalize: bool, rule: int, correction_bias: Tensor | None,
+                n_group: int, topk_group: int, scaling: float, weights: Tensor, ids: Tensor) -> None:
+    """Write ``weights (T, k + shared)`` and ``ids`` (both contiguous) from ``logits (T, E)`` by rule number ``rule``
+    (an index into :data:`bcg.ops.kernels.moe_router.ROUTER_RULES`)."""
     num_rows, num_experts = logits.shape
-    top_k = weights.shape[1]
     e_block = max(2, triton.next_power_of_2(num_experts))
     launch_rows(
-        _router_topk_kernel, num_rows, logits, logits.stride(0), weights, ids, num_experts,
-        TOP_K=top_k, RENORMALIZE=renormalize, E_BLOCK=e_block, K_BLOCK=max(2, triton.next_power_of_2(top_k)),
+        _router_topk_kernel, num_rows, logits, logits.stride(0),
+        logits if correction_bias is None else correction_bias,  # unread without a bias
+        weights, ids, num_experts, max(1, num_experts // n_group), scaling,
+        TOP_K=top_k, NUM_SHARED=weights.shape[1] - top_k, RULE=rule, RENORMALIZE=renormalize,
+        HAS_BIAS=correction_bias is not None, N_GROUP=n_group, TOPK_GROUP=topk_group, E_BLOCK=e_block,
+        K_BLOCK=max(2, triton.next_power_of_2(top_k)), G_BLOCK=max(2, triton.next_power_of_2(n_group)),
         num_warps=1 if e_block <= 256 else 4,
     )
 

@@ -70,13 +70,20 @@ class Interpreted:
     def silu_and_mul(self, x, out):
         self.tk.act.silu_and_mul(x, out)
 
+    def clamped_swiglu(self, x, bias, expert, alpha, limit, out):
+        self.tk.act.clamped_swiglu(x, bias, expert, alpha, limit, out)
+
     def qkv_norm_rope(self, *args, cache=None):
         self.tk.rope.qkv_norm_rope(*args, cache)
 
-    def router_topk(self, logits, top_k, renormalize, out_dtype):
-        weights = cases.poisoned(logits.shape[0], top_k, dtype=out_dtype, device="cpu")
-        ids = cases.poisoned(logits.shape[0], top_k, dtype=torch.int64, device="cpu")
-        self.tk.moe.router_topk(logits, renormalize, weights, ids)
+    def router_topk(self, logits, top_k, renormalize, out_dtype, rule="softmax_topk", correction_bias=None,
+                    n_group=1, topk_group=1, scaling=1.0, num_shared=0):
+        from bcg.ops.kernels.moe_router import ROUTER_RULES
+
+        weights = cases.poisoned(logits.shape[0], top_k + num_shared, dtype=out_dtype, device="cpu")
+        ids = cases.poisoned(logits.shape[0], top_k + num_shared, dtype=torch.int64, device="cpu")
+        self.tk.moe.router_topk(logits, top_k, renormalize, ROUTER_RULES.index(rule), correction_bias, n_group,
+                                topk_group, scaling, weights, ids)
         return weights, ids
 
     def expert_order(self, ids, experts):
@@ -125,6 +132,13 @@ def test_silu_and_mul(run, dtype, rows, inter):
 
 
 @pytest.mark.parametrize("dtype", cases.DTYPES)
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("rows,inter,experts", [(0, 16, 2), (1, 2880, 4), (7, 500, 3)])
+def test_clamped_swiglu(run, dtype, rows, inter, experts, bias):
+    cases.check_clamped_swiglu(run, "cpu", dtype, rows, inter, experts, bias, MIN_EXACT[dtype])
+
+
+@pytest.mark.parametrize("dtype", cases.DTYPES)
 @pytest.mark.parametrize("qk_norm", [False, True])
 @pytest.mark.parametrize("rows,heads,kv_heads,dim", [(0, 4, 2, 16), (1, 16, 4, 64), (3, 12, 4, 128), (2, 3, 1, 80)])
 def test_qkv_norm_rope(run, dtype, qk_norm, rows, heads, kv_heads, dim):
@@ -142,6 +156,23 @@ def test_qkv_norm_rope_writes_the_kv_cache(run, dtype, rows, heads, kv_heads, di
                                                             (17, 64, 8, True)])
 def test_router_topk(run, dtype, rows, experts, top_k, renormalize):
     cases.check_router_topk(run, "cpu", dtype, rows, experts, top_k, renormalize, MIN_EXACT[dtype])
+
+
+ROUTER_RULES = {  # (rule, renormalize, correction bias, n_group, topk_group, scaling, shared experts)
+    "topk_softmax": ("topk_softmax", False, False, 1, 1, 1.0, 0),
+    "sigmoid": ("sigmoid_topk", True, True, 1, 1, 1.0, 0),
+    "sigmoid-groups": ("sigmoid_topk", True, True, 4, 2, 2.5, 0),
+    "sigmoid-no-renorm-shared": ("sigmoid_topk", False, False, 4, 1, 1.5, 1),
+}
+
+
+@pytest.mark.parametrize("dtype", cases.DTYPES)
+@pytest.mark.parametrize("rows,experts,top_k", [(0, 8, 2), (1, 32, 4), (9, 64, 6)])
+@pytest.mark.parametrize("case", list(ROUTER_RULES))
+def test_router_rules(run, dtype, rows, experts, top_k, case):
+    rule, renormalize, bias, n_group, topk_group, scaling, shared = ROUTER_RULES[case]
+    cases.check_router_topk(run, "cpu", dtype, rows, experts, top_k, renormalize, MIN_EXACT[dtype], rule=rule,
+                            bias=bias, n_group=n_group, topk_group=topk_group, scaling=scaling, num_shared=shared)
 
 
 @pytest.mark.skipif(not NUMPY_RUNTIME_LOOPS, reason="triton < 3.7's interpreter needs numpy < 2.4 for runtime loops")
@@ -187,4 +218,7 @@ def test_triton_implementations_of_the_ops_pass_opcheck(interpreted_ops, name, c
     for g, e in zip(*(v if isinstance(v, tuple) else (v,) for v in (got, want))):
         assert g.shape == e.shape and g.dtype == e.dtype and g.stride() == e.stride()
         rtol = cases.RTOL[g.dtype] * 2 if g.dtype.is_floating_point else 0  # bf16 truncates here: one more unit
-        torch.testing.assert_close(g, e, rtol=rtol, atol=rtol)
+        atol = rtol
+        if name == "clamped_swiglu" and g.dtype == torch.bfloat16 and e.numel():
+            atol = 4 * cases.RTOL[g.dtype] * e.float().abs().max().item()  # six truncations, `up + 1` cancels
+        torch.testing.assert_close(g, e, rtol=rtol, atol=atol)

@@ -158,21 +158,38 @@ def check_qkv_norm_rope_cache(run, device: str, dtype: torch.dtype, rows: int, h
 
 
 def check_router_topk(run, device: str, dtype: torch.dtype, rows: int, experts: int, top_k: int,
-                      renormalize: bool, min_exact: float | None) -> float:
+                      renormalize: bool, min_exact: float | None, rule: str = "softmax_topk", bias: bool = False,
+                      n_group: int = 1, topk_group: int = 1, scaling: float = 1.0, num_shared: int = 0) -> float:
+    """One router rule against its reference: the ids select the same choice scores (in the same order where no two
+    of the top k + 1 tie), the shared columns follow, and the weights match to the dtype's rounding."""
     from bcg.ops.kernels import router_topk_reference
+    from bcg.ops.kernels.moe_router import _best_groups_only
 
     logits = row_view(rows, experts, dtype=dtype, device=device, seed=experts + rows, pad=3)
+    correction = randn(experts, dtype=torch.float32, device=device, seed=11, scale=0.3) if bias else None
+    out_dtype = torch.float32 if rule == "sigmoid_topk" else dtype  # as the routers return them
+    rule_args = dict(rule=rule, correction_bias=correction, n_group=n_group, topk_group=topk_group, scaling=scaling,
+                     num_shared=num_shared)
     logits0 = logits.clone()
-    weights, ids = run.router_topk(logits, top_k, renormalize, dtype)
-    ref_w, ref_ids = router_topk_reference(logits, top_k, renormalize, dtype)
-    assert torch.equal(logits, logits0) and ids.dtype == torch.int64
-    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-    # Ids must select the same probabilities; where probabilities tie torch.topk's order is unspecified.
-    torch.testing.assert_close(probs.gather(1, ids), probs.gather(1, ref_ids), rtol=0, atol=0)
-    top = probs.sort(dim=-1, descending=True).values[:, : top_k + 1]
+    weights, ids = run.router_topk(logits, top_k, renormalize, out_dtype, **rule_args)
+    ref_w, ref_ids = router_topk_reference(logits, top_k, renormalize, out_dtype, *rule_args.values())
+    assert torch.equal(logits, logits0) and ids.dtype == torch.int64 and ids.shape == (rows, top_k + num_shared)
+    if rule == "softmax_topk":
+        choice = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    elif rule == "topk_softmax":
+        choice = logits.float()
+    else:
+        scores = logits.float().sigmoid()
+        choice = _best_groups_only(scores if correction is None else scores + correction, n_group, topk_group)
+    # Ids must select the same choice scores; where scores tie torch.topk's order is unspecified.
+    routed, ref_routed = ids[:, :top_k], ref_ids[:, :top_k]
+    torch.testing.assert_close(choice.gather(1, routed), choice.gather(1, ref_routed), rtol=0, atol=0)
+    top = choice.sort(dim=-1, descending=True).values[:, : top_k + 1]
     untied = (top[:, 1:] != top[:, :-1]).all(dim=1)
-    assert torch.equal(ids[untied], ref_ids[untied])
-    return _match(run, weights, ref_w, min_exact, "router weights")
+    assert torch.equal(routed[untied], ref_routed[untied])
+    assert torch.equal(ids[:, top_k:], ref_ids[:, top_k:]), "the shared experts' columns differ"
+    exact = min_exact if out_dtype == dtype else None  # fp32 weights carry any fp32 difference (exp, sum order)
+    return _match(run, weights[untied], ref_w[untied], exact, "router weights")
 
 
 def random_topk_ids(rows: int, experts: int, top_k: int, device: str, seed: int, dtype=torch.int64) -> Tensor:
@@ -205,3 +222,25 @@ def check_moe_combine(run, device: str, dtype: torch.dtype, rows: int, hidden: i
     run.moe_combine(y, slot, weights, out)
     assert all(torch.equal(t, t0) for t, t0 in zip((y, slot, weights), inputs)), "an input changed"
     return _match(run, out, moe_combine_reference(y, slot, weights), min_exact, "moe_combine")
+
+
+def check_clamped_swiglu(run, device: str, dtype: torch.dtype, rows: int, inter: int, experts: int, bias: bool,
+                         min_exact: float | None) -> float:
+    """gpt-oss's activation with each row's expert bias: values on both sides of the clamps, untouched inputs."""
+    from bcg.ops.kernels import clamped_swiglu_reference
+
+    x = row_view(rows, 2 * inter, dtype=dtype, device=device, seed=inter + rows, pad=8) * 5
+    b = randn(experts, 2 * inter, dtype=dtype, device=device, seed=3) if bias else None
+    expert = torch.randint(0, experts, (rows,), generator=gen(rows)).to(device)
+    inputs = [t.clone() for t in (x, expert)]
+    out = poisoned(rows, inter, dtype=dtype, device=device)
+    run.clamped_swiglu(x, b, expert, 1.702, 7.0, out)
+    assert all(torch.equal(t, t0) for t, t0 in zip((x, expert), inputs)), "an input changed"
+    ref = clamped_swiglu_reference(x, b, expert, 1.702, 7.0)
+    if run.ulps.get(dtype, 1.0) > 1.0 and rows:
+        # A tier that truncates (the interpreter's bf16) moves one of the six roundings by a unit, and ``up + 1``
+        # cancels near up = -1: there the error is a unit of the row's scale, not of the element.
+        assert not out.isnan().any(), "clamped_swiglu: NaN (unwritten?)"
+        assert (out.float() - ref.float()).abs().max() <= 4 * RTOL[dtype] * ref.float().abs().max()
+        return 0.0
+    return _match(run, out, ref, min_exact, "clamped_swiglu")

@@ -46,12 +46,15 @@ class Fused:
     def silu_and_mul(self, x, out):
         assert kernels.silu_and_mul(x, out=out, impl="fused") is out
 
+    def clamped_swiglu(self, x, bias, expert, alpha, limit, out):
+        out.copy_(kernels.clamped_swiglu(x, bias, expert, alpha, limit, impl="fused"))
+
     def qkv_norm_rope(self, qkv, positions, freqs, q_w, k_w, eps, q_out, k_out, v_out, cache=None):
         kernels.qkv_norm_rope(qkv, positions, freqs, q_out.shape[1], k_out.shape[1], q_weight=q_w, k_weight=k_w,
                               eps=eps, out=(q_out, k_out, v_out), impl="fused", cache=cache)
 
-    def router_topk(self, logits, top_k, renormalize, out_dtype):
-        return kernels.router_topk(logits, top_k, renormalize=renormalize, out_dtype=out_dtype, impl="fused")
+    def router_topk(self, logits, top_k, renormalize, out_dtype, **rule):
+        return kernels.router_topk(logits, top_k, renormalize=renormalize, out_dtype=out_dtype, impl="fused", **rule)
 
     def expert_order(self, ids, experts):
         return kernels.expert_order(ids, experts, impl="fused")
@@ -105,6 +108,32 @@ def test_qkv_norm_rope(dtype, qk_norm, rows, heads, kv_heads, dim):
 @pytest.mark.parametrize("experts,top_k,renormalize", [(32, 4, True), (64, 8, True), (8, 2, False), (6, 3, True)])
 def test_router_topk(dtype, rows, experts, top_k, renormalize):
     cases.check_router_topk(RUN, DEV, dtype, rows, experts, top_k, renormalize, MIN_EXACT[dtype])
+
+
+ROUTER_RULES = {  # (rule, renormalize, correction bias, n_group, topk_group, scaling, shared experts)
+    "topk_softmax": ("topk_softmax", False, False, 1, 1, 1.0, 0),
+    "sigmoid": ("sigmoid_topk", True, True, 1, 1, 1.0, 0),
+    "sigmoid-groups": ("sigmoid_topk", True, True, 8, 4, 2.5, 0),
+    "sigmoid-no-renorm-shared": ("sigmoid_topk", False, False, 4, 2, 1.5, 1),
+}
+
+
+@pytest.mark.parametrize("dtype", cases.DTYPES)
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("experts,top_k", [(32, 4), (128, 8), (256, 8)])
+@pytest.mark.parametrize("case", list(ROUTER_RULES))
+def test_router_rules(dtype, rows, experts, top_k, case):
+    rule, renormalize, bias, n_group, topk_group, scaling, shared = ROUTER_RULES[case]
+    cases.check_router_topk(RUN, DEV, dtype, rows, experts, top_k, renormalize, MIN_EXACT[dtype], rule=rule, bias=bias,
+                            n_group=n_group, topk_group=topk_group, scaling=scaling, num_shared=shared)
+
+
+@pytest.mark.parametrize("dtype", cases.DTYPES)
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("inter,experts", [(2880, 32), (500, 3)])
+def test_clamped_swiglu(dtype, rows, inter, experts, bias):
+    cases.check_clamped_swiglu(RUN, DEV, dtype, rows, inter, experts, bias, MIN_EXACT[dtype])
 
 
 @pytest.mark.parametrize("ids_dtype", [torch.int64, torch.int32])

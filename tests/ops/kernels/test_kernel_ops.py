@@ -48,9 +48,13 @@ def _entry_point(name, args):
         qkv, positions, freqs, q_w, k_w, eps, heads, kv_heads = args
         return kernels.qkv_norm_rope(qkv, positions, freqs, heads, kv_heads, q_weight=q_w, k_weight=k_w, eps=eps,
                                      impl="torch")
+    if name == "clamped_swiglu":
+        return kernels.clamped_swiglu(*args, impl="torch")
     if name == "router_topk":
-        logits, top_k, renormalize, out_dtype = args
-        return kernels.router_topk(logits, top_k, renormalize=renormalize, out_dtype=out_dtype, impl="torch")
+        logits, top_k, renormalize, out_dtype, rule, bias, n_group, topk_group, scaling, shared = args
+        return kernels.router_topk(logits, top_k, renormalize=renormalize, out_dtype=out_dtype, rule=rule,
+                                   correction_bias=bias, n_group=n_group, topk_group=topk_group, scaling=scaling,
+                                   num_shared=shared, impl="torch")
     if name == "expert_order":
         return tuple(kernels.expert_order(*args, impl="torch"))
     return kernels.moe_combine(*args, impl="torch")
@@ -95,7 +99,8 @@ def _layer(h, attn_out, w, gate_up, qkv, positions, freqs, logits, y_sorted, imp
                                     impl=impl)
     weights, ids = kernels.router_topk(logits, 2, impl=impl)
     order = kernels.expert_order(ids, 8, impl=impl)
-    return (n, h, first, h0, kernels.silu_and_mul(gate_up, impl=impl), q, k, v,
+    glu = kernels.clamped_swiglu(gate_up, gate_up.new_ones(8, gate_up.shape[1]), ids[:, 0], 1.702, 7.0, impl=impl)
+    return (n, h, first, h0, kernels.silu_and_mul(gate_up, impl=impl), glu, q, k, v,
             kernels.moe_combine(y_sorted, order.slot, weights, impl=impl), kernels.rms_norm(h, w, 1e-6, impl=impl))
 
 

@@ -1,0 +1,81 @@
+"""Kernels a fused MoE block launches, counted on the CPU: the proxy in CI for issue 31's target (a transformers MoE
+layer within the native MoE path's kernels + 2; the H200 measures the real ones, ``benchmarks/hf_speed.py``).
+
+The block's forward is captured into an emulated graph, which records the ops a CUDA graph would hold a kernel for
+(views, metadata and allocations are not recorded), with bcg's kernels called through their ``torch.ops.bcg`` ops, as
+a traced forward calls them, so each is one recorded op where its CPU reference is several."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import replace
+
+import pytest
+import torch
+from hf_cases import make_model, one_thread
+
+from bcg.emulation import EmulatedGraph
+from bcg.models.config import get_preset
+from bcg.models.hf.fused_moe import FusedMoE
+from bcg.models.hf.model import HFCausalLM
+from bcg.models.moe import MoEFFN
+
+# The native gptoss-moe MoE FFN on the fused kernels: router GEMM, router, expert order, gather, two grouped GEMMs,
+# SiLU-and-multiply, combine.
+NATIVE_KERNELS = 8
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    yield from one_thread()
+
+
+@pytest.fixture
+def as_ops(monkeypatch):
+    """bcg's fused entry points call their custom ops (one op each) instead of their multi-op CPU references."""
+    for name, module in list(sys.modules.items()):
+        if name.startswith("bcg.ops.kernels.") and hasattr(module, "kernel_path"):
+            monkeypatch.setattr(module, "kernel_path", lambda impl, x: "op" if impl == "fused" else "torch")
+
+
+def _kernels(fn) -> tuple[int, list[str]]:
+    graph = EmulatedGraph()
+    with torch.inference_mode():
+        graph.capture_begin()
+        try:
+            fn()
+        finally:
+            graph.capture_end()
+    return graph.num_ops, [str(op.func) for op in graph._ops]
+
+
+def _native_block() -> MoEFFN:
+    config = replace(get_preset("gptoss-moe"), hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16,
+                     moe_intermediate_size=32, num_layers=1)
+    ffn = MoEFFN(config)
+    torch.nn.init.normal_(ffn.gate.weight)
+    ffn.kernels = "fused"
+    ffn.prepare()
+    return ffn
+
+
+def test_the_native_moe_ffn_runs_its_eight_kernels(as_ops):
+    ffn, x = _native_block(), torch.randn(8, 64)
+    count, ops = _kernels(lambda: ffn(x))
+    assert ffn.use_grouped_mm and count == NATIVE_KERNELS, ops
+    assert sum(op.startswith("bcg.") for op in ops) == 4, ops  # router, expert order, SiLU-and-multiply, combine
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "gpt_oss", "glm4_moe"])
+def test_a_fused_moe_block_runs_at_most_the_native_kernels_plus_two(arch, as_ops):
+    hf = make_model(arch)
+    model = HFCausalLM(hf)
+    model.set_kernels("fused")
+    block = next(m for m in hf.modules() if isinstance(m, FusedMoE))
+    x = torch.randn(1, 8, hf.config.hidden_size)
+    count, ops = _kernels(lambda: block(x))
+    assert block.use_grouped_mm and not any(op in ops for op in ("aten.topk.default", "aten.softmax.int")), ops
+    allowed = NATIVE_KERNELS + 2
+    if block.spec.has_shared:  # glm4_moe's shared experts run beside the routed ones: their MLP and one add
+        allowed += _kernels(lambda: block.shared_experts(x))[0] + 1
+    assert count <= allowed, ops
