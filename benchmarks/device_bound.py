@@ -51,6 +51,7 @@ from host_path import prefill_times  # this folder is the script's own
 
 from bcg.bench.timing import gpu_kernel_ms, sync
 from bcg.bench.trace import Kernel, _innermost, _is_launch, kernels_from_events  # the bench's own parsing
+from bcg.bench.variants import FULL_GRAPH_TOKENS
 from bcg.errors import first_line
 from bcg.models.config import ModelConfig
 from bcg.runtime import Engine
@@ -139,7 +140,10 @@ def measure(name: str, backend: str, lengths: list[int], runs: int, out: Path | 
             engine_args: dict[str, Any]) -> dict[str, Any]:
     model: Any = SHAPES.get(name, name)
     t0 = time.perf_counter()
-    eng = Engine(model, backend=backend, progress=False, **engine_args)
+    # "breakable+full": the small buckets also hold a whole-step graph (EngineConfig.full_graph_tokens)
+    base, _, option = backend.partition("+")
+    full = {"full_graph_tokens": FULL_GRAPH_TOKENS} if option == "full" else {}
+    eng = Engine(model, backend=base, progress=False, **engine_args, **full)
     build_s = time.perf_counter() - t0
     tele = eng.telemetry
     vocab, num_layers = eng.model.config.vocab_size, eng.model.config.num_layers
@@ -212,7 +216,8 @@ def main(argv: list[str] | None = None) -> int:
     cuda = torch.cuda.is_available()
     p.add_argument("--models", default="llama-dense,gptoss-moe,glm-dsa,llama-3.2-1b,qwen3-0.6b" if cuda
                    else "tiny-dense", help="comma list: presets, checkpoint folders, or " + ", ".join(SHAPES))
-    p.add_argument("--backends", default="breakable", help="comma list of backends")
+    p.add_argument("--backends", default="breakable",
+                   help="comma list of backends; breakable+full adds the small buckets' whole-step graphs")
     p.add_argument("--lengths", default="64,256,1024,2048" if cuda else "16,64")
     p.add_argument("--runs", type=int, default=20 if cuda else 3)
     p.add_argument("--kernels", default=None, help="fused or torch (default: the engine's)")

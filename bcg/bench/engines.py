@@ -90,7 +90,8 @@ class EngineSpec:
         from bcg.bench.variants import parse_variant
 
         v = parse_variant(variant)
-        return dataclasses.replace(self.config, backend=v.backend, kernels=v.kernels, compile=v.compile)
+        return dataclasses.replace(self.config, backend=v.backend, kernels=v.kernels, compile=v.compile,
+                                   full_graph_tokens=v.full_graph_tokens)
 
     def describe(self, variants: list[str]) -> str:
         """What each variant's engine will run, resolved for this machine as the engine resolves it (kernels,

@@ -2,7 +2,9 @@
 
 A variant name is a backend followed by ``+`` options: ``fused`` (the fused kernels; without it, plain torch ops),
 ``inductor`` (the layer stack compiled by Inductor: ``compile="inductor"``) or ``traced`` (traced by dynamo alone, no
-code generated: ``compile="traced"``). ``tc_piecewise`` compiles its pieces itself and takes no compile option; its
+code generated: ``compile="traced"``); ``breakable`` also takes ``full`` (its buckets up to ``FULL_GRAPH_TOKENS``
+also hold a whole-step graph with the attention inside: ``full_graph_tokens``). ``tc_piecewise`` compiles its pieces
+itself and takes no compile option; its
 compiler is the run's ``tc_compiler`` (``bcg bench --tc-compiler``). The plain ``eager`` variant is the baseline of
 every speedup: the model as a user runs it without bcg.
 """
@@ -13,7 +15,9 @@ from dataclasses import dataclass
 
 from bcg.runtime.backend_registry import resolve_backend
 
-__all__ = ["Variant", "parse_variant"]
+__all__ = ["FULL_GRAPH_TOKENS", "Variant", "parse_variant"]
+
+FULL_GRAPH_TOKENS = 512  # "+full": the buckets that also hold a whole-step graph (where islands' launches weigh most)
 
 _KERNELS = {"fused": "fused", "torch": "torch"}
 _COMPILERS = {"inductor": "inductor", "traced": "traced"}
@@ -34,11 +38,13 @@ class Variant:
     kernels: str = "torch"
     compile: str | None = None
     tc_compiler: str = "inductor"  # what compiles tc_piecewise's pieces (no other backend reads it)
+    full_graph_tokens: int = 0
 
     @property
     def name(self) -> str:
         parts = [self.backend] + (["fused"] if self.kernels == "fused" else [])
-        return "+".join(parts + ([self._compile_token] if self.compile else []))
+        parts += [self._compile_token] if self.compile else []
+        return "+".join(parts + (["full"] if self.full_graph_tokens else []))
 
     @property
     def _compile_token(self) -> str:
@@ -53,7 +59,7 @@ class Variant:
 
 
 def parse_variant(text: str, tc_compiler: str = "inductor") -> Variant:
-    """A :class:`Variant` from ``backend[+fused][+inductor|+traced]``; raises ValueError naming what is wrong.
+    """A :class:`Variant` from ``backend[+fused][+inductor|+traced][+full]``; raises ValueError naming what is wrong.
 
     Example::
 
@@ -62,14 +68,19 @@ def parse_variant(text: str, tc_compiler: str = "inductor") -> Variant:
     """
     backend, *options = [t.strip() for t in text.split("+")]
     backend = resolve_backend(backend)
-    kernels, compile_ = "torch", None
+    kernels, compile_, full = "torch", None, 0
     for option in options:
-        if option in _KERNELS:
+        if option == "full":
+            if backend != "breakable":
+                raise ValueError(f"{text!r}: +full adds whole-step graphs to breakable's small buckets; "
+                                 f"{backend} takes no +full")
+            full = FULL_GRAPH_TOKENS
+        elif option in _KERNELS:
             kernels = _KERNELS[option]
         elif option in _COMPILERS:
             if backend == "tc_piecewise":
                 raise ValueError(f"{text!r}: tc_piecewise compiles its pieces itself and takes no +{option}")
             compile_ = _COMPILERS[option]
         else:
-            raise ValueError(f"{text!r}: unknown option +{option}; use +fused, +inductor or +traced")
-    return Variant(backend, kernels, compile_, tc_compiler)
+            raise ValueError(f"{text!r}: unknown option +{option}; use +fused, +inductor, +traced or +full")
+    return Variant(backend, kernels, compile_, tc_compiler, full)

@@ -1,0 +1,79 @@
+"""Two graphs per small bucket (``full_graph_tokens``): a batch that fits the whole-step graph's request slots and key
+capacity replays it (no island), any other the breakable graph of its bucket, and either answers as eager does."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from engine_cache import random_prompts
+
+from bcg.runtime import Engine, EngineConfig
+from bcg.runtime.backends.full import FullBackend
+
+OPTS = dict(device="cpu", buckets=[8, 16, 32, 64], chunked_prefill_size=64, kv_tokens=512, max_requests=2,
+            progress=False)
+
+
+@pytest.fixture(scope="module", params=["float32", "bfloat16"])
+def engines(request: pytest.FixtureRequest) -> tuple[Engine, Engine]:
+    dtype = request.param
+    return (Engine("tiny-dense", dtype=dtype, full_graph_tokens=16, verify=True, **OPTS),
+            Engine("tiny-dense", backend="eager", dtype=dtype, **OPTS))
+
+
+@pytest.mark.parametrize(("lengths", "graph", "bucket"), [
+    ([5], "graph_full", 8),            # one request, a small bucket: the whole-step graph
+    ([3, 9], "graph_full", 16),        # two requests fill the two request slots
+    ([2, 3, 4], "graph", 16),          # three do not: the breakable graph of the same bucket
+    ([20], "graph", 32),               # past full_graph_tokens: breakable only
+])
+def test_a_batch_replays_the_whole_step_graph_when_it_fits(engines: tuple[Engine, Engine], lengths: list[int],
+                                                           graph: str, bucket: int) -> None:
+    eng, eager = engines
+    prompts = random_prompts(lengths, seed=len(lengths))
+    res = eng.prefill(prompts)
+    (record,) = res.batches
+    assert record.graph_used and record.bucket == bucket
+    assert record.reason == graph
+    want = eager.prefill(prompts).logits
+    tol = 1e-5 if eng.dtype == torch.float32 else 2e-2 * want.abs().max().item()  # another attention kernel in bf16
+    assert (res.logits - want).abs().max().item() <= tol
+
+
+def test_the_whole_step_graphs_are_built_verified_and_described(engines: tuple[Engine, Engine]) -> None:
+    eng, _ = engines
+    full = eng.runner.full
+    assert sorted(full.handles) == [8, 16] and sorted(eng.runner.handles) == [8, 16, 32, 64]
+    assert all(r.verify_diff is not None and r.disabled_reason is None for r in full.telemetry.buckets.values())
+    kind = "static" if eng.dtype == torch.float32 else "static_triton"  # bcg's kernel runs in half precision
+    assert full.telemetry.attention_backend == kind
+    assert any(n.startswith("full graphs: 2 of buckets 8,16") and kind in n for n in eng.telemetry.notes)
+    assert "full graphs up to 16 tokens" in eng.config.describe()
+
+
+def test_a_failed_whole_step_replay_falls_back_to_the_breakable_graph(monkeypatch: pytest.MonkeyPatch) -> None:
+    eng = Engine("tiny-dense", full_graph_tokens=16, **OPTS)
+
+    def broken(self: Any, handle: Any, num_tokens: int) -> None:
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(FullBackend, "replay", broken)
+    prompts = random_prompts([5])
+    res = eng.prefill(prompts)
+    assert res.batches[0].graph_used and res.batches[0].reason == "graph"  # the breakable graph, not eager
+    monkeypatch.undo()
+    again = eng.prefill(prompts)  # the whole-step graph serves again once it replays
+    assert again.batches[0].reason == "graph_full" and torch.allclose(again.logits, res.logits, atol=1e-5)
+
+
+@pytest.mark.parametrize(("options", "match"), [
+    (dict(backend="full"), "leave it 0 with backend='full'"),
+    (dict(backend="eager"), "leave it 0 with backend='eager'"),
+    (dict(tp_size=2), "tp_size > 1"),
+    (dict(full_graph_tokens=-1), "full_graph_tokens"),
+])
+def test_full_graph_tokens_outside_one_breakable_process_is_refused(options: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        EngineConfig(**{"full_graph_tokens": 64, **options})
