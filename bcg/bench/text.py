@@ -64,7 +64,7 @@ def _latency_table(title: str, rows: Sequence[LatencyRow], cuda: bool, tc_compil
     for r in rows:
         v, s, w, d = parse_variant(r.backend, tc_compiler), r.wall.spread, r.wall, r.device
         sp = r.speedup
-        row = [v.backend, v.kernels, v.compile_label, r.num_tokens, r.num_requests, fmt(w.median_ms, 3),
+        row = [v.backend_label, v.kernels, v.compile_label, r.num_tokens, r.num_requests, fmt(w.median_ms, 3),
                f"{w.q1_ms:.3f}-{w.q3_ms:.3f}", "-" if s is None else f"{s:.0%}",
                fmt(sp and sp.over_eager, 2, "x"),
                f"{sp.low:.2f}-{sp.high:.2f}x" if sp and sp.low is not None and sp.high is not None else "-"]
@@ -81,7 +81,7 @@ def _build_table(builds: Sequence[Any], tc_compiler: str) -> str:
     def cells(b: Any) -> list[Any]:
         v = parse_variant(b.backend, tc_compiler)
         status = "yes" if b.available else "refused" if b.refused_reason else "no"
-        return [v.backend, status, v.kernels, v.compile_label, fmt(b.build_ms, 0), fmt(b.compile_ms, 0),
+        return [v.backend_label, status, v.kernels, v.compile_label, fmt(b.build_ms, 0), fmt(b.compile_ms, 0),
                 fmt(b.capture_ms, 0), f"{b.num_captured}/{b.num_buckets}" if b.available else "-",
                 f"{fmt(b.num_segments)}/{fmt(b.num_breaks)}", fmt_bytes(b.graph_memory_bytes)]
 

@@ -47,6 +47,11 @@ class Variant:
         return "+".join(parts + (["full"] if self.full_graph_tokens else []))
 
     @property
+    def backend_label(self) -> str:
+        """The backend column of tables: the backend, with ``+full`` where its small buckets hold two graphs."""
+        return self.backend + ("+full" if self.full_graph_tokens else "")
+
+    @property
     def _compile_token(self) -> str:
         return next(k for k, v in _COMPILERS.items() if v == self.compile)
 

@@ -162,6 +162,7 @@ def test_compiled_segments_run_fused_kernels() -> None:
     ("breakable+inductor", ["attention_island", "select_topk"], None, [], False, None),
     ("breakable+inductor", ["attention_island"], None, [], True, "compile='inductor' cannot run under the CPU"),
     ("breakable+traced", ["auto_island[m.experts]"], None, [], True, "cannot trace the island auto_island[m.experts]"),
+    ("breakable+fused+full", ["attention_island"], None, [], False, "+full is not predicted"),
 ])
 def test_availability(variant: str, islands: list[str], full_error: str | None, full_islands: list[str],
                       emulated: bool, expected: str | None) -> None:

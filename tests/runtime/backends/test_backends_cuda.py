@@ -151,3 +151,22 @@ def test_a_breakable_prefill_never_waits_for_the_gpu(preset: str) -> None:
     for batch, res in zip(compositions, results):
         assert all(b.graph_used for b in res.batches), res.batches
         assert_matches(res, ref.prefill(batch))
+
+
+@pytest.mark.parametrize("preset", ["tiny-dense", "tiny-moe"])
+def test_breakable_with_whole_step_graphs_matches_eager_in_bf16(preset: str) -> None:
+    """full_graph_tokens on CUDA: the small buckets' whole-step graphs attend with bcg's Triton kernel from the pool;
+    batches that fit replay them, the rest the breakable graphs, every answer eager's."""
+    from bcg.runtime import Engine
+
+    eng = Engine(CONFIGS[preset], buckets=BUCKETS, chunked_prefill_size=64, kv_tokens=1024, dtype="bfloat16",
+                 device="cuda", max_requests=4, full_graph_tokens=32, verify=True, progress=False)
+    assert eng.runner.full.telemetry.attention_backend == "static_triton"
+    assert sorted(eng.runner.full.handles) == [16, 32]
+    ref = engine(preset, "eager")
+    reasons = set()
+    for lengths in ([5], [3, 7, 12, 1], [2] * 6, [40, 9], [150]):
+        res = eng.prefill(prompts(lengths))
+        reasons |= {b.reason for b in res.batches}
+        assert_matches(res, ref.prefill(prompts(lengths)))
+    assert "graph_full" in reasons and "graph" in reasons
