@@ -336,12 +336,12 @@ def _measure(device: torch.device, compilers: tuple[str, ...], guards: bool) -> 
     return costs
 
 
-def measure_device(costs: MachineCosts) -> MachineCosts:
+def measure_device(costs: MachineCosts, cache: bool = True) -> MachineCosts:
     """Fills in ``tiny_kernel_us`` and ``medium_kernel_us``: the profiler's device time of a tiny and of a medium
     kernel run eagerly (on a CPU the host time of each add, as the emulation's kernels are its ops). Run it after
-    every host timing of the process. A process measures each device once (:data:`_DEVICE_CACHE`)."""
+    every host timing of the process. With ``cache`` a process measures each device once (:data:`_DEVICE_CACHE`)."""
     device = torch.device(costs.device)
-    if str(device) in _DEVICE_CACHE:
+    if cache and str(device) in _DEVICE_CACHE:
         costs.tiny_kernel_us, costs.medium_kernel_us = _DEVICE_CACHE[str(device)]
         return costs
     x = torch.zeros(1, device=device)

@@ -126,6 +126,7 @@ class HostTimes:
     island_bytes: dict[str, float] = field(default_factory=dict)
     prefill_pre_us: float | None = None
     prefill_post_us: float | None = None
+    runs: int = 0  # timed runs per series (fewer than asked once the spread settled: bcg.bench.profile.settled)
     # The same times at the lower and upper quartile of their runs (None: one run, no spread): the predictions'
     # intervals are these played through the same programs.
     low: HostTimes | None = field(default=None, repr=False, compare=False)
