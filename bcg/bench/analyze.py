@@ -8,14 +8,18 @@ The run, in the order CUPTI needs (once the profiler is loaded it slows later ho
    variants use, the host times of eager forwards per size (:func:`bcg.bench.profile.host_times`);
    under ``--cpu-cores`` both again with the process pinned to each core count (:mod:`bcg.bench.cores`);
 2. with ``--validate`` only: every variant built, captured and timed (:mod:`bcg.bench.validate`);
-3. :data:`PROFILE_REPEATS` profiled eager forwards per size, and as many of the step ``full`` would capture run
-   eagerly (:func:`bcg.bench.profile.profiled_forward`), then the tiny kernel's device time.
+3. every size's profiled eager forwards, and the step ``full`` would capture run eagerly, in one profiler session per
+   kernels setting (:func:`bcg.bench.profiled.profile_sizes`), then the tiny kernel's device time.
 
-The machine's microbenchmarks depend on the machine only, so a process measures them once; the eager engines are
-built once per kernels setting (again after ``--validate``); ``timings.parts_s`` says where the time went.
+The machine's costs do not depend on the model: they come from the disk cache where an entry matches this machine
+and software (:mod:`bcg.bench.machine_cache`; ``--machine-cache``), else are measured and kept there. The eager
+engines are built once per kernels setting (again after ``--validate``). ``timings`` says where the time went by
+part (``parts_s``: eager engines, machine, replay paths, host times, profiles, machine (device), composition), where
+the machine's costs came from (``machine_cache``) and how many runs and profiles each size took (``repeats``).
 
 :func:`bcg.bench.findings.findings` turns that into predictions, a recommendation and the seed's four parameters;
-:func:`bcg.bench.verdict.verdict` into one sentence.
+:func:`bcg.bench.verdict.verdict` into one sentence; what it was computed from goes to inputs.json
+(:mod:`bcg.bench.replay`).
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from bcg.bench import replay
 from bcg.bench.config import AnalyzeConfig, BenchError
 from bcg.bench.cores import pinned
 from bcg.bench.engines import BuildRecord, EngineSpec, engine_for
@@ -200,7 +205,8 @@ def _trace_notes(m: Measurements) -> list[str]:
 
 
 def run_analyze(cfg: AnalyzeConfig, environment: dict[str, Any]) -> dict[str, Any]:
-    """Runs ``bcg analyze`` for a resolved ``cfg``; returns the analysis as plain data (results.json's content).
+    """Runs ``bcg analyze`` for a resolved ``cfg``; returns the analysis as plain data (results.json's content, and
+    under ``inputs`` what it was computed from: :func:`bcg.bench.replay.dump`, inputs.json's).
 
     Example::
 
@@ -253,7 +259,7 @@ def run_analyze(cfg: AnalyzeConfig, environment: dict[str, Any]) -> dict[str, An
                          "workload": {"source": m.workload.source, "num_prompts": len(m.workload.lengths),
                                       "lengths": list(m.workload.lengths)},
                          "lengths": m.lengths(), "length": cfg.length}
-    with clock.part("model"):
+    with clock.part("composition"):
         a.update(findings(m))
     a["notes"] = _trace_notes(m) if not cfg.emulated else []
     a["notes"] += [f"the replay path of {b} could not be measured on a toy engine ({why}); its primitives' costs "
@@ -266,6 +272,11 @@ def run_analyze(cfg: AnalyzeConfig, environment: dict[str, Any]) -> dict[str, An
     a["timings"] = {"predict_s": predict_s, "validate_s": validate_s, "machine_s": m.costs[None].seconds,
                     "predict_over_validate": predict_s / validate_s if validate_s else None,
                     "parts_s": clock.parts, "machine_cached": m.costs[None].cached,
-                    "machine_cache": cache.report()}
+                    "machine_cache": cache.report(),
+                    # how many timed runs each size's host times took (fewer than --runs once settled) and how many
+                    # profiles its kernels combine
+                    "repeats": {EAGER_OF[s]: {n: {"host_runs": m.hosts[None][s][n].runs, "profiles": p.profiles}
+                                              for n, p in by_size.items()} for s, by_size in m.profiles.items()}}
     a["verdict"] = verdict(a)
+    a["inputs"] = replay.dump(m)  # what the predictions were computed from: the CLI writes it to inputs.json
     return a

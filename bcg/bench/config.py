@@ -139,7 +139,8 @@ class AnalyzeConfig(Run):
     [16, chunked_prefill_size]). ``predict_lengths`` are the lengths every backend is predicted (and with
     ``validate`` measured) at; ``length`` is the representative one (the Amdahl point and the ``cpu_cores`` table).
     ``backends`` are the variants predicted; ``memory_budget`` bounds the recommendation's graph memory (bytes; default
-    a tenth of the free device memory on CUDA, none on a CPU).
+    a tenth of the free device memory on CUDA, none on a CPU). ``machine_cache`` is what happens to this machine's
+    cached costs (:mod:`bcg.bench.machine_cache`): ``use``, ``refresh`` or ``off``.
 
     Example::
 

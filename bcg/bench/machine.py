@@ -3,7 +3,8 @@
 Each number comes from tiny in-place adds on a one-element tensor, so the kernels themselves cost next to nothing and
 what is timed is the path around them: an eager launch, a kernel inside a replayed graph, a graph launch, a break of a
 breakable graph, a piece of torch.compile piecewise, a capture; the graph memory each node and each graph executable
-holds; dynamo's guards per call (by parameter count) and a compile per layer-like block. They take a few seconds.
+holds; dynamo's guards per call (by parameter count) and a compile per layer-like block. They take a few seconds, so
+a process measures them once and :mod:`bcg.bench.machine_cache` keeps them on disk for the next run.
 Under the CPU emulation they run the same code (emulated graphs), and mean nothing for a GPU.
 
 The host-side benchmarks (:func:`measure`) run before anything is profiled; :func:`measure_device` reads the one number

@@ -6,6 +6,8 @@ emulation: only where the numbers come from is checked, not what they are."""
 from __future__ import annotations
 
 import json
+import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -22,6 +24,18 @@ def _analyze(out: Path, capsys: pytest.CaptureFixture[str], *flags: str) -> tupl
     assert main(["analyze", *FAST, *flags, "--out", str(out)]) == 0
     text = capsys.readouterr().out
     return json.loads(text.strip().splitlines()[-1])["timings"]["machine_cache"], text
+
+
+def _targets(results: Path, capsys: pytest.CaptureFixture[str]) -> dict:
+    sys.path.insert(0, os.fspath(Path(__file__).resolve().parents[2] / "benchmarks"))
+    try:
+        from analyze_targets import main as targets
+    finally:
+        sys.path.pop(0)
+    assert targets([str(results)]) == 0
+    (check,) = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["models"]
+    assert check["validated"] is False and check["errors_ok"] is None
+    return check
 
 
 def test_the_second_run_takes_the_machines_costs_from_the_cache(tmp_path: Path, capsys: pytest.CaptureFixture[str],
@@ -41,6 +55,9 @@ def test_the_second_run_takes_the_machines_costs_from_the_cache(tmp_path: Path, 
     assert {k: v for k, v in a.items() if k not in ("seconds", "cached")} == \
         {k: v for k, v in b.items() if k not in ("seconds", "cached")}
     assert b["cached"] is True
+    # the time target is judged on the second run alone: predicting with the machine's costs from the cache
+    times = [_targets(tmp_path / d / "results.json", capsys)["predict_time_ok"] for d in "ab"]
+    assert times[0] is None and isinstance(times[1], bool)
 
     # another measuring method is another key: the entries of the old one are not read
     monkeypatch.setattr(machine_cache, "METHOD", machine_cache.METHOD + 1)
