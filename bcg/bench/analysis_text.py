@@ -175,7 +175,10 @@ def _timings(t: dict[str, Any]) -> str:
     """Where predicting spent its time, by part, and where the machine's costs came from."""
     line = f"Predicting took {fmt(t['predict_s'], 1)} s"
     if t.get("parts_s"):
-        line += " (" + ", ".join(f"{name} {fmt(s, 2)} s" for name, s in t["parts_s"].items()) + ")"
+        sub = t.get("profiles_s") or {}
+        line += " (" + ", ".join(f"{name} {fmt(s, 2)} s" + (
+            f" [running {fmt(sub['run'], 2)} s, reading {fmt(sub['read'], 2)} s]" if name == "profiles" and sub else "")
+            for name, s in t["parts_s"].items()) + ")"
     if t.get("validate_s"):
         line += (f", validating {fmt(t['validate_s'], 1)} s (predicting is {fmt(t['predict_over_validate'], 2)} of "
                  "it)")

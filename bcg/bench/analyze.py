@@ -159,7 +159,8 @@ def _host_phase(cfg: AnalyzeConfig, engines: dict[str, Any], settings: list[str]
 
 
 def _profile_phase(cfg: AnalyzeConfig, engines: dict[str, Any], settings: list[str], sizes: list[int],
-                   hosts: dict[str, dict[int, HostTimes]], bar: Any) -> dict[str, dict[int, Profiled]]:
+                   hosts: dict[str, dict[int, HostTimes]], bar: Any, seconds: dict[str, float]
+                   ) -> dict[str, dict[int, Profiled]]:
     """Step 3: every size's profiled eager forwards, in one profiler session per kernels setting (after every timed
     run); engines built again after ``--validate`` first run each size once."""
     out: dict[str, dict[int, Profiled]] = {}
@@ -168,7 +169,7 @@ def _profile_phase(cfg: AnalyzeConfig, engines: dict[str, Any], settings: list[s
         vocab = eng.model.config.vocab_size
         bar.set_postfix(step=f"profile {EAGER_OF[setting]}", tokens=",".join(map(str, sizes)))
         out[setting] = profile_sizes(eng, {n: prompt_for(vocab, n, cfg.seed) for n in sizes}, hosts[setting],
-                                     warm=cfg.validate)
+                                     warm=cfg.validate, seconds=seconds)
         bar.update(len(sizes))
     return out
 
@@ -228,6 +229,7 @@ def run_analyze(cfg: AnalyzeConfig, environment: dict[str, Any]) -> dict[str, An
     sizes = m.sizes()
     steps = len(sizes) * len(settings) * (2 + len(m.cores))
     clock = Stopwatch()
+    profile_s: dict[str, float] = {}  # of the profiles part: running the profiled forwards, reading their records
     cache = MachineCache(cfg.machine_cache)
     with tqdm(total=steps, desc="bcg analyze", unit="step", disable=not cfg.progress) as bar, ExitStack() as stack:
         engines = _open_eager(stack, spec, settings, cfg.model, clock)
@@ -245,7 +247,7 @@ def run_analyze(cfg: AnalyzeConfig, environment: dict[str, Any]) -> dict[str, An
         if cfg.validate:
             engines = _open_eager(stack, spec, settings, cfg.model, clock)
         with clock.part("profiles"):
-            m.profiles = _profile_phase(cfg, engines, settings, sizes, m.hosts[None], bar)
+            m.profiles = _profile_phase(cfg, engines, settings, sizes, m.hosts[None], bar, profile_s)
     with clock.part("machine (device)"):
         cache.device_costs(m.costs[None])
     for c in m.costs.values():  # device times do not depend on the host's cores
@@ -271,7 +273,7 @@ def run_analyze(cfg: AnalyzeConfig, environment: dict[str, Any]) -> dict[str, An
                    "of the model's activations only, and nothing is measured"}
     a["timings"] = {"predict_s": predict_s, "validate_s": validate_s, "machine_s": m.costs[None].seconds,
                     "predict_over_validate": predict_s / validate_s if validate_s else None,
-                    "parts_s": clock.parts, "machine_cached": m.costs[None].cached,
+                    "parts_s": clock.parts, "profiles_s": profile_s, "machine_cached": m.costs[None].cached,
                     "machine_cache": cache.report(),
                     # how many timed runs each size's host times took (fewer than --runs once settled) and how many
                     # profiles its kernels combine

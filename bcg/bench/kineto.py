@@ -28,6 +28,9 @@ _SKIPPED = frozenset({"profiler::_record_function_enter", "profiler::_record_fun
                       "profiler::_record_function_exit", "[OutOfMemory]", "aten::is_leaf", "aten::output_nr",
                       "aten::_version"})
 MEMORY = "[memory]"
+# What profile_events reads of each kineto record (torch's own _KinetoEvent methods).
+_READ = ("name", "device_type", "start_ns", "end_ns", "correlation_id", "linked_correlation_id", "start_thread_id",
+         "is_user_annotation", "nbytes")
 
 
 @dataclass(frozen=True)
@@ -88,21 +91,31 @@ def profile_events(prof: Any) -> list[Event]:
         [e.name for e in profile_events(prof) if e.device_type == "CPU"][:3]
     """
     results = getattr(getattr(prof, "profiler", None), "kineto_results", None)
-    if results is None or not hasattr(results, "events") or not hasattr(results, "trace_start_ns"):
+    raw = results.events() if results is not None and hasattr(results, "trace_start_ns") else None
+    if raw is None or (raw and not all(hasattr(raw[0], m) for m in _READ)):  # an older torch: its FunctionEvents
         return [Event(e.name, str(e.device_type).rsplit(".", 1)[-1], Span(e.time_range.start, e.time_range.end),
                       e.id, getattr(e, "linked_correlation_id", 0), e.thread,
                       bool(getattr(e, "is_user_annotation", False)),
                       int(getattr(e, "cpu_memory_usage", 0) if e.name == MEMORY else 0)) for e in prof.events()]
     t0 = results.trace_start_ns()
+    hidden = bool(raw) and hasattr(raw[0], "is_hidden_event")
     out = []
-    for e in results.events():
+    cpu = "CPU"
+    for e in raw:
         name = e.name()
-        if name in _SKIPPED or (hasattr(e, "is_hidden_event") and e.is_hidden_event()):
+        if name in _SKIPPED or (hidden and e.is_hidden_event()):
+            continue
+        if name.startswith("aten::"):  # most records: an op on the host, read with fewer calls
+            out.append(Event(name, cpu, Span((e.start_ns() - t0) / 1e3, (e.end_ns() - t0) / 1e3), e.correlation_id(),
+                             0, e.start_thread_id()))
             continue
         device = str(e.device_type()).rsplit(".", 1)[-1]
+        if name == MEMORY:
+            start = (e.start_ns() - t0) / 1e3
+            out.append(Event(name, device, Span(start, start), nbytes=int(e.nbytes())))
+            continue
         out.append(Event(_demangled(name), device, Span((e.start_ns() - t0) / 1e3, (e.end_ns() - t0) / 1e3),
-                         e.correlation_id(), e.linked_correlation_id(), e.start_thread_id(), e.is_user_annotation(),
-                         int(e.nbytes()) if name == MEMORY else 0))
+                         e.correlation_id(), e.linked_correlation_id(), e.start_thread_id(), e.is_user_annotation()))
     return out
 
 

@@ -13,6 +13,7 @@ reading its records is most of what a profile costs, so one session for every si
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -93,11 +94,12 @@ class _Run:
             self.peak = float(torch.cuda.max_memory_allocated(device) - base)
 
 
-def _session(eng: Any, prompts: dict[int, torch.Tensor], counts: dict[int, int],
-             full_errors: dict[int, str]) -> dict[tuple[str, int], list[tuple[ForwardTrace, float | None, list[str]]]]:
+def _session(eng: Any, prompts: dict[int, torch.Tensor], counts: dict[int, int], full_errors: dict[int, str],
+             seconds: dict[str, float]) -> dict[tuple[str, int], list[tuple[ForwardTrace, float | None, list[str]]]]:
     """One profiler session: per size, ``counts[size]`` profiled eager forwards and as many of the full step (sizes
     in ``full_errors`` skip it; a size whose full step fails gets its error there). Returns (trace, activation
-    peak, islands called) per run, by ("eager" or "full", size)."""
+    peak, islands called) per run, by ("eager" or "full", size); adds the seconds spent running the session and
+    reading its records to ``seconds`` ("run", "read")."""
     from torch.profiler import ProfilerActivity
 
     device = eng.device
@@ -105,6 +107,7 @@ def _session(eng: Any, prompts: dict[int, torch.Tensor], counts: dict[int, int],
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     runs: dict[tuple[str, int], list[_Run]] = {}
     sync(device)
+    t0 = time.perf_counter()
     with quiet_profile(activities=activities, profile_memory=not cuda) as prof, torch.inference_mode():
         for n, count in counts.items():
             batch, slots = one_batch(eng, prompts[n])
@@ -127,18 +130,24 @@ def _session(eng: Any, prompts: dict[int, torch.Tensor], counts: dict[int, int],
                     runs.pop(("full", n), None)
             finally:
                 eng.kv_pool.free(slots)
+    t1 = time.perf_counter()
     by_tag = split_forwards(profile_events(prof))
-    return {key: [(kernels_from_events(by_tag.get(run.tag, []), cuda),
-                   run.peak if cuda else cpu_peak_bytes(by_tag.get(run.tag, [])), run.islands) for run in rs]
-            for key, rs in runs.items()}
+    out = {key: [(kernels_from_events(by_tag.get(run.tag, []), cuda),
+                  run.peak if cuda else cpu_peak_bytes(by_tag.get(run.tag, [])), run.islands) for run in rs]
+           for key, rs in runs.items()}
+    seconds["run"] = seconds.get("run", 0.0) + t1 - t0
+    seconds["read"] = seconds.get("read", 0.0) + time.perf_counter() - t1
+    return out
 
 
 def profile_sizes(eng: Any, prompts: dict[int, torch.Tensor], hosts: dict[int, HostTimes],
-                  repeats: int = PROFILE_REPEATS, most: int = PROFILE_MAX, warm: bool = False) -> dict[int, Profiled]:
+                  repeats: int = PROFILE_REPEATS, most: int = PROFILE_MAX, warm: bool = False,
+                  seconds: dict[str, float] | None = None) -> dict[int, Profiled]:
     """The :class:`~bcg.bench.forecast.Profiled` forward of every size in ``prompts`` on ``eng`` (an eager engine
     whose host times ``hosts`` holds), from ``repeats`` profiles each, and up to ``most`` where they disagree (see
     the module doc). ``warm`` first runs each size once unprofiled, for an engine that has not run them yet (a
-    size's first forward pays one-time costs that are no part of its kernels' times).
+    size's first forward pays one-time costs that are no part of its kernels' times). ``seconds`` gets the time
+    spent running the profiled forwards ("run") and reading their records ("read") added.
 
     Example::
 
@@ -148,11 +157,12 @@ def profile_sizes(eng: Any, prompts: dict[int, torch.Tensor], hosts: dict[int, H
     if warm:
         _warm(eng, prompts)
     full_errors: dict[int, str] = {}
-    got = _session(eng, prompts, {n: max(repeats, 1) for n in prompts}, full_errors)
+    seconds = {} if seconds is None else seconds
+    got = _session(eng, prompts, {n: max(repeats, 1) for n in prompts}, full_errors, seconds)
     again = {n: most - repeats for n in prompts if most > repeats and not all(
         agree([r[0] for r in got[(kind, n)]]) for kind in ("eager", "full") if got.get((kind, n)))}
     if again:
-        for key, rs in _session(eng, {n: prompts[n] for n in again}, again, full_errors).items():
+        for key, rs in _session(eng, {n: prompts[n] for n in again}, again, full_errors, seconds).items():
             got.setdefault(key, []).extend(rs)
     out = {}
     for n in prompts:
