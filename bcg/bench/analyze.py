@@ -275,9 +275,10 @@ def run_analyze(cfg: AnalyzeConfig, environment: dict[str, Any]) -> dict[str, An
                     "predict_over_validate": predict_s / validate_s if validate_s else None,
                     "parts_s": clock.parts, "profiles_s": profile_s, "machine_cached": m.costs[None].cached,
                     "machine_cache": cache.report(),
-                    # how many timed runs each size's host times took (fewer than --runs once settled) and how many
-                    # profiles its kernels combine
-                    "repeats": {EAGER_OF[s]: {n: {"host_runs": m.hosts[None][s][n].runs, "profiles": p.profiles}
+                    # how many untimed and timed runs each size's host times took (fewer than --warmup and --runs
+                    # once settled) and how many profiles its kernels combine
+                    "repeats": {EAGER_OF[s]: {n: {"host_warmups": m.hosts[None][s][n].warmups,
+                                                  "host_runs": m.hosts[None][s][n].runs, "profiles": p.profiles}
                                               for n, p in by_size.items()} for s, by_size in m.profiles.items()}}
     a["verdict"] = verdict(a)
     a["inputs"] = replay.dump(m)  # what the predictions were computed from: the CLI writes it to inputs.json

@@ -138,6 +138,11 @@ def settled(samples: Sequence[float], min_runs: int | None = None, within: float
     return median > 0 and (high - low) <= (SETTLED if within is None else within) * median
 
 
+def _agree(last_two: Sequence[float]) -> bool:
+    """Two warm-up runs within :data:`SETTLED` of each other: a size's one-time costs are behind it."""
+    return len(last_two) == 2 and abs(last_two[1] - last_two[0]) <= SETTLED * max(last_two[0], 1e-12)
+
+
 class _Timed:
     """``runner.forward`` wrapped for :func:`host_times`: on an observed call every island call is timed and the
     forward is marked on the device (its wall time from an idle device, and its host time); on every call the clock
@@ -175,10 +180,11 @@ def host_times(eng: Any, prompt: torch.Tensor, runs: int, warmup: int, full: Ful
     at the median of the timed runs, with the same at their lower and upper quartile as ``low`` and ``high``;
     ``full`` also times the load into the static attention's fields.
 
-    One loop of ``Engine.prefill`` calls times everything: after ``warmup`` untimed ones, the calls alternate between
-    observed (each island call timed, the forward marked on the device: the forward's wall and host time, the
-    islands') and plain (the prefill's wall time and the engine's work before and after the forward, which the
-    island timer would tax). Each series takes at most ``runs`` timed runs, fewer once it has settled
+    One loop of ``Engine.prefill`` calls times everything: after at most ``warmup`` untimed ones (fewer once two in a
+    row took times within :data:`SETTLED` of each other: the one-time costs of a new size are paid), the calls
+    alternate between observed (each island call timed, the forward marked on the device: the forward's wall and
+    host time, the islands') and plain (the prefill's wall time and the engine's work before and after the forward,
+    which the island timer would tax). Each series takes at most ``runs`` timed runs, fewer once it has settled
     (:func:`settled`).
 
     Example::
@@ -192,11 +198,13 @@ def host_times(eng: Any, prompt: torch.Tensor, runs: int, warmup: int, full: Ful
     timed = _Timed(runner.forward, device, timer)
     walls, hosts, islands, prefill, pre, post = [], [], [], [], [], []
     calls: dict[str, int] = {}
+    warm: list[float] = []
     runner.forward = timed
     try:
         with torch.inference_mode():
-            for i in range(warmup + 2 * max(runs, 1)):
-                timed.observed = i >= warmup and (i - warmup) % 2 == 0
+            for _ in range(warmup + 2 * max(runs, 1)):
+                warming = len(warm) < warmup and not _agree(warm[-2:])
+                timed.observed = not warming and len(walls) == len(prefill)
                 marks = Marks(device, capacity=2)
                 marks.mark()
                 t0 = time.perf_counter()
@@ -204,7 +212,8 @@ def host_times(eng: Any, prompt: torch.Tensor, runs: int, warmup: int, full: Ful
                 t1 = time.perf_counter()
                 marks.mark()
                 wall = marks.deltas_ms()[0]
-                if i < warmup:
+                if warming:
+                    warm.append(wall)
                     continue
                 if timed.observed:
                     walls.append(timed.wall_ms)
@@ -226,7 +235,7 @@ def host_times(eng: Any, prompt: torch.Tensor, runs: int, warmup: int, full: Ful
     out = [HostTimes(num_tokens=prompt.numel(), forward_ms=cols[0][i], host_ms=cols[1][i], prefill_ms=cols[2][i],
                      load_us=cols[3][i], full_load_us=cols[4][i], island_us={n: v[i] for n, v in per_call.items()},
                      island_calls=calls, island_bytes=dict(timer.bytes), prefill_pre_us=cols[5][i],
-                     prefill_post_us=cols[6][i], runs=len(prefill)) for i in range(3)]
+                     prefill_post_us=cols[6][i], runs=len(prefill), warmups=len(warm)) for i in range(3)]
     out[0].low, out[0].high = out[1], out[2]
     return out[0]
 

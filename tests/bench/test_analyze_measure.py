@@ -85,11 +85,12 @@ def test_profiles_that_disagree_are_profiled_again(eng: object, monkeypatch: pyt
     assert profiled.profile_sizes(eng, prompts, hosts, repeats=2, most=3)[8].profiles == 3
 
 
-@pytest.mark.parametrize("within, expected", [(float("inf"), profile.MIN_RUNS), (-1.0, 12)])
+@pytest.mark.parametrize("within, warmups, runs", [(float("inf"), 2, profile.MIN_RUNS), (-1.0, 4, 12)])
 def test_host_times_stop_once_their_spread_settled(eng: object, monkeypatch: pytest.MonkeyPatch, within: float,
-                                                   expected: int) -> None:
+                                                   warmups: int, runs: int) -> None:
     monkeypatch.setattr(profile, "SETTLED", within)
-    host = profile.host_times(eng, _prompts((16,))[16], runs=12, warmup=1)
-    assert host.runs == expected  # settled at once: the minimum; never: every run asked for
+    host = profile.host_times(eng, _prompts((16,))[16], runs=12, warmup=4)
+    # settled at once: two warm-ups (the first pair agrees) and the fewest runs; never: every run asked for
+    assert (host.warmups, host.runs) == (warmups, runs)
     assert host.island_calls == {"attention_island": 2} and host.island_us["attention_island"] > 0
     assert host.low.prefill_ms <= host.prefill_ms <= host.high.prefill_ms and host.prefill_pre_us is not None
