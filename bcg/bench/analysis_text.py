@@ -13,6 +13,8 @@ from bcg.bench.tables import fmt, fmt_bytes, table
 __all__ = ["format_analysis"]
 
 CPU_NOTE = "CPU emulation: these costs are the emulation's and mean nothing for a GPU"
+# What each entry of the machine cache (bcg.bench.machine_cache) holds, as the timings line names it.
+_CACHED = {"machine": "microbenchmarks", "paths": "replay-path costs", "device": "kernel device times"}
 
 
 def _buckets(buckets: list[int]) -> str:
@@ -185,11 +187,11 @@ def _timings(t: dict[str, Any]) -> str:
     line += "."
     cache = t.get("machine_cache") or {}
     sources = cache.get("sources") or {}
-    disk = [what for what, src in sources.items() if src == "disk"]
-    kept = [what for what in cache.get("files") or {} if sources.get(what) != "disk"]
+    disk = [_CACHED[what] for what, src in sources.items() if src == "disk"]
+    kept = [_CACHED[what] for what in cache.get("files") or {} if sources.get(what) != "disk"]
     if disk:
-        line += (f" This machine's {', '.join(disk)} costs came from the cache in {cache['dir']} (--machine-cache "
+        line += (f" This machine's {' and '.join(disk)} came from the cache in {cache['dir']} (--machine-cache "
                  "refresh measures them again).")
     if kept:
-        line += f" Its {', '.join(kept)} costs were measured and kept in {cache['dir']} for the next run."
+        line += f" This machine's {' and '.join(kept)} were measured and kept in {cache['dir']} for the next run."
     return line
