@@ -150,7 +150,7 @@ class MachineCache:
             if entry.get("key") != json.loads(json.dumps(key, default=str)):
                 raise ValueError("its key differs from this run's")
             return entry["value"]
-        except (OSError, ValueError, KeyError, TypeError) as e:
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:  # not an entry of ours
             self.notes.append(f"the cached {what} costs in {path} could not be used ({e}); measured again")
             return None
 
