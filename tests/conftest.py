@@ -1,9 +1,11 @@
-"""Shared test helper: an eager prefill driver standing in for the runner."""
+"""Shared test helpers: an eager prefill driver standing in for the runner; the machine's cached costs kept in a
+folder of the test session."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
@@ -57,3 +59,15 @@ def run_prefill(
 def prefill() -> Callable[..., PrefillResult]:
     """The :func:`run_prefill` driver."""
     return run_prefill
+
+
+@pytest.fixture(scope="session")
+def machine_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The folder of the machine's cached costs (bcg.bench.machine_cache) for the whole test session."""
+    return tmp_path_factory.mktemp("bcg-cache")
+
+
+@pytest.fixture(autouse=True)
+def _machine_cache_in_the_test_session(machine_cache_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`bcg analyze` under test neither reads what the user's runs cached in ~/.cache/bcg nor leaves entries there."""
+    monkeypatch.setenv("BCG_CACHE_DIR", str(machine_cache_dir))

@@ -13,6 +13,8 @@ from bcg.bench.tables import fmt, fmt_bytes, table
 __all__ = ["format_analysis"]
 
 CPU_NOTE = "CPU emulation: these costs are the emulation's and mean nothing for a GPU"
+# What each entry of the machine cache (bcg.bench.machine_cache) holds, as the timings line names it.
+_CACHED = {"machine": "microbenchmarks", "paths": "replay-path costs", "device": "kernel device times"}
 
 
 def _buckets(buckets: list[int]) -> str:
@@ -167,13 +169,29 @@ def format_analysis(a: dict[str, Any]) -> str:
                    f"{fmt(fc['fused_kernels_us'], 0)} µs.")
     if a.get("cpu_cores"):
         out += ["", _cores(a)]
-    t = a["timings"]
+    out += ["", _timings(a["timings"]), "", "Verdict: " + a["verdict"]["sentence"]]
+    return "\n".join(out)
+
+
+def _timings(t: dict[str, Any]) -> str:
+    """Where predicting spent its time, by part, and where the machine's costs came from."""
     line = f"Predicting took {fmt(t['predict_s'], 1)} s"
     if t.get("parts_s"):
-        line += " (" + ", ".join(f"{name} {fmt(s, 1)} s" for name, s in t["parts_s"].items()) + \
-            ("; machine microbenchmarks from earlier in this process" if t.get("machine_cached") else "") + ")"
+        sub = t.get("profiles_s") or {}
+        line += " (" + ", ".join(f"{name} {fmt(s, 2)} s" + (
+            f" [running {fmt(sub['run'], 2)} s, reading {fmt(sub['read'], 2)} s]" if name == "profiles" and sub else "")
+            for name, s in t["parts_s"].items()) + ")"
     if t.get("validate_s"):
         line += (f", validating {fmt(t['validate_s'], 1)} s (predicting is {fmt(t['predict_over_validate'], 2)} of "
-                 "it).")
-    out += ["", line if line.endswith(".") else line + ".", "", "Verdict: " + a["verdict"]["sentence"]]
-    return "\n".join(out)
+                 "it)")
+    line += "."
+    cache = t.get("machine_cache") or {}
+    sources = cache.get("sources") or {}
+    disk = [_CACHED[what] for what, src in sources.items() if src == "disk"]
+    kept = [_CACHED[what] for what in cache.get("files") or {} if sources.get(what) != "disk"]
+    if disk:
+        line += (f" This machine's {' and '.join(disk)} came from the cache in {cache['dir']} (--machine-cache "
+                 "refresh measures them again).")
+    if kept:
+        line += f" This machine's {' and '.join(kept)} were measured and kept in {cache['dir']} for the next run."
+    return line

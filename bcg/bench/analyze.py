@@ -8,14 +8,18 @@ The run, in the order CUPTI needs (once the profiler is loaded it slows later ho
    variants use, the host times of eager forwards per size (:func:`bcg.bench.profile.host_times`);
    under ``--cpu-cores`` both again with the process pinned to each core count (:mod:`bcg.bench.cores`);
 2. with ``--validate`` only: every variant built, captured and timed (:mod:`bcg.bench.validate`);
-3. :data:`PROFILE_REPEATS` profiled eager forwards per size, and as many of the step ``full`` would capture run
-   eagerly (:func:`bcg.bench.profile.profiled_forward`), then the tiny kernel's device time.
+3. every size's profiled eager forwards, and the step ``full`` would capture run eagerly, in one profiler session per
+   kernels setting (:func:`bcg.bench.profiled.profile_sizes`), then the tiny kernel's device time.
 
-The machine's microbenchmarks depend on the machine only, so a process measures them once; the eager engines are
-built once per kernels setting (again after ``--validate``); ``timings.parts_s`` says where the time went.
+The machine's costs do not depend on the model: they come from the disk cache where an entry matches this machine
+and software (:mod:`bcg.bench.machine_cache`; ``--machine-cache``), else are measured and kept there. The eager
+engines are built once per kernels setting (again after ``--validate``). ``timings`` says where the time went by
+part (``parts_s``: eager engines, machine, replay paths, host times, profiles, machine (device), composition), where
+the machine's costs came from (``machine_cache``) and how many runs and profiles each size took (``repeats``).
 
 :func:`bcg.bench.findings.findings` turns that into predictions, a recommendation and the seed's four parameters;
-:func:`bcg.bench.verdict.verdict` into one sentence.
+:func:`bcg.bench.verdict.verdict` into one sentence; what it was computed from goes to inputs.json
+(:mod:`bcg.bench.replay`).
 """
 
 from __future__ import annotations
@@ -29,23 +33,22 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from bcg.bench import machine
+from bcg.bench import replay
 from bcg.bench.config import AnalyzeConfig, BenchError
 from bcg.bench.cores import pinned
 from bcg.bench.engines import BuildRecord, EngineSpec, engine_for
 from bcg.bench.findings import EAGER_OF, Measurements, findings
 from bcg.bench.forecast import Profiled
-from bcg.bench.paths import measure_paths
+from bcg.bench.machine_cache import MachineCache
 from bcg.bench.predict import HostTimes
-from bcg.bench.profile import FullStep, host_times, profiled_forward
+from bcg.bench.profile import FullStep, host_times
+from bcg.bench.profiled import profile_sizes
 from bcg.bench.recommend import Workload
 from bcg.bench.validate import measure_variants, prompt_for
 from bcg.bench.variants import parse_variant
 from bcg.bench.verdict import MEMORY_SHARE_LIMIT, verdict
 
-__all__ = ["PROFILE_REPEATS", "run_analyze", "sample_lengths", "workload"]
-
-PROFILE_REPEATS = 3  # profiled forwards per size: each kernel's time is their median, their range its interval
+__all__ = ["run_analyze", "sample_lengths", "workload"]
 
 
 class Stopwatch:
@@ -113,7 +116,7 @@ def _eager(spec: EngineSpec, name: str, model: str) -> Iterator[Any]:
 def _full_step(eng: Any, size: int) -> FullStep | None:
     try:
         return FullStep(eng, size)
-    except Exception:  # full cannot stage this model at all: profiled_forward records why
+    except Exception:  # full cannot stage this model at all: profile_sizes records why
         return None
 
 
@@ -121,7 +124,7 @@ Hosts = dict[int | None, dict[str, dict[int, HostTimes]]]  # core count -> kerne
 
 
 def _host_phase(cfg: AnalyzeConfig, engines: dict[str, Any], settings: list[str], sizes: list[int], bar: Any,
-                info: dict[str, Any], clock: Stopwatch) -> tuple[dict[int | None, Any], Hosts]:
+                info: dict[str, Any], clock: Stopwatch, cache: MachineCache) -> tuple[dict[int | None, Any], Hosts]:
     """Step 1: the machine's costs and the eager host times, per core count."""
     variants = [parse_variant(v, cfg.tc_compiler) for v in cfg.backends]
     compilers = tuple(sorted({v.compile for v in variants if v.compile} |
@@ -133,10 +136,10 @@ def _host_phase(cfg: AnalyzeConfig, engines: dict[str, Any], settings: list[str]
     for k in [None, *(cfg.cpu_cores or [])]:
         bar.set_postfix(step="machine", cores=k or "all")
         with clock.part("machine"), pinned(k):
-            costs[k] = machine.measure(cfg.device, compilers if k is None else (), guards)
+            costs[k] = cache.machine_costs(cfg.device, compilers if k is None else (), guards)
         if not cfg.emulated and paths_for:  # the real replay paths (CUDA only: under the emulation they say nothing)
             with clock.part("replay paths"), pinned(k):
-                p = measure_paths(cfg.device, paths_for)
+                p = cache.path_costs(cfg.device, paths_for)
             costs[k].path_layer_us, costs[k].path_fixed_us = dict(p.per_layer_us), dict(p.fixed_us)
             costs[k].path_params_per_layer = p.params_per_layer
             info.setdefault("path_errors", {}).update(p.errors)
@@ -156,18 +159,18 @@ def _host_phase(cfg: AnalyzeConfig, engines: dict[str, Any], settings: list[str]
 
 
 def _profile_phase(cfg: AnalyzeConfig, engines: dict[str, Any], settings: list[str], sizes: list[int],
-                   hosts: dict[str, dict[int, HostTimes]], bar: Any) -> dict[str, dict[int, Profiled]]:
-    """Step 3: :data:`PROFILE_REPEATS` profiled eager forwards per size (after every timed run)."""
+                   hosts: dict[str, dict[int, HostTimes]], bar: Any, seconds: dict[str, float]
+                   ) -> dict[str, dict[int, Profiled]]:
+    """Step 3: every size's profiled eager forwards, in one profiler session per kernels setting (after every timed
+    run); engines built again after ``--validate`` first run each size once."""
     out: dict[str, dict[int, Profiled]] = {}
     for setting in settings:
         eng = engines[setting]
         vocab = eng.model.config.vocab_size
-        out[setting] = {}
-        for n in sizes:
-            bar.set_postfix(step=f"profile {EAGER_OF[setting]}", tokens=n)
-            out[setting][n] = profiled_forward(eng, prompt_for(vocab, n, cfg.seed), hosts[setting][n], n,
-                                               PROFILE_REPEATS)
-            bar.update()
+        bar.set_postfix(step=f"profile {EAGER_OF[setting]}", tokens=",".join(map(str, sizes)))
+        out[setting] = profile_sizes(eng, {n: prompt_for(vocab, n, cfg.seed) for n in sizes}, hosts[setting],
+                                     warm=cfg.validate, seconds=seconds)
+        bar.update(len(sizes))
     return out
 
 
@@ -203,7 +206,8 @@ def _trace_notes(m: Measurements) -> list[str]:
 
 
 def run_analyze(cfg: AnalyzeConfig, environment: dict[str, Any]) -> dict[str, Any]:
-    """Runs ``bcg analyze`` for a resolved ``cfg``; returns the analysis as plain data (results.json's content).
+    """Runs ``bcg analyze`` for a resolved ``cfg``; returns the analysis as plain data (results.json's content, and
+    under ``inputs`` what it was computed from: :func:`bcg.bench.replay.dump`, inputs.json's).
 
     Example::
 
@@ -225,9 +229,11 @@ def run_analyze(cfg: AnalyzeConfig, environment: dict[str, Any]) -> dict[str, An
     sizes = m.sizes()
     steps = len(sizes) * len(settings) * (2 + len(m.cores))
     clock = Stopwatch()
+    profile_s: dict[str, float] = {}  # of the profiles part: running the profiled forwards, reading their records
+    cache = MachineCache(cfg.machine_cache)
     with tqdm(total=steps, desc="bcg analyze", unit="step", disable=not cfg.progress) as bar, ExitStack() as stack:
         engines = _open_eager(stack, spec, settings, cfg.model, clock)
-        m.costs, m.hosts = _host_phase(cfg, engines, settings, sizes, bar, info, clock)
+        m.costs, m.hosts = _host_phase(cfg, engines, settings, sizes, bar, info, clock, cache)
         predict_s = time.perf_counter() - t0
         validate_s = None
         if cfg.validate:  # every variant built in turn: the eager engines make room, and come back fresh after
@@ -241,9 +247,9 @@ def run_analyze(cfg: AnalyzeConfig, environment: dict[str, Any]) -> dict[str, An
         if cfg.validate:
             engines = _open_eager(stack, spec, settings, cfg.model, clock)
         with clock.part("profiles"):
-            m.profiles = _profile_phase(cfg, engines, settings, sizes, m.hosts[None], bar)
+            m.profiles = _profile_phase(cfg, engines, settings, sizes, m.hosts[None], bar, profile_s)
     with clock.part("machine (device)"):
-        machine.measure_device(m.costs[None])
+        cache.device_costs(m.costs[None])
     for c in m.costs.values():  # device times do not depend on the host's cores
         c.tiny_kernel_us, c.medium_kernel_us = m.costs[None].tiny_kernel_us, m.costs[None].medium_kernel_us
     m.num_params = info["model"]["num_param_tensors"]
@@ -255,11 +261,11 @@ def run_analyze(cfg: AnalyzeConfig, environment: dict[str, Any]) -> dict[str, An
                          "workload": {"source": m.workload.source, "num_prompts": len(m.workload.lengths),
                                       "lengths": list(m.workload.lengths)},
                          "lengths": m.lengths(), "length": cfg.length}
-    with clock.part("model"):
+    with clock.part("composition"):
         a.update(findings(m))
     a["notes"] = _trace_notes(m) if not cfg.emulated else []
     a["notes"] += [f"the replay path of {b} could not be measured on a toy engine ({why}); its primitives' costs "
-                   "stand in" for b, why in info.get("path_errors", {}).items()]
+                   "stand in" for b, why in info.get("path_errors", {}).items()] + cache.notes
     predict_s += time.perf_counter() - t2
     a["memory"] = {"free_bytes": info.get("free_bytes"), "total_bytes": info.get("total_bytes"),
                    "budget_bytes": m.budget_bytes,
@@ -267,6 +273,13 @@ def run_analyze(cfg: AnalyzeConfig, environment: dict[str, Any]) -> dict[str, An
                    "of the model's activations only, and nothing is measured"}
     a["timings"] = {"predict_s": predict_s, "validate_s": validate_s, "machine_s": m.costs[None].seconds,
                     "predict_over_validate": predict_s / validate_s if validate_s else None,
-                    "parts_s": clock.parts, "machine_cached": m.costs[None].cached}
+                    "parts_s": clock.parts, "profiles_s": profile_s, "machine_cached": m.costs[None].cached,
+                    "machine_cache": cache.report(),
+                    # how many untimed and timed runs each size's host times took (fewer than --warmup and --runs
+                    # once settled) and how many profiles its kernels combine
+                    "repeats": {EAGER_OF[s]: {n: {"host_warmups": m.hosts[None][s][n].warmups,
+                                                  "host_runs": m.hosts[None][s][n].runs, "profiles": p.profiles}
+                                              for n, p in by_size.items()} for s, by_size in m.profiles.items()}}
     a["verdict"] = verdict(a)
+    a["inputs"] = replay.dump(m)  # what the predictions were computed from: the CLI writes it to inputs.json
     return a

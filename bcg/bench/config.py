@@ -24,6 +24,7 @@ from bcg.bench.defaults import (
     ANALYZE_BACKENDS,
     CPU_DEFAULTS,
     CUDA_DEFAULTS,
+    MACHINE_CACHE_MODES,
     RUNS,
     TC_COMPILERS,
     WARMUP,
@@ -138,7 +139,8 @@ class AnalyzeConfig(Run):
     [16, chunked_prefill_size]). ``predict_lengths`` are the lengths every backend is predicted (and with
     ``validate`` measured) at; ``length`` is the representative one (the Amdahl point and the ``cpu_cores`` table).
     ``backends`` are the variants predicted; ``memory_budget`` bounds the recommendation's graph memory (bytes; default
-    a tenth of the free device memory on CUDA, none on a CPU).
+    a tenth of the free device memory on CUDA, none on a CPU). ``machine_cache`` is what happens to this machine's
+    cached costs (:mod:`bcg.bench.machine_cache`): ``use``, ``refresh`` or ``off``.
 
     Example::
 
@@ -165,6 +167,7 @@ class AnalyzeConfig(Run):
     memory_budget: int | None = None
     validate: bool = False
     cpu_cores: list[int] | None = None
+    machine_cache: str = "use"  # MACHINE_CACHE_MODES: the costs from the disk cache, measured again, or neither
     seed: int = 0
     plots: bool = True
     progress: bool | None = None
@@ -211,6 +214,9 @@ class AnalyzeConfig(Run):
         tc_compiler = tc_compiler_for(self.tc_compiler, d)
         if self.memory_budget is not None and self.memory_budget < 1:
             raise ValueError(f"--memory-budget must be a positive size such as 2GiB, got {self.memory_budget}")
+        if self.machine_cache not in MACHINE_CACHE_MODES:
+            raise ValueError(f"--machine-cache must be one of {', '.join(MACHINE_CACHE_MODES)}, got "
+                             f"{self.machine_cache!r}")
         if self.cpu_cores is not None:
             from bcg.bench.cores import check_cores
 

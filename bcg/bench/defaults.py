@@ -11,10 +11,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["ANALYZE_BACKENDS", "CPU_DEFAULTS", "CUDA_DEFAULTS", "LOAD_CPU_DEFAULTS", "LOAD_CUDA_DEFAULTS", "RUNS",
-           "TC_COMPILERS", "WARMUP", "LoadDefaults", "MachineDefaults"]
+__all__ = ["ANALYZE_BACKENDS", "CPU_DEFAULTS", "CUDA_DEFAULTS", "LOAD_CPU_DEFAULTS", "LOAD_CUDA_DEFAULTS",
+           "MACHINE_CACHE_MODES", "RUNS", "TC_COMPILERS", "WARMUP", "LoadDefaults", "MachineDefaults"]
 
 RUNS, WARMUP = 20, 5
+# What bcg analyze does with the machine's costs cached on disk (bcg.bench.machine_cache): read them where they match
+# (and measure and keep them where none do), measure them again and overwrite, or neither read nor write.
+MACHINE_CACHE_MODES = ("use", "refresh", "off")
 # What compiles tc_piecewise's pieces (--tc-compiler): Inductor's generated kernels, or dynamo's trace run as it is.
 TC_COMPILERS = ("inductor", "traced")
 

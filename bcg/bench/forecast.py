@@ -66,6 +66,7 @@ class Profiled:
     trace_high: ForwardTrace | None = None
     full_trace_low: ForwardTrace | None = None
     full_trace_high: ForwardTrace | None = None
+    profiles: int = 1  # profiles the traces combine
 
     def bound(self, side: str) -> Profiled:
         """This forward with every input at its ``"low"`` or ``"high"`` end (the median where none was measured)."""

@@ -3,7 +3,8 @@
 Each number comes from tiny in-place adds on a one-element tensor, so the kernels themselves cost next to nothing and
 what is timed is the path around them: an eager launch, a kernel inside a replayed graph, a graph launch, a break of a
 breakable graph, a piece of torch.compile piecewise, a capture; the graph memory each node and each graph executable
-holds; dynamo's guards per call (by parameter count) and a compile per layer-like block. They take a few seconds.
+holds; dynamo's guards per call (by parameter count) and a compile per layer-like block. They take a few seconds, so
+a process measures them once and :mod:`bcg.bench.machine_cache` keeps them on disk for the next run.
 Under the CPU emulation they run the same code (emulated graphs), and mean nothing for a GPU.
 
 The host-side benchmarks (:func:`measure`) run before anything is profiled; :func:`measure_device` reads the one number
@@ -336,12 +337,12 @@ def _measure(device: torch.device, compilers: tuple[str, ...], guards: bool) -> 
     return costs
 
 
-def measure_device(costs: MachineCosts) -> MachineCosts:
+def measure_device(costs: MachineCosts, cache: bool = True) -> MachineCosts:
     """Fills in ``tiny_kernel_us`` and ``medium_kernel_us``: the profiler's device time of a tiny and of a medium
     kernel run eagerly (on a CPU the host time of each add, as the emulation's kernels are its ops). Run it after
-    every host timing of the process. A process measures each device once (:data:`_DEVICE_CACHE`)."""
+    every host timing of the process. With ``cache`` a process measures each device once (:data:`_DEVICE_CACHE`)."""
     device = torch.device(costs.device)
-    if str(device) in _DEVICE_CACHE:
+    if cache and str(device) in _DEVICE_CACHE:
         costs.tiny_kernel_us, costs.medium_kernel_us = _DEVICE_CACHE[str(device)]
         return costs
     x = torch.zeros(1, device=device)

@@ -13,8 +13,9 @@ split graph and each island through its custom op. :func:`measure_paths` builds 
   logits; tc_piecewise's guards and split-graph entry).
 
 These depend on the machine and on bcg, not on the model: a process measures them once
-(:func:`measure_paths` caches). The programs of :mod:`bcg.bench.predict` use them in place of the primitives'
-costs where they exist. Under the CPU emulation they run the same code and mean nothing for a GPU.
+(:func:`measure_paths` caches), and :mod:`bcg.bench.machine_cache` keeps them on disk for the next run. The
+programs of :mod:`bcg.bench.predict` use them in place of the primitives' costs where they exist. Under the CPU
+emulation they run the same code and mean nothing for a GPU.
 """
 
 from __future__ import annotations

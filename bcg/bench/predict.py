@@ -126,6 +126,8 @@ class HostTimes:
     island_bytes: dict[str, float] = field(default_factory=dict)
     prefill_pre_us: float | None = None
     prefill_post_us: float | None = None
+    runs: int = 0  # timed runs per series (fewer than asked once the spread settled: bcg.bench.profile.settled)
+    warmups: int = 0  # untimed runs before them (fewer than asked once two agreed)
     # The same times at the lower and upper quartile of their runs (None: one run, no spread): the predictions'
     # intervals are these played through the same programs.
     low: HostTimes | None = field(default=None, repr=False, compare=False)

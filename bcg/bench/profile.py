@@ -1,12 +1,11 @@
-"""Measuring one eager forward for the predictions: its host times unprofiled, then its kernels profiled.
+"""Measuring one eager forward for the predictions, unprofiled: its host times.
 
-Nothing here captures a graph or compiles. :func:`host_times` times ``runner.forward`` of an eager engine with every
-island call timed on the host (:func:`bcg.islands.observing_islands` runs each one), ``Engine.prefill`` of the same
-prompt, and the load of the batch into its fields (the eager work before a replay), for the live attention and for
-the static attention ``full`` captures (:class:`FullStep`). :func:`profiled_forward` then profiles one forward with
-every island call annotated (:mod:`bcg.bench.trace` reads the annotations back), and the same step run under the
-static attention: where that run fails, or calls an island, ``full`` cannot capture the model. Host times come
-first: once loaded, the profiler slows later host work (DESIGN.md).
+Nothing here captures a graph or compiles. :func:`host_times` times ``Engine.prefill`` of a prompt on an eager
+engine, and inside it ``runner.forward`` with every island call timed on the host
+(:func:`bcg.islands.observing_islands` runs each one), and the load of the batch into its fields (the eager work
+before a replay), for the live attention and for the static attention ``full`` captures (:class:`FullStep`).
+:mod:`bcg.bench.profiled` then profiles the same forwards. Host times come first: once loaded, the profiler slows
+later host work (DESIGN.md).
 """
 
 from __future__ import annotations
@@ -15,23 +14,18 @@ import dataclasses
 import statistics
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from bcg.bench.engines import one_batch
-from bcg.bench.forecast import Profiled
 from bcg.bench.predict import HostTimes
-from bcg.bench.quiet_profiler import quiet_profile
 from bcg.bench.timing import Marks, sync
-from bcg.bench.trace import ForwardTrace, combine_traces, island_label, kernels_from_events
-from bcg.errors import first_line
 from bcg.islands import observing_islands
 from bcg.tensors import tensor_leaves
 
-__all__ = ["FullStep", "IslandTimer", "host_times", "profiled_forward", "spread"]
+__all__ = ["MIN_RUNS", "SETTLED", "FullStep", "IslandTimer", "host_times", "settled", "spread"]
 
 
 class FullStep:
@@ -122,10 +116,76 @@ def spread(samples: Sequence[float]) -> tuple[float, float, float]:
     return statistics.median(xs), q[0], q[2]
 
 
+# Host times stop early once their spread says more runs would not move the median: after MIN_RUNS timed runs of
+# each series, when every wall-time series' interquartile range is within SETTLED of its median.
+MIN_RUNS = 5
+SETTLED = 0.02
+
+
+def settled(samples: Sequence[float], min_runs: int | None = None, within: float | None = None) -> bool:
+    """Whether ``samples`` are enough: at least ``min_runs`` (default :data:`MIN_RUNS`), their interquartile range
+    within ``within`` (default :data:`SETTLED`) of their median (the interval a prediction takes from them is then
+    that narrow).
+
+    Example::
+
+        >>> settled([10.0, 10.1, 9.9, 10.0, 10.05]), settled([10.0, 12.0, 9.0, 10.0, 11.0]), settled([10.0, 10.0])
+        (True, False, False)
+    """
+    if len(samples) < (MIN_RUNS if min_runs is None else min_runs):
+        return False
+    median, low, high = spread(samples)
+    return median > 0 and (high - low) <= (SETTLED if within is None else within) * median
+
+
+def _agree(last_two: Sequence[float]) -> bool:
+    """Two warm-up runs within :data:`SETTLED` of each other: a size's one-time costs are behind it."""
+    return len(last_two) == 2 and abs(last_two[1] - last_two[0]) <= SETTLED * max(last_two[0], 1e-12)
+
+
+class _Timed:
+    """``runner.forward`` wrapped for :func:`host_times`: on an observed call every island call is timed and the
+    forward is marked on the device (its wall time from an idle device, and its host time); on every call the clock
+    is read as it enters and leaves (the engine's work before and after it)."""
+
+    def __init__(self, forward: Callable[[Any], Any], device: torch.device, timer: IslandTimer) -> None:
+        self.forward, self.device, self.timer = forward, device, timer
+        self.observed = False
+        self.enter = self.leave = 0.0
+        self.wall_ms = self.host_us = 0.0
+
+    def __call__(self, batch: Any) -> Any:
+        if not self.observed:
+            self.enter = time.perf_counter()
+            try:
+                return self.forward(batch)
+            finally:
+                self.leave = time.perf_counter()
+        self.timer.us.clear()
+        self.timer.calls.clear()
+        marks = Marks(self.device, capacity=2)
+        marks.mark()  # syncs first: the forward starts from an idle device
+        self.enter = time.perf_counter()
+        try:
+            with observing_islands(self.timer):
+                return self.forward(batch)
+        finally:
+            self.leave = time.perf_counter()
+            marks.mark()
+            self.wall_ms, self.host_us = marks.deltas_ms()[0], (self.leave - self.enter) * 1e6
+
+
 def host_times(eng: Any, prompt: torch.Tensor, runs: int, warmup: int, full: FullStep | None = None) -> HostTimes:
     """The :class:`~bcg.bench.predict.HostTimes` of ``prompt``'s eager forward on ``eng`` (an eager engine),
-    ``runs`` timed after ``warmup`` untimed, at the median of the runs, with the same at their lower and upper
-    quartile as ``low`` and ``high``; ``full`` also times the load into the static attention's fields.
+    at the median of the timed runs, with the same at their lower and upper quartile as ``low`` and ``high``;
+    ``full`` also times the load into the static attention's fields.
+
+    One loop of ``Engine.prefill`` calls times everything: after at most ``warmup`` untimed ones (fewer once two in a
+    row took times within :data:`SETTLED` of each other: the one-time costs of a new size are paid), the calls
+    alternate between observed (each island call timed, the forward marked on the device: the forward's wall and
+    host time, the islands') and plain (the prefill's wall time and the engine's work before and after the forward,
+    which the island timer would tax). Each series takes at most ``runs`` timed runs, fewer once it has settled
+    (:func:`settled`).
 
     Example::
 
@@ -133,170 +193,68 @@ def host_times(eng: Any, prompt: torch.Tensor, runs: int, warmup: int, full: Ful
             host = host_times(eng, prompt, runs=20, warmup=5)
         host.forward_ms, host.island_us["attention_island"], host.high.forward_ms
     """
-    device = eng.device
-    batch, slots = one_batch(eng, prompt)
+    device, runner = eng.device, eng.runner
+    timer = IslandTimer()
+    timed = _Timed(runner.forward, device, timer)
+    walls, hosts, islands, prefill, pre, post = [], [], [], [], [], []
+    calls: dict[str, int] = {}
+    warm: list[float] = []
+    runner.forward = timed
     try:
         with torch.inference_mode():
-            walls, hosts, islands = [], [], []
-            calls: dict[str, int] = {}
-            timer = IslandTimer()
-            for i in range(warmup + runs):
-                timer.us.clear()
-                timer.calls.clear()
+            for _ in range(warmup + 2 * max(runs, 1)):
+                warming = len(warm) < warmup and not _agree(warm[-2:])
+                timed.observed = not warming and len(walls) == len(prefill)
                 marks = Marks(device, capacity=2)
                 marks.mark()
                 t0 = time.perf_counter()
-                with observing_islands(timer):
-                    eng.runner.forward(batch)
-                host_us = (time.perf_counter() - t0) * 1e6
+                eng.prefill([prompt])
+                t1 = time.perf_counter()
                 marks.mark()
                 wall = marks.deltas_ms()[0]
-                if i >= warmup:
-                    walls.append(wall)
-                    hosts.append(host_us)
+                if warming:
+                    warm.append(wall)
+                    continue
+                if timed.observed:
+                    walls.append(timed.wall_ms)
+                    hosts.append(timed.host_us / 1e3)
                     islands.append(dict(timer.us))
                     calls = dict(timer.calls)
-            load = _host_samples(lambda: eng.runner.inputs.load_live(batch), device, max(runs, 5))
-            full_load = None
-            if full is not None:
-                try:
-                    full_load = _host_samples(lambda: full.load(batch), device, max(runs, 5))
-                except Exception:  # full cannot stage this batch: its forecast says why (profiled_forward)
-                    full_load = None
-        prefill, pre, post = _prefill(eng, prompt, runs, warmup)
+                else:
+                    prefill.append(wall)
+                    pre.append((timed.enter - t0) * 1e6)
+                    post.append((t1 - timed.leave) * 1e6)
+                if len(prefill) >= runs or (len(walls) == len(prefill) and settled(walls) and settled(prefill)):
+                    break
     finally:
-        eng.kv_pool.free(slots)
+        del runner.forward  # the class's method again
+    load, full_load = _loads(eng, prompt, max(runs, 5), full)
     per_call = {n: spread([run.get(n, 0.0) / max(c, 1) for run in islands]) for n, c in calls.items()}
-    cols = [spread(walls), spread([h / 1e3 for h in hosts]), spread(prefill), spread(load),
+    cols = [spread(walls), spread(hosts), spread(prefill), spread(load),
             spread(full_load) if full_load else (None, None, None), spread(pre), spread(post)]
     out = [HostTimes(num_tokens=prompt.numel(), forward_ms=cols[0][i], host_ms=cols[1][i], prefill_ms=cols[2][i],
                      load_us=cols[3][i], full_load_us=cols[4][i], island_us={n: v[i] for n, v in per_call.items()},
                      island_calls=calls, island_bytes=dict(timer.bytes), prefill_pre_us=cols[5][i],
-                     prefill_post_us=cols[6][i]) for i in range(3)]
+                     prefill_post_us=cols[6][i], runs=len(prefill), warmups=len(warm)) for i in range(3)]
     out[0].low, out[0].high = out[1], out[2]
     return out[0]
 
 
-def _prefill(eng: Any, prompt: torch.Tensor, runs: int, warmup: int) -> tuple[list[float], list[float], list[float]]:
-    """(wall ms, µs before, µs after the forward) of each timed ``Engine.prefill`` of ``prompt``: the runner's
-    ``forward`` is wrapped with two clock reads for the measurement and given back after."""
-    runner, device = eng.runner, eng.device
-    forward = runner.forward
-    enter: list[float] = []
-    leave: list[float] = []
-
-    def timed(batch: Any) -> Any:
-        enter.append(time.perf_counter())
-        try:
-            return forward(batch)
-        finally:
-            leave.append(time.perf_counter())
-
-    walls, pre, post = [], [], []
-    runner.forward = timed
-    try:
-        for i in range(warmup + runs):
-            marks = Marks(device, capacity=2)
-            marks.mark()
-            t0 = time.perf_counter()
-            eng.prefill([prompt])
-            t1 = time.perf_counter()
-            marks.mark()
-            wall = marks.deltas_ms()[0]
-            if i >= warmup:
-                walls.append(wall)
-                pre.append((enter[-1] - t0) * 1e6)
-                post.append((t1 - leave[-1]) * 1e6)
-    finally:
-        del runner.forward  # the class's method again
-    return walls, pre, post
-
-
-@contextmanager
-def _annotated() -> Iterator[list[str]]:
-    """Every island call of the block inside a profiler range named :func:`~bcg.bench.trace.island_label`; yields
-    the names called, in order."""
-    from torch.profiler import record_function
-
-    names: list[str] = []
-
-    def call(fn: Callable, name: str, args: tuple, kwargs: dict) -> Any:
-        with record_function(island_label(name, len(names))):
-            names.append(name)
-            return fn(*args, **kwargs)
-
-    with observing_islands(call):
-        yield names
-
-
-def _profile(fn: Callable[[], Any], device: torch.device) -> tuple[ForwardTrace, float | None, list[str]]:
-    """Runs ``fn`` once under the profiler: its trace, its activation peak in bytes, the islands it called."""
-    from torch.profiler import ProfilerActivity
-
-    cuda = device.type == "cuda"
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    sync(device)
-    if cuda:
-        torch.cuda.reset_peak_memory_stats(device)
-        base = torch.cuda.memory_allocated(device)
-    with quiet_profile(activities=activities, profile_memory=not cuda) as prof, _annotated() as names:
-        fn()
-        sync(device)
-    events = prof.events()
-    peak = torch.cuda.max_memory_allocated(device) - base if cuda else _cpu_peak(events)
-    return kernels_from_events(events, cuda), float(peak) if peak is not None else None, names
-
-
-def _cpu_peak(events: Any) -> float | None:
-    """The most CPU memory the profiled block held above where it started, from the profiler's allocation events."""
-    # An op's allocations are its own and its children's: each op counts what it holds net of its children (its
-    # self memory), and frees outside any op are "[memory]" events of their own.
-    deltas = sorted((e.time_range.start, e.cpu_memory_usage if e.name == "[memory]" else e.self_cpu_memory_usage)
-                    for e in events if str(e.device_type).endswith("CPU"))
-    if not any(d for _, d in deltas):
-        return None
-    held = peak = 0.0
-    for _, delta in deltas:
-        held += delta
-        peak = max(peak, held)
-    return peak
-
-
-def profiled_forward(eng: Any, prompt: torch.Tensor, host: HostTimes, bucket: int, repeats: int = 3) -> Profiled:
-    """``repeats`` profiled eager forwards of ``prompt`` on ``eng``, and as many of the step ``full`` would capture
-    at ``bucket`` run eagerly (its error, when it fails, is why ``full`` cannot capture this model); each kernel's
-    device time is the median over the profiles, its lowest and highest bound the interval
-    (:func:`~bcg.bench.trace.combine_traces`), so no single noisy forward decides a prediction.
-
-    Example::
-
-        p = profiled_forward(eng, prompt, host, bucket=512)
-        len(p.trace.kernels), p.trace_high.device_us, p.full_error
-    """
-    device = eng.device
+def _loads(eng: Any, prompt: torch.Tensor, reps: int, full: FullStep | None) -> tuple[list[float], list[float] | None]:
+    """Host µs of loading the batch into the live attention's fields, and into the static attention's (None when
+    ``full`` is None or cannot stage the batch)."""
     batch, slots = one_batch(eng, prompt)
     try:
         with torch.inference_mode():
-            eng.runner.forward(batch)
-            runs = [_profile(lambda: eng.runner.forward(batch), device) for _ in range(max(repeats, 1))]
-            trace, low, high = combine_traces([r[0] for r in runs])
-            profiled = Profiled(prompt.numel(), trace, host, activation_bytes=_max_peak(r[1] for r in runs),
-                                trace_low=low, trace_high=high)
-            try:
-                step = FullStep(eng, bucket)
-                step.run(batch)
-                fulls = [_profile(lambda: step.run(batch), device) for _ in range(max(repeats, 1))]
-                profiled.full_trace, profiled.full_trace_low, profiled.full_trace_high = combine_traces(
-                    [r[0] for r in fulls])
-                profiled.full_activation_bytes = _max_peak(r[1] for r in fulls)
-                profiled.full_islands = list(dict.fromkeys(n for r in fulls for n in r[2]))
-            except Exception as e:  # what full's capture would hit: the forecast reports it
-                profiled.full_error = first_line(e)
+            load = _host_samples(lambda: eng.runner.inputs.load_live(batch), eng.device, reps)
+            full_load = None
+            if full is not None:
+                try:
+                    full_load = _host_samples(lambda: full.load(batch), eng.device, reps)
+                except Exception:  # full cannot stage this batch: its forecast says why (bcg.bench.profiled)
+                    full_load = None
     finally:
         eng.kv_pool.free(slots)
-    return profiled
+    return load, full_load
 
 
-def _max_peak(peaks: Iterable[float | None]) -> float | None:
-    known = [p for p in peaks if p is not None]
-    return max(known) if known else None

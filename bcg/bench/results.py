@@ -39,7 +39,13 @@ returns, with its ``config`` and ``plots`` (lengths are JSON object keys, so str
   ``validation`` per variant (availability, build time and graph memory measured, the replay's steps);
 - with ``--cpu-cores``: ``cpu_cores``: core count -> ``launch_gap_share``, ``predictions`` (and ``measured``) ms per
   variant at ``length``;
-- ``memory`` (free and total device memory, the budget), ``timings`` (``predict_s``, ``validate_s``), ``verdict``.
+- ``memory`` (free and total device memory, the budget), ``verdict``;
+- ``timings``: ``predict_s`` and ``validate_s``; ``parts_s`` (seconds by part: ``eager engines``, ``machine``,
+  ``replay paths``, ``host times``, ``profiles``, ``machine (device)``, ``composition``); ``profiles_s`` (of the
+  profiles: ``run``, the profiled forwards, and ``read``, their records turned into traces); ``machine_cache``
+  (``mode``, ``dir``, per cost ``sources`` "disk", "measured" or "process", and ``files``); ``repeats`` (per eager
+  variant and size, ``host_warmups``, ``host_runs`` and ``profiles``);
+- ``inputs_file``: inputs.json beside it, what the predictions were computed from (:mod:`bcg.bench.replay`).
 """
 
 from __future__ import annotations
@@ -81,8 +87,8 @@ def jsonable(obj: Any) -> Any:
     return str(obj)
 
 
-def write_json(path: str | os.PathLike, data: Any) -> Path:
-    """Writes ``data`` as indented JSON (creating parent folders) and returns the path.
+def write_json(path: str | os.PathLike, data: Any, indent: int | None = 2) -> Path:
+    """Writes ``data`` as JSON, indented unless ``indent`` is None (creating parent folders), and returns the path.
 
     Example::
 
@@ -90,7 +96,8 @@ def write_json(path: str | os.PathLike, data: Any) -> Path:
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(jsonable(data), indent=2) + "\n")
+    text = json.dumps(jsonable(data), indent=indent, separators=None if indent else (",", ":"))
+    path.write_text(text + "\n")
     return path
 
 

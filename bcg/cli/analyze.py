@@ -18,7 +18,7 @@ HELP = "predict every backend before capturing anything, and recommend one"
 
 def add_flags(an: argparse.ArgumentParser) -> None:
     """Fills in the ``analyze`` subcommand's parser (:class:`~bcg.bench.config.AnalyzeConfig`, one flag per field)."""
-    from bcg.bench.defaults import ANALYZE_BACKENDS
+    from bcg.bench.defaults import ANALYZE_BACKENDS, MACHINE_CACHE_MODES
     from bcg.bench.defaults import CPU_DEFAULTS as C
     from bcg.bench.defaults import CUDA_DEFAULTS as G
     from bcg.cli.run import run_analyze
@@ -63,4 +63,9 @@ def add_flags(an: argparse.ArgumentParser) -> None:
                     help="comma list of core counts: repeat the host measurements (and with --validate the "
                     "measurements) with the process pinned to that many cores and as many torch threads "
                     "(default: the process as it is)")
+    an.add_argument("--machine-cache", choices=MACHINE_CACHE_MODES, default="use",
+                    help="this machine's microbenchmarks and replay-path costs (they do not depend on the model) from "
+                    "the disk cache ($XDG_CACHE_HOME/bcg, else ~/.cache/bcg) where an entry matches this device, "
+                    "torch, triton, cores and threads, measured and kept where none does: use; measure again and "
+                    "overwrite: refresh; neither read nor write: off (default: %(default)s)")
     an.set_defaults(func=run_analyze, parser=an, config="bcg.bench.config:AnalyzeConfig")

@@ -73,6 +73,8 @@ def run_analyze(cfg: Any) -> dict[str, Any]:
     print(text.header("analyze", cfg, env), flush=True)
     a = analyze.run_analyze(cfg, env)
     a["config"] = vars(cfg)
+    inputs = a.pop("inputs")  # kept apart: a GPU run's traces are megabytes, results.json stays readable
+    a["inputs_file"] = str(write_json(Path(cfg.out) / "inputs.json", inputs, indent=None))
     data = jsonable(a)
     figures = analysis_plots.analyze_figures(data, _title(cfg, env)) if cfg.plots else {}
     data["plots"] = plots.write_plots(figures, cfg.out, analysis_plots.ANALYZE_PLOTS)

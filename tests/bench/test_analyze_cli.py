@@ -44,7 +44,9 @@ def test_predicting_captures_and_compiles_nothing(tmp_path: Path, capsys: pytest
             low, high = summary["intervals"][v][n]
             assert low <= ms <= high, (v, n)
     parts = summary["timings"]["parts_s"]
-    assert {"machine", "host times", "profiles", "model"} <= set(parts) and all(s >= 0 for s in parts.values())
+    assert {"machine", "host times", "profiles", "composition"} <= set(parts) and all(s >= 0 for s in parts.values())
+    for n, r in summary["timings"]["repeats"]["eager"].items():  # --runs 2: two runs each; two or three profiles
+        assert r["host_runs"] == 2 and r["profiles"] in (2, 3), n
     rec = summary["recommendation"]
     assert set(rec) == {"backend", "ceiling", "buckets"} and rec["backend"] in {"eager", *VARIANTS}
     assert "measured" not in summary and "errors" not in summary and summary["pays"] is None
@@ -72,9 +74,15 @@ def test_validate_and_cpu_cores_end_to_end(tmp_path: Path, capsys: pytest.Captur
     assert os.sched_getaffinity(0) == affinity and torch.get_num_threads() == threads  # the process as it was
     out = capsys.readouterr().out
     summary = last_json(out)
+    # the last line: predictions with their intervals, the recommendation, and what was measured with the errors
+    assert summary["intervals"].keys() == summary["predictions"].keys()
+    assert set(summary["recommendation"]) == {"backend", "ceiling", "buckets"}
     for v in VARIANTS:  # every variant runs under the emulation, so each is measured and has errors
         assert summary["errors"][v].keys() == summary["predictions"][v].keys() == summary["measured"][v].keys()
+        assert summary["intervals"][v].keys() == summary["predictions"][v].keys()
         assert all(ms > 0 for ms in summary["measured"][v].values())
+        for n, err in summary["errors"][v].items():
+            assert err == pytest.approx(summary["predictions"][v][n] / summary["measured"][v][n] - 1)
     assert "predicted before capture, then measured (--validate)" in out and "error" in out
     assert "The host as a variable" in out and "Measured replay of bucket 16" in out
     data = json.loads((tmp_path / "results.json").read_text())

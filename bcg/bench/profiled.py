@@ -1,0 +1,197 @@
+"""Profiling the eager forwards for the predictions: every size's kernels, in as few profiler sessions as it takes.
+
+:func:`profile_sizes` profiles, for every size, the eager forward with every island call annotated
+(:mod:`bcg.bench.trace` reads the annotations back) and the same step run under the static attention (``full``'s
+graph: where that run fails, or calls an island, ``full`` cannot capture the model), each :data:`PROFILE_REPEATS`
+times, all in one profiler session: each forward runs inside its own range (:func:`~bcg.bench.kineto.forward_label`)
+and :func:`~bcg.bench.kineto.split_forwards` cuts the session's records into forwards. A size whose profiles
+disagree (another kernel sequence, or a device time more than :data:`PROFILE_AGREE` apart) gets profiled again, up to
+:data:`PROFILE_MAX` times, in a second session; each kernel's device time is then the median over a size's profiles
+and their range its interval (:func:`~bcg.bench.trace.combine_traces`). Starting and stopping the profiler and
+reading its records is most of what a profile costs, so one session for every size is much of the difference.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+from bcg.bench.engines import one_batch
+from bcg.bench.forecast import Profiled
+from bcg.bench.kineto import cpu_peak_bytes, forward_label, profile_events, split_forwards
+from bcg.bench.predict import HostTimes
+from bcg.bench.profile import FullStep
+from bcg.bench.quiet_profiler import quiet_profile
+from bcg.bench.timing import sync
+from bcg.bench.trace import ForwardTrace, combine_traces, island_label, kernels_from_events
+from bcg.errors import first_line
+from bcg.islands import observing_islands
+
+__all__ = ["PROFILE_AGREE", "PROFILE_MAX", "PROFILE_REPEATS", "agree", "profile_sizes"]
+
+PROFILE_REPEATS = 2  # profiles of each forward in the first session
+PROFILE_MAX = 3  # at most, for a forward whose first profiles disagree
+PROFILE_AGREE = 0.02  # two profiles agree when their device times are this close (and their kernels the same)
+
+
+def agree(traces: list[ForwardTrace], within: float | None = None) -> bool:
+    """Whether ``traces`` are the same kernels with device times within ``within`` (default
+    :data:`PROFILE_AGREE`) of each other: more profiles would not move the median much.
+
+    Example::
+
+        >>> from bcg.bench.trace import Kernel
+        >>> t = [ForwardTrace([Kernel("mm", "aten::mm", us)]) for us in (10.0, 10.1)]
+        >>> agree(t), agree([*t, ForwardTrace([Kernel("mm", "aten::mm", 12.0)])])
+        (True, False)
+    """
+    if len({tuple(k.name for k in t.kernels) for t in traces}) > 1:
+        return False
+    totals = [t.device_us for t in traces]
+    within = PROFILE_AGREE if within is None else within
+    return max(totals) - min(totals) <= within * max(max(totals), 1e-9)
+
+
+@contextmanager
+def _annotated() -> Iterator[list[str]]:
+    """Every island call of the block inside a profiler range named :func:`~bcg.bench.trace.island_label`; yields
+    the names called, in order."""
+    from torch.profiler import record_function
+
+    names: list[str] = []
+
+    def call(fn: Callable, name: str, args: tuple, kwargs: dict) -> Any:
+        with record_function(island_label(name, len(names))):
+            names.append(name)
+            return fn(*args, **kwargs)
+
+    with observing_islands(call):
+        yield names
+
+
+class _Run:
+    """One profiled forward: its range's tag, the islands it called, its activation peak on CUDA."""
+
+    def __init__(self, tag: str) -> None:
+        self.tag, self.islands, self.peak = tag, [], None
+
+    def __call__(self, device: torch.device, fn: Callable[..., Any], *args: Any) -> None:
+        from torch.profiler import record_function
+
+        cuda = device.type == "cuda"
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(device)
+            base = torch.cuda.memory_allocated(device)
+        with record_function(forward_label(self.tag)), _annotated() as names:
+            fn(*args)
+            sync(device)  # the forward's kernels end inside its range
+        self.islands = names
+        if cuda:
+            self.peak = float(torch.cuda.max_memory_allocated(device) - base)
+
+
+def _session(eng: Any, prompts: dict[int, torch.Tensor], counts: dict[int, int], full_errors: dict[int, str],
+             seconds: dict[str, float]) -> dict[tuple[str, int], list[tuple[ForwardTrace, float | None, list[str]]]]:
+    """One profiler session: per size, ``counts[size]`` profiled eager forwards and as many of the full step (sizes
+    in ``full_errors`` skip it; a size whose full step fails gets its error there). Returns (trace, activation
+    peak, islands called) per run, by ("eager" or "full", size); adds the seconds spent running the session and
+    reading its records to ``seconds`` ("run", "read")."""
+    from torch.profiler import ProfilerActivity
+
+    device = eng.device
+    cuda = device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    runs: dict[tuple[str, int], list[_Run]] = {}
+    sync(device)
+    t0 = time.perf_counter()
+    with quiet_profile(activities=activities, profile_memory=not cuda) as prof, torch.inference_mode():
+        for n, count in counts.items():
+            batch, slots = one_batch(eng, prompts[n])
+            try:
+                for r in range(count):
+                    run = _Run(f"eager:{n}#{r}")
+                    run(device, eng.runner.forward, batch)
+                    runs.setdefault(("eager", n), []).append(run)
+                if n in full_errors:
+                    continue
+                try:
+                    step = FullStep(eng, n)
+                    step.run(batch)  # its first run stages the static fields: outside every range
+                    for r in range(count):
+                        run = _Run(f"full:{n}#{r}")
+                        run(device, step.run, batch)
+                        runs.setdefault(("full", n), []).append(run)
+                except Exception as e:  # what full's capture would hit: the forecast reports it
+                    full_errors[n] = first_line(e)
+                    runs.pop(("full", n), None)
+            finally:
+                eng.kv_pool.free(slots)
+    t1 = time.perf_counter()
+    by_tag = split_forwards(profile_events(prof))
+    out = {key: [(kernels_from_events(by_tag.get(run.tag, []), cuda),
+                  run.peak if cuda else cpu_peak_bytes(by_tag.get(run.tag, [])), run.islands) for run in rs]
+           for key, rs in runs.items()}
+    seconds["run"] = seconds.get("run", 0.0) + t1 - t0
+    seconds["read"] = seconds.get("read", 0.0) + time.perf_counter() - t1
+    return out
+
+
+def profile_sizes(eng: Any, prompts: dict[int, torch.Tensor], hosts: dict[int, HostTimes],
+                  repeats: int = PROFILE_REPEATS, most: int = PROFILE_MAX, warm: bool = False,
+                  seconds: dict[str, float] | None = None) -> dict[int, Profiled]:
+    """The :class:`~bcg.bench.forecast.Profiled` forward of every size in ``prompts`` on ``eng`` (an eager engine
+    whose host times ``hosts`` holds), from ``repeats`` profiles each, and up to ``most`` where they disagree (see
+    the module doc). ``warm`` first runs each size once unprofiled, for an engine that has not run them yet (a
+    size's first forward pays one-time costs that are no part of its kernels' times). ``seconds`` gets the time
+    spent running the profiled forwards ("run") and reading their records ("read") added.
+
+    Example::
+
+        ps = profile_sizes(eng, {64: prompt64, 512: prompt512}, hosts)
+        len(ps[512].trace.kernels), ps[512].trace_high.device_us, ps[512].full_error
+    """
+    if warm:
+        _warm(eng, prompts)
+    full_errors: dict[int, str] = {}
+    seconds = {} if seconds is None else seconds
+    got = _session(eng, prompts, {n: max(repeats, 1) for n in prompts}, full_errors, seconds)
+    again = {n: most - repeats for n in prompts if most > repeats and not all(
+        agree([r[0] for r in got[(kind, n)]]) for kind in ("eager", "full") if got.get((kind, n)))}
+    if again:
+        for key, rs in _session(eng, {n: prompts[n] for n in again}, again, full_errors, seconds).items():
+            got.setdefault(key, []).extend(rs)
+    out = {}
+    for n in prompts:
+        eager = got[("eager", n)]
+        trace, low, high = combine_traces([r[0] for r in eager])
+        p = Profiled(prompts[n].numel(), trace, hosts[n], activation_bytes=_max_peak(r[1] for r in eager),
+                     trace_low=low, trace_high=high, profiles=len(eager))
+        full = got.get(("full", n))
+        if n in full_errors or not full:
+            p.full_error = full_errors.get(n, "the step full would capture left no profile")
+        else:
+            p.full_trace, p.full_trace_low, p.full_trace_high = combine_traces([r[0] for r in full])
+            p.full_activation_bytes = _max_peak(r[1] for r in full)
+            p.full_islands = list(dict.fromkeys(i for r in full for i in r[2]))
+        out[n] = p
+    return out
+
+
+def _warm(eng: Any, prompts: dict[int, torch.Tensor]) -> None:
+    with torch.inference_mode():
+        for prompt in prompts.values():
+            batch, slots = one_batch(eng, prompt)
+            try:
+                eng.runner.forward(batch)
+            finally:
+                eng.kv_pool.free(slots)
+    sync(eng.device)
+
+
+def _max_peak(peaks: Any) -> float | None:
+    known = [p for p in peaks if p is not None]
+    return max(known) if known else None
