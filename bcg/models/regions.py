@@ -15,7 +15,6 @@ Example::
 
 from __future__ import annotations
 
-import contextvars
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -23,34 +22,35 @@ from typing import Any
 import torch
 from torch import nn
 
-from bcg.ops.region_islands import LayerIds
+from bcg.ops.context import LayerIds, current_forward_context, forward_state
 
 __all__ = ["REGION_FLAG", "LayerIds", "RegionRunner", "is_regional", "regional", "run_layer"]
 
 REGION_FLAG = "bcg_region"  # the keyword a compiled region adds to a layer's call
 RegionRunner = Callable[[nn.Module, LayerIds, tuple, dict], Any]
-_RUNNER: contextvars.ContextVar[RegionRunner | None] = contextvars.ContextVar("bcg_region_runner", default=None)
 
 
 @contextmanager
 def regional(runner: RegionRunner) -> Iterator[None]:
-    """Inside the block, :func:`run_layer` hands every layer to ``runner``."""
-    token = _RUNNER.set(runner)
-    try:
+    """Inside the block, :func:`run_layer` hands every layer to ``runner`` (held by the current forward context)."""
+    with forward_state(region_runner=runner):
         yield
-    finally:
-        _RUNNER.reset(token)
+
+
+def _runner() -> RegionRunner | None:
+    ctx = current_forward_context()
+    return None if ctx is None else ctx.region_runner
 
 
 def is_regional() -> bool:
     """Whether a region runner is installed (never true while dynamo traces: it cannot read a context variable)."""
-    return not torch.compiler.is_compiling() and _RUNNER.get() is not None
+    return not torch.compiler.is_compiling() and _runner() is not None
 
 
 def run_layer(layer: nn.Module, ids: LayerIds, *args: Any, **kwargs: Any) -> Any:
     """``layer(*args, **kwargs)``, or through the installed region runner (a call that already carries the region
     flag is the region itself running, e.g. eagerly after dynamo gave up on it, and runs plainly)."""
-    runner = None if torch.compiler.is_compiling() or kwargs.get(REGION_FLAG) else _RUNNER.get()
+    runner = None if torch.compiler.is_compiling() or kwargs.get(REGION_FLAG) else _runner()
     if runner is None:
         return layer(*args, **kwargs)
     return runner(layer, ids, args, kwargs)

@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import contextvars
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch  # noqa: F401 - the doctest below uses it
 from torch import Tensor
@@ -29,7 +29,8 @@ from bcg.capture_rules import UncapturableOpError
 if TYPE_CHECKING:
     from bcg.ops.kv_cache import KVPool
 
-__all__ = ["AttentionFeatures", "ForwardContext", "forward_context", "get_forward_context"]
+__all__ = ["AttentionFeatures", "ForwardContext", "LayerIds", "current_forward_context", "forward_context",
+           "forward_state", "get_forward_context"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -60,20 +61,32 @@ class AttentionFeatures:
         return ", ".join(p for p in parts if p) or "plain causal attention"
 
 
+@dataclass(frozen=True)
+class LayerIds:
+    """What a layer's islands index the pool by: its attention layer (KV cache) and its DSA index group."""
+
+    attention: int | None = None
+    index_group: int | None = None
+
+
 class ForwardContext(ABC):
-    """What every forward context offers the layers and the islands.
+    """What every forward context offers the layers and the islands: the one owner of a forward's ambient state.
 
     Attributes:
         num_padded_tokens: rows the layer stack runs on (the bucket).
         kv_pool: the pool the islands read and write.
         attends_in_graph: whether :meth:`attend` is captured inside the graph (else it runs in an island).
         write_slots: int64 ``(num_padded_tokens,)``: each row's KV-pool slot (padded rows: the scratch slot).
+        layer: the layer whose compiled region is running (:mod:`bcg.ops.region_islands` reads it), or None.
+        region_runner: what runs each layer of a regionally compiled stack (:mod:`bcg.models.regions`), or None.
     """
 
     num_padded_tokens: int
     kv_pool: KVPool
     write_slots: Tensor
     attends_in_graph: bool = False
+    layer: LayerIds | None = None
+    region_runner: Callable[..., Any] | None = None
 
     @abstractmethod
     def store_kv(self, layer_id: int, k: Tensor, v: Tensor) -> None:
@@ -129,6 +142,32 @@ def forward_context(ctx: ForwardContext) -> Iterator[ForwardContext]:
         yield ctx
     finally:
         _CURRENT.reset(token)
+
+
+def current_forward_context() -> ForwardContext | None:
+    """The current forward context, or None outside any (for code that also runs without one)."""
+    return _CURRENT.get()
+
+
+@contextmanager
+def forward_state(**values: Any) -> Iterator[ForwardContext]:
+    """Sets attributes of the current forward context (``layer``, ``region_runner``) for the ``with`` block and
+    restores them after: per-forward state has one owner, the context, not a variable of its own.
+
+    Example::
+
+        with forward_state(layer=LayerIds(attention=3)):
+            region(layer, hidden)
+    """
+    ctx = get_forward_context()
+    before = {name: getattr(ctx, name) for name in values}
+    for name, value in values.items():
+        setattr(ctx, name, value)
+    try:
+        yield ctx
+    finally:
+        for name, value in before.items():
+            setattr(ctx, name, value)
 
 
 def get_forward_context() -> ForwardContext:

@@ -15,10 +15,8 @@ Example::
         region(layer, hidden)          # a compiled layer calling region_attention(q, k, v, out)
 """
 
-import contextvars
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -27,30 +25,17 @@ from torch import Tensor
 from bcg.islands import eager_on_graph
 from bcg.ops import custom_ops, dsa
 from bcg.ops.attention import attention
+from bcg.ops.context import LayerIds, current_forward_context, forward_state
 
 __all__ = ["LayerIds", "at_layer", "current_layer", "region_attention", "region_select_topk",
            "region_sparse_attention"]
 
 
-@dataclass(frozen=True)
-class LayerIds:
-    """What a layer's islands index the pool by: its attention layer (KV cache) and its DSA index group."""
-
-    attention: Optional[int] = None
-    index_group: Optional[int] = None
-
-
-_CURRENT: contextvars.ContextVar[Optional[LayerIds]] = contextvars.ContextVar("bcg_region_layer", default=None)
-
-
 @contextmanager
 def at_layer(ids: LayerIds) -> Iterator[None]:
-    """Inside the block, region islands use ``ids``."""
-    token = _CURRENT.set(ids)
-    try:
+    """Inside the block, region islands use ``ids`` (held by the current forward context)."""
+    with forward_state(layer=ids):
         yield
-    finally:
-        _CURRENT.reset(token)
 
 
 def current_layer() -> LayerIds:
@@ -59,7 +44,8 @@ def current_layer() -> LayerIds:
     Raises:
         RuntimeError: no region is running (a region island was called outside :func:`at_layer`).
     """
-    ids = _CURRENT.get()
+    ctx = current_forward_context()
+    ids = ctx.layer if ctx is not None else None
     if ids is None:
         raise RuntimeError("a region island ran outside a compiled layer region (no at_layer(...) around it)")
     return ids

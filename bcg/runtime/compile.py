@@ -37,7 +37,8 @@ from torch import Tensor
 from bcg import env
 from bcg.errors import first_line
 from bcg.models.regions import REGION_FLAG, regional
-from bcg.ops.region_islands import LayerIds, at_layer
+from bcg.ops.context import LayerIds
+from bcg.ops.region_islands import at_layer
 from bcg.tensors import tensor_leaves
 
 __all__ = ["COMPILERS", "CompileRefused", "CompiledLayers", "compile_layers", "quiet_compile"]

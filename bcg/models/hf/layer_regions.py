@@ -16,7 +16,7 @@ from typing import Any
 from torch import nn
 
 from bcg.models.regions import REGION_FLAG, is_regional, run_layer
-from bcg.ops.region_islands import LayerIds
+from bcg.ops.context import LayerIds
 
 __all__ = ["install_layer_regions", "remove_layer_regions"]
 
