@@ -9,6 +9,8 @@ Configuration is :class:`~bcg.runtime.config.EngineConfig` and the command's fla
 * ``BCG_HF_FUSION=off``: transformers models run every module as written (no load-time fusion; read at each load).
 * ``BCG_COMPILE_LOG=1``: torch.compile's own log of bcg's compiles reaches the terminal (by default a failed trace is
   reported in one line by bcg, and dynamo's log of the attempt is kept quiet).
+* ``BCG_GC_FREEZE=0``: a serving engine leaves the heap to the garbage collector as it is (by default its first
+  ``submit`` moves every object alive then out of the collector's sight, ``gc.freeze()``, until it closes).
 
 The first four are read once, at import: they are asked on hot paths, where an environment lookup per call costs.
 """
@@ -17,7 +19,7 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["COMPILE_LOG", "DEBUG", "FLASH_WRAPPER", "TP_ALLREDUCE_ISLAND", "hf_fusion", "leak_check_mode"]
+__all__ = ["COMPILE_LOG", "DEBUG", "FLASH_WRAPPER", "TP_ALLREDUCE_ISLAND", "gc_freeze", "hf_fusion", "leak_check_mode"]
 
 
 def _flag(name: str) -> bool:
@@ -48,3 +50,13 @@ def hf_fusion() -> bool:
         True
     """
     return os.environ.get("BCG_HF_FUSION", "").lower() not in ("off", "0")
+
+
+def gc_freeze() -> bool:
+    """Whether a serving engine freezes the heap (``BCG_GC_FREEZE``, on unless ``0``).
+
+    Example:
+        >>> isinstance(gc_freeze(), bool)
+        True
+    """
+    return os.environ.get("BCG_GC_FREEZE", "1") != "0"

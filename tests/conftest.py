@@ -1,5 +1,5 @@
 """Shared test helpers: an eager prefill driver standing in for the runner; the machine's cached costs kept in a
-folder of the test session."""
+folder of the test session; no served engine freezes the heap (BCG_GC_FREEZE=0) unless a test asks."""
 
 from __future__ import annotations
 
@@ -71,3 +71,6 @@ def machine_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def _machine_cache_in_the_test_session(machine_cache_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """`bcg analyze` under test neither reads what the user's runs cached in ~/.cache/bcg nor leaves entries there."""
     monkeypatch.setenv("BCG_CACHE_DIR", str(machine_cache_dir))
+    # One process builds hundreds of engines here, and a served engine left open would keep the heap frozen for every
+    # later test; tests/runtime/runner/test_gc_freeze.py turns the freeze on where it is the subject.
+    monkeypatch.setenv("BCG_GC_FREEZE", "0")

@@ -60,7 +60,13 @@ def format_load(rows: Sequence[Any], builds: Sequence[Any], warmups: Sequence[An
     warm = [f"{w.backend}: warm-up before the measured windows: {w.requests} requests, then one forward each of "
             f"{', '.join(map(str, w.prefill_tokens))} tokens, {w.wall_ms:.0f} ms in all" for w in warmups]
     missing = [f"{b.backend}: not measured ({b.error})" for b in builds if not b.available]
-    return out + "".join("\n" + line for line in warm + missing)
+    paused = [f"{r.backend} at {fmt(r.rate, 0)} req/s: the garbage collector held every thread for up to "
+              f"{r.gc_pause_ms_max:.1f} ms ({r.gc_full_collections} full collection(s)) inside the window"
+              for r in rows if r.gc_pause_ms_max >= GC_PAUSE_NOTED_MS]
+    return out + "".join("\n" + line for line in warm + paused + missing)
+
+
+GC_PAUSE_NOTED_MS = 5.0  # a collection this long shows in a p99 at serving rates: said under the table
 
 
 def _cold(count: int, worst: float | None) -> str:

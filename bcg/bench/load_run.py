@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from bcg.bench.engines import BuildRecord, engine_for
+from bcg.bench.timing import gc_pauses
 from bcg.bench.workload import Workload, make_workload, read_trace
 from bcg.errors import first_line
 
@@ -50,6 +51,8 @@ class LoadRow:
         graph_share: of the forwards that served them, the share that replayed a graph; mean_batch_tokens: their size.
         cold_forwards: forwards of the window on a path (a bucket's graph, or eager at a size class) that had not run
             before the window; cold_ttft_ms_max: the worst time to first token of the requests they served.
+        gc_pause_ms_max / gc_full_collections: the longest garbage collection inside the window (every thread waits
+            for it) and how many full ones ran.
     """
 
     backend: str
@@ -70,6 +73,8 @@ class LoadRow:
     mean_batch_tokens: float | None = None
     cold_forwards: int = 0
     cold_ttft_ms_max: float | None = None
+    gc_pause_ms_max: float = 0.0
+    gc_full_collections: int = 0
     error: str | None = None
 
 
@@ -131,31 +136,11 @@ def measure_rate(eng: Any, work: Workload, backend: str, max_wait: float, seen: 
         row.ttft_ms["p99"], row.fell_behind
     """
     row = LoadRow(backend, work.rate, float(work.arrivals[-1]) if len(work.arrivals) else 0.0)
-    futures, pending = [], deque()
     gc.collect()  # the garbage of the warm-up or the last window is not collected inside this one
     before = eng.telemetry.num_batches
-    start = time.perf_counter() + 0.005
-    for i, (t, prompt) in enumerate(zip(work.arrivals, work.prompts)):
-        while pending and futures[pending[0]].done():
-            pending.popleft()
-        now = time.perf_counter()
-        if pending and now - (start + work.arrivals[pending[0]]) > max_wait:
-            row.fell_behind = True
-            break
-        if start + t > now:
-            time.sleep(start + t - now)
-        futures.append(eng.submit(prompt))
-        pending.append(i)
-    for i in pending:  # the rest get max_wait from their arrival
-        if row.fell_behind:
-            break
-        left = start + work.arrivals[i] + max_wait - time.perf_counter()
-        if not wait([futures[i]], timeout=max(left, 0.0)).done:
-            row.fell_behind = True
-    if row.fell_behind:  # stop what has not started; what runs finishes (bounded: it holds its KV slots)
-        for f in futures:
-            f.cancel()
-        wait(futures, timeout=2 * max_wait)
+    with gc_pauses() as pauses:
+        futures, start = _submit_on_schedule(eng, work, row, max_wait)
+    row.gc_pause_ms_max, row.gc_full_collections = pauses.max_ms, pauses.num_full
     row.submitted = len(futures)
     ttft, queue, tokens, cached, batches, last, answered = [], [], 0, 0, {}, start, []
     for i, f in enumerate(futures):
@@ -192,6 +177,36 @@ def measure_rate(eng: Any, work: Workload, backend: str, max_wait: float, seen: 
         row.graph_share = sum(b.graph_used for b in batches.values()) / len(batches)
         row.mean_batch_tokens = sum(b.num_tokens for b in batches.values()) / len(batches)
     return row
+
+
+def _submit_on_schedule(eng: Any, work: Workload, row: LoadRow, max_wait: float) -> tuple[list, float]:
+    """Submits each request at its arrival and waits for the answers (``max_wait`` each, from its arrival); marks
+    ``row.fell_behind`` and cancels what has not started once one waits longer. Returns the futures and the start."""
+    futures: list = []
+    pending: deque = deque()
+    start = time.perf_counter() + 0.005
+    for i, (t, prompt) in enumerate(zip(work.arrivals, work.prompts)):
+        while pending and futures[pending[0]].done():
+            pending.popleft()
+        now = time.perf_counter()
+        if pending and now - (start + work.arrivals[pending[0]]) > max_wait:
+            row.fell_behind = True
+            break
+        if start + t > now:
+            time.sleep(start + t - now)
+        futures.append(eng.submit(prompt))
+        pending.append(i)
+    for i in pending:  # the rest get max_wait from their arrival
+        if row.fell_behind:
+            break
+        left = start + work.arrivals[i] + max_wait - time.perf_counter()
+        if not wait([futures[i]], timeout=max(left, 0.0)).done:
+            row.fell_behind = True
+    if row.fell_behind:  # stop what has not started; what runs finishes (bounded: it holds its KV slots)
+        for f in futures:
+            f.cancel()
+        wait(futures, timeout=2 * max_wait)
+    return futures, start
 
 
 def workloads(cfg: Any, vocab_size: int) -> list[Workload]:

@@ -7,15 +7,17 @@ while the host is still launching: exactly the launch overhead graphs remove). O
 
 from __future__ import annotations
 
+import gc
 import statistics
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-__all__ = ["Marks", "Stats", "gpu_kernel_ms", "sync", "time_fn"]
+__all__ = ["GcPauses", "Marks", "Stats", "gc_pauses", "gpu_kernel_ms", "sync", "time_fn"]
 
 
 def sync(device: torch.device | str) -> None:
@@ -178,3 +180,44 @@ def gpu_kernel_ms(fn: Callable[[], Any], device: torch.device | str, warmup: int
     intervals = [(e.time_range.start, e.time_range.end) for e in events
                  if e.device_type == DeviceType.CUDA and e.time_range.end > e.time_range.start]
     return _union_ms(intervals) if intervals else None
+
+
+@dataclass
+class GcPauses:
+    """The garbage collector's passes during a block: ``ms`` per pass, by generation (a full pass is generation 2)."""
+
+    ms: dict[int, list[float]] = field(default_factory=lambda: {0: [], 1: [], 2: []})
+
+    @property
+    def max_ms(self) -> float:
+        return max((t for v in self.ms.values() for t in v), default=0.0)
+
+    @property
+    def num_full(self) -> int:
+        return len(self.ms[2])
+
+
+@contextmanager
+def gc_pauses() -> Iterator[GcPauses]:
+    """Records every collection in the block (from any thread) and how long it held the interpreter: a pause every
+    thread meets at once, so a stall a latency percentile cannot explain otherwise.
+
+    Example::
+
+        with gc_pauses() as pauses:
+            serve()
+        pauses.max_ms, pauses.num_full
+    """
+    pauses, began = GcPauses(), [0.0]
+
+    def record(phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            began[0] = time.perf_counter()
+        else:
+            pauses.ms[info["generation"]].append((time.perf_counter() - began[0]) * 1e3)
+
+    gc.callbacks.append(record)
+    try:
+        yield pauses
+    finally:
+        gc.callbacks.remove(record)

@@ -7,6 +7,7 @@ reservation, ``submit`` one prompt at a time through a scheduler thread with a p
 
 from __future__ import annotations
 
+import gc
 import inspect
 import threading
 import time
@@ -26,6 +27,7 @@ from bcg.runtime.prompts import validate_prompts
 from bcg.runtime.runner import Runner
 from bcg.runtime.runner.agreement import RankAgreement
 from bcg.runtime.runner.buckets import BucketRecord
+from bcg.runtime.runner.build import freeze_heap
 from bcg.runtime.runner.telemetry import BatchRecord, Telemetry
 from bcg.runtime.runner.verify import verify_buckets
 from bcg.runtime.serving import ActivityGate, EngineClosedError, PrefixCache, RequestResult, Server
@@ -137,6 +139,7 @@ class Engine:
         self.prefix_cache = PrefixCache(self.kv_pool) if cfg.uses_prefix_cache else None
         self._alloc = self.prefix_cache.alloc if self.prefix_cache is not None else self.kv_pool.alloc
         self._server: Server | None = None  # started by the first submit
+        self._froze_heap = False  # the first submit froze the heap; close() thaws it
         self._server_lock = threading.Lock()
         self._closed = False
 
@@ -260,6 +263,9 @@ class Engine:
             if self._server is None:
                 self._server = self._make_server()
                 weakref.finalize(self, self._server.close)  # an engine dropped without close() stops its threads
+                # While it serves, a full collection would walk the model and the engine: a 100+ ms stall for every
+                # thread. They leave the collector's sight until close() (process-wide, as the collector is).
+                self._froze_heap = freeze_heap() > 0
         return self._server.submit(ids[0])
 
     def _make_server(self) -> Server:
@@ -284,6 +290,9 @@ class Engine:
             server.close()
         if self.prefix_cache is not None:
             self.prefix_cache.clear()
+        if self._froze_heap:
+            self._froze_heap = False
+            gc.unfreeze()  # what the engine held (and what it made cyclic) can be collected again
 
     def __enter__(self) -> Engine:
         return self

@@ -73,6 +73,32 @@ def test_a_forward_on_a_path_new_to_the_window_is_counted_cold() -> None:
         assert measure_rate(eng, work, "breakable", 5.0, seen=seen).cold_forwards == 0
 
 
+def test_a_garbage_collection_inside_a_window_is_measured_and_said(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A full collection holds every thread at once: the row says how long, and the text names it under the table
+    (the ~180 ms submit() maximum on the H200 was one such pass over an unfrozen heap)."""
+    import gc
+
+    from bcg.bench import load_report, load_run
+    from bcg.runtime import Engine
+
+    real = load_run._submit_on_schedule
+
+    def with_a_collection(*args, **kwargs):
+        gc.collect()
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(load_run, "_submit_on_schedule", with_a_collection)
+    with Engine("tiny-dense", backend="breakable", device="cpu", buckets=[16], chunked_prefill_size=16,
+                progress=False) as eng:
+        row = load_run.measure_rate(eng, make_workload(50.0, 0.1, parse_lengths("fixed:8"), 0, 256, seed=0),
+                                    "breakable", 5.0)
+    assert row.gc_full_collections >= 1 and row.gc_pause_ms_max > 0
+    monkeypatch.setattr(load_report, "GC_PAUSE_NOTED_MS", 0.0)
+    text = load_report.format_load([row], [])
+    assert f"breakable at 50 req/s: the garbage collector held every thread for up to {row.gc_pause_ms_max:.1f} ms" \
+        in text
+
+
 def test_a_backend_that_falls_behind_stops_and_skips_its_higher_rates(tmp_path: Path,
                                                                        capsys: pytest.CaptureFixture[str]) -> None:
     code, summary, out = run([*FAST, "--backends", "breakable", "--rates", "20000,40000", "--duration", "0.5",
