@@ -2,11 +2,13 @@
 grouped GEMMs, with fixed shapes and no host read, so the whole block is captured in the graph segments.
 
 :class:`FusedMoE` replaces a block made of a router (``gate`` or ``router``), stacked experts (``experts`` with 3-D
-``gate_up_proj`` and ``down_proj``, optional biases) and optional shared experts (``shared_experts``, run as the
-module, fused by the MLP pattern). Per forward, as :class:`bcg.models.moe.MoEFFN` does:
+``gate_up_proj`` and ``down_proj``, optional biases) and optional shared experts (``shared_experts``, a gate/up MLP:
+stacked after the routed experts as ``n`` more experts every token takes, :mod:`bcg.models.hf.moe_shared`; where
+they cannot be, run as their own MLP and added). Per forward, as :class:`bcg.models.moe.MoEFFN` does:
 
-1. the router's rule (:mod:`bcg.models.hf.moe_routing`): ``k`` expert ids and weights per token;
-2. :func:`bcg.ops.kernels.expert_order`: the ``T * k`` (token, choice) pairs in stable expert order with each
+1. the router's rule (:mod:`bcg.models.hf.moe_routing`): ``k`` expert ids and weights per token, then the ``n``
+   shared experts' ids with weight 1;
+2. :func:`bcg.ops.kernels.expert_order`: the ``T * (k + n)`` (token, choice) pairs in stable expert order with each
    expert's group end, one kernel; the hidden rows gathered in that order;
 3. the gate/up and down projections as two ``F.grouped_mm`` over the stacked weights (the weights as stored: rows
    ``(E, out, in)`` for most families, ``(E, in, out)`` for gpt_oss), with the experts' biases gathered per row, and
@@ -37,6 +39,8 @@ from torch import Tensor, nn
 
 from bcg.models.hf.fused_layer import FusedModule, NoMatch
 from bcg.models.hf.moe_routing import NotARouter, RouterSpec, router_spec
+from bcg.models.hf.moe_shared import StackedExperts, shared_problem
+from bcg.models.hf.patterns import is_silu
 from bcg.ops import kernels as fused
 from bcg.ops.kernels import fused_available
 
@@ -81,6 +85,12 @@ class MoESpec:
     experts: ExpertsSpec
     has_shared: bool
     returns_scores: bool  # the block returns (hidden, router weights) (gpt_oss), not hidden alone
+    shared_problem: str | None = None  # why the shared experts run as their own MLP (None: stacked as experts)
+
+    @property
+    def stacks_shared(self) -> bool:
+        """The shared experts run as experts of the grouped GEMMs (:mod:`bcg.models.hf.moe_shared`)."""
+        return self.has_shared and self.shared_problem is None
 
     def describe(self) -> str:
         """The routing rule and the experts' activation, in words (the load notes')."""
@@ -94,7 +104,13 @@ class MoESpec:
         act = {"silu": "SiLU-and-multiply", "silu_interleaved": "SiLU-and-multiply on interleaved gate/up",
                "clamped_swiglu": f"clamped SwiGLU (limit {e.limit:g}, alpha {e.alpha:g})"}[e.activation]
         biases = " with biases" if e.gate_up_bias is not None else ""
-        shared = ", shared experts" if self.has_shared else ""
+        shared = ""
+        if self.stacks_shared:
+            n = self.router.num_shared  # set by the stand-in, which splits the MLP into experts
+            count = f"{n} more routed expert{'s' if n > 1 else ''}" if n else "more routed experts"
+            shared = f", shared experts as {count} of weight 1"
+        elif self.has_shared:
+            shared = f", shared experts as their own MLP ({self.shared_problem})"
         return f"routing {rule}; experts {act}{biases}{shared}"
 
 
@@ -104,12 +120,23 @@ class FusedMoE(FusedModule):
     def __init__(self, original: nn.Module, spec: MoESpec) -> None:
         names = [spec.router_name, "experts"] + (["shared_experts"] if spec.has_shared else [])
         super().__init__(original, {n: getattr(original, n) for n in names})
+        self.stack: StackedExperts | None = None
+        if spec.stacks_shared:  # the routed experts' parameters view the stack until unjoin()
+            self.stack = StackedExperts(spec.experts, original.shared_experts)
+            spec = replace(spec, experts=replace(spec.experts, gate_up=self.stack.gate_up, down=self.stack.down),
+                           router=replace(spec.router, num_shared=self.stack.num_shared))
         self.spec = spec
         e = spec.experts
         x_dtype = e.gate_up.dtype
         self.use_grouped_mm = all(_grouped_mm_runs(e.matrix(w), x_dtype) for w in (e.gate_up, e.down))
         self.grouped_mm_traceable = self.use_grouped_mm and all(
             _grouped_mm_runs(e.matrix(w), x_dtype, meta=True) for w in (e.gate_up, e.down))
+
+    def unjoin(self) -> None:
+        """Gives the stacked experts' parameters their own storage back (restore)."""
+        super().unjoin()
+        if self.stack is not None:
+            self.stack.split()
 
     def _use_grouped_mm(self) -> bool:
         # Traced by torch.compile where grouped_mm has no meta kernel for the dtype: the (exact) bmm fallback.
@@ -125,7 +152,7 @@ class FusedMoE(FusedModule):
         spec, impl, e = self.spec, self.kernels, self.spec.experts
         x = hidden_states.reshape(-1, hidden_states.shape[-1])
         weights, ids = spec.router.route(x, impl)
-        order = fused.expert_order(ids, spec.router.num_experts, impl=impl)
+        order = fused.expert_order(ids, e.gate_up.shape[0], impl=impl)  # the shared experts too, if stacked
         gate_up = self._mm(x[order.token_index], e.gate_up, order.expert, order.group_end)
         if e.activation == "clamped_swiglu":  # the experts' bias and gpt_oss's activation in one kernel
             act = fused.clamped_swiglu(gate_up, e.gate_up_bias, order.expert, e.alpha, e.limit, impl=impl)
@@ -141,9 +168,9 @@ class FusedMoE(FusedModule):
         if weights.dtype != y_sorted.dtype and not (impl == "fused" and fused_available(y_sorted.device)):
             combine_weights = weights.to(y_sorted.dtype)
         out = fused.moe_combine(y_sorted, order.slot, combine_weights, impl=impl).view(hidden_states.shape)
-        if spec.has_shared:
+        if spec.has_shared and not spec.stacks_shared:
             out = out + self.shared_experts(hidden_states)
-        return (out, weights) if spec.returns_scores else out
+        return (out, weights[:, : spec.router.top_k]) if spec.returns_scores else out
 
 
 # ------------------------------------------------------------------ which blocks match, and how
@@ -182,7 +209,9 @@ def moe_specs(block: nn.Module, config: Any) -> list[MoESpec]:
         raise NoMatch(str(e)) from None
     hidden = route.weight.shape[1]
     returns_scores = isinstance(_run_once(block, hidden, dtype), tuple)
-    specs = [MoESpec(router_name, route, e, hasattr(block, "shared_experts"), returns_scores)
+    shared = getattr(block, "shared_experts", None)
+    specs = [MoESpec(router_name, route, e, shared is not None, returns_scores,
+                     None if shared is None else shared_problem(shared, e))
              for e in _experts_specs(experts, hidden)]
     if not specs:
         raise NoMatch("its experts' activation is neither SiLU-and-multiply nor gpt_oss's clamped SwiGLU")
@@ -198,7 +227,7 @@ def _experts_specs(experts: nn.Module, hidden: int) -> list[ExpertsSpec]:
                        getattr(experts, "down_proj_bias", None), False, "silu")
     if isinstance(getattr(experts, "alpha", None), float) and isinstance(getattr(experts, "limit", None), float):
         acts = [replace(base, activation="clamped_swiglu", alpha=experts.alpha, limit=experts.limit)]
-    elif _is_silu(getattr(experts, "act_fn", None), gate_up):
+    elif is_silu(getattr(experts, "act_fn", None), gate_up):
         concat = getattr(experts, "is_concatenated", None)
         acts = [replace(base, activation=a) for a, c in (("silu", True), ("silu_interleaved", False))
                 if concat is None or concat == c]
@@ -214,14 +243,6 @@ def _experts_specs(experts: nn.Module, hidden: int) -> list[ExpertsSpec]:
             acts = [a for a in acts if torch.allclose(a.activate(probe, "torch").float(), want.float(),
                                                       rtol=1e-2, atol=1e-3)]
     return [replace(a, transposed=t) for t in layouts for a in acts]
-
-
-def _is_silu(act: Any, like: Tensor) -> bool:
-    if not callable(act):
-        return False
-    x = torch.linspace(-6, 6, 97, device=like.device, dtype=like.dtype)
-    with torch.inference_mode():
-        return torch.equal(act(x), F.silu(x))
 
 
 def _first_int(*objs: Any, names: tuple[str, ...]) -> int:

@@ -6,8 +6,8 @@
   sinks, RoPE from the body's rotary embedding (its ``inv_freq`` buffers): :class:`~.fused_attention.FusedAttention`;
 * gate/up MLPs (``gate_proj``/``up_proj``/``down_proj`` or ``gate_up_proj``/``down_proj`` and an activation):
   :class:`~.fused_layer.FusedMLP`;
-* mixture-of-experts blocks (a router of a known rule, stacked gate/up experts, optional shared experts):
-  :class:`~.fused_moe.FusedMoE`;
+* mixture-of-experts blocks (a router of a known rule, stacked gate/up experts, optional shared experts, which run
+  as more stacked experts where they can, else as their own MLP): :class:`~.fused_moe.FusedMoE`;
 * RMSNorm modules, ``w * x / rms(x)`` or ``(1 + w) * x / rms(x)`` (decided numerically):
   :class:`~.fused_layer.FusedRMSNorm`;
 * decoder layers of exactly the pre-norm or the sandwich structure: :class:`~.fused_layer.FusedDecoderLayer`
@@ -113,18 +113,26 @@ def fuse(body: nn.Module, config: Any, calls: dict[int, Any], skip_layers: set[i
                 done["attention"] += 1
             else:
                 left.append((type(module).__name__, why))
-        for module in mlps:
-            why = _swap(parents[module], module, lambda m=module: make_mlp(m), recorded, fusion)
-            done["mlp"] += why is None
-            if why is not None:
-                left.append((type(module).__name__, why))
         moe_rules: Counter[str] = Counter()
-        for module in moes:  # after the MLPs: a block's shared experts are fused already
+        stacked: set[nn.Module] = set()  # shared experts that run inside their fused MoE block's grouped GEMMs
+        for module in moes:  # before the MLPs: a block may take its shared experts' weights as stored
             why = _swap_moe(module, config, parents[module], recorded, fusion)
             if why is None:
                 done["moe"] += 1
-                moe_rules[f"{type(module).__name__}: {fusion.swaps[-1][3].spec.describe()}"] += 1
+                stand_in = fusion.swaps[-1][3]
+                moe_rules[f"{type(module).__name__}: {stand_in.spec.describe()}"] += 1
+                if stand_in.spec.stacks_shared:
+                    stacked.add(stand_in.shared_experts)
             else:
+                left.append((type(module).__name__, why))
+        # A fused MoE block is now the parent of its shared experts (where it runs them as their own MLP).
+        parents = {child: (parent, name) for parent in body.modules() for name, child in parent.named_children()}
+        for module in mlps:
+            if module in stacked:
+                continue
+            why = _swap(parents[module], module, lambda m=module: make_mlp(m), recorded, fusion)
+            done["mlp"] += why is None
+            if why is not None:
                 left.append((type(module).__name__, why))
         inside = {n for m in fused_attention for n in m.modules()}
         for module in norms:

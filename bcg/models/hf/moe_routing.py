@@ -11,7 +11,8 @@ A router maps a token's hidden state to ``k`` expert ids and their weights. Thre
   best), the chosen experts' unbiased scores optionally renormalised, times ``routed_scaling_factor``.
 
 Each rule runs as the router's GEMM and one kernel (:func:`bcg.ops.kernels.router_topk`, whose plain-torch reference
-runs on the CPU).
+runs on the CPU), which also emits the shared experts stacked after the routed ones (:mod:`bcg.models.hf.moe_shared`)
+as ``num_shared`` more columns of weight 1, not scaled.
 
 Which rule a router runs is read from its attributes and then checked on a random input against the router's own
 output (:func:`router_spec`): the ids must be the same sets and the weights equal to rounding. :meth:`RouterSpec.margin`
@@ -55,9 +56,11 @@ class RouterSpec:
     n_group: int = 1
     topk_group: int = 1
     scaling: float = 1.0
+    num_shared: int = 0  # shared experts routed as experts E, E + 1, ... with weight 1 (after the scaling)
 
     @property
     def num_experts(self) -> int:
+        """The routed experts (the router's logits; shared experts come after them)."""
         return self.weight.shape[0]
 
     def logits(self, x: Tensor) -> Tensor:
@@ -65,13 +68,15 @@ class RouterSpec:
         return F.linear(x.float() if self.logits_fp32 else x, self.weight, self.bias)
 
     def route(self, x: Tensor, impl: str) -> tuple[Tensor, Tensor]:
-        """``(T, H)`` -> top-k weights ``(T, k)`` and int64 expert ids ``(T, k)``, no host read: the logits' GEMM,
-        then every rule in one kernel (:func:`bcg.ops.kernels.router_topk`)."""
+        """``(T, H)`` -> top-k weights ``(T, k + num_shared)`` and int64 expert ids ``(T, k + num_shared)`` (the
+        routed first), no host read: the logits' GEMM, then every rule in one kernel
+        (:func:`bcg.ops.kernels.router_topk`)."""
         logits = self.logits(x)
         out = torch.float32 if self.weights_fp32 else logits.dtype
         return fused.router_topk(logits, self.top_k, renormalize=self.renormalize, out_dtype=out, rule=self.rule,
                                  correction_bias=self.correction_bias, n_group=self.n_group,
-                                 topk_group=self.topk_group, scaling=self.scaling, impl=impl)
+                                 topk_group=self.topk_group, scaling=self.scaling, num_shared=self.num_shared,
+                                 impl=impl)
 
     def _choice(self, scores: Tensor) -> Tensor:
         """The sigmoid rule's choice scores: corrected, and outside the best groups -inf (one group: no mask)."""

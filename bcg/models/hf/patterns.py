@@ -22,7 +22,7 @@ from bcg.models.hf.fused_layer import FusedDecoderLayer, FusedMLP, FusedRMSNorm,
 from bcg.tensors import tensor_leaves
 
 __all__ = ["DIFFERS", "TOLERANCE", "NoMatch", "attention_specs", "compare", "decoder_layers", "is_attention",
-           "is_norm", "make_layer", "make_mlp", "mlp_names", "norm_spec"]
+           "is_norm", "is_silu", "make_layer", "make_mlp", "mlp_names", "norm_spec"]
 
 # Largest difference a stand-in may show against the module it replaces, relative to the output's largest value:
 # rounding only (the kernels round once where some modules round twice), far below what a wrong structure gives.
@@ -110,10 +110,16 @@ def make_mlp(module: nn.Module) -> FusedMLP:
     gate = getattr(module, names[0])
     if len(names) == 3 and (gate.bias is None) != (getattr(module, names[1]).bias is None):
         raise NoMatch("only one of its gate and up projections has a bias")
-    x = torch.linspace(-6, 6, 97, device=gate.weight.device, dtype=gate.weight.dtype)
+    return FusedMLP(module, names, None if is_silu(act, gate.weight) else act)
+
+
+def is_silu(act: Any, like: Tensor) -> bool:
+    """Whether the callable ``act`` is SiLU, bit for bit on a grid in ``like``'s dtype and device."""
+    if not callable(act):
+        return False
+    x = torch.linspace(-6, 6, 97, device=like.device, dtype=like.dtype)
     with torch.inference_mode():
-        is_silu = torch.equal(act(x), F.silu(x))
-    return FusedMLP(module, names, None if is_silu else act)
+        return torch.equal(act(x), F.silu(x))
 
 
 def make_layer(module: nn.Module) -> FusedDecoderLayer:

@@ -23,7 +23,7 @@ CASES = {  # arch, config overrides, the rule the notes must name
                             "Qwen3MoeSparseMoeBlock: routing softmax then top-2; experts SiLU-and-multiply"),
     "mixtral": ("mixtral", {}, "MixtralSparseMoeBlock: routing softmax then top-2, renormalised"),
     "glm4_moe": ("glm4_moe", {}, "Glm4MoeMoE: routing sigmoid with a correction bias, top-2, renormalised; experts "
-                                 "SiLU-and-multiply, shared experts"),
+                                 "SiLU-and-multiply, shared experts as 1 more routed expert of weight 1"),
     "glm4_moe-groups": ("glm4_moe", {"n_group": 2, "topk_group": 1, "routed_scaling_factor": 2.5},
                         "Glm4MoeMoE: routing sigmoid with a correction bias, top-2 in the best 1 of 2 groups, "
                         "renormalised, scaled by 2.5"),
