@@ -8,14 +8,13 @@ reservation, ``submit`` one prompt at a time through a scheduler thread with a p
 from __future__ import annotations
 
 import gc
-import inspect
 import threading
 import time
 import weakref
 from collections.abc import Sequence
 from concurrent.futures import Future
-from dataclasses import MISSING, dataclass, fields
-from typing import Any, get_type_hints
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -23,6 +22,7 @@ from bcg.ops.parallel import init_tensor_parallel
 from bcg.runtime.config import EngineConfig
 from bcg.runtime.kv_slots import SlotReservation, default_kv_tokens, make_kv_pool
 from bcg.runtime.model_source import load_model
+from bcg.runtime.options import engine_config, signature_with_options
 from bcg.runtime.prompts import validate_prompts
 from bcg.runtime.runner import Runner
 from bcg.runtime.runner.agreement import RankAgreement
@@ -90,15 +90,7 @@ class Engine:
     """
 
     def __init__(self, model: Any = "tiny-dense", config: EngineConfig | None = None, **kwargs: Any) -> None:
-        names = {f.name for f in fields(EngineConfig)}
-        unknown = sorted(set(kwargs) - names)
-        if unknown:
-            raise TypeError(f"unknown Engine option(s) {unknown}; valid options: {sorted(names)}")
-        if config is not None and not isinstance(config, EngineConfig):
-            raise TypeError(f"config must be an EngineConfig (or None, with options as keyword arguments), got "
-                            f"{config!r} ({type(config).__name__})")
-        base = {f.name: getattr(config, f.name) for f in fields(EngineConfig)} if config else {}
-        requested = EngineConfig(**{**base, **kwargs})
+        requested = engine_config(config, kwargs)
         if requested.torch_device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"device={requested.device!r} needs CUDA, which is not available here; use "
                              "device='cpu' (graphs are emulated there)")
@@ -308,21 +300,4 @@ class Engine:
             raise EngineClosedError("the engine is closed; build a new one")
 
 
-def _signature_with_options() -> inspect.Signature:
-    """``Engine.__init__``'s signature with ``**kwargs`` spelled out as EngineConfig's fields and defaults, so
-    ``help(Engine)`` and editors show every option; built from the dataclass, so it cannot drift from it."""
-    init = inspect.signature(Engine.__init__, eval_str=True)
-    head = [p for p in init.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
-    hints = get_type_hints(EngineConfig)
-
-    def default(f: Any) -> Any:
-        if f.default is not MISSING:
-            return f.default
-        return f.default_factory() if f.default_factory is not MISSING else inspect.Parameter.empty
-
-    options = [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=default(f),
-                                 annotation=hints.get(f.name, f.type)) for f in fields(EngineConfig)]
-    return init.replace(parameters=head + options)
-
-
-Engine.__init__.__signature__ = _signature_with_options()  # type: ignore[attr-defined]
+Engine.__init__.__signature__ = signature_with_options(Engine.__init__)  # type: ignore[attr-defined]

@@ -64,9 +64,9 @@ def freeze_heap() -> int:
     """Collects, then moves every object alive out of the garbage collector's sight (``gc.freeze()``); returns how
     many (0 when ``BCG_GC_FREEZE=0``). A full collection walks every tracked object: ~310k after torch, transformers
     and an engine, 110-120 ms here with the interpreter lock held, which a serving thread meets as a stall (the size
-    of the ~180 ms ``submit()`` maximum seen on the H200). Frozen, the model, the engine and the imports are not walked again; what
-    serving allocates still is. Process-wide, as the collector is: the engine that froze thaws (``gc.unfreeze()``)
-    when it closes, so what it leaves behind can be collected."""
+    of the ~180 ms ``submit()`` maximum seen on the H200). Frozen, the model, the engine and the imports are not
+    walked again; what serving allocates still is. Process-wide, as the collector is: the engine that froze thaws
+    (``gc.unfreeze()``) when it closes, so what it leaves behind can be collected."""
     if not env.gc_freeze():
         return 0
     gc.collect()

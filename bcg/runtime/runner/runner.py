@@ -22,7 +22,7 @@ import logging
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -36,10 +36,11 @@ from bcg.runtime.backends import GraphResources, backend_class
 from bcg.runtime.backends.capture import GraphPool
 from bcg.runtime.batch import PrefillBatch
 from bcg.runtime.compile import compile_layers
-from bcg.runtime.config import EngineConfig, describe_buckets
+from bcg.runtime.config import EngineConfig
 from bcg.runtime.runner.agreement import RankAgreement
 from bcg.runtime.runner.buckets import BucketTable
 from bcg.runtime.runner.build import GraphBuilder, frozen_gc
+from bcg.runtime.runner.full_graphs import adopt_full_graphs, full_graph_config
 from bcg.runtime.runner.inputs import Loaded, StaticInputs
 from bcg.runtime.runner.step import ModelStep
 from bcg.runtime.runner.telemetry import BatchRecord, BucketRecord, Telemetry
@@ -130,14 +131,7 @@ class Runner:
             self.builder.capture_all()
             if self.full is not None and self.table.refused_reason is None:
                 self.full.build()
-                full = self.full.telemetry
-                self.telemetry.capture_ms += full.capture_ms
-                self.telemetry.graph_memory_bytes += full.graph_memory_bytes
-                self.telemetry.notes.append(
-                    f"full graphs: {full.num_captured} of buckets {describe_buckets(self.full.table.sizes)} also "
-                    f"hold the whole step with {full.attention_backend} attention inside, replayed by the batches "
-                    f"that fit ({full.capture_ms:.0f} ms, {full.graph_memory_bytes / 2**20:.0f} MiB)"
-                    + (f"; refused: {full.refused_reason}" if full.refused_reason else ""))
+                adopt_full_graphs(self.telemetry, self.full.telemetry, self.full.table.sizes)
 
     def agree_buckets(self, what: str) -> None:
         """Tensor parallel: disables on this rank every bucket disabled on another (after ``what``, e.g. verify)."""
@@ -303,12 +297,3 @@ class Runner:
     def _record(self, batch: PrefillBatch, bucket: int | None, used: bool, reason: str) -> BatchRecord:
         return self.telemetry.add_batch(BatchRecord(batch.num_tokens, batch.num_requests, bucket, used, reason))
 
-
-def full_graph_config(config: EngineConfig, buckets: list[int]) -> EngineConfig:
-    """The config of a breakable runner's whole-step graphs (``full_graph_tokens``): backend "full" on ``buckets``,
-    with bcg's Triton varlen kernel reading the KV pool in place where it runs, else the static attention."""
-    from bcg.ops.attention import StaticTritonAttention
-
-    usable = StaticTritonAttention.is_usable(config.torch_device, config.torch_dtype) is None
-    return replace(config, backend="full", attention_backend="static_triton" if usable else "static",
-                   full_graph_tokens=0, buckets=buckets, max_tokens=max(buckets), verify=False)
