@@ -77,3 +77,29 @@ def test_a_failed_whole_step_replay_falls_back_to_the_breakable_graph(monkeypatc
 def test_full_graph_tokens_outside_one_breakable_process_is_refused(options: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         EngineConfig(**{"full_graph_tokens": 64, **options})
+
+
+def test_served_requests_with_cached_prefixes_replay_the_whole_step_graph() -> None:
+    """submit() with the prefix cache: a hit attends to its cached keys inside the whole-step graph (the key capacity
+    holds them), and every answer is a lone eager prefill's."""
+    eng = Engine("tiny-dense", full_graph_tokens=16, prefix_capacity=64, **OPTS)
+    eager = Engine("tiny-dense", backend="eager", prefix_cache=False, **OPTS)
+    head = random_prompts([24], seed=7)[0]
+    prompts = [head + tail for tail in random_prompts([3, 5, 9], seed=8)]
+    first = eng.submit(prompts[0]).result(timeout=60)  # 27 tokens: the breakable graph; its KV is cached
+    rest = [eng.submit(p).result(timeout=60) for p in prompts[1:]]
+    assert [r.cached_tokens for r in rest] == [24, 24]
+    assert all(b.reason == "graph_full" for r in rest for b in r.batches)
+    for res, prompt in zip([first, *rest], prompts):
+        assert torch.allclose(res.logits, eager.prefill([prompt]).logits, atol=1e-5)
+    eng.close()
+
+
+def test_a_compiled_stack_serves_both_graphs_of_a_bucket() -> None:
+    eng = Engine("tiny-dense", full_graph_tokens=16, compile="traced", **OPTS)
+    eager = Engine("tiny-dense", backend="eager", **OPTS)
+    for lengths, reason in (([5], "graph_full"), ([2, 3, 4], "graph")):
+        prompts = random_prompts(lengths, seed=3)
+        res = eng.prefill(prompts)
+        assert res.batches[0].reason == reason
+        assert torch.allclose(res.logits, eager.prefill(prompts).logits, atol=1e-5)
