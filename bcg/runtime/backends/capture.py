@@ -97,6 +97,11 @@ class GraphPool:
             self._anchor = pool_anchor(handle)
         self.handle = handle
 
+    @property
+    def stream(self) -> torch.cuda.Stream | None:
+        """The stream this pool's graphs are captured on (None when emulating)."""
+        return self._stream
+
     def renew(self) -> None:
         """Later captures go to a fresh pool (no-op when emulating); graphs already captured keep theirs."""
         if self._stream is not None:

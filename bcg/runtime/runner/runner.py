@@ -68,6 +68,7 @@ class Runner:
         kv_pool: the KV pool batches are allocated in.
         bucket_sizes: the token buckets to capture.
         tp: this process's tensor parallel rank; with more than one rank every decision is agreed across ranks.
+        pool: another runner's graph pool to capture into (its stream too); None makes one.
 
     Example::
 
@@ -77,7 +78,7 @@ class Runner:
     """
 
     def __init__(self, model: torch.nn.Module, config: EngineConfig, kv_pool: KVPool, bucket_sizes: list[int],
-                 tp: TensorParallel = SINGLE) -> None:
+                 tp: TensorParallel = SINGLE, pool: GraphPool | None = None) -> None:
         self.model, self.config, self.kv_pool = model, config, kv_pool
         self.agreement = RankAgreement(tp) if tp.is_parallel else None  # tensor parallel only
         self.device, self.dtype = config.torch_device, config.torch_dtype
@@ -99,10 +100,11 @@ class Runner:
         self.resources: GraphResources | None = None
         if cls.uses_graphs:
             is_emulated = self.device.type != "cuda"
-            stream = None if is_emulated else torch.cuda.Stream(self.device)
+            # A runner holding another's graphs (the whole-step ones) captures into that one's pool and stream.
+            stream = None if is_emulated else pool.stream if pool is not None else torch.cuda.Stream(self.device)
             self.resources = GraphResources(
-                step=self.step, inputs=self.inputs, config=config, pool=GraphPool(stream), capture_stream=stream,
-                is_emulated=is_emulated,
+                step=self.step, inputs=self.inputs, config=config, pool=pool or GraphPool(stream),
+                capture_stream=stream, is_emulated=is_emulated,
                 barrier_fn=self.agreement.capture_barrier if self.agreement is not None else None)
         self.backend = cls(self.resources)
         self.builder = GraphBuilder(self.step, self.inputs, self.backend, self.resources, self.table, self.telemetry,
@@ -110,7 +112,9 @@ class Runner:
         # The small buckets' whole-step graphs (config.full_graph_tokens), tried before the breakable ones: a batch
         # that fits their request slots and key capacity replays one graph and launches no island.
         small = [b for b in self.table.sizes if b <= config.full_graph_tokens] if cls.uses_graphs else []
-        self.full = Runner(model, full_graph_config(config, small), kv_pool, small, tp) if small else None
+        # They share this runner's graph pool: one forward runs at a time, so their temporaries can share memory.
+        self.full = (Runner(model, full_graph_config(config, small), kv_pool, small, tp,
+                            self.resources.pool if self.resources is not None else None) if small else None)
 
     @property
     def static_output(self) -> Tensor | None:

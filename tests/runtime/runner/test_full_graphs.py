@@ -46,6 +46,7 @@ def test_the_whole_step_graphs_are_built_verified_and_described(engines: tuple[E
     eng, _ = engines
     full = eng.runner.full
     assert sorted(full.handles) == [8, 16] and sorted(eng.runner.handles) == [8, 16, 32, 64]
+    assert full.resources.pool is eng.runner.resources.pool  # one pool: the two graphs' temporaries share memory
     assert all(r.verify_diff is not None and r.disabled_reason is None for r in full.telemetry.buckets.values())
     kind = "static" if eng.dtype == torch.float32 else "static_triton"  # bcg's kernel runs in half precision
     assert full.telemetry.attention_backend == kind
