@@ -24,15 +24,11 @@ Example::
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 from torch import Tensor, nn
 
+from bcg.models.hf.moe_experts import ExpertsSpec
 from bcg.models.hf.patterns import is_silu, mlp_names
-
-if TYPE_CHECKING:
-    from bcg.models.hf.fused_moe import ExpertsSpec
 
 __all__ = ["StackedExperts", "shared_problem"]
 
