@@ -131,7 +131,8 @@ class _CaptureState:
             self.in_eager = True
             call = stub if stub is not None else fn
             # Emulation: what a CUDA segment only recorded holds garbage when the function runs at capture.
-            unwritten = [t for t in tensor_leaves((args, kwargs)) if storage_key(t) in self.unwritten]
+            unwritten = [t for t in tensor_leaves((args, kwargs)) if storage_key(t) in self.unwritten] \
+                if self.unwritten else []
             try:
                 with poisoned(unwritten):
                     if self.leak_check == "off":

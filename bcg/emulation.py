@@ -257,6 +257,9 @@ def poison_value(dtype: torch.dtype) -> float | int | bool:
 def poisoned(tensors: list[torch.Tensor]) -> Iterator[None]:
     """Inside the block ``tensors`` hold :func:`poison_value`; afterwards their values are back (the later segments
     of an emulated capture execute on them, where a CUDA capture executes nothing)."""
+    if not tensors:
+        yield
+        return
     with torch.inference_mode():  # the tensors may be inference tensors (a build runs under inference mode)
         saved = [(t, t.clone()) for t in tensors]
         for t in tensors:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from bcg.ops.attention import StaticTritonAttention
 from bcg.runtime.config import EngineConfig, describe_buckets
 from bcg.runtime.runner.telemetry import Telemetry
 
@@ -19,8 +20,6 @@ def full_graph_config(config: EngineConfig, buckets: list[int]) -> EngineConfig:
 
         full_graph_config(EngineConfig(device="cpu", dtype="bfloat16"), [16, 32]).attention_backend  # 'static_triton'
     """
-    from bcg.ops.attention import StaticTritonAttention
-
     usable = StaticTritonAttention.is_usable(config.torch_device, config.torch_dtype) is None
     return replace(config, backend="full", attention_backend="static_triton" if usable else "static",
                    full_graph_tokens=0, buckets=buckets, max_tokens=max(buckets), verify=False)
