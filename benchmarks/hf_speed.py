@@ -248,7 +248,9 @@ def by_path(shape: str, args: argparse.Namespace, run: Run) -> dict:
         del eng
         _free()
     compiled = {n: p for n, p in prompts.items() if n <= 256} or prompts
-    for label, source, extra in (("tf_compiled", hf, {}), ("native_compiled", folder, {"model_impl": "native"})):
+    compile_runs = () if args.no_compile else (("tf_compiled", hf, {}),
+                                               ("native_compiled", folder, {"model_impl": "native"}))
+    for label, source, extra in compile_runs:
         eng = run.step(f"{shape}: {label} build", Engine, source,
                        **_opts(args, list(compiled), compile=args.compiler, **extra))
         if eng is not None:
@@ -342,7 +344,7 @@ def tables(results: dict) -> str:
               "| shape | path | layer graphs | compile s | capture s | ms | kernels | error |",
               "|---|---|---:|---:|---:|---:|---:|---|"]
     for shape, r in results.get("by_path", {}).items():
-        for label in ("tf_compiled", "native_compiled"):
+        for label in [x for x in ("tf_compiled", "native_compiled") if x in r]:  # none under --no-compile
             c = r.get(label) or {}
             row = (c.get("by_length") or {}).get(min(c.get("by_length") or {0: 0}), {})
             compile_s, capture_s = (c.get("compile_ms") or 0) / 1e3, (c.get("capture_ms") or 0) / 1e3
@@ -375,6 +377,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--workdir", default=None, help="where checkpoints are written (default: a fresh temporary folder)")
     ap.add_argument("--max-seconds", type=float, default=225.0, help="no step starts after this (default: 225)")
+    ap.add_argument("--no-compile", action="store_true", help="section 1 without the compile=inductor engines")
     ap.add_argument("--warm-cache", action="store_true", help="keep Inductor's usual cache (compile times warm)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU, lengths 8,16, one run")
     ap.add_argument("--out", default=None, help="also write the JSON here")
