@@ -18,6 +18,7 @@ from bcg.models.parallel_layers import row_linear
 from bcg.models.regions import LayerIds, run_layer
 from bcg.ops.bridge import carry, output_like
 from bcg.ops.dsa import pick_plan, select_topk, sparse_attention
+from bcg.ops.kernels.dsa_topk import warm_index_topk
 from bcg.ops.parallel import SINGLE, TensorParallel
 from bcg.ops.region_islands import region_select_topk, region_sparse_attention
 
@@ -34,6 +35,7 @@ class Indexer(nn.Module):
     def __init__(self, config: ModelConfig, group_id: int) -> None:
         super().__init__()
         self.group_id, self.topk = group_id, config.index_topk
+        self.kernels = "torch"  # the top-k island's: CausalLM.set_kernels sets every module's
         self.num_heads, self.head_dim = config.index_n_heads, config.index_head_dim
         self.split_sizes = [self.num_heads * self.head_dim, self.head_dim, self.num_heads]
         # Index queries, index key and head weights from one matmul.
@@ -44,8 +46,8 @@ class Indexer(nn.Module):
         index_q = index_q.reshape(x.shape[0], self.num_heads, self.head_dim)
         index_q, index_k, head_weights = carry("index", index_q, index_k, head_weights)
         if bcg_region:  # a compiled region: the island learns its group when it runs
-            return region_select_topk(index_q, index_k, head_weights, self.topk)
-        return select_topk(index_q, index_k, head_weights, self.group_id, self.topk)
+            return region_select_topk(index_q, index_k, head_weights, self.topk, self.kernels)
+        return select_topk(index_q, index_k, head_weights, self.group_id, self.topk, self.kernels)
 
 
 class SparseAttention(nn.Module):
@@ -114,6 +116,17 @@ class DSALM(CausalLM):
         for layer_id in range(config.num_layers):
             mlp = MoEFFN(config, tp) if config.is_moe else SwiGLUMLP(config.hidden_size, config.intermediate_size, tp)
             self.layers.append(SparseDecoderLayer(config, SparseAttention(config, layer_id, tp), mlp))
+
+    def warm_islands(self, max_keys: int) -> list[str]:
+        """Compiles the fused top-k for every sort width key ranges up to ``max_keys`` need (:func:`warm_index_topk`):
+        Triton compiles a variant at its first call, seconds no request should pay. Returns the build's note."""
+        indexer = self.layers[0].self_attn.indexer
+        if indexer.kernels != "fused":
+            return []
+        weight = indexer.proj.weight
+        widths = warm_index_topk(weight.device, weight.dtype, indexer.num_heads, indexer.head_dim, indexer.topk,
+                                 max_keys)
+        return [f"DSA top-k kernel compiled for key ranges up to {widths[-1]}"] if widths else []
 
     def forward_layers(self, hidden: Tensor, positions: Tensor) -> Tensor:
         rope = self.rotary.rope(positions)

@@ -57,19 +57,22 @@ def _trace_attention(q: Tensor, k: Tensor, v: Tensor, out: Tensor, layer_id: int
 
 
 @torch.library.custom_op("bcg::select_topk", mutates_args=())
-def select_topk_op(index_q: Tensor, index_k: Tensor, head_weights: Tensor, group_id: int, topk: int) -> Tensor:
+def select_topk_op(index_q: Tensor, index_k: Tensor, head_weights: Tensor, group_id: int, topk: int,
+                   impl: str = "torch") -> Tensor:
     """The DSA indexer island as an opaque op: the top keys of every query, ``(T_pad, topk)`` int64."""
-    return dsa.select_topk(index_q, index_k, head_weights, group_id, topk)
+    return dsa.select_topk(index_q, index_k, head_weights, group_id, topk, impl)
 
 
 @select_topk_op.register_fake
-def _select_topk_fake(index_q: Tensor, index_k: Tensor, head_weights: Tensor, group_id: int, topk: int) -> Tensor:
+def _select_topk_fake(index_q: Tensor, index_k: Tensor, head_weights: Tensor, group_id: int, topk: int,
+                      impl: str = "torch") -> Tensor:
     return index_q.new_empty((index_q.shape[0], topk), dtype=torch.int64)
 
 
 @torch.compiler.substitute_in_graph(dsa.select_topk)
-def _trace_select_topk(index_q: Tensor, index_k: Tensor, head_weights: Tensor, group_id: int, topk: int) -> Tensor:
-    return torch.ops.bcg.select_topk(index_q, index_k, head_weights, group_id, topk)
+def _trace_select_topk(index_q: Tensor, index_k: Tensor, head_weights: Tensor, group_id: int, topk: int,
+                       impl: str = "torch") -> Tensor:
+    return torch.ops.bcg.select_topk(index_q, index_k, head_weights, group_id, topk, impl)
 
 
 @torch.library.custom_op("bcg::sparse_attention", mutates_args=("out",))

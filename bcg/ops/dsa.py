@@ -24,19 +24,20 @@ from bcg import eager_on_graph
 from bcg.ops.attention import BatchContext
 from bcg.ops.context import get_forward_context
 from bcg.ops.flash import flash_varlen, is_varlen_usable
+from bcg.ops.kernels.dispatch import use_fused
+from bcg.ops.kernels.dsa_topk import index_topk
 
 __all__ = ["UNCAPTURABLE", "pick_plan", "picked_attention", "select_topk", "sparse_attention", "topk_island"]
 
 # Bounds the memory of the gathered keys and values (each is pairs x num_kv_heads x head_dim), per chunk of rows.
 MAX_PAIRS_PER_CHUNK = 1 << 16
-# Bounds the indexer's fp32 score tensor (rows x heads x packed keys) per chunk of query rows.
-MAX_SCORES_PER_CHUNK = 1 << 25
 # Why the indexer island does not fit a whole-layer-stack graph (raised when it meets the "full" backend's context).
 UNCAPTURABLE = ("the DSA indexer select_topk sizes its scores by the live batch's packed key ranges, and "
                 "sparse_attention gathers the selected keys from those ranges")
 
 
-def select_topk(index_q: Tensor, index_k: Tensor, head_weights: Tensor, group_id: int, topk: int) -> Tensor:
+def select_topk(index_q: Tensor, index_k: Tensor, head_weights: Tensor, group_id: int, topk: int,
+                impl: str = "torch") -> Tensor:
     """The indexer: caches every row's index key (in the segment), then picks each query's top keys (the island).
 
     Args:
@@ -45,6 +46,7 @@ def select_topk(index_q: Tensor, index_k: Tensor, head_weights: Tensor, group_id
         head_weights: ``(T_pad, index_n_heads)``.
         group_id: indexer group, i.e. which index-key cache of the pool to use.
         topk: keys kept per query.
+        impl: the top-k's kernels (:func:`bcg.ops.kernels.dsa_topk.index_topk`): ``"fused"`` or ``"torch"``.
 
     Returns:
         int64 ``(T_pad, topk)``: per query, the pool slots of the selected keys, best first; ``-1`` marks unused
@@ -52,14 +54,15 @@ def select_topk(index_q: Tensor, index_k: Tensor, head_weights: Tensor, group_id
     """
     ctx = get_forward_context()
     ctx.kv_pool.index_k[group_id].index_copy_(0, ctx.write_slots, index_k)  # padded rows write the scratch slot
-    # fp32 so the ranking does not hinge on bf16 rounding; converted here, where a graph captures it.
-    return topk_island(index_q.float(), index_k.float(), head_weights.float(), group_id, topk, ctx.write_slots)
+    if not use_fused(impl, index_q):  # the reference ranks in fp32: cast here, where a graph captures it
+        index_q, head_weights = index_q.float(), head_weights.float()
+    return topk_island(index_q, head_weights, group_id, topk, ctx.write_slots, impl)
 
 
-def _topk_island(index_q: Tensor, index_k: Tensor, head_weights: Tensor, group_id: int, topk: int,
-                write_slots: Tensor | None = None) -> Tensor:
-    """The island of :func:`select_topk` (same arguments, in fp32; the index keys already cached): each real row's
-    scores against every key of its request, top-k, pool slots; padded rows and missing picks ``-1``.
+def _topk_island(index_q: Tensor, head_weights: Tensor, group_id: int, topk: int, write_slots: Tensor | None = None,
+                 impl: str = "torch") -> Tensor:
+    """The island of :func:`select_topk` (same arguments; the index keys already cached): each real row's scores
+    against every key of its request, top-k, pool slots; padded rows and missing picks ``-1``.
 
     ``write_slots`` are the slots the index-key write before it used: at replay, the ones the graph captured."""
     ctx: BatchContext = get_forward_context().live("bcg.ops.dsa.select_topk", UNCAPTURABLE)
@@ -68,52 +71,14 @@ def _topk_island(index_q: Tensor, index_k: Tensor, head_weights: Tensor, group_i
             "the forward context's write slots are not the ones this graph was captured with, so the captured index-"
             "key and K/V writes stored this batch at another batch's slots. Load every batch of a graph into the "
             "fields it was captured against (one Layout of a MetadataArena), not into fresh ones")
-    num_tokens, device = ctx.num_tokens, index_q.device
-    # Keys are every request's range, packed like read_slots.
-    keys = ctx.kv_pool.index_k[group_id][ctx.read_slots].float() if ctx.has_prefix else index_k[:num_tokens]
-    num_keys = keys.shape[0]
-    num_picks = min(topk, num_keys)
-    rows_per_chunk = max(1, MAX_SCORES_PER_CHUNK // (num_keys * index_q.shape[1]))
-    picks = []
-    for start in range(0, num_tokens, rows_per_chunk):  # bounded by memory, not by the number of requests
-        rows = slice(start, min(num_tokens, start + rows_per_chunk))
-        dots = torch.einsum("qhd,kd->qhk", index_q[rows], keys)
-        scores = torch.bmm(head_weights[rows][:, None, :], dots.relu_()).squeeze(1)
-        # The same for every indexer of the forward: made by the first, reused by the others.
-        scores.masked_fill_(ctx.memo(("dsa.hidden_keys", start, rows_per_chunk),
-                                     lambda r=rows: _hidden_keys(ctx, num_keys, r, device)), float("-inf"))
-        values, order = scores.sort(dim=-1, descending=True, stable=True)
-        slots = ctx.read_slots[order[:, :num_picks]]
-        picks.append(slots.masked_fill_(values[:, :num_picks] == float("-inf"), -1))
-    picked = picks[0] if len(picks) == 1 else torch.cat(picks)
-    missing = (0, topk - num_picks, 0, ctx.num_padded_tokens - num_tokens)
-    return F.pad(picked, missing, value=-1) if any(missing) else picked
+    # ctx.memo: what the reference shares between the forward's indexers is made by the first, reused by the others
+    return index_topk(index_q, head_weights, ctx.kv_pool.index_k[group_id], ctx.read_slots, ctx.cu_seqlens_q,
+                      ctx.cu_seqlens_k, ctx.num_tokens, ctx.max_seqlen_k, topk, impl, ctx.memo)
 
 
 # The island keeps the indexer's name: profiles, forecasts and refusals call it select_topk.
 _topk_island.__qualname__ = "select_topk"
 topk_island = eager_on_graph(_topk_island)
-
-
-def _hidden_keys(ctx: BatchContext, num_keys: int, rows: slice, device: torch.device) -> Tensor:
-    """``(rows, num_keys)`` bool: the packed keys each query row may not see. Query row i of request r sees the
-    packed keys ``[cu_k[r], cu_k[r+1] - cu_q[r+1] + i]``: its own range up to its own position."""
-    first, last = _key_range(ctx)
-    cols = torch.arange(num_keys, device=device)
-    return (cols < first[rows, None]) | (cols > last[rows, None])
-
-
-def _key_range(ctx: BatchContext) -> tuple[Tensor, Tensor]:
-    """Per real row, the packed index of its request's first key and of its own key (once per forward)."""
-
-    def make() -> tuple[Tensor, Tensor]:
-        n, seq_lens_q = ctx.num_tokens, ctx.cu_seqlens_q.diff()
-        first = torch.repeat_interleave(ctx.cu_seqlens_k[:-1].long(), seq_lens_q, output_size=n)
-        own = torch.repeat_interleave((ctx.cu_seqlens_k[1:] - ctx.cu_seqlens_q[1:]).long(), seq_lens_q,
-                                      output_size=n) + torch.arange(n, device=first.device)
-        return first, own
-
-    return ctx.memo("dsa.key_range", make)
 
 
 def pick_plan(selection: Tensor, q: Tensor) -> list[Tensor]:

@@ -65,8 +65,9 @@ def _attention_here(q: Tensor, k: Tensor, v: Tensor, out: Tensor, scale: Optiona
     attention(q, k, v, out, _layer_field("attention"), scale, window, softcap, sinks)
 
 
-def _select_topk_here(index_q: Tensor, index_k: Tensor, head_weights: Tensor, topk: int) -> Tensor:
-    return dsa.select_topk(index_q, index_k, head_weights, _layer_field("index_group"), topk)
+def _select_topk_here(index_q: Tensor, index_k: Tensor, head_weights: Tensor, topk: int,
+                      impl: str = "torch") -> Tensor:
+    return dsa.select_topk(index_q, index_k, head_weights, _layer_field("index_group"), topk, impl)
 
 
 def _nothing_at_capture(*args: object, **kwargs: object) -> None:
@@ -102,12 +103,14 @@ def _region_attention_fake(q: Tensor, k: Tensor, v: Tensor, out: Tensor, scale: 
 
 
 @torch.library.custom_op("bcg::region_select_topk", mutates_args=())
-def _region_select_topk_op(index_q: Tensor, index_k: Tensor, head_weights: Tensor, topk: int) -> Tensor:
-    return _select_topk_here(index_q, index_k, head_weights, topk)
+def _region_select_topk_op(index_q: Tensor, index_k: Tensor, head_weights: Tensor, topk: int,
+                           impl: str = "torch") -> Tensor:
+    return _select_topk_here(index_q, index_k, head_weights, topk, impl)
 
 
 @_region_select_topk_op.register_fake
-def _region_select_topk_fake(index_q: Tensor, index_k: Tensor, head_weights: Tensor, topk: int) -> Tensor:
+def _region_select_topk_fake(index_q: Tensor, index_k: Tensor, head_weights: Tensor, topk: int,
+                             impl: str = "torch") -> Tensor:
     return index_q.new_empty((index_q.shape[0], topk), dtype=torch.int64)
 
 
@@ -139,11 +142,12 @@ def region_attention(q: Tensor, k: Tensor, v: Tensor, out: Tensor, scale: Option
         _attention_here(q, k, v, out, scale, window, softcap, sinks)
 
 
-def region_select_topk(index_q: Tensor, index_k: Tensor, head_weights: Tensor, topk: int) -> Tensor:
+def region_select_topk(index_q: Tensor, index_k: Tensor, head_weights: Tensor, topk: int,
+                       impl: str = "torch") -> Tensor:
     """:func:`bcg.ops.dsa.select_topk` for the running layer's index group."""
     if torch.compiler.is_compiling():
-        return torch.ops.bcg.region_select_topk(index_q, index_k, head_weights, topk)
-    return _select_topk_here(index_q, index_k, head_weights, topk)
+        return torch.ops.bcg.region_select_topk(index_q, index_k, head_weights, topk, impl)
+    return _select_topk_here(index_q, index_k, head_weights, topk, impl)
 
 
 def region_sparse_attention(q: Tensor, k: Tensor, v: Tensor, plan: list[Tensor], out: Tensor) -> None:

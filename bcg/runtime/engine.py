@@ -120,6 +120,10 @@ class Engine:
         self.runner.telemetry.notes[:0] = getattr(self.model, "notes", ())  # before the runner's (attention's)
         t0 = time.perf_counter()
         self.runner.build()
+        if hasattr(self.model, "warm_islands"):  # islands that compile kernels per key range (DSA's top-k)
+            # Key ranges reach the pool's size or the context, whichever is shorter (prefix hits included).
+            self.runner.telemetry.notes += self.model.warm_islands(
+                min(kv_tokens, self.model.config.max_position_embeddings))
         self.build_ms = (time.perf_counter() - t0) * 1e3
         if cfg.verify and self.runner.handles:
             verify_buckets(self.runner)

@@ -25,7 +25,7 @@ pytestmark = [
     pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1 from the start"),
     pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU the CUDA tests run the compiled kernels"),
 ]
-MODULES = ("triton_utils", "triton_norm", "triton_activation", "triton_rope", "triton_moe")
+MODULES = ("triton_utils", "triton_norm", "triton_activation", "triton_rope", "triton_moe", "triton_dsa")
 
 
 def _version(package: str) -> tuple[int, int]:
@@ -48,9 +48,9 @@ def tk():
     import triton
 
     assert triton.knobs.runtime.interpret
-    utils, norm, act, rope, moe = [importlib.import_module(f"bcg.ops.kernels.{name}") for name in MODULES]
+    utils, norm, act, rope, moe, dsa = [importlib.import_module(f"bcg.ops.kernels.{name}") for name in MODULES]
     assert utils.INTERPRETING
-    return SimpleNamespace(norm=norm, act=act, rope=rope, moe=moe)
+    return SimpleNamespace(norm=norm, act=act, rope=rope, moe=moe, dsa=dsa)
 
 
 class Interpreted:
@@ -99,6 +99,15 @@ class Interpreted:
 
     def moe_combine(self, y, slot, weights, out):
         self.tk.moe.combine(y, slot, weights, out)
+
+    def index_topk(self, q, w, pool, read_slots, cu_q, cu_k, num_tokens, max_seqlen_k, topk):
+        l_block = 1 << (max(max_seqlen_k, topk, 16) - 1).bit_length()
+        out = cases.poisoned(q.shape[0], topk, dtype=torch.int64, device="cpu")
+        out.fill_(7)  # not -1: a row the kernel forgets shows
+        scratch = torch.empty(5, l_block, dtype=torch.int64)  # five rows a launch: the chunking runs too
+        self.tk.dsa.index_topk(q, w, pool, read_slots, cu_q, cu_k, num_tokens, cu_q.shape[0] - 1, l_block, out,
+                               scratch)
+        return out
 
 
 @pytest.fixture(scope="module")
@@ -186,6 +195,53 @@ def test_expert_order(run, rows, experts, top_k, ids_dtype):
 @pytest.mark.parametrize("rows,hidden,top_k", [(0, 64, 2), (1, 1000, 4), (6, 1536, 8)])
 def test_moe_combine(run, dtype, rows, hidden, top_k):
     cases.check_moe_combine(run, "cpu", dtype, rows, hidden, top_k, MIN_EXACT[dtype])
+
+
+@pytest.mark.skipif(not NUMPY_RUNTIME_LOOPS, reason="triton < 3.7's interpreter needs numpy < 2.4 for runtime loops")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("q_lens,prefix,topk,ties", [
+    ([5, 7], [0, 0], 8, False),            # no prefix: every key is a new row
+    ([5, 7, 1], [0, 6, 3], 8, False),      # prefixes, a one-row request
+    ([4, 3], [10, 0], 8, True),            # all scores zero: key order decides
+    ([20], [70], 16, False),               # a range longer than topk, several key blocks
+])
+def test_index_topk(run, dtype, q_lens, prefix, topk, ties):
+    cases.check_index_topk(run, "cpu", dtype, q_lens, prefix, heads=2, dim=16, topk=topk, ties=ties)
+
+
+@pytest.mark.skipif(not NUMPY_RUNTIME_LOOPS, reason="triton < 3.7's interpreter needs numpy < 2.4 for runtime loops")
+def test_dsa_islands_on_the_kernel_replay_as_the_reference_computes(tk, monkeypatch):
+    """The DSA top-k island on the Triton kernel (as on CUDA: bf16 inputs, no fp32 casts in the segment) inside
+    breakable graphs, over batches with prefixes, padding and several requests: the logits of eager on the reference."""
+    from dataclasses import replace
+
+    from bcg.models.config import get_preset
+    from bcg.ops import dsa
+    from bcg.ops.kernels import dsa_topk
+    from bcg.runtime import Engine
+
+    config = replace(get_preset("tiny-dsa"), num_layers=4, index_share=2)
+    options = dict(device="cpu", dtype="bfloat16", buckets=[16, 32], chunked_prefill_size=32, kv_tokens=256,
+                   progress=False)
+    batches = [[list(range(1, 12)), list(range(20, 24))], [list(range(40, 70))], [[5], list(range(80, 93))]]
+    reference = Engine(config, backend="eager", **options)
+    expected = [reference.prefill(b).logits for b in batches]
+    calls = []
+    real = tk.dsa.index_topk
+    monkeypatch.setattr(tk.dsa, "index_topk", lambda *a: calls.append(a[8]) or real(*a))
+    for module in (dsa, dsa_topk):  # the CPU tensors take the kernel's path
+        monkeypatch.setattr(module, "use_fused", lambda impl, x: impl == "fused")
+    monkeypatch.setattr(dsa_topk, "fused_available", lambda device: True)
+    eng = Engine(config, backend="breakable", kernels="fused", **options)
+    # the build compiled every sort width a key range of the pool's 256 slots can need, before any request
+    assert "DSA top-k kernel compiled for key ranges up to 256" in eng.telemetry.notes
+    assert calls[-5:] == [16, 32, 64, 128, 256]
+    calls.clear()
+    for batch, want in zip(batches, expected):
+        res = eng.prefill(batch)
+        assert all(b.graph_used for b in res.batches)
+        assert (res.logits.float() - want.float()).abs().max() <= 2e-2
+    assert len(calls) == len(batches) * config.num_index_groups
 
 
 @pytest.fixture(scope="module")

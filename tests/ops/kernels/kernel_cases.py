@@ -244,3 +244,44 @@ def check_clamped_swiglu(run, device: str, dtype: torch.dtype, rows: int, inter:
         assert (out.float() - ref.float()).abs().max() <= 4 * RTOL[dtype] * ref.float().abs().max()
         return 0.0
     return _match(run, out, ref, min_exact, "clamped_swiglu")
+
+
+def index_topk_inputs(device: str, dtype: torch.dtype, q_lens: list[int], prefix: list[int], heads: int, dim: int,
+                      pad: int, seed: int, ties: bool = False) -> tuple:
+    """A packed DSA batch: index queries and weights ``(T_pad, ...)``, an index-key pool with the requests' keys at
+    scattered slots, ``read_slots``, ``cu_seqlens_q/k``, ``num_tokens``, ``max_seqlen_k``. With ``ties`` every dot
+    product is negative, so every score is a (signed) zero: the ranking is all ties, broken by key order."""
+    g = gen(seed)
+    num_tokens, k_lens = sum(q_lens), [a + b for a, b in zip(q_lens, prefix)]
+    slots = sum(k_lens) + 17
+    read_slots = torch.randperm(slots, generator=g)[: sum(k_lens)]
+    q = torch.randn(num_tokens + pad, heads, dim, generator=g)
+    pool = torch.randn(slots, dim, generator=g)
+    if ties:
+        q, pool = -q.abs(), pool.abs()
+    cu = [torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32) for lens in (q_lens, k_lens)]
+    to = dict(dtype=dtype, device=device)
+    return (q.to(**to), torch.randn(num_tokens + pad, heads, generator=g).to(**to), pool.to(**to),
+            read_slots.to(device), cu[0].to(device), cu[1].to(device), num_tokens, max(k_lens))
+
+
+def check_index_topk(run, device: str, dtype: torch.dtype, q_lens: list[int], prefix: list[int], heads: int,
+                     dim: int, topk: int, ties: bool = False, seed: int = 0) -> None:
+    """The fused DSA top-k against the reference: the same picks in the same order, or, where fp32 sums in another
+    order swap two keys, picks of the same scores (a near tie); -1 exactly where the reference has it."""
+    from bcg.ops.kernels.dsa_topk import index_topk_reference
+
+    args = index_topk_inputs(device, dtype, q_lens, prefix, heads, dim, pad=3, seed=seed, ties=ties)
+    got = run.index_topk(*args, topk).cpu()
+    cpu = [a.cpu() if isinstance(a, Tensor) else a for a in args]
+    q, w, pool, read_slots, cu_q, cu_k, num_tokens, _ = cpu
+    ref = index_topk_reference(q.float(), w.float(), pool, read_slots, cu_q, cu_k, num_tokens, topk)
+    assert got.shape == ref.shape and got.dtype == torch.int64
+    assert torch.equal(got < 0, ref < 0), "picks missing or extra against the reference"
+    if torch.equal(got, ref):
+        return
+    # every slot's score for every row (fp32, the reference's formula); a differing pick must be a near tie
+    scores = torch.einsum("qhd,sd->qhs", q.float(), pool.float()).relu().mul(w.float()[:, :, None]).sum(1)
+    picked, wanted = (scores.gather(1, t.clamp_min(0)) for t in (got, ref))
+    torch.testing.assert_close(picked[ref >= 0], wanted[ref >= 0], rtol=1e-5, atol=1e-5)
+    assert (got != ref).float().mean() < 0.05, "more than a few near-tie swaps"

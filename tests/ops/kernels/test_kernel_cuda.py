@@ -62,6 +62,11 @@ class Fused:
     def moe_combine(self, y, slot, weights, out):
         assert kernels.moe_combine(y, slot, weights, out=out, impl="fused") is out
 
+    def index_topk(self, *args):
+        from bcg.ops.kernels.dsa_topk import index_topk
+
+        return index_topk(*args, impl="fused")
+
 
 RUN = Fused()
 ROWS = [0, 1, 7, 300, 2048]
@@ -148,6 +153,27 @@ def test_expert_order(rows, experts, top_k, ids_dtype):
 @pytest.mark.parametrize("hidden,top_k", [(1024, 4), (1000, 2), (1536, 8)])
 def test_moe_combine(dtype, rows, hidden, top_k):
     cases.check_moe_combine(RUN, DEV, dtype, rows, hidden, top_k, MIN_EXACT[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("q_lens,prefix,topk,ties", [
+    ([5, 7], [0, 0], 8, False), ([5, 7, 1], [0, 6, 3], 8, True), ([64], [0], 256, False),
+    ([300, 5, 700], [1000, 0, 2000], 256, False), ([2048], [4000], 2048, False),
+])
+def test_index_topk(dtype, q_lens, prefix, topk, ties):
+    cases.check_index_topk(RUN, DEV, dtype, q_lens, prefix, heads=4, dim=64, topk=topk, ties=ties)
+
+
+def test_index_topk_runs_the_kernel_up_to_its_longest_range(monkeypatch):
+    from bcg.ops.kernels import dsa_topk, triton_dsa
+
+    calls = []
+    real = triton_dsa.index_topk
+    monkeypatch.setattr(triton_dsa, "index_topk", lambda *a: calls.append(a[8]) or real(*a))
+    for k_len in (40, dsa_topk.MAX_FUSED_KEYS, dsa_topk.MAX_FUSED_KEYS + 1):
+        args = cases.index_topk_inputs(DEV, torch.bfloat16, [8], [k_len - 8], 4, 64, pad=0, seed=1)
+        dsa_topk.index_topk(*args, 16, impl="fused")
+    assert calls == [64, dsa_topk.MAX_FUSED_KEYS]  # the sort's block; the longer range took the reference
 
 
 def test_entry_points_run_the_triton_kernels(monkeypatch):
