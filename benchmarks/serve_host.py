@@ -73,7 +73,7 @@ def run(args: argparse.Namespace, queue: int) -> dict[str, Any]:
     batcher.plan = timed(times, "plan", batcher.plan)
     batcher.launched = timed(times, "after_launch", batcher.launched)
     server._launch = timed(times, "launch", server._launch)
-    server._resolve = timed(times, "resolve", server._resolve)
+    server._completer._resolve = timed(times, "resolve", server._completer._resolve)
     submit_ms: list[float] = []
     with server._cond:  # (reentrant) the scheduler takes nothing from the inbox until the whole queue is in it
         futures = [eng.submit(p) for p in prompts[1:]]

@@ -6,9 +6,7 @@ are set in Python.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, replace
-from typing import Any
 
 import torch
 
@@ -17,74 +15,10 @@ from bcg.models.impl_names import check_model_impl
 from bcg.ops.attention import ATTENTION_BACKENDS
 from bcg.runtime.backend_registry import BACKENDS, resolve_backend
 from bcg.runtime.compile import COMPILERS
+from bcg.runtime.config_checks import bucket_list, check_bool, check_int, check_number, device_name, dtype_name
 from bcg.runtime.schedule_policies import SCHEDULE_POLICIES
 
 __all__ = ["BACKENDS", "SCHEDULE_POLICIES", "EngineConfig", "describe_buckets", "resolve_backend"]
-
-
-def _int(name: str, value: Any, minimum: int | None, optional: bool = False) -> None:
-    if value is None and optional:
-        return
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
-    if minimum is not None and value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-
-
-def _bool(name: str, value: Any) -> None:
-    # Not truthiness: debug="no" or verify="false" would switch the option on.
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be True or False, got {value!r} ({type(value).__name__})")
-
-
-def _number(name: str, value: Any, low: float, high: float = math.inf, low_open: bool = False) -> None:
-    bounds = f"in ({low}, {high}]" if low_open else f">= {low}"
-    if not isinstance(value, (int, float)) or isinstance(value, bool):
-        raise TypeError(f"{name} must be a number {bounds}, got {value!r} ({type(value).__name__})")
-    if math.isnan(value) or value > high or value < low or (low_open and value == low):
-        raise ValueError(f"{name} must be a number {bounds}, got {value!r}")
-
-
-def _device_name(device: Any) -> str | None:
-    if device is None:
-        return None
-    if not isinstance(device, (str, torch.device)):
-        raise TypeError(f"device must be 'cpu', 'cuda', 'cuda:N' or a torch.device, got {device!r}")
-    try:
-        parsed = torch.device(device)
-    except RuntimeError:
-        raise ValueError(f"device {device!r} is not a device; use 'cpu', 'cuda' or 'cuda:N'") from None
-    if parsed.type not in ("cpu", "cuda"):
-        raise ValueError(f"device {str(parsed)!r} is not supported: bcg runs on 'cpu' or 'cuda' (graphs and the KV "
-                         "pool need real memory; graphs are emulated on the CPU)")
-    return str(parsed)
-
-
-def _dtype_name(dtype: Any) -> str | None:
-    if dtype is None:
-        return None
-    if isinstance(dtype, torch.dtype):
-        name = str(dtype).removeprefix("torch.")
-    elif isinstance(dtype, str):
-        name = dtype.removeprefix("torch.")
-    else:
-        raise TypeError(f"dtype must be a name such as 'bfloat16' or a torch.dtype, got {dtype!r}")
-    resolved = getattr(torch, name, None)
-    if not isinstance(resolved, torch.dtype) or not resolved.is_floating_point:
-        raise ValueError(f"dtype must be a floating torch dtype such as 'bfloat16' (or torch.bfloat16), "
-                         f"got {dtype!r}")
-    return name
-
-
-def _buckets(buckets: Any) -> list[int] | None:
-    if buckets is None:
-        return None
-    message = f"buckets must be a list of positive ints (token counts), got {buckets!r}"
-    if not isinstance(buckets, (list, tuple)) or any(not isinstance(b, int) or isinstance(b, bool) for b in buckets):
-        raise TypeError(message)
-    if not buckets or min(buckets) < 1:
-        raise ValueError(message + (" (empty; leave buckets=None for the default ladder)" if not buckets else ""))
-    return list(buckets)
 
 
 def describe_buckets(buckets: list[int]) -> str:
@@ -211,33 +145,33 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         self.backend = resolve_backend(self.backend)
-        self.device = _device_name(self.device)
-        self.dtype = _dtype_name(self.dtype)
-        _int("seed", self.seed, None)
-        _int("chunked_prefill_size", self.chunked_prefill_size, 1)
-        _int("max_tokens", self.max_tokens, 1, optional=True)
-        self.buckets = _buckets(self.buckets)
-        _number("max_padding_factor", self.max_padding_factor, 1.0)
-        _int("max_padding_tokens", self.max_padding_tokens, 0)
-        _int("max_replay_failures", self.max_replay_failures, 1)
-        _int("kv_tokens", self.kv_tokens, 1, optional=True)
-        _number("kv_memory_fraction", self.kv_memory_fraction, 0.0, 1.0, low_open=True)
-        _int("max_requests", self.max_requests, 1, optional=True)
-        _int("prefix_capacity", self.prefix_capacity, 0, optional=True)
-        _int("max_logit_rows", self.max_logit_rows, 1)
+        self.device = device_name(self.device)
+        self.dtype = dtype_name(self.dtype)
+        check_int("seed", self.seed, None)
+        check_int("chunked_prefill_size", self.chunked_prefill_size, 1)
+        check_int("max_tokens", self.max_tokens, 1, optional=True)
+        self.buckets = bucket_list(self.buckets)
+        check_number("max_padding_factor", self.max_padding_factor, 1.0)
+        check_int("max_padding_tokens", self.max_padding_tokens, 0)
+        check_int("max_replay_failures", self.max_replay_failures, 1)
+        check_int("kv_tokens", self.kv_tokens, 1, optional=True)
+        check_number("kv_memory_fraction", self.kv_memory_fraction, 0.0, 1.0, low_open=True)
+        check_int("max_requests", self.max_requests, 1, optional=True)
+        check_int("prefix_capacity", self.prefix_capacity, 0, optional=True)
+        check_int("max_logit_rows", self.max_logit_rows, 1)
         if self.attention_backend is not None and self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {', '.join(sorted(ATTENTION_BACKENDS))} or None "
                              f"(chosen for the device), got {self.attention_backend!r}")
-        _int("warmup", self.warmup, 0)
+        check_int("warmup", self.warmup, 0)
         for name in ("auto_islands", "debug", "verify", "progress"):
-            _bool(name, getattr(self, name))
+            check_bool(name, getattr(self, name))
         for name in ("compile", "tc_compiler"):
             if getattr(self, name) == "eager":  # the old spelling, which also names a backend
                 raise ValueError(f"{name}='eager' is now spelled {name}='traced' (dynamo's trace, no code generated)")
         if self.tc_compiler not in ("inductor", "traced"):
             raise ValueError(f"tc_compiler must be 'inductor' or 'traced', got {self.tc_compiler!r}")
-        _int("tp_size", self.tp_size, 1)
-        _number("tp_timeout_s", self.tp_timeout_s, 0.0, low_open=True)
+        check_int("tp_size", self.tp_size, 1)
+        check_number("tp_timeout_s", self.tp_timeout_s, 0.0, low_open=True)
         if self.kernels is not None and self.kernels not in ("fused", "torch"):
             raise ValueError(f"kernels must be 'fused', 'torch' or None (fused on CUDA), got {self.kernels!r}")
         if self.compile is not None and self.compile not in COMPILERS:
@@ -247,15 +181,15 @@ class EngineConfig:
                              "choose its compiler with tc_compiler='inductor' or 'traced'")
         check_model_impl(self.model_impl)
         if self.prefix_cache is not None:
-            _bool("prefix_cache", self.prefix_cache)
+            check_bool("prefix_cache", self.prefix_cache)
             if self.prefix_cache and self.tp_size > 1:
                 raise ValueError("prefix_cache=True needs tp_size=1: under tensor parallel every rank would have to "
                                  "hold the same cache; leave prefix_cache unset (off there) or pass False")
         if self.schedule_policy not in SCHEDULE_POLICIES:
             raise ValueError(f"schedule_policy must be one of {', '.join(SCHEDULE_POLICIES)}, got "
                              f"{self.schedule_policy!r}")
-        _int("max_inflight_batches", self.max_inflight_batches, 1)
-        _int("full_graph_tokens", self.full_graph_tokens, 0)
+        check_int("max_inflight_batches", self.max_inflight_batches, 1)
+        check_int("full_graph_tokens", self.full_graph_tokens, 0)
         if self.full_graph_tokens and (self.backend != "breakable" or self.tp_size > 1):
             raise ValueError(f"full_graph_tokens={self.full_graph_tokens} adds whole-step graphs to backend="
                              "'breakable' on one process; leave it 0 with backend="

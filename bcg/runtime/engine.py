@@ -13,7 +13,6 @@ import time
 import weakref
 from collections.abc import Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -23,37 +22,22 @@ from bcg.runtime.config import EngineConfig
 from bcg.runtime.kv_slots import SlotReservation, default_kv_tokens, make_kv_pool
 from bcg.runtime.model_source import load_model
 from bcg.runtime.options import engine_config, signature_with_options
+from bcg.runtime.prefill import PrefillResult, run_prefill
 from bcg.runtime.prompts import validate_prompts
 from bcg.runtime.runner import Runner
 from bcg.runtime.runner.agreement import RankAgreement
 from bcg.runtime.runner.buckets import BucketRecord
 from bcg.runtime.runner.build import freeze_heap
-from bcg.runtime.runner.telemetry import BatchRecord, Telemetry
+from bcg.runtime.runner.telemetry import Telemetry
 from bcg.runtime.runner.verify import verify_buckets
 from bcg.runtime.serving import ActivityGate, EngineClosedError, PrefixCache, RequestResult, Server
-from bcg.runtime.serving.batcher import Batcher, finished_logits
+from bcg.runtime.serving.batcher import Batcher
 from bcg.runtime.serving.callbacks import served_result
 from bcg.runtime.serving.policy import FifoQueue
-from bcg.runtime.serving.request import Request
 
 __all__ = ["Engine", "PrefillResult"]
 
 Prompt = Sequence[int] | torch.Tensor
-
-
-@dataclass
-class PrefillResult:
-    """Output of :meth:`Engine.prefill`.
-
-    Attributes:
-        logits: (num_prompts, vocab) fp32 logits at each prompt's last token.
-        next_tokens: (num_prompts,) greedy first output token.
-        batches: one record per forward (tokens, requests, bucket replayed or why it ran eagerly).
-    """
-
-    logits: torch.Tensor
-    next_tokens: torch.Tensor
-    batches: list[BatchRecord]
 
 
 class Engine:
@@ -197,35 +181,10 @@ class Engine:
             # never waits for it (the slots' holder may itself wait for that recapture).
             self._gate.reserve(reservation.reserve, reservation.peak, self.kv_pool)
             with self._gate.active():
-                return self._run(ids, Batcher(self.kv_pool, None, budget, FifoQueue(), reservation))
+                return run_prefill(self.runner, ids, Batcher(self.kv_pool, None, budget, FifoQueue(), reservation))
         finally:
             if reservation.release():
                 self._gate.release()
-
-    def _run(self, ids: list[torch.Tensor], batcher: Batcher) -> PrefillResult:
-        """Plans and runs the forwards of ``ids`` on this thread (no prefix cache, first come first served, so every
-        tensor-parallel rank plans the same ones) and gathers the last-token logits, which come out in prompt order:
-        a prompt never ends before an earlier one."""
-        for seq, t in enumerate(ids):
-            batcher.add(Request(t, None, seq=seq))
-        records: list[BatchRecord] = []
-        logits: list[torch.Tensor] = []
-        next_tokens: list[torch.Tensor] = []
-        while batcher.has_work:
-            plan = batcher.plan()
-            if plan is None:  # the reservation covers every chunk: the planner cannot be blocked here
-                raise RuntimeError("prefill's planner found nothing to run with prompts left; report this")
-            with self.runner.lock:  # a replay's logits are a view of the runner's static buffers
-                out = self.runner.forward(plan.batch)
-                finished = finished_logits(plan, out.logits)
-            records.append(out.record)
-            if finished is not None:
-                logits.append(finished[0])
-                next_tokens.append(finished[1])
-            batcher.launched(plan, out.record)
-        if len(logits) == 1:  # the common case: every prompt ended in one forward
-            return PrefillResult(logits[0], next_tokens[0], records)
-        return PrefillResult(torch.cat(logits), torch.cat(next_tokens), records)
 
     # ---------------------------------------------------------------- serving
     def submit(self, prompt: Prompt) -> Future[RequestResult]:

@@ -54,12 +54,12 @@ def _interrupt_runner(monkeypatch: pytest.MonkeyPatch, eng: Engine) -> None:
 
 
 def _fail_logits(monkeypatch: pytest.MonkeyPatch, eng: Engine) -> None:
-    import bcg.runtime.engine as engine_module
+    import bcg.runtime.prefill as prefill_module
 
     def finished(plan, logits):  # the LM head runs in the graph: fail where its logits are read out
         raise Injected("reading the logits out failed")
 
-    monkeypatch.setattr(engine_module, "finished_logits", finished)
+    monkeypatch.setattr(prefill_module, "finished_logits", finished)
 
 
 def _fail_batch(monkeypatch: pytest.MonkeyPatch, eng: Engine) -> None:

@@ -16,15 +16,15 @@ Nothing of the model is converted: its modules and weights run as its authors wr
   structure (:mod:`bcg.models.hf.layer_regions`);
 * checks its two ends against the model's own forward on the same tokens (:meth:`HFCausalLM.check_tail`).
 
+The steps before the last run once per model, in :func:`bcg.models.hf.adapt.adapt`.
+
 The decoder body runs as the captured layer stack: ``body(inputs_embeds=(1, T_pad, hidden), position_ids=(1, T_pad),
 use_cache=False)`` applies the final norm itself, so ``compute_logits`` is the LM head plus known tails.
 """
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
 import torch
@@ -34,21 +34,16 @@ from bcg import env
 from bcg.capture_rules import UncapturableOpError
 from bcg.islands import is_capturing
 from bcg.models.hf import UnsupportedModelError, require_transformers
+from bcg.models.hf.adapt import adapt
 from bcg.models.hf.adaptation import Adaptation
-from bcg.models.hf.attention import NAME, AttentionCall, register
-from bcg.models.hf.dsa import install_dsa_islands
-from bcg.models.hf.fusion import fuse as fuse_modules
-from bcg.models.hf.islands import body_refusal, explain, install_auto_islands, restore_islands
-from bcg.models.hf.layer_regions import install_layer_regions
+from bcg.models.hf.attention import AttentionCall, register
 from bcg.models.hf.load import check_devices
-from bcg.models.hf.probes import one_request, probe_layers
-from bcg.models.hf.support import LogitTail, check_config, check_layer_calls
+from bcg.models.hf.probes import one_request
+from bcg.models.hf.support import LogitTail, check_config
 from bcg.ops.kv_cache import KVPool
-from bcg.probe import ProbeReport, find_uncapturable
 
 __all__ = ["HFCausalLM", "HFModelConfig"]
 
-logger = logging.getLogger("bcg")
 _RESTORED = ("the {} this engine serves was given back with restore() (by this engine or another on the same model): "
              "its attention and modules are transformers' again, so this engine cannot prefill with it. Build a new "
              "Engine(model) to serve it again")
@@ -119,7 +114,7 @@ class HFCausalLM(nn.Module):
         self._config = HFModelConfig(f"transformers:{cfg.model_type}", cfg.model_type, vocab, cfg.hidden_size,
                                      cfg.num_hidden_layers, getattr(cfg, "max_position_embeddings", 0) or 0)
         self.tail = LogitTail.from_config(cfg)
-        self._probing = False
+        self._probing = False  # set by the layer probe: the DSA islands record what they cache
         shared = Adaptation.of(hf_model, body, auto_islands, fuse)
         if shared is not None:
             self.state = shared  # the model is adapted: this engine runs the same modules
@@ -127,47 +122,13 @@ class HFCausalLM(nn.Module):
         else:
             self.state = Adaptation(auto_islands, fuse)
             try:
-                self._adapt(probe_tokens, fuse)
+                adapt(self, probe_tokens, fuse)
             except BaseException:  # refused half way: the model is given back as it was, not half adapted
                 self.state.restore(hf_model, body)
                 raise
             self.state.attach(hf_model, self)
         self.notes: list[str] = list(self.state.fusion.notes)  # how this model runs, for telemetry
         self.check_tail(min(probe_tokens, 8))
-
-    def _adapt(self, probe_tokens: int, fuse: bool) -> None:
-        """Switches the attention, installs the islands, probes, fuses and routes the layers (see the module doc)."""
-        hf_model, body, state, cfg = self.hf, self.body, self.state, self.hf.config
-        name = type(hf_model).__name__
-        restore_islands(body)
-        if cfg._attn_implementation != NAME:
-            state.previous_attn_implementation = cfg._attn_implementation or "sdpa"
-        hf_model.set_attn_implementation(NAME)
-        if cfg._attn_implementation != NAME:
-            raise UnsupportedModelError(f"{name} cannot switch its attention to {NAME!r} (it does not dispatch "
-                                        "through transformers' AttentionInterface)")
-        state.dsa_islands = install_dsa_islands(body, state.island_kv_shapes, lambda: self._probing)
-        state.layer_calls = self._probe_layers(probe_tokens)
-        check_layer_calls(cfg, name, state.layer_calls, list(state.island_kv_shapes))
-        if fuse and state.dsa_islands:
-            # A DSA indexer ranks keys: in half precision a rounding the fused kernels do differently anywhere
-            # upstream can change which keys it picks, so these models run as written.
-            state.fusion.notes = ["not fused: the DSA indexer's top-k could pick other keys after the fused "
-                                  "kernels' different roundings; every module runs as written"]
-        elif fuse:
-            calls = {c.layer_idx: c for c in state.layer_calls}
-            state.fusion = fuse_modules(body, cfg, calls, set(state.island_kv_shapes),
-                                        lambda: self._one_request_run(probe_tokens))
-        state.report = self._probe_capturability(probe_tokens)
-        state.capture_refusal = body_refusal(body, state.report)
-        if state.report and state.capture_refusal is None:
-            if state.auto_islands_enabled:
-                state.auto_islands = install_auto_islands(body, state.report)
-                logger.warning("bcg: %s runs %d modules as automatic islands (eager at replay):\n%s", name,
-                               len(state.auto_islands), explain(state.report, hf_model))
-            else:
-                state.capture_refusal = f"{name} cannot be captured as written: {explain(state.report, hf_model)}"
-        install_layer_regions(body, self.config.num_layers)
 
     # What the adaptation found, read through the shared state.
     @property
@@ -223,28 +184,8 @@ class HFCausalLM(nn.Module):
         return self._parts["head"]
 
     # ------------------------------------------------------------------ probes (bcg.models.hf.probes)
-    def _probe_layers(self, num_tokens: int) -> list[AttentionCall]:
-        self._probing = True  # the DSA islands record what they cache
-        try:
-            return probe_layers(self, num_tokens)
-        finally:
-            self._probing = False
-
     def _one_request(self, num_tokens: int) -> AbstractContextManager[tuple[Tensor, Tensor]]:
         return one_request(self, num_tokens)
-
-    @contextmanager
-    def _one_request_run(self, num_tokens: int) -> Iterator[Callable[[], None]]:
-        """:func:`~bcg.models.hf.probes.one_request`, yielding a function that runs the decoder body on it."""
-        with one_request(self, num_tokens) as (ids, positions):
-            yield lambda: self.forward_layers(self.embed(ids), positions)
-
-    def _probe_capturability(self, num_tokens: int) -> ProbeReport:
-        with one_request(self, num_tokens) as (ids, positions):
-            hidden = self.embed(ids)
-            with find_uncapturable(self.body) as report:
-                self.forward_layers(hidden, positions)
-        return report
 
     def check_tail(self, num_tokens: int = 8) -> float:
         """Compares ``compute_logits(forward_layers(embed(ids)))`` with the model's own ``*ForCausalLM`` forward on

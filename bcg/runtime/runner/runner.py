@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,6 +40,7 @@ from bcg.runtime.runner.buckets import BucketTable
 from bcg.runtime.runner.build import GraphBuilder, frozen_gc
 from bcg.runtime.runner.full_graphs import adopt_full_graphs, full_graph_config
 from bcg.runtime.runner.inputs import Loaded, StaticInputs
+from bcg.runtime.runner.replay_tools import ReplayTools
 from bcg.runtime.runner.step import ModelStep
 from bcg.runtime.runner.telemetry import BatchRecord, BucketRecord, Telemetry
 
@@ -59,8 +58,9 @@ class ForwardOutput:
     record: BatchRecord
 
 
-class Runner:
-    """Runs prefill batches of ``model`` through one backend, bucket by bucket.
+class Runner(ReplayTools):
+    """Runs prefill batches of ``model`` through one backend, bucket by bucket (tools look inside a replay through
+    :class:`~bcg.runtime.runner.replay_tools.ReplayTools`'s methods).
 
     Args:
         model: the model (``embed``, ``forward_layers``, ``compute_logits``).
@@ -267,36 +267,6 @@ class Runner:
         with forward_context(loaded.context):
             self.step(views["input_ids"], views["positions"], views["logit_rows"], out, logits)
         return logits
-
-    @contextmanager
-    def replay_context(self, batch: PrefillBatch) -> Iterator[tuple[int, Any]]:
-        """Loads ``batch`` into the fields of its bucket and sets its forward context; yields ``(bucket, handle)``.
-        For tools that replay or time the steps of a handle themselves (``bcg analyze``, verification). Raises
-        ValueError when the batch would not replay a graph."""
-        with self.lock:
-            bucket, reason = self.choose(batch.num_tokens, batch)
-            if bucket is None:
-                raise ValueError(f"a batch of {batch.num_tokens} tokens does not replay a graph ({reason})")
-            loaded = self.inputs.load(batch, bucket)
-            with forward_context(loaded.context):
-                yield bucket, self.table.buckets[bucket].handle
-
-    def run_step_eagerly(self, bucket: int) -> None:
-        """Runs bucket ``bucket``'s step eagerly on its static fields (inside :meth:`replay_context`): the same
-        inputs a replay reads, the same outputs it writes."""
-        self.step(*self.inputs.step_args(bucket))
-
-    def replay_and_eager(self, batch: PrefillBatch) -> tuple[Tensor, Tensor]:
-        """``batch``'s bucket replayed, and the same padded inputs run eagerly under the same forward context:
-        ``(graph_rows, eager_rows)`` of the hidden states of the real tokens (the differential check of
-        :mod:`.verify`)."""
-        n = batch.num_tokens
-        with self.replay_context(batch) as (bucket, handle):
-            self.backend.replay(handle, bucket)
-            graph_out = self.static_output[:n].clone()
-            self.run_step_eagerly(bucket)
-            eager_out = self.static_output[:n].clone()
-        return graph_out, eager_out
 
     def _record(self, batch: PrefillBatch, bucket: int | None, used: bool, reason: str) -> BatchRecord:
         return self.telemetry.add_batch(BatchRecord(batch.num_tokens, batch.num_requests, bucket, used, reason))

@@ -1,9 +1,9 @@
 """The prefix cache: the KV of prompt prefixes kept in the pool, in a radix tree over token ids.
 
-Each node of the tree holds a run of tokens (its edge) and the pool slots holding their KV, so the path from the root
-to a node spells a prefix and lists its slots in position order; children are keyed by their first token. It is
-token-granular (a prefix may end anywhere, inside an edge too), and it knows slots only as indices, so it serves any
-pool layout: a native model's K/V, a DSA model's index keys, a transformers model's per-layer buffers
+Each node of the tree (:mod:`.radix`) holds a run of tokens (its edge) and the pool slots holding their KV, so the
+path from the root to a node spells a prefix and lists its slots in position order; children are keyed by their first
+token. It is token-granular (a prefix may end anywhere, inside an edge too), and it knows slots only as indices, so it
+serves any pool layout: a native model's K/V, a DSA model's index keys, a transformers model's per-layer buffers
 (:meth:`KVPool.for_layers <bcg.ops.kv_cache.KVPool.for_layers>`) are all indexed by the same slot.
 
 A request that reads a prefix locks the deepest node it reads (:meth:`PrefixCache.lookup`, which splits an edge the
@@ -29,21 +29,9 @@ import numpy as np
 import torch
 
 from bcg.ops.kv_cache import KVPool, KVPoolFullError
+from bcg.runtime.serving.radix import EMPTY, Node, common_length, split, walk
 
 __all__ = ["CacheHit", "PrefixCache"]
-
-_EMPTY = np.empty(0, dtype=np.int64)
-
-
-class _Node:
-    __slots__ = ("children", "key", "last_access", "lock_ref", "parent", "slots")
-
-    def __init__(self, key: np.ndarray, slots: np.ndarray, parent: _Node | None) -> None:
-        self.key, self.slots, self.parent = key, slots, parent
-        self.children: dict[int, _Node] = {}
-        self.lock_ref = 0
-        self.last_access = 0
-
 
 @dataclass
 class CacheHit:
@@ -52,7 +40,7 @@ class CacheHit:
 
     length: int
     slots: np.ndarray
-    node: _Node | None
+    node: Node | None
 
 
 class PrefixCache:
@@ -78,13 +66,13 @@ class PrefixCache:
 
     def __init__(self, pool: KVPool) -> None:
         self.pool = pool
-        self._root = _Node(_EMPTY, _EMPTY, None)
+        self._root = Node(EMPTY, EMPTY, None)
         self._lock = threading.Lock()
         self._clock = 0
         self._seq = itertools.count()
         # Candidates for eviction: (last_access, seq, node), checked when popped (a node may have been locked, grown
         # a child, been touched again or been evicted since it was pushed); rebuilt when stale entries pile up.
-        self._heap: list[tuple[int, int, _Node]] = []
+        self._heap: list[tuple[int, int, Node]] = []
         self.num_cached_tokens = 0  # slots the tree holds
         self.num_locked_tokens = 0  # of which in nodes some request locks (the rest can be evicted)
         self.num_nodes = 0
@@ -97,16 +85,16 @@ class PrefixCache:
         A request asks for at most ``len(tokens) - 1``: its last token must run to produce logits.
         """
         with self._lock:
-            node, length, parts, inside = self._walk(tokens, max_tokens)
+            node, length, parts, inside = walk(self._root, tokens, max_tokens)
             if length == 0:
-                return CacheHit(0, _EMPTY, None)
+                return CacheHit(0, EMPTY, None)
             if inside:  # the hit ends inside the node's edge: lock only what it reads, the rest stays evictable
                 node = self._split(node, inside)
             self._touch(node)
             self._lock_node(node)
             return CacheHit(length, parts[0] if len(parts) == 1 else np.concatenate(parts), node)
 
-    def insert(self, tokens: np.ndarray, slots: np.ndarray, lock: bool = False) -> tuple[_Node, int]:
+    def insert(self, tokens: np.ndarray, slots: np.ndarray, lock: bool = False) -> tuple[Node, int]:
         """Caches ``tokens`` whose KV sits in ``slots``; returns the deepest node of the prefix and how many leading
         tokens the tree already had. The tree adopts ``slots[adopted_from:]``; the rest stay the caller's (the
         tree's own slots hold those tokens, which the caller's equal where it read them from the tree).
@@ -121,7 +109,7 @@ class PrefixCache:
                 child = node.children.get(int(tokens[i]))
                 if child is None:
                     break
-                j = self._common(child.key, tokens, i, n)
+                j = common_length(child.key, tokens, i, n)
                 if j < len(child.key):
                     if i + j == n:  # ends inside this edge: the tree has it all
                         node, i = child, n
@@ -130,7 +118,7 @@ class PrefixCache:
                 node, i = child, i + j
             adopted_from = i
             if i < n:
-                leaf = _Node(tokens[i:].copy(), np.ascontiguousarray(slots[i:n]).copy(), node)
+                leaf = Node(tokens[i:].copy(), np.ascontiguousarray(slots[i:n]).copy(), node)
                 node.children[int(tokens[i])] = leaf
                 self.num_nodes += 1
                 self.num_cached_tokens += n - i
@@ -141,18 +129,18 @@ class PrefixCache:
                     self._lock_node(node)
             return node, adopted_from
 
-    def lock(self, node: _Node | None) -> None:
+    def lock(self, node: Node | None) -> None:
         """Locks ``node`` and its ancestors against eviction (None: nothing)."""
         if node is not None:
             with self._lock:
                 self._lock_node(node)
 
-    def unlock(self, node: _Node | None) -> None:
+    def unlock(self, node: Node | None) -> None:
         """Gives back one lock of ``node`` (from :meth:`lookup` or :meth:`lock`)."""
         if node is None:
             return
         with self._lock:
-            n: _Node | None = node
+            n: Node | None = node
             while n is not None and n is not self._root:
                 n.lock_ref -= 1
                 if n.lock_ref == 0:
@@ -239,61 +227,32 @@ class PrefixCache:
                 "evicted_tokens": self.num_evicted_tokens, "nodes": self.num_nodes}
 
     # ---------------------------------------------------------------- internals (under the lock)
-    @staticmethod
-    def _common(key: np.ndarray, tokens: np.ndarray, i: int, n: int) -> int:
-        """Tokens ``key`` shares with ``tokens[i:n]`` from its start (at least one: the child was found by it)."""
-        m = min(len(key), n - i)
-        eq = key[:m] == tokens[i : i + m]
-        return m if eq.all() else int(np.argmin(eq))
-
-    def _walk(self, tokens: np.ndarray, limit: int) -> tuple[_Node, int, list[np.ndarray], int]:
-        """The deepest node matching ``tokens[:limit]``, the length matched, its slots in parts, and where inside
-        that node's edge the match ends (0: at its end)."""
-        node, i, parts = self._root, 0, []
-        limit = min(limit, len(tokens))
-        while i < limit:
-            child = node.children.get(int(tokens[i]))
-            if child is None:
-                break
-            j = self._common(child.key, tokens, i, limit)
-            parts.append(child.slots[:j])
-            node, i = child, i + j
-            if j < len(child.key):  # ends inside this edge
-                return node, i, parts, j
-        return node, i, parts, 0
-
-    def _split(self, child: _Node, j: int) -> _Node:
-        """Cuts ``child``'s edge after ``j`` tokens; returns the new upper node (locks and age copied, so every lock
-        taken through ``child`` still counts on the path)."""
-        top = _Node(child.key[:j], child.slots[:j], child.parent)
-        top.lock_ref, top.last_access = child.lock_ref, child.last_access
-        top.children[int(child.key[j])] = child
-        child.parent.children[int(child.key[0])] = top
-        child.key, child.slots, child.parent = child.key[j:], child.slots[j:], top
+    def _split(self, child: Node, j: int) -> Node:
+        top = split(child, j)
         self.num_nodes += 1
         return top
 
-    def _touch(self, node: _Node) -> None:
+    def _touch(self, node: Node) -> None:
         self._clock += 1
-        n: _Node | None = node
+        n: Node | None = node
         while n is not None and n is not self._root:
             n.last_access = self._clock
             n = n.parent
         if self._evictable(node):
             self._push(node)
 
-    def _lock_node(self, node: _Node) -> None:
-        n: _Node | None = node
+    def _lock_node(self, node: Node) -> None:
+        n: Node | None = node
         while n is not None and n is not self._root:
             n.lock_ref += 1
             if n.lock_ref == 1:
                 self.num_locked_tokens += len(n.slots)
             n = n.parent
 
-    def _evictable(self, node: _Node) -> bool:
+    def _evictable(self, node: Node) -> bool:
         return node.parent is not None and not node.children and node.lock_ref == 0
 
-    def _push(self, node: _Node) -> None:
+    def _push(self, node: Node) -> None:
         heapq.heappush(self._heap, (node.last_access, next(self._seq), node))
 
     def _rebuild(self) -> None:

@@ -7,8 +7,9 @@ launches it through the runner, copies the finished requests' logits and takes t
 records a CUDA event, and moves on to plan the next forward while the device still runs this one: nothing on its
 path reads a device value, so it never waits for the GPU. At most ``max_inflight_batches`` forwards are launched and
 not yet complete, so a queue of launched work never builds up ahead of newly arrived requests. The completer
-thread waits for each forward's event in turn, stamps the time to first token and resolves the futures, whose
-tensors are then ready to read. On the CPU the forward is synchronous and the event is None; the same threads run.
+thread (:mod:`.completer`) waits for each forward's event in turn, stamps the time to first token and resolves the
+futures, whose tensors are then ready to read. On the CPU the forward is synchronous and the event is None; the
+same threads run.
 
 A forward that raises fails its own requests (their futures get the exception) and no other; one that raises a
 ``BaseException`` (``KeyboardInterrupt``, ``SystemExit``) fails its requests too, then stops the scheduler, and the
@@ -23,15 +24,12 @@ nothing else; neither runs a caller's code, because the futures' done-callbacks 
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import logging
-import queue
 import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -41,6 +39,7 @@ from bcg.errors import first_line
 from bcg.ops.kv_cache import KVPool
 from bcg.runtime.serving.batcher import Batcher, Plan, finished_logits
 from bcg.runtime.serving.callbacks import CallbackThread, ServedFuture
+from bcg.runtime.serving.completer import Completer, Completion, on_device
 from bcg.runtime.serving.gate import ActivityGate
 from bcg.runtime.serving.policy import make_queue
 from bcg.runtime.serving.prefix_cache import PrefixCache
@@ -53,14 +52,6 @@ logger = logging.getLogger("bcg")
 # How long a scheduler that cannot admit anything waits before it tries again without being woken (slots freed by
 # code outside the engine send no notification).
 _BLOCKED_POLL_S = 0.05
-
-
-@dataclass
-class _Completion:
-    finishing: list[Request]
-    logits: Tensor | None
-    next_tokens: Tensor | None
-    event: Any  # torch.cuda.Event, or None on the CPU
 
 
 class Server:
@@ -92,13 +83,13 @@ class Server:
         self._holding = False  # counted as a holder of slots in the gate
         self._seq = itertools.count()
         self._inflight = threading.BoundedSemaphore(max_inflight)
-        self._completions: queue.SimpleQueue[_Completion | None] = queue.SimpleQueue()
-        self.num_submitted = self.num_finished = self.num_failed = 0
+        self.num_submitted = self.num_failed = 0
         self._started = False
         self._start_lock = threading.Lock()
         self._scheduler = threading.Thread(target=self._schedule, name="bcg-scheduler", daemon=True)
-        self._completer = threading.Thread(target=self._complete, name="bcg-completer", daemon=True)
-        self._callbacks = CallbackThread([self._scheduler, self._completer])
+        self._completer = Completer(gate=gate, inflight=self._inflight, fail=self._fail,
+                                    done=lambda: self._callbacks.stop(), device=device)
+        self._callbacks = CallbackThread([self._scheduler, self._completer.thread])
 
     # ---------------------------------------------------------------- front end
     def submit(self, ids: Tensor) -> Future:
@@ -125,7 +116,7 @@ class Server:
             if not self._started:
                 return
         me = threading.current_thread()
-        if me in (self._scheduler, self._completer):  # a finalizer run there: the threads end by themselves
+        if me in (self._scheduler, self._completer.thread):  # a finalizer run there: the threads end by themselves
             return
         self._scheduler.join()
         self._completer.join()
@@ -137,6 +128,11 @@ class Server:
         """Requests submitted and not yet admitted (approximate while the scheduler runs)."""
         with self._cond:
             return len(self._inbox) + len(self.batcher.queue)
+
+    @property
+    def num_finished(self) -> int:
+        """Requests whose futures the completer resolved with a result."""
+        return self._completer.num_finished
 
     def _check_open(self) -> None:
         if self._closed:
@@ -159,7 +155,7 @@ class Server:
     # ---------------------------------------------------------------- the scheduler thread
     def _schedule(self) -> None:
         try:
-            with torch.inference_mode(), self._on_device():
+            with torch.inference_mode(), on_device(self.device):
                 self._schedule_loop()
         except BaseException as e:  # a bug or an interrupt: fail everything rather than leave futures hanging
             self.failure = f"the engine's scheduler stopped ({first_line(e)})"
@@ -175,7 +171,7 @@ class Server:
             self._set_holding()
             if self.cache is not None:  # nothing runs any more: what the cache holds goes back to the pool
                 self.cache.clear()
-            self._completions.put(None)
+            self._completer.stop()
 
     def _schedule_loop(self) -> None:
         while True:
@@ -255,7 +251,7 @@ class Server:
         self._set_holding()
         if finished:
             self.gate.notify()  # slots freed or evictable: waiting reservations may proceed
-        self._completions.put(_Completion(finished, logits, next_tokens, event))
+        self._completer.put(Completion(finished, logits, next_tokens, event))
 
     def _record_event(self) -> Any:
         """Marks the end of the forward just launched on the device's stream (None on the CPU, where it is over)."""
@@ -279,47 +275,3 @@ class Server:
             if not req.future.done() and (req.future.running() or req.future.set_running_or_notify_cancel()):
                 req.future.set_exception(error)
                 self.num_failed += 1
-
-    def _on_device(self) -> Any:
-        return torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
-
-    # ---------------------------------------------------------------- the completer thread
-    def _complete(self) -> None:
-        try:
-            with torch.inference_mode(), self._on_device():
-                while True:
-                    item = self._completions.get()
-                    if item is None:
-                        return
-                    self._resolve(item)
-        finally:
-            self._callbacks.stop()  # after the last future this thread resolves: its callbacks were handed over
-
-    def _resolve(self, item: _Completion) -> None:
-        try:
-            if item.event is not None:
-                item.event.synchronize()
-        except Exception as e:  # the device failed this forward: its requests fail
-            self._over()
-            self._fail(item.finishing, e)
-            return
-        now = time.perf_counter()
-        # The forward is over before its futures resolve: whoever wakes on one (a done-callback, a thread in result())
-        # may recapture at once, and finds this forward no longer counted as active.
-        self._over()
-        try:
-            if not item.finishing:
-                return
-            # One split per forward rather than two slicing ops per request: the completer's Python holds the
-            # interpreter lock the scheduler needs.
-            rows, tokens = item.logits.split(1), item.next_tokens.split(1)
-            for req, logits, next_tokens in zip(item.finishing, rows, tokens):
-                req.future.set_result(req.result(logits, next_tokens, now))
-            self.num_finished += len(item.finishing)
-        except Exception as e:  # a bug reading the result: these requests fail, the others go on
-            self._fail(item.finishing, e)
-
-    def _over(self) -> None:
-        """A launched forward completed: it is no longer active, and its in-flight slot is free."""
-        self.gate.exit()
-        self._inflight.release()

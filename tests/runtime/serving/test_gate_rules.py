@@ -55,7 +55,7 @@ def threads_of(eng: Engine) -> list[threading.Thread]:
     server = eng._server
     if server is None:
         return []
-    return [server._scheduler, server._completer, server._callbacks.thread]
+    return [server._scheduler, server._completer.thread, server._callbacks.thread]
 
 
 def stopped(eng: Engine) -> bool:
