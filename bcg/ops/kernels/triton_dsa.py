@@ -20,17 +20,24 @@ from torch import Tensor
 
 from bcg.ops.kernels.triton_utils import launch
 
-_LOW = 4294967295  # 2**32 - 1: the key's position goes in the low 32 bits, reversed so the earlier key is larger
-_NEG_INF_ORDERED = -2139095041  # ordered(-inf): fp32 bits 0xFF800000 with the magnitude bits flipped
-_INT64_MIN = -9223372036854775808
+# Globals a compiled kernel reads must be constexpr.
+_LOW = tl.constexpr(4294967295)  # 2**32 - 1: the key's position in the low 32 bits, reversed: the earlier key is larger
+_NEG_INF_ORDERED = tl.constexpr(-2139095041)  # ordered(-inf): fp32 bits 0xFF800000 with the magnitude bits flipped
+_INT64_MIN = tl.constexpr(-9223372036854775808)
 
 
-@triton.jit
+# Triton compiles a variant per value class of every int and pointer argument (equal to 1, divisible by 16): the
+# batch's sizes and the metadata views change from call to call, so they are not specialised, and the build's
+# warm-up (one variant per sort width) is all a served batch needs. The row strides of the pool and of a query's
+# heads are fixed by the model, so they are constants of the variant.
+@triton.jit(do_not_specialize=["q_row_stride", "w_row_stride", "read_slots_ptr", "cu_q_ptr", "cu_k_ptr",
+                               "num_tokens", "num_requests", "row0"])
 def _index_topk_kernel(
-    q_ptr, q_row_stride, q_head_stride, w_ptr, w_row_stride, keys_ptr, keys_row_stride, read_slots_ptr, cu_q_ptr,
-    cu_k_ptr, scratch_ptr, out_ptr, num_tokens, num_requests, row0,
-    HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, D_BLOCK: tl.constexpr, TOPK: tl.constexpr, L_BLOCK: tl.constexpr,
-    BLOCK_K: tl.constexpr, R_BLOCK: tl.constexpr,
+    q_ptr, q_row_stride, w_ptr, w_row_stride, keys_ptr, read_slots_ptr, cu_q_ptr, cu_k_ptr, scratch_ptr, out_ptr,
+    num_tokens, num_requests, row0,
+    HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, D_BLOCK: tl.constexpr, Q_HEAD_STRIDE: tl.constexpr,
+    KEY_STRIDE: tl.constexpr, TOPK: tl.constexpr, L_BLOCK: tl.constexpr, BLOCK_K: tl.constexpr,
+    R_BLOCK: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
     row = row0 + pid
@@ -52,11 +59,11 @@ def _index_topk_kernel(
         j = start + tl.arange(0, BLOCK_K)
         ok = j < length
         slot = tl.load(read_slots_ptr + first + j, mask=ok, other=0)
-        k = tl.load(keys_ptr + slot[:, None] * keys_row_stride + d[None, :], mask=ok[:, None] & d_ok[None, :],
+        k = tl.load(keys_ptr + slot[:, None] * KEY_STRIDE + d[None, :], mask=ok[:, None] & d_ok[None, :],
                     other=0.0).to(tl.float32)
         score = tl.zeros([BLOCK_K], dtype=tl.float32)
         for h in tl.static_range(HEADS):
-            qh = tl.load(q_ptr + row * q_row_stride + h * q_head_stride + d, mask=d_ok, other=0.0).to(tl.float32)
+            qh = tl.load(q_ptr + row * q_row_stride + h * Q_HEAD_STRIDE + d, mask=d_ok, other=0.0).to(tl.float32)
             wh = tl.load(w_ptr + row * w_row_stride + h).to(tl.float32)
             score += wh * tl.maximum(tl.sum(k * qh[None, :], axis=1), 0.0)
         score = tl.where(score == 0.0, 0.0, score)  # -0.0 ranks as +0.0, as the reference's float compare does
@@ -83,7 +90,7 @@ def index_topk(index_q: Tensor, head_weights: Tensor, keys: Tensor, read_slots: 
     warps = 4 if l_block <= 2048 else 8
     for row0 in range(0, num_rows, scratch.shape[0]):
         launch(_index_topk_kernel, (min(scratch.shape[0], num_rows - row0),), index_q, index_q.stride(0),
-               index_q.stride(1), head_weights, head_weights.stride(0), keys, keys.stride(0), read_slots,
-               cu_seqlens_q, cu_seqlens_k, scratch, out, num_tokens, num_requests, row0, HEADS=heads,
-               HEAD_DIM=head_dim, D_BLOCK=triton.next_power_of_2(head_dim), TOPK=topk, L_BLOCK=l_block,
-               BLOCK_K=64, R_BLOCK=64, num_warps=warps)
+               head_weights, head_weights.stride(0), keys, read_slots, cu_seqlens_q, cu_seqlens_k, scratch, out,
+               num_tokens, num_requests, row0, HEADS=heads, HEAD_DIM=head_dim,
+               D_BLOCK=triton.next_power_of_2(head_dim), Q_HEAD_STRIDE=index_q.stride(1), KEY_STRIDE=keys.stride(0),
+               TOPK=topk, L_BLOCK=l_block, BLOCK_K=64, R_BLOCK=64, num_warps=warps)
