@@ -1,0 +1,57 @@
+"""Triton kernels compiled for the H200 (sm_90) ahead of time, on a CPU: what the interpreter never checks.
+
+The interpreter runs a kernel's Python as numpy, so a compiled kernel's own rules (globals must be constexpr, types
+must unify across loop iterations, a block must fit the registers) only show on the GPU. Triton's wheel brings the
+compiler and ptxas, so the CPU tier compiles the kernel for sm_90 and reads ptxas's report: it must compile and must
+not spill. Needs ``triton`` importable (the ``test`` extra).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import tempfile
+from pathlib import Path
+
+import pytest
+
+pytestmark = [
+    pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                       reason="triton is not installed (pip install -e .[test])"),
+    pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1",
+                       reason="the interpreter decorates no compiled kernel"),
+]
+
+
+def compile_sm90(kernel, types: dict[str, str], constants: dict[str, int], num_warps: int) -> str:
+    """``kernel`` compiled for sm_90 with ``types`` (argument -> Triton type) and ``constants``; ptxas's report."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    signature = {**types, **{name: "constexpr" for name in constants}}
+    assert list(signature) == kernel.arg_names, "every argument typed or constant, in order"
+    constexprs = {(kernel.arg_names.index(name),): value for name, value in constants.items()}
+    compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs),
+                              target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
+        f.write(compiled.asm["ptx"])
+        f.flush()
+        report = subprocess.run([str(ptxas), "-arch=sm_90a", "-v", f.name, "-o", os.devnull], capture_output=True,
+                                text=True, check=True)
+    return report.stdout + report.stderr
+
+
+@pytest.mark.parametrize("width", [256, 8192])  # the narrowest sort of a 256-pick model and the widest
+def test_dsa_topk_kernel_compiles_for_sm90_without_spills(width):
+    from bcg.ops.kernels import triton_dsa
+
+    types = {"q_ptr": "*bf16", "q_row_stride": "i32", "w_ptr": "*bf16", "w_row_stride": "i32", "keys_ptr": "*bf16",
+             "read_slots_ptr": "*i64", "cu_q_ptr": "*i32", "cu_k_ptr": "*i32", "scratch_ptr": "*i64",
+             "out_ptr": "*i64", "num_tokens": "i32", "num_requests": "i32", "row0": "i32"}
+    constants = dict(HEADS=4, HEAD_DIM=64, D_BLOCK=64, Q_HEAD_STRIDE=64, KEY_STRIDE=64, TOPK=256, L_BLOCK=width,
+                     BLOCK_K=64, R_BLOCK=64)
+    report = compile_sm90(triton_dsa._index_topk_kernel, types, constants, num_warps=4 if width <= 2048 else 8)
+    assert "0 bytes spill stores" in report, report
