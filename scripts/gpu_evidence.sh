@@ -10,7 +10,8 @@
 #   LOAD_MODELS / LOAD_RATES / LOAD_BACKENDS  the load step's presets and flags; prefix: the shared-prefix pair
 #   Other steps: prefix, device, device2, device_baseline, host_path, hf_speed, load, soak, attention, retest, capacity,
 #            validate (VALIDATE_MODELS); a before/after baseline needs the earlier
-#            commit's bcg/ (and benchmarks/device_bound.py) exported first: mkdir .baseline && git archive COMMIT bcg | tar -x -C .baseline
+#            commit's bcg/ (and benchmarks/device_bound.py with the host_path.py it imports) exported first:
+#            mkdir .baseline && git archive COMMIT bcg benchmarks/device_bound.py benchmarks/host_path.py | tar -x -C .baseline
 #   DEVICE_MODELS / DEVICE_ARGS / BASELINE_ARGS  models and flags of the device steps (benchmarks/device_bound.py: wall against
 #            device time per length, whether a prefill ever synchronises, one timeline); device_baseline runs the
 #            same on the code in .baseline/ (an export of an earlier commit's bcg/) for a before/after
