@@ -32,7 +32,7 @@ from bcg.models.hf.fused_layer import FusedModule, NormSpec
 from bcg.models.hf.joined import JoinedWeight, head_rows
 from bcg.ops import bridge
 from bcg.ops import kernels as fused
-from bcg.ops.attention import attention
+from bcg.ops.attention import attention, kv_destination
 from bcg.ops.region_islands import region_attention
 
 __all__ = ["AttentionSpec", "FusedAttention", "RopeLayout", "rope_layout"]
@@ -158,16 +158,20 @@ class FusedAttention(FusedModule):
         out = (bridge.empty("hf_attn.q", (rows, heads, dim), **kw),
                bridge.empty("hf_attn.k", (rows, kv_heads, dim), **kw),
                bridge.empty("hf_attn.v", (rows, kv_heads, dim), **kw))
-        per_head = spec.qk_norm == "head"
+        per_head, in_region = spec.qk_norm == "head", bool(kwargs.get("bcg_region"))
+        # As in the native models: with the fused kernels the RoPE kernel writes the layer's K/V into the pool too
+        # (two launches fewer a layer); a compiled region shares its code between layers, so its island writes them.
+        dest = kv_destination(spec.layer_idx) if impl == "fused" and not in_region else None
         q, k, v = fused.qkv_norm_rope(
             qkv, position_ids[0], spec.rope.inv_freq, heads, kv_heads, q_weight=self.q_weight if per_head else None,
             k_weight=self.k_weight if per_head else None, eps=spec.q_norm.eps if per_head else 1e-6, out=out,
-            impl=impl)
+            impl=impl, cache=dest)
         attn = bridge.empty("hf_attn.out", (rows, heads, dim), **kw)
-        if kwargs.get("bcg_region"):  # a compiled region shared by layers: the island learns its layer when it runs
+        if in_region:  # a compiled region shared by layers: the island learns its layer when it runs
             region_attention(q, k, v, attn, self.scale, spec.window, spec.softcap, self.sinks_fp32)
         else:
-            attention(q, k, v, attn, spec.layer_idx, self.scale, spec.window, spec.softcap, self.sinks_fp32)
+            attention(q, k, v, attn, spec.layer_idx, self.scale, spec.window, spec.softcap, self.sinks_fp32,
+                      kv_stored=dest is not None)
         return self.o_proj(attn.view(rows, heads * dim))[None], None
 
 

@@ -15,6 +15,8 @@ answers any other attribute from it, and runs bcg's fused kernels (:mod:`bcg.ops
   the norm after it as one kernel, each sublayer's output optionally scaled first (granite's
   ``residual_multiplier``); ``"sandwich"`` (gemma2/3) also norms each sublayer's output before its add;
   ``"post_norm"`` (olmo2) norms only the sublayers' outputs, ``h += norm(attn(h)); h += norm(mlp(h))``.
+  Consecutive pre-norm layers (and the last one with the final norm) also join a layer's last add with the next
+  module's input norm (:func:`hand_off`), as the native models carry the residual.
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ from torch import Tensor, nn
 from bcg.models.hf.joined import JoinedWeight
 from bcg.ops import kernels as fused
 
-__all__ = ["FusedDecoderLayer", "FusedMLP", "FusedModule", "FusedRMSNorm", "NoMatch", "NormSpec"]
+__all__ = ["FusedDecoderLayer", "FusedMLP", "FusedModule", "FusedRMSNorm", "NoMatch", "NormHandoff", "NormSpec",
+           "hand_off"]
 
 # The kernels' plain-torch references run F.rms_norm with gemma's fp32 (1 + w) on half-precision rows, which is the
 # arithmetic gemma does; torch notes at every such call that it cannot use its own fused CPU path for mixed dtypes.
@@ -93,15 +96,48 @@ def norm_eps(module: nn.Module) -> float | None:
     return None
 
 
+class NormHandoff:
+    """A layer's last residual add and the next module's input norm as one kernel, across the decoder's loop.
+
+    The layer before computes ``h = residual + mlp_out`` and ``norm(h)`` in one fused kernel, returns ``h`` (what the
+    loop passes on) and leaves ``(h, norm(h))`` here; the module after takes the normed rows when its input is that
+    very ``h`` (anything else, e.g. a hook's replacement, is normed afresh). Not while torch.compile traces: a
+    compiled region runs one layer's code for every layer, and dynamo would guard on the pending tensors.
+    """
+
+    def __init__(self, norm: NormSpec) -> None:
+        self.norm = norm
+        self.pending: tuple[Tensor, Tensor] | None = None
+
+    def give(self, mlp_out: Tensor, residual: Tensor, impl: str) -> Tensor:
+        h = torch.empty_like(residual)
+        normed, h = _add_norm(mlp_out, residual, self.norm, h, impl)
+        self.pending = (h, normed)
+        return h
+
+    def take(self, hidden_states: Tensor, impl: str) -> Tensor:
+        pending, self.pending = self.pending, None
+        if pending is not None and pending[0] is hidden_states:
+            return pending[1]
+        return self.norm(hidden_states, impl)
+
+
 class FusedRMSNorm(FusedModule):
     """An RMSNorm module on the fused kernel (see the module doc)."""
 
     def __init__(self, spec: NormSpec) -> None:
         super().__init__(spec.module, {"weight": spec.module.weight})
         self.spec = spec
+        self.handoff: NormHandoff | None = None  # set when the decoder's last layer computes this norm
 
     def forward(self, hidden_states: Tensor) -> Tensor:
+        if not torch.compiler.is_compiling() and self.handoff is not None:
+            return self.handoff.take(hidden_states, self.kernels)
         return self.spec(hidden_states, self.kernels)
+
+    def unjoin(self) -> None:
+        super().unjoin()
+        self.handoff = None
 
 
 class FusedMLP(FusedModule):
@@ -156,6 +192,13 @@ class FusedDecoderLayer(FusedModule):
         names = ["self_attn", "mlp", *norms]
         super().__init__(original, {n: getattr(original, n) for n in names})
         self.kind, self.norms, self.residual_scale = kind, norms, residual_scale
+        # pre-norm layers chained by :func:`hand_off`: this layer's input norm, and the next module's
+        self.handoff_in: NormHandoff | None = None
+        self.handoff_out: NormHandoff | None = None
+
+    def unjoin(self) -> None:
+        super().unjoin()
+        self.handoff_in = self.handoff_out = None
 
     def forward(self, hidden_states: Tensor, *args: Any, **kwargs: Any) -> Tensor:
         impl, n = self.kernels, self.norms
@@ -163,7 +206,12 @@ class FusedDecoderLayer(FusedModule):
             attn_out = self.self_attn(hidden_states, *args, **kwargs)[0]
             h = hidden_states + n["post_attention_layernorm"](attn_out, impl)
             return h + n["post_feedforward_layernorm"](_first(self.mlp(h)), impl)
-        attn_out = self.self_attn(n["input_layernorm"](hidden_states, impl), *args, **kwargs)[0]
+        # is_compiling first: dynamo must not read (and guard on) the handoffs, which differ between layers
+        if not torch.compiler.is_compiling() and self.handoff_in is not None:
+            normed_in = self.handoff_in.take(hidden_states, impl)
+        else:
+            normed_in = n["input_layernorm"](hidden_states, impl)
+        attn_out = self.self_attn(normed_in, *args, **kwargs)[0]
         if self.residual_scale != 1.0:
             attn_out = attn_out * self.residual_scale
         # h = hidden + attn_out (rounded to the residual's dtype) and the next norm of h, in one kernel; the layer's
@@ -175,7 +223,30 @@ class FusedDecoderLayer(FusedModule):
             return residual + n["post_feedforward_layernorm"](_first(self.mlp(normed)), impl)
         normed, residual = _add_norm(attn_out, hidden_states, n["post_attention_layernorm"], residual, impl)
         mlp_out = _first(self.mlp(normed))
-        return residual + (mlp_out * self.residual_scale if self.residual_scale != 1.0 else mlp_out)
+        if self.residual_scale != 1.0:
+            mlp_out = mlp_out * self.residual_scale
+        if not torch.compiler.is_compiling() and self.handoff_out is not None:
+            return self.handoff_out.give(mlp_out, residual, impl)
+        return residual + mlp_out
+
+
+def hand_off(layers: list[nn.Module], final_norm: nn.Module | None) -> int:
+    """Chains consecutive fused pre-norm layers (``layers`` in the decoder's order, any module) and the final norm,
+    so each layer's last residual add runs with the next module's input norm (:class:`NormHandoff`); returns how
+    many adds were joined so."""
+    joined = 0
+    receivers = [*layers[1:], final_norm]
+    for layer, receiver in zip(layers, receivers):
+        if not (isinstance(layer, FusedDecoderLayer) and layer.kind == "pre_norm"):
+            continue
+        if isinstance(receiver, FusedDecoderLayer) and receiver.kind == "pre_norm":
+            layer.handoff_out = receiver.handoff_in = NormHandoff(receiver.norms["input_layernorm"])
+        elif isinstance(receiver, FusedRMSNorm):
+            layer.handoff_out = receiver.handoff = NormHandoff(receiver.spec)
+        else:
+            continue
+        joined += 1
+    return joined
 
 
 def _first(out: Tensor | tuple) -> Tensor:

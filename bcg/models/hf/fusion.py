@@ -35,7 +35,7 @@ from torch import Tensor, nn
 
 from bcg.errors import first_line
 from bcg.models.hf.fused_attention import FusedAttention
-from bcg.models.hf.fused_layer import FusedModule, FusedRMSNorm
+from bcg.models.hf.fused_layer import FusedModule, FusedRMSNorm, hand_off
 from bcg.models.hf.fused_moe import FusedMoE, is_moe_block, moe_specs
 from bcg.models.hf.moe_ties import MoEInputs, near_tie_rows
 from bcg.models.hf.patterns import (
@@ -147,6 +147,8 @@ def fuse(body: nn.Module, config: Any, calls: dict[int, Any], skip_layers: set[i
             done["layer"] += why is None
             if why is not None:
                 left.append((type(module).__name__, why))
+        # Each checked alone above; chained, a layer's last add runs with the next module's input norm.
+        done["handoff"] = hand_off([getattr(*parents[m]) for m in layers], getattr(body, "norm", None))
     fusion.notes = _notes(done, left)
     fusion.notes[1:1] = [f"fused MoE blocks: {n} {rule}" for rule, n in moe_rules.items()] + [
         f"fused {cls} although {n} probe tokens took another expert at a routing near-tie (scores within rounding)"
@@ -259,7 +261,8 @@ def _notes(done: Counter[str], left: list[tuple[str, str]]) -> list[str]:
     words = {"attention": "attention modules (one q/k/v GEMM, q/k norm where present and RoPE in one kernel)",
              "mlp": "MLPs (one gate/up GEMM, SiLU-and-multiply in one kernel where the activation is SiLU)",
              "moe": "MoE blocks (bcg's router, expert order and combine kernels, the experts as two grouped GEMMs)",
-             "norm": "RMSNorms (one kernel)", "layer": "decoder layers (residual add and RMSNorm in one kernel)"}
+             "norm": "RMSNorms (one kernel)", "layer": "decoder layers (residual add and RMSNorm in one kernel)",
+             "handoff": "layer ends (the last residual add with the next module's input RMSNorm in one kernel)"}
     notes = []
     if done:
         notes.append("fused at load: " + ", ".join(f"{done[k]} {words[k]}" for k in words if done[k]))

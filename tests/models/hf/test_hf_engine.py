@@ -61,10 +61,10 @@ def test_a_dropped_feature_changes_the_logits(feature, monkeypatch):
 
     real = hf_attention.attention
 
-    def without(q, k, v, out, layer_id, scale, window, softcap, sinks):
+    def without(q, k, v, out, layer_id, scale, window, softcap, sinks, kv_stored=False):
         drop = {"s_aux": "sinks", "sliding_window": "window"}[feature]
         kwargs = {"scale": scale, "window": window, "softcap": softcap, "sinks": sinks, drop: None}
-        real(q, k, v, out, layer_id, **kwargs)
+        real(q, k, v, out, layer_id, kv_stored=kv_stored, **kwargs)
 
     eng = engines("gpt_oss", "eager")
     monkeypatch.setattr(hf_attention, "attention", without)  # as written
@@ -135,5 +135,7 @@ def test_kernels_option_reaches_the_fused_modules():
     eng = engines("llama", "eager", kernels="fused")  # the references on a CPU: the same numbers
     assert {m.kernels for m in eng.model.hf.modules() if isinstance(m, FusedModule)} == {"fused"}
     _check(eng.prefill(prompts()), expected("llama"))
+    # The fused RoPE writes each layer's K/V into the pool inside the graphs: the second chunk attends to them.
+    _check(engines("llama", "breakable", kernels="fused").prefill(prompts()), expected("llama"))
     default = engines("llama", "eager")  # the default where Triton does not run: the plain torch ops
     assert {m.kernels for m in default.model.hf.modules() if isinstance(m, FusedModule)} == {"torch"}

@@ -190,3 +190,25 @@ def test_a_layer_whose_residual_scale_is_dropped_is_refused(monkeypatch):
     assert any(n.startswith("left as written: GraniteDecoderLayer (2 modules): its fused form differs")
                for n in eng.telemetry.notes), eng.telemetry.notes
     assert max_diff(eng.prefill(prompts()).logits, want) <= 1e-4
+
+
+def test_a_layers_last_add_runs_with_the_next_modules_input_norm(monkeypatch):
+    """Chained pre-norm layers: every input norm but the first layer's, and the final norm, come out of the layer
+    before's add (one fused add + RMSNorm); the logits stay transformers' own, eager and in graphs."""
+    from bcg.models.hf.fused_layer import NormSpec
+
+    model = make_model("llama", num_hidden_layers=3)
+    want = reference_logits(reference_copy(model), prompts())
+    engines = [Engine(model, backend=backend, **SMALL) for backend in ("eager", "breakable")]
+    assert any("3 layer ends (the last residual add with the next module's input RMSNorm" in note
+               for note in engines[0].telemetry.notes)
+    first = model.model.layers[0].norms["input_layernorm"]
+    normed = []
+    real = NormSpec.__call__
+    monkeypatch.setattr(NormSpec, "__call__", lambda spec, x, impl: normed.append(spec) or real(spec, x, impl))
+    for eng in engines:
+        normed.clear()
+        res = eng.prefill(prompts())
+        assert max_diff(res.logits, want) <= 1e-4 and torch.equal(res.next_tokens, want.argmax(-1))
+        if eng.config.backend == "eager":  # a replay runs no Python: the capture decided
+            assert normed == [first] * len(res.batches)
