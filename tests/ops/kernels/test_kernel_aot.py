@@ -53,5 +53,5 @@ def test_dsa_topk_kernel_compiles_for_sm90_without_spills(width):
              "out_ptr": "*i64", "num_tokens": "i32", "num_requests": "i32", "row0": "i32"}
     constants = dict(HEADS=4, HEAD_DIM=64, D_BLOCK=64, Q_HEAD_STRIDE=64, KEY_STRIDE=64, TOPK=256, L_BLOCK=width,
                      BLOCK_K=64, R_BLOCK=64)
-    report = compile_sm90(triton_dsa._index_topk_kernel, types, constants, num_warps=4 if width <= 2048 else 8)
+    report = compile_sm90(triton_dsa._index_topk_kernel, types, constants, num_warps=triton_dsa.sort_warps(width))
     assert "0 bytes spill stores" in report, report
