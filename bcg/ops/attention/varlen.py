@@ -11,8 +11,9 @@ with a prefix gathers its key ranges from the pool first. The causal mask must b
 request has a prefix (query ``i`` sees keys ``0..prefix+i``): that is probed once per device, and a top-left kernel
 sends those batches to the reference.
 
-Soft-capped layers (gemma2) run bcg's Triton varlen kernel on CUDA (:mod:`bcg.ops.kernels.attention`: torch's
-FlashAttention has no soft-cap), over the same metadata; without Triton, and on a CPU, they take the feature path's
+Soft-capped layers (gemma2) and layers with sinks (gpt-oss) run bcg's Triton varlen kernel on CUDA
+(:mod:`bcg.ops.kernels.attention`: torch's FlashAttention has no soft-cap, and its sinks take three more launches),
+over the same metadata; without Triton, and on a CPU, they take the feature path's
 exact per-request math. :class:`~bcg.ops.attention.triton_varlen.TritonAttention` runs that kernel for every layer.
 """
 
@@ -105,9 +106,11 @@ class VarlenAttention(AttentionBackend):
 
     def attend_with(self, ctx: BatchContext, q: Tensor, k: Tensor, v: Tensor, out: Tensor, layer_id: int,
                     features: AttentionFeatures) -> None:
-        if features.softcap is not None and runs_triton_varlen(q, v):
-            _log_once(f"bcg varlen attention on {q.device}: soft-capped layers run bcg's Triton varlen kernel (torch's "
-                      "FlashAttention has no soft-cap)", logging.INFO)
+        # Soft-caps and sinks: bcg's kernel takes them in its one launch, where FlashAttention has no soft-cap and
+        # its sinks cost a log-sum-exp, a gate and a multiply after it (and an exact reference without Triton).
+        if (features.softcap is not None or features.sinks is not None) and runs_triton_varlen(q, v):
+            _log_once(f"bcg varlen attention on {q.device}: soft-capped layers and layers with sinks run bcg's Triton "
+                      "varlen kernel (torch's FlashAttention has neither)", logging.INFO)
             self.attend_rows(ctx, q, k, v, out, layer_id, triton_kernel(features))
             return
         super().attend_with(ctx, q, k, v, out, layer_id, features)

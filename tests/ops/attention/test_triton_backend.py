@@ -82,19 +82,23 @@ def _island_inputs(num_tokens=6, padded=8):
     return pool, ctx, q, k, v
 
 
+@pytest.mark.parametrize("feature", ["softcap", "sinks"])
 @pytest.mark.parametrize("runs_triton", [False, True])
-def test_varlen_sends_soft_capped_layers_to_the_triton_kernel_where_it_runs(monkeypatch, kernel_calls, runs_triton):
-    """On CUDA with Triton (stood in for here) a soft-capped layer takes bcg's kernel; elsewhere the feature path's
-    exact math. Both give the same numbers."""
+def test_varlen_sends_soft_capped_and_sink_layers_to_the_triton_kernel_where_it_runs(monkeypatch, kernel_calls,
+                                                                                      runs_triton, feature):
+    """On CUDA with Triton (stood in for here) a soft-capped layer, or one with sinks, takes bcg's kernel; elsewhere
+    the feature path's exact math. Both give the same numbers."""
     monkeypatch.setattr(varlen_module, "runs_triton_varlen", lambda q, v: runs_triton)
     pool, ctx, q, k, v = _island_inputs()
-    features = AttentionFeatures(scale=0.3, window=3, softcap=0.8)
+    extra = {"softcap": 0.8} if feature == "softcap" else {"sinks": torch.tensor([0.5, -1.0, 2.0, 0.0])}
+    features = AttentionFeatures(scale=0.3, window=3, **extra)
     backend = VarlenAttention(pool)
     out = torch.empty_like(q)
     backend.attend_with(ctx, q, k, v, out, 0, features)
     assert len(kernel_calls) == int(runs_triton)
     if runs_triton:
-        assert kernel_calls[0] == dict(scale=0.3, softcap=0.8, window_left=2, sinks=None)
+        assert kernel_calls[0] == dict(scale=0.3, softcap=extra.get("softcap"), window_left=2,
+                                       sinks=extra.get("sinks"))
     want = torch.empty_like(q)
     TritonAttention(pool).attend_with(ctx, q, k, v, want, 0, features)
     from bcg.ops.attention.features import reference_attention
