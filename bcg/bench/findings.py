@@ -15,7 +15,8 @@ from typing import Any
 
 from bcg.bench import amdahl, coverage
 from bcg.bench.forecast import Forecast, ForecastContext, Profiled, forecast, island_group
-from bcg.bench.predict import HostTimes, fuse
+from bcg.bench.fusion_rule import fuse
+from bcg.bench.predict import HostTimes
 from bcg.bench.recommend import Recommendation, Workload, eager_curve, expected_ms, recommend
 from bcg.bench.trace import regions
 from bcg.bench.validate import Measured, errors
@@ -214,7 +215,7 @@ def _amdahl(m: Measurements, p: float | None, predicted: dict[str, dict[int, flo
 
 def _fusion_check(m: Measurements) -> dict[int, dict[str, float]] | None:
     """The fusion rule against the fused kernels' own timings, per profiled size: the graph work's device µs as
-    profiled (torch kernels), as :func:`~bcg.bench.predict.fuse` predicts a compiler would run it, and as the
+    profiled (torch kernels), as :func:`~bcg.bench.fusion_rule.fuse` predicts a compiler would run it, and as the
     fused kernels (``kernels='fused'``) ran it; None without a fused profile. A diagnostic: the rule is not fitted to
     it."""
     if "fused" not in m.profiles:
