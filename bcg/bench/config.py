@@ -1,25 +1,26 @@
-"""Configuration of ``bcg bench``, ``bcg analyze`` and ``bcg verify`` (``bcg load``'s is :mod:`.load_config`): one
-dataclass each, its fields named like the CLI flags (``--chunked-prefill-size`` is ``chunked_prefill_size``).
+"""Configuration of ``bcg bench`` and ``bcg analyze`` (``bcg verify``'s is :mod:`.verify_config`, re-exported here;
+``bcg load``'s :mod:`.load_config`): one dataclass each, its fields named like the CLI flags
+(``--chunked-prefill-size`` is ``chunked_prefill_size``).
 
 Fields left ``None`` take a device-dependent default in ``resolved()``, the same for every command
 (:data:`~bcg.bench.defaults.CUDA_DEFAULTS`, :data:`~bcg.bench.defaults.CPU_DEFAULTS`, kept in a torch-free module so
 that ``--help`` shows them without importing torch): on CUDA the paper-sized ``llama-dense`` sweep, without CUDA a
 small ``tiny-dense`` run under the CPU emulation that finishes in seconds, on one torch thread so its timings hold
 still on a shared machine. Validation raises ``ValueError`` with a message the CLI prints as a usage error;
-:class:`BenchError` is a run that could not measure anything. ``engine_spec()`` / ``engine_config()`` turn a resolved
-config into what its engines are built from.
+:class:`BenchError` is a run that could not measure anything. ``engine_spec()`` turns a resolved config into what its
+engines are built from. What every command's config shares (the device, the machine's defaults, ``--tc-compiler``) is
+:mod:`.config_base`'s.
 """
 
 from __future__ import annotations
 
-import math
-import sys
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import torch
 
 from bcg.bench import checks
+from bcg.bench.config_base import Run, default_device, resolve_machine, show_progress, spec, tc_compiler_for
 from bcg.bench.defaults import (
     ANALYZE_BACKENDS,
     CPU_DEFAULTS,
@@ -30,10 +31,10 @@ from bcg.bench.defaults import (
     WARMUP,
     MachineDefaults,
 )
+from bcg.bench.verify_config import VerifyConfig
 
 if TYPE_CHECKING:
     from bcg.bench.engines import EngineSpec
-    from bcg.runtime.config import EngineConfig
 
 __all__ = ["ANALYZE_BACKENDS", "AnalyzeConfig", "BenchConfig", "BenchError", "CPU_DEFAULTS", "CUDA_DEFAULTS",
            "MachineDefaults", "Run", "TC_COMPILERS", "VerifyConfig", "default_device", "resolve_machine",
@@ -42,22 +43,6 @@ __all__ = ["ANALYZE_BACKENDS", "AnalyzeConfig", "BenchConfig", "BenchError", "CP
 
 class BenchError(RuntimeError):
     """A run that could not measure what it needs (e.g. the eager baseline failed to build); exit status 1."""
-
-
-def default_device() -> str:
-    """``"cuda"`` when a GPU is visible, else ``"cpu"``."""
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-class Run:
-    """What every command's config has: a device, and whether that means the CPU emulation."""
-
-    device: str | None
-
-    @property
-    def emulated(self) -> bool:
-        """True when running without CUDA (the graph backends run under the CPU emulation)."""
-        return torch.device(self.device or default_device()).type != "cuda"
 
 
 @dataclass
@@ -234,117 +219,3 @@ class AnalyzeConfig(Run):
         return spec(self.model, device=self.device, dtype=self.dtype, seed=self.seed,
                      chunked_prefill_size=self.chunked_prefill_size, max_tokens=self.max_tokens,
                      tc_compiler=self.tc_compiler or "inductor", progress=self.progress, model_impl=self.model_impl)
-
-
-# bcg verify checks each size with a batch of two requests (request boundaries matter: probe_batch); the full
-# backend's graphs have one request slot per 512 tokens of the chunk (at least one), so a chunk under 1024 tokens
-# (the CPU's 256) would skip every size.
-VERIFY_REQUESTS, FULL_TOKENS_PER_REQUEST = 2, 512
-
-
-@dataclass
-class VerifyConfig(Run):
-    """Options of ``bcg verify``; each field is the CLI flag of the same name. ``num_tokens`` and ``tolerance`` are
-    the arguments of :func:`~bcg.runtime.runner.verify.verify_segments`, the others fields of the engine's
-    :class:`~bcg.runtime.config.EngineConfig` (:meth:`engine_config`).
-
-    Example::
-
-        cfg = VerifyConfig(device="cpu", buckets=[8, 16]).resolved()
-        Engine(cfg.model, cfg.engine_config())
-    """
-
-    model: str = "tiny-dense"
-    model_impl: str = "auto"
-    backend: str = "breakable"
-    device: str | None = None
-    dtype: str | None = None
-    seed: int = 0
-    buckets: list[int] | None = None
-    max_tokens: int | None = None
-    chunked_prefill_size: int | None = None
-    tc_compiler: str | None = None  # None: tc_compiler_for's default
-    max_requests: int | None = None  # the full backend's request slots (None: the engine's, at least VERIFY_REQUESTS)
-    num_tokens: list[int] | None = None
-    tolerance: float | None = None
-    leak_check: str = "warn"
-    progress: bool | None = None
-
-    def resolved(self) -> VerifyConfig:
-        """A copy with every ``None`` default filled in for this machine, validated (the engine's fields too)."""
-        device, d, model, impl = resolve_machine(self.device, self.dtype, self.model, self.model_impl)
-        if self.tolerance is not None and not (math.isfinite(self.tolerance) and self.tolerance >= 0):
-            raise ValueError(f"--tolerance must be a finite number >= 0 (a relative difference), got {self.tolerance}")
-        chunk = self.chunked_prefill_size if self.chunked_prefill_size is not None else d.chunked_prefill_size
-        checks.check_chunk(chunk)
-        tc_compiler = tc_compiler_for(self.tc_compiler, d)
-        if self.backend == "tc_piecewise" and tc_compiler == "inductor" and d is CPU_DEFAULTS:
-            raise ValueError("--tc-compiler inductor cannot run under the CPU emulation (Inductor's CPU kernels are "
-                             "C++ the emulation cannot record); leave it out (traced on the CPU) or verify on a GPU")
-        if self.num_tokens is not None:
-            checks.check_context("--num-tokens", self.num_tokens, model, impl)
-            if max(self.num_tokens) > chunk:
-                raise ValueError(f"--num-tokens: {max(self.num_tokens)} tokens is more than --chunked-prefill-size "
-                                 f"{chunk} (a graph replays one forward, and a forward is at most a chunk); give "
-                                 f"sizes up to {chunk} or a larger --chunked-prefill-size")
-        max_requests = self.max_requests
-        if max_requests is None and self.backend == "full" and chunk // FULL_TOKENS_PER_REQUEST < VERIFY_REQUESTS:
-            max_requests = VERIFY_REQUESTS  # else the check batch never fits a graph of a small chunk
-        cfg = replace(self, model=model, device=device, chunked_prefill_size=chunk, tc_compiler=tc_compiler,
-                      max_requests=max_requests, progress=show_progress(self.progress))
-        try:
-            cfg.engine_config()
-        except (TypeError, ValueError) as e:
-            raise ValueError(f"{e} (the flag of the same name)") from None
-        return cfg
-
-    def engine_config(self) -> EngineConfig:
-        """The EngineConfig of the engine to verify."""
-        from bcg.runtime.config import EngineConfig
-
-        return EngineConfig(backend=self.backend, device=self.device, dtype=self.dtype, seed=self.seed,
-                            buckets=self.buckets, max_tokens=self.max_tokens,
-                            chunked_prefill_size=self.chunked_prefill_size, tc_compiler=self.tc_compiler,
-                            max_requests=self.max_requests, progress=self.progress, leak_check=self.leak_check,
-                            model_impl=self.model_impl)
-
-
-def tc_compiler_for(tc_compiler: str | None, d: MachineDefaults) -> str:
-    """``--tc-compiler`` of every command: the value given, else this machine's (``inductor`` on CUDA, ``traced`` on
-    the CPU); raises ValueError for anything else.
-
-    Example:
-        >>> tc_compiler_for(None, CPU_DEFAULTS), tc_compiler_for(None, CUDA_DEFAULTS)
-        ('traced', 'inductor')
-        >>> tc_compiler_for("traced", CUDA_DEFAULTS)
-        'traced'
-    """
-    value = d.tc_compiler if tc_compiler is None else tc_compiler
-    if value not in TC_COMPILERS:
-        raise ValueError(f"--tc-compiler must be {' or '.join(TC_COMPILERS)}, got {value!r}")
-    return value
-
-
-def show_progress(progress: bool | None) -> bool:
-    # Bars redraw with carriage returns and escape codes: in a log file or a pipe they are noise.
-    return sys.stderr.isatty() if progress is None else progress
-
-
-def resolve_machine(device: str | None, dtype: str | None, model: str | None,
-                     model_impl: str = "auto") -> tuple[str, MachineDefaults, str, str]:
-    """(device, this machine's defaults, model, the implementation that runs it) with the defaults filled in and each
-    checked."""
-    device = device or default_device()
-    checks.check_device(device)
-    checks.check_dtype(dtype)
-    d = CUDA_DEFAULTS if torch.device(device).type == "cuda" else CPU_DEFAULTS
-    model = model or d.model
-    return device, d, model, checks.check_model(model, model_impl)
-
-
-def spec(model: str | None, **config: object) -> EngineSpec:
-    from bcg.bench.engines import EngineSpec
-    from bcg.runtime.config import EngineConfig
-
-    assert model is not None, "engine_spec() needs a resolved config"
-    return EngineSpec(model, EngineConfig(**config))

@@ -33,7 +33,7 @@ class MachineDefaults:
     chunked_prefill_size: int
     length: int
     threads: int | None
-    tc_compiler: str  # what compiles tc_piecewise's pieces (bcg.bench.config.tc_compiler_for)
+    tc_compiler: str  # what compiles tc_piecewise's pieces (bcg.bench.config_base.tc_compiler_for)
 
 
 # The variants of bcg/bench/variants.py: plain torch ops unless "+fused", uncompiled unless "+inductor".

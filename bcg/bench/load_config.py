@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from bcg.bench import checks
-from bcg.bench.config import Run, resolve_machine, show_progress, spec, tc_compiler_for
+from bcg.bench.config_base import Run, resolve_machine, show_progress, spec, tc_compiler_for
 from bcg.bench.defaults import LOAD_CPU_DEFAULTS, LOAD_CUDA_DEFAULTS, LoadDefaults
 
 if TYPE_CHECKING:

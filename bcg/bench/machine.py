@@ -9,6 +9,8 @@ Under the CPU emulation they run the same code (emulated graphs), and mean nothi
 
 The host-side benchmarks (:func:`measure`) run before anything is profiled; :func:`measure_device` reads the one number
 that needs the profiler (a tiny kernel's device time) last, because the profiler, once loaded, slows later host work.
+The probes, their sizes and timers are in :mod:`bcg.bench.machine_probes`; dynamo's guards and the compile benchmark
+in :mod:`bcg.bench.machine_compile`.
 """
 
 from __future__ import annotations
@@ -16,26 +18,28 @@ from __future__ import annotations
 import os
 import statistics
 import time
-import types
-from collections.abc import Callable
-from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 
+from bcg.bench.machine_compile import COMPILE_BLOCK_KERNELS, compile_block, compile_costs, guard_costs
+from bcg.bench.machine_probes import (
+    MEDIUM_ELEMENTS,
+    N_BREAKS,
+    N_GRAPHS,
+    N_KERNELS,
+    N_MEDIUM,
+    adds,
+    breakable,
+    capture,
+    host_us,
+    piece,
+    wall_us,
+)
 from bcg.bench.timing import sync
 
 __all__ = ["COMPILE_BLOCK_KERNELS", "MachineCosts", "compile_block", "measure", "measure_device"]
-
-N_KERNELS = 1000  # kernels of the long graph and of the eager launch loop
-N_BREAKS = 16
-N_MEDIUM = 200  # kernels of the medium graph
-MEDIUM_ELEMENTS = {"cuda": 2**20, "cpu": 2**10}  # a 4 MiB add on a GPU (the CPU's: small, to stay quick)
-N_GRAPHS = 64  # one-kernel graphs of the per-graph memory benchmark
-REPS = 15
-# The kernels one eager call of compile_block launches (an RMSNorm, two matmuls, SiLU-and-multiply, a residual add).
-COMPILE_BLOCK_KERNELS = 11
 
 
 @dataclass
@@ -114,77 +118,6 @@ class MachineCosts:
         return self.guard_us + self.guard_per_param_us * num_params
 
 
-def _host_us(fn: Callable[[], Any], device: torch.device, reps: int = REPS) -> float:
-    """Median host time of ``fn`` from an idle device, not waiting for what it enqueues."""
-    samples = []
-    for i in range(reps + 2):
-        sync(device)
-        t0 = time.perf_counter()
-        fn()
-        t1 = time.perf_counter()
-        if i >= 2:
-            samples.append((t1 - t0) * 1e6)
-    sync(device)
-    return statistics.median(samples)
-
-
-def _wall_us(fn: Callable[[], Any], device: torch.device, reps: int = REPS) -> float:
-    """Median wall time of ``fn`` until the device is done (CUDA events on a GPU)."""
-    from bcg.bench.timing import time_fn
-
-    return time_fn(fn, device, runs=reps, warmup=2).median_ms * 1e3
-
-
-def _adds(x: torch.Tensor, n: int) -> None:
-    for _ in range(n):
-        x.add_(1.0)
-
-
-def _capture(n: int, emulated: bool, stream: Any, elements: int = 1) -> Any:
-    from bcg.runtime.backends.capture import capturing, new_graph
-
-    x = torch.zeros(elements, device="cpu" if emulated else "cuda")
-    graph = new_graph(emulated)
-    with capturing(graph, None, stream):
-        _adds(x, n)
-    return graph
-
-
-def _break_step(x: torch.Tensor) -> None:
-    from bcg.islands import break_graph
-
-    for i in range(N_BREAKS + 1):
-        x.add_(1.0)
-        if i < N_BREAKS:
-            break_graph()
-
-
-def _breakable(emulated: bool, stream: Any) -> Any:
-    import bcg
-
-    x = torch.zeros(1, device="cpu" if emulated else "cuda")
-    graph = bcg.BreakableCUDAGraph(emulate=emulated)
-    with bcg.breakable_graph(graph, stream=stream):
-        _break_step(x)
-    return graph
-
-
-def _piece(emulated: bool, stream: Any) -> Callable[[], Any]:
-    """One torch.compile piece (bcg's own piece class) captured for one bucket, called as a piecewise replay calls
-    it."""
-    from bcg.runtime.backends.capture import GraphPool
-    from bcg.runtime.backends.piecewise import GraphedPiece, PieceRuntime
-
-    x = torch.zeros(1, device="cpu" if emulated else "cuda")
-    runtime = PieceRuntime(pool=GraphPool(stream), is_emulated=emulated)
-    piece = GraphedPiece("probe", lambda t: t.add_(1.0), runtime)
-    runtime.mode, runtime.bucket = "capture", 1
-    with nullcontext() if stream is None else torch.cuda.stream(stream):
-        piece(x)
-    runtime.mode = "replay"
-    return lambda: piece(x)
-
-
 def _graph_memory(emulated: bool, stream: Any, device: torch.device) -> tuple[float, float]:
     """(bytes per kernel node, bytes per graph executable) from the device's free memory around captures."""
     if emulated:
@@ -193,80 +126,13 @@ def _graph_memory(emulated: bool, stream: Any, device: torch.device) -> tuple[fl
 
     release_memory()
     free0 = torch.cuda.mem_get_info(device)[0]
-    big = _capture(4 * N_KERNELS, emulated, stream)
+    big = capture(4 * N_KERNELS, emulated, stream)
     free1 = torch.cuda.mem_get_info(device)[0]
-    small = [_capture(1, emulated, stream) for _ in range(N_GRAPHS)]
+    small = [capture(1, emulated, stream) for _ in range(N_GRAPHS)]
     free2 = torch.cuda.mem_get_info(device)[0]
     del big, small
     release_memory()
     return max(free0 - free1, 0) / (4 * N_KERNELS), max(free1 - free2, 0) / N_GRAPHS
-
-
-def _guards(device: torch.device) -> tuple[float, float]:
-    """(fixed µs, µs per parameter) dynamo adds to a call: a function reading 4 and 64 parameter tensors, traced
-    without generating code, against the same function uncompiled."""
-    costs = []
-    for num in (4, 64):
-        params = [torch.zeros(1, device=device) for _ in range(num)]
-
-        def body(x: torch.Tensor, params: list[torch.Tensor] = params) -> torch.Tensor:
-            for p in params:
-                x = x + p
-            return x
-
-        # A code object of its own, so each traced copy keeps its guards apart from the others.
-        fn = types.FunctionType(body.__code__.replace(), body.__globals__, "guard_probe", body.__defaults__)
-        compiled = torch.compile(fn, fullgraph=True, backend=_no_codegen)
-        x = torch.zeros(1, device=device)
-        with torch.inference_mode():
-            compiled(x)
-            plain = _host_us(lambda f=fn, x=x: f(x), device)
-            costs.append(max(_host_us(lambda f=compiled, x=x: f(x), device) - plain, 0.0))
-    per_param = max((costs[1] - costs[0]) / 60, 0.0)
-    return max(costs[0] - 4 * per_param, 0.0), per_param
-
-
-def compile_block(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, norm: torch.Tensor) -> torch.Tensor:
-    """A layer-like block for the compile benchmark: RMSNorm, matmul, SiLU-and-multiply, matmul, residual add
-    (:data:`COMPILE_BLOCK_KERNELS` kernels run eagerly)."""
-    h = x * torch.rsqrt((x * x).mean(-1, keepdim=True) + 1e-6) * norm
-    h = h @ w1
-    h = torch.nn.functional.silu(h) * h
-    return x + h @ w2
-
-
-def _no_codegen(gm: torch.fx.GraphModule, example_inputs: list) -> Callable[..., Any]:
-    """A compile backend that runs dynamo's trace as it is ("traced")."""
-    return gm.forward
-
-
-def _compile_costs(compiler: str, device: torch.device) -> tuple[float, float]:
-    """(fixed ms of a compile, ms per kernel) of ``compiler`` on a stack of 1 and of 4 blocks (after one
-    untimed compile of another size: the compiler's first use in a process imports and warms it)."""
-    def stack(blocks: int, hidden: int) -> float:
-        ws = [(torch.randn(hidden, hidden, device=device) * 0.01, torch.randn(hidden, hidden, device=device) * 0.01,
-               torch.ones(hidden, device=device)) for _ in range(blocks)]
-
-        def body(x: torch.Tensor, ws: list = ws) -> torch.Tensor:
-            for w1, w2, norm in ws:
-                x = compile_block(x, w1, w2, norm)
-            return x
-
-        fn = types.FunctionType(body.__code__.replace(), body.__globals__, f"compile_probe_{blocks}", body.__defaults__)
-        backend = "inductor" if compiler == "inductor" else _no_codegen
-        compiled = torch.compile(fn, fullgraph=True, backend=backend)
-        x = torch.randn(8, hidden, device=device)
-        sync(device)
-        t0 = time.perf_counter()
-        with torch.inference_mode():
-            compiled(x)
-        sync(device)
-        return (time.perf_counter() - t0) * 1e3
-
-    stack(1, 32)
-    one, four = stack(1, 64), stack(4, 64)
-    per_block = max((four - one) / 3, 0.0)
-    return max(one - per_block, 0.0), per_block / COMPILE_BLOCK_KERNELS
 
 
 # Earlier measurements of this process, by what they depend on (none of it is the model's): see measure().
@@ -304,35 +170,35 @@ def _measure(device: torch.device, compilers: tuple[str, ...], guards: bool) -> 
     t_start = time.perf_counter()
     x = torch.zeros(1, device=device)
     with torch.inference_mode():
-        _adds(x, 50)
-        launch = _host_us(lambda: _adds(x, N_KERNELS), device, reps=5) / N_KERNELS
-        eager_wall = _wall_us(lambda: _adds(x, N_KERNELS), device, reps=5) / N_KERNELS
-        one, many = _capture(1, emulated, stream), _capture(N_KERNELS, emulated, stream)
-        graph_kernel = _wall_us(many.replay, device) / N_KERNELS
-        medium = _capture(N_MEDIUM, emulated, stream, MEDIUM_ELEMENTS[device.type])
-        graph_medium = _wall_us(medium.replay, device) / N_MEDIUM
-        launch_one = _host_us(one.replay, device)
-        per_node = max((_host_us(many.replay, device) - launch_one) / (N_KERNELS - 1), 0.0)
-        breakable = _breakable(emulated, stream)
-        breaks = max((_host_us(breakable.replay, device) - (N_BREAKS + 1) * launch_one) / N_BREAKS, 0.0)
-        piece = _host_us(_piece(emulated, stream), device)
+        adds(x, 50)
+        launch = host_us(lambda: adds(x, N_KERNELS), device, reps=5) / N_KERNELS
+        eager_wall = wall_us(lambda: adds(x, N_KERNELS), device, reps=5) / N_KERNELS
+        one, many = capture(1, emulated, stream), capture(N_KERNELS, emulated, stream)
+        graph_kernel = wall_us(many.replay, device) / N_KERNELS
+        medium = capture(N_MEDIUM, emulated, stream, MEDIUM_ELEMENTS[device.type])
+        graph_medium = wall_us(medium.replay, device) / N_MEDIUM
+        launch_one = host_us(one.replay, device)
+        per_node = max((host_us(many.replay, device) - launch_one) / (N_KERNELS - 1), 0.0)
+        broken = breakable(emulated, stream)
+        breaks = max((host_us(broken.replay, device) - (N_BREAKS + 1) * launch_one) / N_BREAKS, 0.0)
+        piece_host = host_us(piece(emulated, stream), device)
         t0 = time.perf_counter()
-        _capture(1, emulated, stream)
+        capture(1, emulated, stream)
         cap_one = (time.perf_counter() - t0) * 1e6
         t0 = time.perf_counter()
-        _capture(N_KERNELS, emulated, stream)
+        capture(N_KERNELS, emulated, stream)
         cap_many = (time.perf_counter() - t0) * 1e6
     node_bytes, graph_bytes = _graph_memory(emulated, stream, device)
     costs = MachineCosts(
         device=str(device), emulated=emulated, eager_launch_us=launch, eager_kernel_us=eager_wall,
         graph_kernel_us=graph_kernel, graph_launch_us=launch_one, graph_launch_per_node_us=per_node, break_us=breaks,
-        piece_us=piece, capture_per_node_us=max((cap_many - cap_one) / (N_KERNELS - 1), 0.0),
+        piece_us=piece_host, capture_per_node_us=max((cap_many - cap_one) / (N_KERNELS - 1), 0.0),
         capture_per_graph_us=cap_one, graph_node_bytes=node_bytes, graph_bytes=graph_bytes,
         graph_medium_kernel_us=graph_medium)
     if guards:
-        costs.guard_us, costs.guard_per_param_us = _guards(device)
+        costs.guard_us, costs.guard_per_param_us = guard_costs(device)
     for compiler in compilers:
-        costs.compile_ms[compiler] = _compile_costs(compiler, device)
+        costs.compile_ms[compiler] = compile_costs(compiler, device)
     costs.seconds = time.perf_counter() - t_start
     return costs
 
@@ -349,8 +215,8 @@ def measure_device(costs: MachineCosts, cache: bool = True) -> MachineCosts:
     y = torch.zeros(MEDIUM_ELEMENTS[device.type], device=device)
     t0 = time.perf_counter()
     if costs.emulated:
-        costs.tiny_kernel_us = _host_us(lambda: _adds(x, N_KERNELS), device, reps=5) / N_KERNELS
-        costs.medium_kernel_us = _host_us(lambda: _adds(y, N_MEDIUM), device, reps=5) / N_MEDIUM
+        costs.tiny_kernel_us = host_us(lambda: adds(x, N_KERNELS), device, reps=5) / N_KERNELS
+        costs.medium_kernel_us = host_us(lambda: adds(y, N_MEDIUM), device, reps=5) / N_MEDIUM
     else:
         costs.tiny_kernel_us = _profiled_us(x, 200, device)
         costs.medium_kernel_us = _profiled_us(y, 50, device)
@@ -365,10 +231,10 @@ def _profiled_us(x: torch.Tensor, n: int, device: torch.device) -> float | None:
 
     from bcg.bench.quiet_profiler import quiet_profile
 
-    _adds(x, 10)
+    adds(x, 10)
     sync(device)
     with quiet_profile(activities=[ProfilerActivity.CUDA]) as prof:
-        _adds(x, n)
+        adds(x, n)
         sync(device)
     spans = [e.time_range.end - e.time_range.start for e in prof.events()
              if str(e.device_type).endswith("CUDA") and e.time_range.end > e.time_range.start]

@@ -10,9 +10,9 @@ is used only where every part of the key matches:
   thread count (the host costs scale with them: ``--cpu-cores`` runs get entries of their own);
 * the software: torch's version and its CUDA, triton's version, Python's major and minor version;
 * what was measured and how: :data:`METHOD` (raised whenever the measuring code changes what it returns) and the
-  shapes the measuring code runs (the kernel counts and repetitions of ``machine.py``, the toy model and layer counts
-  of ``paths.py``), and the compilers, guards and backends asked for. bcg's version and commit are not in it: a
-  commit that leaves the measured paths alone keeps the entries.
+  shapes the measuring code runs (the kernel counts and repetitions of ``machine_probes.py`` and
+  ``machine_compile.py``, the toy model and layer counts of ``paths.py``), and the compilers, guards and backends
+  asked for. bcg's version and commit are not in it: a commit that leaves the measured paths alone keeps the entries.
 
 ``--machine-cache use`` (the default) reads an entry where one matches and measures and writes one where none does;
 ``refresh`` measures again and overwrites; ``off`` neither reads nor writes. An entry that cannot be read is measured
@@ -35,12 +35,13 @@ from typing import Any
 
 import torch
 
-from bcg.bench import machine, paths
+from bcg.bench import machine, machine_compile, paths
+from bcg.bench import machine_probes as probes
 from bcg.bench.defaults import MACHINE_CACHE_MODES
 
 __all__ = ["METHOD", "MachineCache", "cache_dir", "identity"]
 
-# Raise when machine.py or paths.py changes what a measurement returns or how it is taken: old entries stop matching.
+# Raise when machine*.py or paths.py changes what a measurement returns or how it is taken: old entries stop matching.
 METHOD = 1
 
 
@@ -99,9 +100,9 @@ def identity(device: torch.device | str, host: bool = True) -> dict[str, Any]:
 
 
 def _machine_shape() -> dict[str, Any]:
-    return {"kernels": machine.N_KERNELS, "breaks": machine.N_BREAKS, "medium": machine.N_MEDIUM,
-            "medium_elements": machine.MEDIUM_ELEMENTS, "graphs": machine.N_GRAPHS, "reps": machine.REPS,
-            "block_kernels": machine.COMPILE_BLOCK_KERNELS}
+    return {"kernels": probes.N_KERNELS, "breaks": probes.N_BREAKS, "medium": probes.N_MEDIUM,
+            "medium_elements": probes.MEDIUM_ELEMENTS, "graphs": probes.N_GRAPHS, "reps": probes.REPS,
+            "block_kernels": machine_compile.COMPILE_BLOCK_KERNELS}
 
 
 def _paths_shape() -> dict[str, Any]:

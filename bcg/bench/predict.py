@@ -21,6 +21,9 @@ Each backend's program, built from the eager trace (:mod:`bcg.bench.trace`) and 
   the island (its split point is the whole ``bcg::attention`` op);
 * compiled variants (``+inductor``, and ``tc_piecewise`` with Inductor): :func:`fuse` merges each run of fusible
   kernels between matmul-like ones into one kernel.
+
+The programs' steps and how they are played are :mod:`bcg.bench.program`'s, the fusion rule
+:mod:`bcg.bench.fusion_rule`'s (both re-exported here).
 """
 
 from __future__ import annotations
@@ -29,74 +32,16 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from bcg.bench.fusion_rule import FUSION_REST, fuse, is_fusible
+from bcg.bench.program import Launch, Played, program_from_parts, simulate
 from bcg.bench.trace import ForwardTrace, Kernel, Region, regions
 
 __all__ = ["FUSION_REST", "HostTimes", "Launch", "Played", "breakable_program", "full_program", "fuse",
            "in_graph_us", "is_fusible", "program_from_parts", "simulate", "tc_piecewise_program"]
 
-# A fused group of memory-bound kernels costs its longest member plus this share of the others: the group reads and
-# writes its tensors once, not once per op. A calibration constant, checked by `bcg analyze --validate` on a GPU.
-FUSION_REST = 0.3
-# Ops and kernels Inductor leaves as they are (library matmuls, attention, sorts, data-dependent shapes).
-_EXTERN_OPS = ("mm", "matmul", "linear", "conv", "attention", "flash", "efficient", "cudnn", "sort", "topk",
-               "nonzero", "unique", "histc", "bincount", "embedding_bag")
-_EXTERN_KERNELS = ("gemm", "cutlass", "xmma", "nvjet", "cublas", "flash", "fmha", "sm90", "sm80", "sm100")
 # The K/V write that precedes each attention island (two index_copy_), run eagerly in tc_piecewise's islands.
 _KV_WRITE_OP = "aten::index_copy_"
 ATTENTION_ISLAND = "attention_island"
-
-
-@dataclass(frozen=True)
-class Launch:
-    """One step of a program: ``host_us`` of host work, then (``on_device``) ``device_us`` of device work it
-    enqueues. ``part`` names what it is ("outside", "segment", "island:<name>", "piece", ...); a graph launch holds
-    ``nodes`` kernel nodes."""
-
-    part: str
-    host_us: float
-    device_us: float = 0.0
-    on_device: bool = False
-    nodes: int = 0
-
-
-@dataclass
-class Played:
-    """A simulated program: its wall time, the host and device time it took, and both per part."""
-
-    wall_us: float
-    host_us: float
-    device_us: float
-    parts: dict[str, dict[str, float]] = field(default_factory=dict)
-
-    @property
-    def wall_ms(self) -> float:
-        return self.wall_us / 1e3
-
-
-def simulate(program: Sequence[Launch]) -> Played:
-    """Plays ``program`` on one host and one in-order device; returns when both are done.
-
-    Example::
-
-        >>> p = simulate([Launch("a", 10.0, 5.0, True), Launch("b", 1.0, 50.0, True), Launch("c", 2.0)])
-        >>> p.wall_us, p.host_us, p.device_us
-        (65.0, 13.0, 55.0)
-    """
-    host = device = busy = 0.0
-    parts: dict[str, dict[str, float]] = {}
-    for step in program:
-        if step.host_us < 0 or step.device_us < 0:
-            raise ValueError(f"negative time in program step {step}")
-        host += step.host_us
-        part = parts.setdefault(step.part, {"host_us": 0.0, "device_us": 0.0, "count": 0, "nodes": 0})
-        part["host_us"] += step.host_us
-        part["count"] += 1
-        part["nodes"] += step.nodes
-        if step.on_device:
-            device = max(device, host) + step.device_us
-            busy += step.device_us
-            part["device_us"] += step.device_us
-    return Played(max(host, device), host, busy, parts)
 
 
 @dataclass
@@ -153,54 +98,6 @@ class HostTimes:
         """Host time of every island call of one forward."""
         return sum(self.island_us[n] * self.island_calls.get(n, 0) for n in self.island_us)
 
-
-def is_fusible(k: Kernel) -> bool:
-    """Whether a compiler would fuse ``k`` with its neighbours: a pointwise, reduction or indexing op (not a copy,
-    a matmul, attention, a sort, or a kernel launched outside any op, such as a Triton kernel).
-
-    Example::
-
-        >>> is_fusible(Kernel("vectorized_elementwise_kernel", "aten::mul", 2.0))
-        True
-        >>> is_fusible(Kernel("sm90_xmma_gemm", "aten::mm", 9.0))
-        False
-    """
-    if k.is_copy or not k.op:
-        return False
-    op, name = k.op.lower(), k.name.lower()
-    return not any(e in op for e in _EXTERN_OPS) and not any(e in name for e in _EXTERN_KERNELS)
-
-
-def fuse(kernels: Sequence[Kernel], rest: float = FUSION_REST) -> list[Kernel]:
-    """``kernels`` as a compiler would launch them: each run of fusible kernels becomes one kernel costing its
-    longest member plus ``rest`` of the others; the others stay as they are.
-
-    Example::
-
-        >>> ks = [Kernel("mul", "aten::mul", 2.0), Kernel("add", "aten::add", 4.0), Kernel("gemm", "aten::mm", 9.0)]
-        >>> [(k.name, k.device_us) for k in fuse(ks, rest=0.5)]
-        [('fused(2)', 5.0), ('gemm', 9.0)]
-    """
-    out: list[Kernel] = []
-    group: list[Kernel] = []
-
-    def flush() -> None:
-        if not group:
-            return
-        longest = max(k.device_us for k in group)
-        total = sum(k.device_us for k in group)
-        out.append(Kernel(f"fused({len(group)})", "fused", longest + rest * (total - longest), group[0].island,
-                          host_us=group[0].host_us))
-        group.clear()
-
-    for k in kernels:
-        if is_fusible(k):
-            group.append(k)
-        else:
-            flush()
-            out.append(k)
-    flush()
-    return out
 
 
 def in_graph_us(device_us: float, gap_us: float) -> float:
@@ -318,41 +215,3 @@ def tc_piecewise_program(trace: ForwardTrace, host: HostTimes, costs: Any, num_p
                 max(layer - costs.piece_us - len(moved) * costs.eager_launch_us, 0.0)
             program += _island(r, host, overhead, moved, costs.eager_launch_us)
     return [*program, Launch("after", host.after_us)]
-
-
-_GRAPH_PARTS = ("segment", "piece", "graph")
-
-
-def program_from_parts(parts: dict[str, dict[str, float]]) -> list[Launch]:
-    """A program rebuilt from a played one's per-part totals (``Played.parts``, as results.json keeps them for the
-    representative length): each part's steps share its host and device time evenly, the graph launches alternate
-    with the island steps as the forward alternates them, ``outside`` and ``guards`` come first and ``after`` last.
-    What the replay of a saved analysis plays (tests/bench/test_analyze_evidence.py).
-
-    Example::
-
-        >>> parts = {"outside": {"host_us": 10.0, "device_us": 0.0, "count": 1, "nodes": 0},
-        ...          "segment": {"host_us": 4.0, "device_us": 60.0, "count": 2, "nodes": 6},
-        ...          "island:attention_island": {"host_us": 30.0, "device_us": 5.0, "count": 1, "nodes": 0}}
-        >>> [(s.part, s.host_us, s.device_us) for s in program_from_parts(parts)]
-        [('outside', 10.0, 0.0), ('segment', 2.0, 30.0), ('island:attention_island', 30.0, 5.0), ('segment', 2.0, 30.0)]
-    """
-    def steps(name: str) -> list[Launch]:
-        p = parts[name]
-        n = max(int(p["count"]), 1)
-        return [Launch(name, p["host_us"] / n, p["device_us"] / n, p["device_us"] > 0, int(p.get("nodes", 0)) // n)
-                for _ in range(n)]
-
-    first = [s for name in ("outside", "guards") if name in parts for s in steps(name)]
-    graphs = [s for name in parts if name in _GRAPH_PARTS for s in steps(name)]
-    islands = [s for name in parts if name.startswith("island:") for s in steps(name)]
-    body: list[Launch] = []
-    gaps = max(len(graphs) - 1, 1)
-    for i, g in enumerate(graphs):
-        body.append(g)
-        if i < gaps:  # the island steps of the i-th break
-            body += islands[len(islands) * i // gaps: len(islands) * (i + 1) // gaps]
-    if not graphs:
-        body = islands
-    after = steps("after") if "after" in parts else []
-    return [*first, *body, *after]

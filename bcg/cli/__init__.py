@@ -3,7 +3,7 @@ predicted before capture, and which one to use with which ceiling and buckets), 
 departs from eager) and ``bcg load`` (time to first token under an open-loop load, every backend side by side).
 
 Every flag maps 1:1 to a field of :class:`~bcg.bench.config.BenchConfig`, :class:`~bcg.bench.config.AnalyzeConfig`,
-:class:`~bcg.bench.config.VerifyConfig` or :class:`~bcg.bench.load_config.LoadConfig` (``--no-memory`` sets
+:class:`~bcg.bench.verify_config.VerifyConfig` or :class:`~bcg.bench.load_config.LoadConfig` (``--no-memory`` sets
 ``memory=False``), and its help shows its default.
 Tables go to stdout, progress bars to stderr, and the last line printed is one JSON object summarising the run; the
 full results are in ``--out``/results.json next to the PNGs. Under tensor parallel (``torchrun --nproc-per-node N -m

@@ -96,7 +96,7 @@ def measure_flags(p: argparse.ArgumentParser, out: str) -> None:
 
 def tc_compiler_flag(p: argparse.ArgumentParser) -> None:
     """``--tc-compiler``, the same for every command; ``None`` takes this machine's default in the config's
-    ``resolved()`` (:func:`bcg.bench.config.tc_compiler_for`)."""
+    ``resolved()`` (:func:`bcg.bench.config_base.tc_compiler_for`)."""
     from bcg.bench.defaults import CPU_DEFAULTS as C
     from bcg.bench.defaults import CUDA_DEFAULTS as G
     from bcg.bench.defaults import TC_COMPILERS

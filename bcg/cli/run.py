@@ -84,8 +84,8 @@ def run_analyze(cfg: Any) -> dict[str, Any]:
 
 
 def run_verify(cfg: Any) -> dict[str, Any]:
-    """``bcg verify`` with a resolved :class:`~bcg.bench.config.VerifyConfig`: one report per batch size on stdout;
-    the summary's ``ok`` is False when a bucket diverges or no batch size replays a graph (exit status 1)."""
+    """``bcg verify`` with a resolved :class:`~bcg.bench.verify_config.VerifyConfig`: one report per batch size on
+    stdout; the summary's ``ok`` is False when a bucket diverges or no batch size replays a graph (exit status 1)."""
     from bcg.bench.config import BenchError
     from bcg.errors import first_line
     from bcg.ops.kv_cache import KVPoolFullError

@@ -1,7 +1,7 @@
 """The flags of ``bcg verify``: replay captured buckets segment by segment against eager and name the first
 divergence.
 
-Each flag maps 1:1 to a field of :class:`~bcg.bench.config.VerifyConfig`: the engine's
+Each flag maps 1:1 to a field of :class:`~bcg.bench.verify_config.VerifyConfig`: the engine's
 (:class:`~bcg.runtime.config.EngineConfig` fields of the same names), ``--num-tokens`` and ``--tolerance`` (the
 arguments of :func:`~bcg.runtime.runner.verify.verify_segments`). The capture runs with the leak detector on
 (``--leak-check``, :mod:`bcg.leaks`). One report per batch size goes to stdout, then one JSON summary line
@@ -21,7 +21,8 @@ HELP = "replay graphs segment by segment against eager; name the first divergenc
 
 
 def add_flags(p: argparse.ArgumentParser) -> None:
-    """Fills in the ``verify`` subcommand's parser (:class:`~bcg.bench.config.VerifyConfig`, one flag per field)."""
+    """Fills in the ``verify`` subcommand's parser (:class:`~bcg.bench.verify_config.VerifyConfig`, one flag per
+    field)."""
     from bcg.cli.run import run_verify
     from bcg.runtime.backend_registry import BACKENDS
 
@@ -45,4 +46,4 @@ def add_flags(p: argparse.ArgumentParser) -> None:
                    "allowance for the others)")
     p.add_argument("--leak-check", choices=("off", "warn", "raise"), default="warn",
                    help="report tensors an island keeps without returning them, at capture (default: %(default)s)")
-    p.set_defaults(func=run_verify, parser=p, config="bcg.bench.config:VerifyConfig")
+    p.set_defaults(func=run_verify, parser=p, config="bcg.bench.verify_config:VerifyConfig")

@@ -7,8 +7,8 @@ What a model entry holds decides how far the replay goes, per variant and length
 * ``model``: the run's inputs.json (every size's profiled traces, host times and machine costs, replay paths included)
   through :func:`~bcg.bench.findings.findings`: the whole prediction model, so any change to it shows here;
 * ``parts``: the program the GPU run composed at that length (``parts_by_length``, or ``parts`` at the
-  representative length) played again (:func:`~bcg.bench.predict.program_from_parts`,
-  :func:`~bcg.bench.predict.simulate`): a change to how programs are played shows, not one to how they are composed;
+  representative length) played again (:func:`~bcg.bench.program.program_from_parts`,
+  :func:`~bcg.bench.program.simulate`): a change to how programs are played shows, not one to how they are composed;
 * ``file``: the GPU run's own prediction, where the file holds nothing to replay.
 
 The 2026-12-02 runs (commit 5346b9f) predate inputs.json, parts_by_length and the replay-path costs: their rows are

@@ -19,8 +19,8 @@ from bcg.bench.rows import CPU_SPEEDUP_NOTE, LatencyRow, TokenCheck, compare_wit
 from bcg.bench.timing import Stats
 
 
-@pytest.mark.parametrize("name", ["amdahl", "tables", "results", "text", "timing", "config", "checks", "engines",
-                                  "memory", "analyze"])
+@pytest.mark.parametrize("name", ["amdahl", "tables", "results", "text", "timing", "config", "config_base", "checks",
+                                  "engines", "memory", "analyze"])
 def test_doctests(name: str) -> None:
     mod = importlib.import_module(f"bcg.bench.{name}")
     result = doctest.testmod(mod, optionflags=doctest.ELLIPSIS)
