@@ -1,5 +1,5 @@
 """Eager functions and checks shared by the primitive's tests on the CPU emulation (test_graph, test_graph_replay,
-test_graph_pools, test_capture, test_islands).
+test_graph_pools, test_capture, test_capture_errors, test_islands).
 
 ``reset_calls`` is an autouse fixture: a module that imports it gets it for every test, so no test can leave a
 capture running or a dispatch mode pushed.
