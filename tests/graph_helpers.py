@@ -1,8 +1,9 @@
 """Eager functions and checks shared by the primitive's tests on the CPU emulation (test_graph, test_graph_replay,
-test_graph_pools, test_capture, test_capture_errors, test_islands, test_boundary, test_boundary_mismatch).
+test_graph_pools, test_capture, test_capture_errors, test_islands, test_boundary, test_boundary_mismatch,
+test_emulation, test_capture_rules).
 
-``reset_calls`` is an autouse fixture: a module that imports it gets it for every test, so no test can leave a
-capture running or a dispatch mode pushed.
+``reset_calls`` and ``no_debris`` are autouse fixtures: a module that imports one gets it for every test, so no test
+can leave a capture running or a dispatch mode pushed.
 """
 
 from __future__ import annotations
@@ -31,6 +32,14 @@ def reset_calls():
     yield
     assert not bcg.is_capturing(), "a test left a capture running"
     assert _get_current_dispatch_mode() is None, "a test left a dispatch mode pushed"
+
+
+@pytest.fixture(autouse=True)
+def no_debris():
+    """After each test: no capture running, emulated or not, and no dispatch mode pushed (no call counts)."""
+    yield
+    assert not bcg.is_capturing() and not is_emulated_capturing()
+    assert _get_current_dispatch_mode() is None
 
 
 @bcg.eager_on_graph
