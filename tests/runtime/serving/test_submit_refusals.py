@@ -1,5 +1,6 @@
 """What Engine.submit refuses at once, in the caller's thread and before anything starts: a prompt larger than the
-pool, token ids the engine cannot read (named as given)."""
+pool (the engine serving on as before), token ids the engine cannot read (named as given), a prompt that is not
+token ids; and the options EngineConfig refuses."""
 
 from __future__ import annotations
 
@@ -8,9 +9,11 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from engine_cache import random_prompts
 from gate_helpers import SMALL
+from submit_helpers import engine, reference, same, whole
 
-from bcg.runtime import Engine
+from bcg.runtime import Engine, EngineConfig
 
 
 def test_submit_refuses_a_prompt_larger_than_the_pool_at_once() -> None:
@@ -31,3 +34,30 @@ def test_prompts_the_engine_cannot_read_are_named_as_given(prompt: Any, match: s
         with pytest.raises(ValueError, match=match) as e:
             call()
         assert "on cpu" not in str(e.value)
+
+
+def test_a_prompt_larger_than_the_pool_is_refused_at_submit() -> None:
+    eng = engine("tiny-dense", "breakable", kv_tokens=128)
+    ok, big = random_prompts([20], seed=1)[0], random_prompts([300], seed=2)[0]
+    with pytest.raises(ValueError, match="needs 300 KV slots but the pool holds 128; raise kv_tokens"):
+        eng.submit(big)
+    assert same(eng.submit(ok).result(timeout=60), reference([ok])[0])
+    assert eng.submit(ok).result(timeout=60).cached_tokens  # the engine serves on as before
+    assert whole(eng)
+
+
+def test_submit_refuses_bad_prompts_at_once_and_the_config_refuses_bad_options() -> None:
+    eng = engine("tiny-dense", "breakable")
+    with pytest.raises(TypeError, match="tokenize it first"):
+        eng.submit("hello")
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        eng.submit([1, 999])
+    with pytest.raises(ValueError, match="needs tp_size=1"):
+        EngineConfig(prefix_cache=True, tp_size=2)
+    assert not EngineConfig(tp_size=2).uses_prefix_cache and EngineConfig().uses_prefix_cache
+    with pytest.raises(TypeError, match="prefix_cache must be True or False"):
+        EngineConfig(prefix_cache="yes")
+    with pytest.raises(ValueError, match="schedule_policy must be one of fifo, shortest"):
+        EngineConfig(schedule_policy="lifo")
+    with pytest.raises(ValueError, match="max_inflight_batches must be >= 1"):
+        EngineConfig(max_inflight_batches=0)
