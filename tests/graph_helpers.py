@@ -1,17 +1,23 @@
-"""Eager functions and checks shared by the primitive's tests (test_graph, test_capture, test_islands).
+"""Eager functions and checks shared by the primitive's tests on the CPU emulation (test_graph, test_graph_replay,
+test_graph_pools, test_capture, test_capture_errors, test_islands, test_boundary, test_boundary_mismatch,
+test_emulation, test_capture_rules).
 
-``reset_calls`` is an autouse fixture: a module that imports it gets it for every test, so no test can leave a
-capture running or a dispatch mode pushed.
+``reset_calls`` and ``no_debris`` are autouse fixtures: a module that imports one gets it for every test, so no test
+can leave a capture running or a dispatch mode pushed.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 import bcg
+from bcg.boundary import Boundary
 from bcg.capture_rules import is_emulated_capturing
+from bcg.graph import EagerStep
 
 CALLS: dict[str, int] = {}
 
@@ -26,6 +32,14 @@ def reset_calls():
     yield
     assert not bcg.is_capturing(), "a test left a capture running"
     assert _get_current_dispatch_mode() is None, "a test left a dispatch mode pushed"
+
+
+@pytest.fixture(autouse=True)
+def no_debris():
+    """After each test: no capture running, emulated or not, and no dispatch mode pushed (no call counts)."""
+    yield
+    assert not bcg.is_capturing() and not is_emulated_capturing()
+    assert _get_current_dispatch_mode() is None
 
 
 @bcg.eager_on_graph
@@ -68,3 +82,24 @@ def check_simple(g: bcg.BreakableCUDAGraph, x: torch.Tensor, out: torch.Tensor) 
         g.replay()
         torch.testing.assert_close(out, (x * 2 + 1) * 3)
 
+
+def capture_emulated(fn, *inputs):
+    """``fn(*inputs)`` captured into a fresh emulated graph; returns the graph and what ``fn`` returned."""
+    g = bcg.BreakableCUDAGraph(emulate=True)
+    with bcg.breakable_graph(g):
+        out = fn(*inputs)
+    return g, out
+
+
+def boundary_of(g: bcg.BreakableCUDAGraph, index: int = 0) -> Boundary:
+    """The boundary of the ``index``-th eager step of ``g``."""
+    return [s for s in g.steps if isinstance(s, EagerStep)][index].boundary
+
+
+@dataclasses.dataclass
+class Pair:
+    """A dataclass an eager function returns: tensors and a baked string field."""
+
+    a: torch.Tensor
+    b: torch.Tensor
+    tag: str = "pair"

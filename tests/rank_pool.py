@@ -15,8 +15,10 @@ import queue
 import socket
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
+
+import pytest
 
 
 def free_port() -> int:
@@ -110,3 +112,16 @@ class RankPool:
             if p.is_alive():
                 p.kill()
                 p.join(timeout=5)
+
+
+def module_pool(world_size: int, timeout_s: float = 120.0) -> Any:
+    """A module-scoped fixture named ``pool``: ``pool = module_pool(2)`` at the top of a test module gives its tests
+    one :class:`RankPool`, started for the first of them and closed after the last."""
+
+    @pytest.fixture(scope="module")
+    def pool() -> Iterator[RankPool]:
+        ranks = RankPool(world_size, timeout_s=timeout_s)
+        yield ranks
+        ranks.close()
+
+    return pool

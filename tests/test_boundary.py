@@ -1,4 +1,8 @@
-"""Boundary buffers: what eager functions return, refreshed in place at replay, and the mismatch errors."""
+"""Boundary buffers: what eager functions return, refreshed in place at replay, the zero-copy style, and Boundary on
+its own.
+
+The mismatch errors of a replay have their own file (test_boundary_mismatch).
+"""
 
 from __future__ import annotations
 
@@ -6,11 +10,11 @@ import dataclasses
 
 import pytest
 import torch
+from graph_helpers import Pair, boundary_of, capture_emulated
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import bcg
 from bcg.boundary import Boundary, describe, flatten, same_spec
-from bcg.graph import EagerStep
 
 
 class _CountCopies(TorchDispatchMode):
@@ -24,17 +28,6 @@ class _CountCopies(TorchDispatchMode):
         if func.overloadpacket is torch.ops.aten.copy_:
             self.copies += 1
         return func(*args, **(kwargs or {}))
-
-
-def _capture(fn, *inputs):
-    g = bcg.BreakableCUDAGraph(emulate=True)
-    with bcg.breakable_graph(g):
-        out = fn(*inputs)
-    return g, out
-
-
-def _boundary(g: bcg.BreakableCUDAGraph, index: int = 0) -> Boundary:
-    return [s for s in g.steps if isinstance(s, EagerStep)][index].boundary
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -55,9 +48,9 @@ def test_returned_tensor_is_a_persistent_buffer_refreshed_in_place():
         holder["r"] = r
         return r * 2
 
-    g, out = _capture(step, x)
+    g, out = capture_emulated(step, x)
     buf = holder["r"]
-    assert _boundary(g).buffers[0] is buf
+    assert boundary_of(g).buffers[0] is buf
     ptr = buf.data_ptr()
     for v in (1.0, 2.0, -3.0):
         x.fill_(v)
@@ -65,13 +58,6 @@ def test_returned_tensor_is_a_persistent_buffer_refreshed_in_place():
         assert buf.data_ptr() == ptr
         torch.testing.assert_close(buf, torch.full((4,), (v + 1) * 10))
         torch.testing.assert_close(out, torch.full((4,), (v + 1) * 20))
-
-
-@dataclasses.dataclass
-class Pair:
-    a: torch.Tensor
-    b: torch.Tensor
-    tag: str = "pair"
 
 
 def _structures(x):
@@ -106,8 +92,8 @@ def test_structured_results_are_refreshed(kind):
         return _sum_leaves(produce(x * 1)) * 3
 
     x = torch.zeros(3)
-    g, out = _capture(step, x)
-    assert type(_boundary(g).value) is type(_structures(x)[kind])
+    g, out = capture_emulated(step, x)
+    assert type(boundary_of(g).value) is type(_structures(x)[kind])
     for v in (1.0, 5.0):
         x.fill_(v)
         g.replay()
@@ -120,8 +106,8 @@ def test_non_tensor_leaves_are_baked_and_may_repeat():
         return x + 1, 3, "mode", None, torch.float32
 
     x = torch.zeros(2)
-    g, out = _capture(lambda x: produce(x * 1)[0] * 2, x)
-    assert len(_boundary(g).buffers) == 1
+    g, out = capture_emulated(lambda x: produce(x * 1)[0] * 2, x)
+    assert len(boundary_of(g).buffers) == 1
     x.fill_(4.0)
     g.replay()
     torch.testing.assert_close(out, torch.full((2,), 10.0))
@@ -143,8 +129,8 @@ def test_writing_into_arguments_and_returning_none_costs_no_copy():
         into(x, out)
         out.mul_(3)
 
-    g, _ = _capture(step, x)
-    assert _boundary(g).buffers == [] and _boundary(g).value is None
+    g, _ = capture_emulated(step, x)
+    assert boundary_of(g).buffers == [] and boundary_of(g).value is None
     ptr = out.data_ptr()
     x.fill_(1.0)
     with _CountCopies() as spy:
@@ -165,7 +151,7 @@ def test_returning_an_argument_costs_no_copy():
         x.mul_(2)
         return bump(x)
 
-    g, out = _capture(step, x)
+    g, out = capture_emulated(step, x)
     assert out is x
     x.fill_(1.0)
     with _CountCopies() as spy:
@@ -182,102 +168,10 @@ def test_returning_a_fresh_tensor_is_one_copy():
         x.mul_(2)
         fresh(x)
 
-    g, _ = _capture(step, x)
+    g, _ = capture_emulated(step, x)
     with _CountCopies() as spy:
         g.replay()
     assert spy.copies == 1
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# mismatch errors
-
-
-def _mismatch_case(captured, replayed):
-    """A graph whose eager function returns ``captured`` at capture and ``replayed(x)`` at replay."""
-    state = {"replay": False}
-
-    @bcg.eager_on_graph
-    def shifty(x):
-        return replayed(x) if state["replay"] else captured(x)
-
-    x = torch.zeros(4)
-    g, _ = _capture(lambda x: shifty(x * 1), x)
-    state["replay"] = True
-    return g, state
-
-
-@pytest.mark.parametrize(
-    "captured, replayed, captured_sig, replay_sig",
-    [
-        pytest.param(lambda x: x + 1, lambda x: torch.zeros(5), "Tensor(shape=[4]", "Tensor(shape=[5]", id="shape"),
-        pytest.param(lambda x: x + 1, lambda x: torch.zeros(1), "Tensor(shape=[4]", "Tensor(shape=[1]",
-                     id="broadcastable-shape"),
-        pytest.param(lambda x: x + 1, lambda x: torch.zeros(4, dtype=torch.float64), "dtype=torch.float32",
-                     "dtype=torch.float64", id="dtype"),
-        pytest.param(lambda x: x + 1, lambda x: torch.zeros(4, device="meta"), "device=cpu", "device=meta",
-                     id="device"),
-        pytest.param(lambda x: x + 1, lambda x: None, "Tensor(shape=[4]", "NoneType(None)", id="tensor-to-none"),
-        pytest.param(lambda x: None, lambda x: x + 1, "NoneType(None)", "Tensor(shape=[4]", id="none-to-tensor"),
-        pytest.param(lambda x: (x, x), lambda x: (x, x, x), "tuple(Tensor", "tuple(Tensor", id="tuple-length"),
-        pytest.param(lambda x: (x, x), lambda x: [x, x], "tuple(", "list(", id="tuple-to-list"),
-        pytest.param(lambda x: {"a": x}, lambda x: {"b": x}, "dict(a=", "dict(b=", id="dict-keys"),
-        pytest.param(lambda x: (x, 3), lambda x: (x, 4), "int(3)", "int(4)", id="int-value"),
-        pytest.param(lambda x: (x, "a"), lambda x: (x, "b"), "str('a')", "str('b')", id="str-value"),
-        pytest.param(lambda x: (x, 1), lambda x: (x, True), "int(1)", "bool(True)", id="value-type"),
-        pytest.param(lambda x: (x, None), lambda x: (x, x), "NoneType(None)", "Tensor(shape=[4]",
-                     id="nested-none-to-tensor"),
-        pytest.param(lambda x: Pair(x, x), lambda x: Pair(x, x, tag="other"), "tag=str('pair')",
-                     "tag=str('other')", id="dataclass-field"),
-        pytest.param(lambda x: {"a": (x, x)}, lambda x: {"a": (x, x[:2])}, "Tensor(shape=[4]", "Tensor(shape=[2]",
-                     id="nested-shape"),
-    ],
-)
-def test_replay_mismatch_raises_with_both_signatures(captured, replayed, captured_sig, replay_sig):
-    g, _ = _mismatch_case(captured, replayed)
-    with pytest.raises(bcg.BoundaryMismatchError) as info:
-        g.replay()
-    msg = str(info.value)
-    assert "shifty" in msg
-    captured_line = next(line for line in msg.splitlines() if line.strip().startswith("captured:"))
-    replay_line = next(line for line in msg.splitlines() if line.strip().startswith("replay:"))
-    assert captured_sig in captured_line
-    assert replay_sig in replay_line
-
-
-def test_mismatch_does_not_touch_the_buffers_and_a_good_replay_recovers():
-    state = {"bad": False}
-
-    @bcg.eager_on_graph
-    def pair(x):
-        return (x + 1, x.double()) if state["bad"] else (x + 1, x + 2)
-
-    x = torch.zeros(3)
-    g, out = _capture(lambda x: sum(pair(x * 1)) * 1, x)
-    a, b = _boundary(g).buffers
-    before = (a.clone(), b.clone())
-    x.fill_(9.0)
-    state["bad"] = True
-    with pytest.raises(bcg.BoundaryMismatchError):
-        g.replay()
-    torch.testing.assert_close((a, b), before, equal_nan=True)  # checked before any copy (capture-time garbage)
-    state["bad"] = False
-    g.replay()
-    torch.testing.assert_close(out, torch.full((3,), 21.0))
-
-
-def test_matching_non_contiguous_result_is_copied_by_value():
-    state = {"replay": False}
-
-    @bcg.eager_on_graph
-    def mat(x):
-        m = x.view(2, 2) * 1
-        return m.t() if state["replay"] else m  # same shape, other strides
-
-    x = torch.arange(4.0)
-    g, out = _capture(lambda x: mat(x * 1) + 0, x)
-    state["replay"] = True
-    g.replay()
-    torch.testing.assert_close(out, torch.tensor([[0.0, 2.0], [1.0, 3.0]]))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -323,7 +217,7 @@ def with_nan_stat(x):
 
 def test_a_nan_leaf_matches_itself_at_replay():
     x = torch.ones(4)
-    g, (out, stat, host) = _capture(with_nan_stat, x)
+    g, (out, stat, host) = capture_emulated(with_nan_stat, x)
     for v in (3.0, -1.0):
         x.fill_(v)
         g.replay()  # NaN != NaN in Python; the baked NaN must still match the replay's NaN

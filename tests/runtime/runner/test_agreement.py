@@ -1,6 +1,7 @@
 """The capture verdict of tensor parallel ranks: what each rank does with a bucket, from every rank's report.
 
-The exchanges themselves run between real rank processes in tests/runtime/test_tensor_parallel.py.
+The exchanges themselves run between real rank processes in tests/runtime/test_tensor_parallel.py and
+test_tensor_parallel_failures.py.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The gate's rules (DESIGN.md, "Who waits for whom"), one test each, and the interleavings a server meets that once
-hung or refused: recapture while a prefill waits for slots, close/recapture from done-callbacks, an interrupt out
-of a served forward, a hit ending inside a cached node, close racing the first submit, prompts refused at once.
+hung: recapture while a prefill waits for slots, close/recapture from done-callbacks, an interrupt out of a served
+forward, a hit ending inside a cached node, close racing the first submit, a cancelled asubmit.
 
 Every wait runs on a thread of its own joined with a timeout, so a hang fails the test instead of blocking CI."""
 
@@ -8,77 +8,16 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
 from typing import Any
 
-import numpy as np
 import pytest
-import torch
-from engine_cache import max_diff, random_prompts
-from threads import in_thread
+from engine_cache import random_prompts
+from gate_helpers import SMALL, hold_first_served_forward, same, stopped
+from threads import HANG_S, finishes, in_thread, wait_for
 
 import bcg.runtime.engine as engine_module
 from bcg.runtime import Engine, EngineClosedError
 from bcg.runtime.serving import ActivityGate
-
-SMALL = dict(device="cpu", buckets=[8, 16], chunked_prefill_size=16, kv_tokens=64, seed=0, progress=False)
-HANG_S = 30.0
-_reference: dict[str, Engine] = {}
-
-
-def reference(prompt: list[int]) -> Any:
-    """A lone eager prefill of ``prompt`` (cache off)."""
-    if "eager" not in _reference:
-        _reference["eager"] = Engine("tiny-dense", backend="eager", prefix_cache=False, **SMALL)
-    return _reference["eager"].prefill([prompt])
-
-
-def same(res: Any, prompt: list[int]) -> bool:
-    ref = reference(prompt)
-    return max_diff(res.logits, ref.logits) <= 1e-5 and torch.equal(res.next_tokens.cpu(), ref.next_tokens.cpu())
-
-
-
-def finishes(thread: threading.Thread, what: str) -> None:
-    thread.join(HANG_S)
-    assert not thread.is_alive(), f"{what} hung"
-
-
-def wait_for(predicate: Callable[[], bool], what: str = "condition") -> None:
-    end = time.monotonic() + HANG_S
-    while not predicate():
-        assert time.monotonic() < end, f"timed out waiting for {what}"
-        time.sleep(0.002)
-
-
-def threads_of(eng: Engine) -> list[threading.Thread]:
-    server = eng._server
-    if server is None:
-        return []
-    return [server._scheduler, server._completer.thread, server._callbacks.thread]
-
-
-def stopped(eng: Engine) -> bool:
-    return not any(t.is_alive() for t in threads_of(eng))
-
-
-def hold_first_served_forward(eng: Engine, monkeypatch: pytest.MonkeyPatch, effect: Callable[[], None] | None = None
-                              ) -> tuple[threading.Event, threading.Event]:
-    """The scheduler's first forward waits for ``go`` (``entered`` says it started), then runs ``effect`` (which may
-    raise) or the real forward."""
-    real, entered, go, calls = eng.runner.forward, threading.Event(), threading.Event(), []
-
-    def forward(batch: Any) -> Any:
-        if threading.current_thread().name == "bcg-scheduler" and not calls:
-            calls.append(1)
-            entered.set()
-            assert go.wait(HANG_S)
-            if effect is not None:
-                effect()
-        return real(batch)
-
-    monkeypatch.setattr(eng.runner, "forward", forward)
-    return entered, go
 
 
 # ---------------------------------------------------------------- rule 1: a recapture waits for forwards only
@@ -232,45 +171,6 @@ def test_a_hit_ending_inside_a_cached_node_locks_only_what_it_reads() -> None:
         assert res.cached_tokens == 4 and same(res, prompt[:5])
 
 
-def test_close_racing_the_first_submit_starts_no_scheduler(monkeypatch: pytest.MonkeyPatch) -> None:
-    """close() runs (from another thread) after submit() checked the engine is open and before it starts the
-    server: the submit must refuse, and nothing may be left running or cached."""
-    eng = Engine("tiny-dense", backend="eager", **SMALL)
-    real = engine_module.validate_prompts
-
-    def validate_then_close(*args: Any, **kwargs: Any) -> Any:
-        out = real(*args, **kwargs)
-        closer, _ = in_thread(eng.close)
-        finishes(closer, "close")
-        return out
-
-    monkeypatch.setattr(engine_module, "validate_prompts", validate_then_close)
-    with pytest.raises(EngineClosedError):
-        eng.submit([1, 2, 3])
-    assert eng._server is None and stopped(eng)
-    assert eng.prefix_cache.num_cached_tokens == 0 and eng.kv_pool.num_free == eng.kv_pool.num_slots
-
-
-def test_submit_refuses_a_prompt_larger_than_the_pool_at_once() -> None:
-    eng = Engine("tiny-dense", backend="eager", **SMALL)
-    with pytest.raises(ValueError, match="needs 65 KV slots but the pool holds 64; raise kv_tokens"):
-        eng.submit(list(range(65)))
-    assert eng._server is None  # refused in the caller's thread: nothing started
-
-
-@pytest.mark.parametrize("prompt, match", [
-    ([np.uint64(2**64 - 1)], "token id 18446744073709551615 outside the vocabulary"),
-    (np.array([3, 2**64 - 1], dtype=np.uint64), "token id 18446744073709551615 outside the vocabulary"),
-    (torch.zeros(3, dtype=torch.long, device="meta"), "meta-device tensor, which holds no token ids"),
-])
-def test_prompts_the_engine_cannot_read_are_named_as_given(prompt: Any, match: str) -> None:
-    eng = Engine("tiny-dense", backend="eager", **SMALL)
-    for call in (lambda: eng.submit(prompt), lambda: eng.prefill([prompt])):
-        with pytest.raises(ValueError, match=match) as e:
-            call()
-        assert "on cpu" not in str(e.value)
-
-
 def test_a_prefix_inserted_by_a_running_request_is_never_evicted_before_it_is_locked(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Another thread's allocation may evict right after a chunk's prefix is inserted (here: every time); the
@@ -291,6 +191,27 @@ def test_a_prefix_inserted_by_a_running_request_is_never_evicted_before_it_is_lo
         assert cache.num_cached_tokens + eng.kv_pool.num_free == eng.kv_pool.num_slots  # no slot owned twice
 
 
+# ---------------------------------------------------------------- rule 5: nothing starts after close()
+def test_close_racing_the_first_submit_starts_no_scheduler(monkeypatch: pytest.MonkeyPatch) -> None:
+    """close() runs (from another thread) after submit() checked the engine is open and before it starts the
+    server: the submit must refuse, and nothing may be left running or cached."""
+    eng = Engine("tiny-dense", backend="eager", **SMALL)
+    real = engine_module.validate_prompts
+
+    def validate_then_close(*args: Any, **kwargs: Any) -> Any:
+        out = real(*args, **kwargs)
+        closer, _ = in_thread(eng.close)
+        finishes(closer, "close")
+        return out
+
+    monkeypatch.setattr(engine_module, "validate_prompts", validate_then_close)
+    with pytest.raises(EngineClosedError):
+        eng.submit([1, 2, 3])
+    assert eng._server is None and stopped(eng)
+    assert eng.prefix_cache.num_cached_tokens == 0 and eng.kv_pool.num_free == eng.kv_pool.num_slots
+
+
+# ---------------------------------------------------------------- cancellation
 def test_asubmit_answers_and_a_cancelled_task_cancels_its_pending_request(monkeypatch: pytest.MonkeyPatch) -> None:
     import asyncio
 
