@@ -15,7 +15,8 @@ and the run's inputs.json (every size's traces and host times) when it lies besi
 Usage::
 
     python benchmarks/analyze_targets.py out/gpu/analyze-*/results.json
-    python benchmarks/analyze_targets.py out/gpu/analyze-*/results.json --fixture tests/bench/fixtures/analyze_h200.json
+    python benchmarks/analyze_targets.py out/gpu/analyze-*/results.json \
+        --fixture tests/bench/fixtures/analyze_h200.json.gz
 
 Runs of the CPU emulation are read the same way; their numbers mean nothing for the targets.
 """

@@ -264,3 +264,23 @@ def test_a_forecasts_interval_comes_from_the_spread_of_its_inputs() -> None:
     assert low == pytest.approx(fc.replay_at(512)) and high > fc.replay_at(512)
     bare = forecast("breakable", {512: profiled(512)}, ForecastContext(costs(), False, "inductor", 10))
     assert bare.interval_at(512) == (bare.replay_at(512), bare.replay_at(512))  # one measurement: no spread
+
+
+def test_islands_are_predicted_at_the_host_cost_a_replay_pays():
+    """An island's host µs per call: the least measured at its size or a longer one, over the kernel settings (the
+    same code; an eager forward of Triton launches slows it), the quartile bounds settled apart."""
+    from dataclasses import replace
+
+    def timed(n, us, low_us):
+        h = host(n, island_us=us)
+        return replace(h, low=host(n, island_us=low_us), high=None)
+
+    hosts = {"torch": {64: timed(64, 90.0, 60.0), 128: timed(128, 50.0, 45.0), 256: timed(256, 55.0, 50.0)},
+             "fused": {64: timed(64, 95.0, 70.0), 128: timed(128, 85.0, 40.0), 256: timed(256, 80.0, 52.0)}}
+    settled = predict.replay_islands(hosts)
+    got = {s: {n: h.island_us["attention_island"] for n, h in sizes.items()} for s, sizes in settled.items()}
+    assert got == {"torch": {64: 50.0, 128: 50.0, 256: 55.0}, "fused": {64: 50.0, 128: 50.0, 256: 55.0}}
+    lows = {n: h.low.island_us["attention_island"] for n, h in settled["fused"].items()}
+    assert lows == {64: 40.0, 128: 40.0, 256: 50.0} and settled["fused"][64].high is None
+    assert hosts["fused"][64].island_us["attention_island"] == 95.0  # the measurements themselves are kept
+    assert settled["fused"][64].forward_ms == hosts["fused"][64].forward_ms  # only the islands change
