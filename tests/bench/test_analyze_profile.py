@@ -36,3 +36,18 @@ def test_other_stderr_lines_written_at_start_still_show(capfd: pytest.CaptureFix
         torch.ones(8).add_(1.0)
     err = capfd.readouterr().err
     assert "a warning that matters" in err and "profiler_start" not in err
+
+
+def test_a_repeatable_island_is_timed_back_to_back_once_per_forward():
+    """IslandTimer(repeats=R) runs a repeatable island R more times after its first call of a forward (the host cost
+    a replay pays) and any other island once; host_times takes those back-to-back times for the island."""
+    from bcg.bench import profile
+
+    calls = []
+    timer = profile.IslandTimer(repeats=4)
+    for name in ("attention_island", "attention_island", "experts"):
+        timer(lambda n=name: calls.append(n), name, (), {})
+    assert calls.count("attention_island") == 2 + 4 and calls.count("experts") == 1
+    assert set(timer.steady_us) == {"attention_island"} and timer.calls["attention_island"] == 2
+    low, mid, high = sorted(timer.steady_us["attention_island"])
+    assert 0 <= low <= mid <= high
