@@ -12,7 +12,9 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
+
+from torch import Tensor, nn
 
 from bcg.models.hf import UnsupportedModelError
 from bcg.models.hf.attention import NAME, AttentionCall
@@ -24,15 +26,27 @@ from bcg.models.hf.probes import one_request, probe_layers
 from bcg.models.hf.support import check_layer_calls
 from bcg.probe import ProbeReport, find_uncapturable
 
-if TYPE_CHECKING:
-    from bcg.models.hf.model import HFCausalLM
-
-__all__ = ["adapt"]
+__all__ = ["Adaptable", "adapt"]
 
 logger = logging.getLogger("bcg")
 
 
-def adapt(model: HFCausalLM, probe_tokens: int, fuse: bool) -> None:
+class Adaptable(Protocol):
+    """What :func:`adapt` reads and writes of the model it adapts (an :class:`~bcg.models.hf.model.HFCausalLM`):
+    named here so this module needs nothing of the class that calls it."""
+
+    hf: nn.Module
+    body: nn.Module
+    state: Any
+    config: Any
+    _probing: bool
+
+    def embed(self, ids: Tensor) -> Tensor: ...
+
+    def forward_layers(self, hidden: Tensor, positions: Tensor) -> Tensor: ...
+
+
+def adapt(model: Adaptable, probe_tokens: int, fuse: bool) -> None:
     """Switches ``model``'s attention, installs the islands, probes, fuses and routes the layers, recording what it
     found in ``model.state`` (see the module doc). The caller restores the model if this raises.
 
@@ -72,7 +86,7 @@ def adapt(model: HFCausalLM, probe_tokens: int, fuse: bool) -> None:
     install_layer_regions(body, model.config.num_layers)
 
 
-def _probe_layers(model: HFCausalLM, num_tokens: int) -> list[AttentionCall]:
+def _probe_layers(model: Adaptable, num_tokens: int) -> list[AttentionCall]:
     model._probing = True  # the DSA islands record what they cache
     try:
         return probe_layers(model, num_tokens)
@@ -81,13 +95,13 @@ def _probe_layers(model: HFCausalLM, num_tokens: int) -> list[AttentionCall]:
 
 
 @contextmanager
-def _one_request_run(model: HFCausalLM, num_tokens: int) -> Iterator[Callable[[], None]]:
+def _one_request_run(model: Adaptable, num_tokens: int) -> Iterator[Callable[[], None]]:
     """:func:`~bcg.models.hf.probes.one_request`, yielding a function that runs the decoder body on it."""
     with one_request(model, num_tokens) as (ids, positions):
         yield lambda: model.forward_layers(model.embed(ids), positions)
 
 
-def _probe_capturability(model: HFCausalLM, num_tokens: int) -> ProbeReport:
+def _probe_capturability(model: Adaptable, num_tokens: int) -> ProbeReport:
     with one_request(model, num_tokens) as (ids, positions):
         hidden = model.embed(ids)
         with find_uncapturable(model.body) as report:
