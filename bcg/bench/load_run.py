@@ -210,7 +210,7 @@ def _submit_on_schedule(eng: Any, work: Workload, row: LoadRow, max_wait: float)
 
 
 def workloads(cfg: Any, vocab_size: int) -> list[Workload]:
-    """One workload per rate of a resolved :class:`~bcg.bench.config.LoadConfig` (one for a trace)."""
+    """One workload per rate of a resolved :class:`~bcg.bench.load_config.LoadConfig` (one for a trace)."""
     if cfg.trace is not None:
         times, lengths = read_trace(cfg.trace)
         keep = times <= cfg.duration
@@ -247,7 +247,7 @@ def _warm(eng: Any, work: Workload, count: int, backend: str) -> tuple[Warmup, s
 
 
 def run_load(cfg: Any, progress: Any = None) -> LoadResult:
-    """Every variant of a resolved :class:`~bcg.bench.config.LoadConfig` at every rate; ``progress(text)`` is told
+    """Every variant of a resolved :class:`~bcg.bench.load_config.LoadConfig` at every rate; ``progress(text)`` is told
     what runs next."""
     spec = cfg.engine_spec()
     builds, rows, warmups = [], [], []
