@@ -135,13 +135,13 @@ class FusedMoE(FusedModule):
                 gate_up = gate_up + e.gate_up_bias[order.expert]
             act = e.activate(gate_up, impl)
         y_sorted = self._mm(act, e.down, order.expert, order.group_end)
-        if e.down_bias is not None:
-            y_sorted = y_sorted + e.down_bias[order.expert]
         # The fused combine reads fp32 weights as they are; the reference multiplies in the rows' dtype.
         combine_weights = weights
         if weights.dtype != y_sorted.dtype and not (impl == "fused" and fused_available(y_sorted.device)):
             combine_weights = weights.to(y_sorted.dtype)
-        out = fused.moe_combine(y_sorted, order.slot, combine_weights, impl=impl).view(hidden_states.shape)
+        # gpt-oss's down bias rides the combine (no gather and add of its own)
+        bias = dict(bias=e.down_bias, row_expert=order.expert) if e.down_bias is not None else {}
+        out = fused.moe_combine(y_sorted, order.slot, combine_weights, impl=impl, **bias).view(hidden_states.shape)
         if spec.has_shared and not spec.stacks_shared:
             out = out + self.shared_experts(hidden_states)
         return (out, weights[:, : spec.router.top_k]) if spec.returns_scores else out

@@ -73,19 +73,27 @@ def expert_order(topk_ids: Tensor, num_experts: int, *, impl: str = "fused") -> 
     return ExpertOrder(*_expert_order_triton(topk_ids, num_experts))
 
 
-def moe_combine_reference(y_sorted: Tensor, slot: Tensor, weights: Tensor) -> Tensor:
-    """Plain torch: un-sort ``y_sorted (T * k, H)`` and sum the k rows of each token weighted by ``weights``."""
+def moe_combine_reference(y_sorted: Tensor, slot: Tensor, weights: Tensor, bias: Optional[Tensor] = None,
+                          row_expert: Optional[Tensor] = None) -> Tensor:
+    """Plain torch: un-sort ``y_sorted (T * k, H)`` and sum the k rows of each token weighted by ``weights``, each
+    row plus its expert's ``bias`` first (in the rows' dtype, as the module's separate add would)."""
     num_rows, top_k = slot.shape
-    y = y_sorted[slot.flatten()]
+    rows = slot.flatten()
+    y = y_sorted[rows]
+    if bias is not None:
+        y = y + bias[row_expert[rows]].to(y.dtype)
     return torch.einsum("tkh,tk->th", y.view(num_rows, top_k, y_sorted.shape[1]), weights)
 
 
-def moe_combine(y_sorted: Tensor, slot: Tensor, weights: Tensor, *, out: Optional[Tensor] = None,
-                impl: str = "fused") -> Tensor:
-    """``out[t] = sum_j weights[t, j] * y_sorted[slot[t, j]]``: the experts' outputs back in token order.
+def moe_combine(y_sorted: Tensor, slot: Tensor, weights: Tensor, *, bias: Optional[Tensor] = None,
+                row_expert: Optional[Tensor] = None, out: Optional[Tensor] = None, impl: str = "fused") -> Tensor:
+    """``out[t] = sum_j weights[t, j] * (y_sorted[slot[t, j]] + bias[e])``: the experts' outputs back in token
+    order, ``e = row_expert[slot[t, j]]`` the row's expert (``bias`` None: no bias).
 
     ``y_sorted (T * k, H)`` (rows may be strided), ``slot (T, k)`` from :func:`expert_order`, ``weights (T, k)``
-    from the router. Returns ``(T, H)`` in ``y_sorted``'s dtype (or writes ``out``).
+    from the router; ``bias (E, H)`` the experts' output bias (gpt-oss's down projection's) with ``row_expert
+    (T * k,)`` (:attr:`ExpertOrder.expert`): the bias rides the combine instead of a gather and an add of its own.
+    Returns ``(T, H)`` in ``y_sorted``'s dtype (or writes ``out``).
 
     Example:
         >>> y = torch.arange(8.0).view(4, 2)
@@ -95,19 +103,25 @@ def moe_combine(y_sorted: Tensor, slot: Tensor, weights: Tensor, *, out: Optiona
     if slot.dim() != 2 or weights.shape != slot.shape or y_sorted.shape[0] != slot.numel():
         raise ValueError(f"moe_combine needs y_sorted (T*k, H), slot and weights (T, k); got {tuple(y_sorted.shape)}, "
                          f"{tuple(slot.shape)}, {tuple(weights.shape)}")
+    if (bias is None) != (row_expert is None) or (bias is not None and (
+            bias.dim() != 2 or bias.shape[1] != y_sorted.shape[1] or row_expert.shape != (y_sorted.shape[0],))):
+        raise ValueError("moe_combine's bias needs row_expert and the reverse: bias (E, H) and row_expert (T*k,), got "
+                         f"{None if bias is None else tuple(bias.shape)} and "
+                         f"{None if row_expert is None else tuple(row_expert.shape)} for y_sorted "
+                         f"{tuple(y_sorted.shape)}")
     path = kernel_path(impl, y_sorted)
     if path == "torch":
-        y = moe_combine_reference(y_sorted, slot, weights)
+        y = moe_combine_reference(y_sorted, slot, weights, bias, row_expert)
         return y if out is None else out.copy_(y)
-    if y_sorted.stride(-1) != 1:
-        raise ValueError(f"y_sorted must have a contiguous last dimension (strides {y_sorted.stride()})")
+    if y_sorted.stride(-1) != 1 or (bias is not None and bias.stride(-1) != 1):
+        raise ValueError(f"y_sorted and bias must have a contiguous last dimension (strides {y_sorted.stride()})")
     if path == "op":
-        y = torch.ops.bcg.moe_combine(y_sorted, slot, weights)
+        y = torch.ops.bcg.moe_combine(y_sorted, slot, weights, bias, row_expert)
         return y if out is None else out.copy_(y)
     from bcg.ops.kernels import triton_moe
 
     out = _moe_combine_fake(y_sorted, slot, weights) if out is None else out
-    triton_moe.combine(y_sorted, slot.contiguous(), weights, out)
+    triton_moe.combine(y_sorted, slot.contiguous(), weights, out, bias, row_expert)
     return out
 
 
@@ -133,19 +147,23 @@ def _expert_order_triton(topk_ids: Tensor, num_experts: int) -> tuple[Tensor, Te
     return results
 
 
-def _moe_combine_fake(y_sorted: Tensor, slot: Tensor, weights: Tensor) -> Tensor:
+def _moe_combine_fake(y_sorted: Tensor, slot: Tensor, weights: Tensor, bias: Optional[Tensor] = None,
+                      row_expert: Optional[Tensor] = None) -> Tensor:
     return y_sorted.new_empty((slot.shape[0], y_sorted.shape[1]))
 
 
-def _moe_combine_op(y_sorted: Tensor, slot: Tensor, weights: Tensor) -> Tensor:
-    return _moe_combine_fake(y_sorted, slot, weights).copy_(moe_combine_reference(y_sorted, slot, weights))
+def _moe_combine_op(y_sorted: Tensor, slot: Tensor, weights: Tensor, bias: Optional[Tensor] = None,
+                    row_expert: Optional[Tensor] = None) -> Tensor:
+    return _moe_combine_fake(y_sorted, slot, weights).copy_(
+        moe_combine_reference(y_sorted, slot, weights, bias, row_expert))
 
 
-def _moe_combine_triton(y_sorted: Tensor, slot: Tensor, weights: Tensor) -> Tensor:
+def _moe_combine_triton(y_sorted: Tensor, slot: Tensor, weights: Tensor, bias: Optional[Tensor] = None,
+                        row_expert: Optional[Tensor] = None) -> Tensor:
     from bcg.ops.kernels import triton_moe
 
     out = _moe_combine_fake(y_sorted, slot, weights)
-    triton_moe.combine(y_sorted, slot.contiguous(), weights, out)
+    triton_moe.combine(y_sorted, slot.contiguous(), weights, out, bias, row_expert)
     return out
 
 

@@ -7,7 +7,8 @@
   histograms: order-free, so deterministic), which gives its chunk's first row in each expert group, then ranks its
   pairs inside the chunk with a prefix sum. Stable by construction: a pair's row is the number of pairs with a
   smaller expert plus the number of earlier pairs with the same expert, exactly ``sort(stable=True)``.
-* combine: one program per (token, column block): ``sum_j y[slot[t, j]] * w[t, j]`` in fp32, in order j = 0..k-1.
+* combine: one program per (token, column block): ``sum_j (y[slot[t, j]] + b[e]) * w[t, j]`` in fp32, in order
+  j = 0..k-1 (``b`` the row's expert's output bias, where there is one).
 
 Importing this module needs Triton.
 """
@@ -166,8 +167,8 @@ def expert_order(ids: Tensor, num_experts: int, token_index: Tensor, slot: Tenso
 
 @triton.jit
 def _combine_kernel(
-    y_ptr, y_stride, slot_ptr, w_ptr, w_stride, out_ptr, out_stride, n_cols,
-    TOP_K: tl.constexpr, BLOCK: tl.constexpr,
+    y_ptr, y_stride, slot_ptr, w_ptr, w_stride, out_ptr, out_stride, n_cols, bias_ptr, bias_stride, expert_ptr,
+    TOP_K: tl.constexpr, BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -176,17 +177,25 @@ def _combine_kernel(
     for j in tl.static_range(TOP_K):
         row = tl.load(slot_ptr + t * TOP_K + j).to(tl.int64)
         w = tl.load(w_ptr + t * w_stride + j).to(tl.float32)
-        acc += tl.load(y_ptr + row * y_stride + cols, mask=mask, other=0.0).to(tl.float32) * w
+        y = tl.load(y_ptr + row * y_stride + cols, mask=mask, other=0.0).to(tl.float32)
+        if HAS_BIAS:  # the row's expert's output bias, added in fp32 (the module's GEMM epilogue adds it so too)
+            e = tl.load(expert_ptr + row).to(tl.int64)
+            y += tl.load(bias_ptr + e * bias_stride + cols, mask=mask, other=0.0).to(tl.float32)
+        acc += y * w
     tl.store(out_ptr + t * out_stride + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def combine(y_sorted: Tensor, slot: Tensor, weights: Tensor, out: Tensor) -> None:
-    """``out[t] = sum_j weights[t, j] * y_sorted[slot[t, j]]`` for ``out (T, H)``; ``slot`` contiguous."""
+def combine(y_sorted: Tensor, slot: Tensor, weights: Tensor, out: Tensor, bias: Tensor | None = None,
+            row_expert: Tensor | None = None) -> None:
+    """``out[t] = sum_j weights[t, j] * (y_sorted[slot[t, j]] + bias[row_expert[slot[t, j]]])`` for ``out (T, H)``
+    (no bias when ``bias`` is None); ``slot`` contiguous."""
     num_rows, top_k = slot.shape
     n_cols = out.shape[1]
     block = min(1024, max(16, triton.next_power_of_2(n_cols)))
+    has_bias = bias is not None
     launch(
         _combine_kernel, (num_rows, triton.cdiv(n_cols, block)),
         y_sorted, y_sorted.stride(0), slot, weights, weights.stride(0), out, out.stride(0), n_cols,
-        TOP_K=top_k, BLOCK=block, num_warps=4 if block >= 512 else 1,
+        bias if has_bias else y_sorted, bias.stride(0) if has_bias else 0, row_expert if has_bias else slot,
+        TOP_K=top_k, BLOCK=block, HAS_BIAS=has_bias, num_warps=4 if block >= 512 else 1,
     )

@@ -97,8 +97,8 @@ class Interpreted:
         self.tk.moe.expert_order(ids, experts, *out)
         return out
 
-    def moe_combine(self, y, slot, weights, out):
-        self.tk.moe.combine(y, slot, weights, out)
+    def moe_combine(self, y, slot, weights, out, bias=None, row_expert=None):
+        self.tk.moe.combine(y, slot, weights, out, bias, row_expert)
 
     def index_topk(self, q, w, pool, read_slots, cu_q, cu_k, num_tokens, max_seqlen_k, topk):
         l_block = 1 << (max(max_seqlen_k, topk, 16) - 1).bit_length()
@@ -193,8 +193,9 @@ def test_expert_order(run, rows, experts, top_k, ids_dtype):
 
 @pytest.mark.parametrize("dtype", cases.DTYPES)
 @pytest.mark.parametrize("rows,hidden,top_k", [(0, 64, 2), (1, 1000, 4), (6, 1536, 8)])
-def test_moe_combine(run, dtype, rows, hidden, top_k):
-    cases.check_moe_combine(run, "cpu", dtype, rows, hidden, top_k, MIN_EXACT[dtype])
+@pytest.mark.parametrize("bias", [False, True])
+def test_moe_combine(run, dtype, rows, hidden, top_k, bias):
+    cases.check_moe_combine(run, "cpu", dtype, rows, hidden, top_k, MIN_EXACT[dtype], bias=bias)
 
 
 @pytest.mark.skipif(not NUMPY_RUNTIME_LOOPS, reason="triton < 3.7's interpreter needs numpy < 2.4 for runtime loops")

@@ -211,16 +211,25 @@ def check_expert_order(run, device: str, rows: int, experts: int, top_k: int, id
 
 
 def check_moe_combine(run, device: str, dtype: torch.dtype, rows: int, hidden: int, top_k: int,
-                      min_exact: float | None) -> float:
+                      min_exact: float | None, bias: bool = False) -> float:
+    """The combine against its reference; with ``bias``, each row plus its expert's output bias (gpt-oss's down
+    bias), which the kernel adds in fp32 where the reference adds in the rows' dtype (one rounding more)."""
     from bcg.ops.kernels import moe_combine_reference
 
     y = row_view(rows * top_k, hidden, dtype=dtype, device=device, seed=hidden, pad=16)
     slot = torch.randperm(rows * top_k, generator=gen(rows)).view(rows, top_k).to(device)
     weights = torch.rand(rows, top_k, generator=gen(7)).to(dtype=dtype, device=device)
-    inputs = [t.clone() for t in (y, slot, weights)]
+    extra = {}
+    if bias:
+        extra = {"bias": randn(5, hidden, dtype=dtype, device=device, seed=11),
+                 "row_expert": torch.randint(0, 5, (rows * top_k,), generator=gen(3)).to(device)}
+    inputs = [t.clone() for t in (y, slot, weights, *extra.values())]
     out = poisoned(rows, hidden, dtype=dtype, device=device)
-    run.moe_combine(y, slot, weights, out)
-    assert all(torch.equal(t, t0) for t, t0 in zip((y, slot, weights), inputs)), "an input changed"
+    run.moe_combine(y, slot, weights, out, **extra)
+    assert all(torch.equal(t, t0) for t, t0 in zip((y, slot, weights, *extra.values()), inputs)), "an input changed"
+    if bias:  # the kernel adds the bias in fp32: the reference in fp32, rounded once, is what it computes
+        want = moe_combine_reference(y.float(), slot, weights.float(), extra["bias"].float(), extra["row_expert"])
+        return _match(run, out, want.to(dtype), min_exact, "moe_combine with bias")
     return _match(run, out, moe_combine_reference(y, slot, weights), min_exact, "moe_combine")
 
 

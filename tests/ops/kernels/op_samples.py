@@ -66,5 +66,8 @@ def samples(device: str = "cpu") -> dict[str, list[tuple]]:
                          (_ids(0, 8, 2, torch.int64, 3).to(device), 8)],
         "moe_combine": [(r(10, 6), _slot(5, 2, 4).to(device), torch.rand(5, 2, generator=gen(5)).to(device)),
                         (r(12, 64, dtype=bf16), _slot(3, 4, 6).to(device),
-                         torch.rand(3, 4, generator=gen(7)).to(device=device, dtype=bf16))],
+                         torch.rand(3, 4, generator=gen(7)).to(device=device, dtype=bf16)),
+                        # gpt-oss's down bias: each row plus its expert's bias
+                        (r(10, 6), _slot(5, 2, 4).to(device), torch.rand(5, 2, generator=gen(5)).to(device),
+                         r(3, 6, seed=9), torch.tensor([0, 2, 1, 1, 0, 2, 2, 0, 1, 0], device=device))],
     }

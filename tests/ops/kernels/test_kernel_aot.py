@@ -55,3 +55,15 @@ def test_dsa_topk_kernel_compiles_for_sm90_without_spills(width):
                      BLOCK_K=64, R_BLOCK=64)
     report = compile_sm90(triton_dsa._index_topk_kernel, types, constants, num_warps=triton_dsa.sort_warps(width))
     assert "0 bytes spill stores" in report, report
+
+
+@pytest.mark.parametrize("has_bias", [False, True])
+def test_moe_combine_kernel_compiles_for_sm90(has_bias):
+    from bcg.ops.kernels import triton_moe
+
+    types = {"y_ptr": "*bf16", "y_stride": "i32", "slot_ptr": "*i64", "w_ptr": "*fp32", "w_stride": "i32",
+             "out_ptr": "*bf16", "out_stride": "i32", "n_cols": "i32", "bias_ptr": "*bf16", "bias_stride": "i32",
+             "expert_ptr": "*i64"}
+    report = compile_sm90(triton_moe._combine_kernel, types, dict(TOP_K=4, BLOCK=1024, HAS_BIAS=has_bias),
+                          num_warps=4)
+    assert "0 bytes spill stores" in report, report

@@ -59,8 +59,8 @@ class Fused:
     def expert_order(self, ids, experts):
         return kernels.expert_order(ids, experts, impl="fused")
 
-    def moe_combine(self, y, slot, weights, out):
-        assert kernels.moe_combine(y, slot, weights, out=out, impl="fused") is out
+    def moe_combine(self, y, slot, weights, out, **bias):
+        assert kernels.moe_combine(y, slot, weights, out=out, impl="fused", **bias) is out
 
     def index_topk(self, *args):
         from bcg.ops.kernels.dsa_topk import index_topk
@@ -151,8 +151,9 @@ def test_expert_order(rows, experts, top_k, ids_dtype):
 @pytest.mark.parametrize("dtype", cases.DTYPES)
 @pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize("hidden,top_k", [(1024, 4), (1000, 2), (1536, 8)])
-def test_moe_combine(dtype, rows, hidden, top_k):
-    cases.check_moe_combine(RUN, DEV, dtype, rows, hidden, top_k, MIN_EXACT[dtype])
+@pytest.mark.parametrize("bias", [False, True])
+def test_moe_combine(dtype, rows, hidden, top_k, bias):
+    cases.check_moe_combine(RUN, DEV, dtype, rows, hidden, top_k, MIN_EXACT[dtype], bias=bias)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

@@ -57,7 +57,8 @@ def _entry_point(name, args):
                                    num_shared=shared, impl="torch")
     if name == "expert_order":
         return tuple(kernels.expert_order(*args, impl="torch"))
-    return kernels.moe_combine(*args, impl="torch")
+    y, slot, weights, *bias = args
+    return kernels.moe_combine(y, slot, weights, **dict(zip(("bias", "row_expert"), bias)), impl="torch")
 
 
 @pytest.mark.parametrize(("name", "case"), CASES)
