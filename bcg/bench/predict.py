@@ -115,34 +115,23 @@ def replay_islands(hosts: dict[str, dict[int, HostTimes]]) -> dict[str, dict[int
         hosts = replay_islands(measurements.hosts[None])
         hosts["fused"][64].island_us["attention_island"]      # <= every size's and setting's from 64 up
     """
-    def settle(pick: Callable[[HostTimes], HostTimes]) -> dict[tuple[int, str], float]:
-        least: dict[tuple[int, str], float] = {}
+    def settle(pick: Callable[[HostTimes], HostTimes]) -> dict[str, dict[int, float]]:
+        least: dict[str, dict[int, float]] = {}  # island -> size -> least over the settings
         for sizes in hosts.values():
             for n, h in sizes.items():
                 for name, us in pick(h).island_us.items():
-                    least[(n, name)] = min(least.get((n, name), us), us)
-        settled = {}
-        for name in {name for _, name in least}:
-            floor = float("inf")
-            for n in sorted((n for n, nm in least if nm == name), reverse=True):
-                floor = min(floor, least[(n, name)])
-                settled[(n, name)] = floor
-        return settled
+                    per = least.setdefault(name, {})
+                    per[n] = min(per.get(n, us), us)
+        return {name: {n: min(us for m, us in per.items() if m >= n) for n in per} for name, per in least.items()}
 
     mid, low, high = settle(lambda h: h), settle(lambda h: h.low or h), settle(lambda h: h.high or h)
 
-    def apply(h: HostTimes, table: dict[tuple[int, str], float]) -> HostTimes:
-        return replace(h, island_us={name: table[(h.num_tokens, name)] for name in h.island_us})
+    def apply(h: HostTimes, table: dict[str, dict[int, float]], n: int) -> HostTimes:
+        return replace(h, island_us={name: table[name][n] for name in h.island_us})
 
-    out: dict[str, dict[int, HostTimes]] = {}
-    for setting, sizes in hosts.items():
-        out[setting] = {}
-        for n, h in sizes.items():
-            # the size key and num_tokens agree (one prompt of n tokens per size)
-            h = replace(h, num_tokens=n)
-            out[setting][n] = replace(apply(h, mid), low=apply(h.low, low) if h.low else None,
-                                      high=apply(h.high, high) if h.high else None)
-    return out
+    return {setting: {n: replace(apply(h, mid, n), low=apply(h.low, low, n) if h.low else None,
+                                 high=apply(h.high, high, n) if h.high else None) for n, h in sizes.items()}
+            for setting, sizes in hosts.items()}
 
 
 def in_graph_us(device_us: float, gap_us: float) -> float:
