@@ -1,6 +1,7 @@
-"""Eager functions and checks shared by the primitive's tests on real CUDA graphs (test_graph_cuda,
+"""The fixture and checks shared by the primitive's tests on real CUDA graphs (test_graph_cuda,
 test_capture_cuda, test_graph_pools_cuda).
 
+The eager functions and the simple capture are the emulation tests' (:mod:`graph_helpers`), re-exported.
 ``no_stream_left_capturing`` is an autouse fixture: a module that imports it gets it for every test, so no test can
 leave a stream capturing. On a GPU, capture does not execute kernels, so these eager functions see garbage at capture
 time; the tests only check values after replay.
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from graph_helpers import add_one, capture_simple, check_simple, double_into  # noqa: F401 - the emulation tests' own
 
 import bcg
 from bcg import capture as bcg_capture
@@ -28,34 +30,11 @@ def no_stream_left_capturing():
     torch.cuda.synchronize()
 
 
-@bcg.eager_on_graph
-def add_one(x: torch.Tensor) -> torch.Tensor:
-    return x + 1
-
-
-@bcg.eager_on_graph
-def double_into(x: torch.Tensor, out: torch.Tensor) -> None:
-    torch.mul(x, 2, out=out)
-
-
 def cuda_graph() -> bcg.BreakableCUDAGraph:
     """A graph on real CUDA graphs, checked to be one (no silent fallback to the emulation)."""
     g = bcg.BreakableCUDAGraph(emulate=False)
     assert not g.is_emulated and g.device_type == "cuda"
     return g
-
-
-def capture_simple(g: bcg.BreakableCUDAGraph, x: torch.Tensor) -> torch.Tensor:
-    with bcg.breakable_graph(g):
-        out = add_one(x * 2) * 3
-    return out
-
-
-def check_simple(g: bcg.BreakableCUDAGraph, x: torch.Tensor, out: torch.Tensor) -> None:
-    for v in (1.0, -2.5, 7.0):
-        x.fill_(v)
-        g.replay()
-        torch.testing.assert_close(out, (x * 2 + 1) * 3)
 
 
 def assert_nothing_capturing(*extra_streams):
