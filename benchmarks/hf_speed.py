@@ -27,6 +27,7 @@ folder unless ``--warm-cache``, so compile times are cold.
 from __future__ import annotations
 
 import argparse
+import collections
 import gc
 import importlib.util
 import json
@@ -124,8 +125,9 @@ def _median_ms(fn: Any, device: torch.device, runs: int, warmup: int) -> float:
     return statistics.median(times)
 
 
-def _kernels(fn: Any, device: torch.device) -> int | None:
-    """CUDA device activities (kernels, copies, sets) of one call, or None on a CPU or if the profiler fails."""
+def _kernels(fn: Any, device: torch.device) -> tuple[int, dict[str, int]] | None:
+    """CUDA device activities (kernels, copies, sets) of one call and their count by name (cut to 90 characters:
+    enough to tell a cast from a copy), or None on a CPU or if the profiler fails."""
     if device.type != "cuda":
         return None
     try:
@@ -136,9 +138,15 @@ def _kernels(fn: Any, device: torch.device) -> int | None:
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             fn()
             _sync(device)
-        return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+        names = [e.name[:90] for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        return len(names), dict(collections.Counter(names).most_common())
     except Exception:  # a profiler failure must not end the run: the timings stand
         return None
+
+
+def _put_kernels(row: dict, counted: tuple[int, dict[str, int]] | None) -> None:
+    if counted is not None:
+        row["kernels"], row["kernel_names"] = counted
 
 
 def _free() -> None:
@@ -166,8 +174,8 @@ def _hf_rows(hf: Any, prompts: dict[int, torch.Tensor], args: argparse.Namespace
                                         args.warmup), "token": int(logits.argmax()),
                        "top2_gap": float(top2[0] - top2[1]), "max_logit": float(logits.abs().max())}
         first = min(prompts)
-        rows[first]["kernels"] = _kernels(lambda: hf(input_ids=prompts[first][None].to(device), use_cache=False),
-                                          device)
+        _put_kernels(rows[first], _kernels(lambda: hf(input_ids=prompts[first][None].to(device), use_cache=False),
+                                           device))
     return rows
 
 
@@ -187,7 +195,7 @@ def _engine_rows(eng: Any, prompts: dict[int, torch.Tensor], args: argparse.Name
         if hf_rows and n in hf_rows:
             row["token_equal"] = row["token"] == hf_rows[n]["token"]
         if n in kernels_at:
-            row["kernels"] = _kernels(lambda p=p: eng.prefill([p]), eng.device)
+            _put_kernels(row, _kernels(lambda p=p: eng.prefill([p]), eng.device))
         out["by_length"][n] = row
     return out
 
