@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from bcg import env, leaks, streams
+from bcg import collector, env, leaks, streams
 from bcg.boundary import Boundary
 from bcg.emulation import EmulatedGraph, poisoned
 from bcg.graph import BreakableCUDAGraph, CaptureError, EagerStep, _warnings_lock
@@ -198,6 +198,7 @@ class breakable_graph:
         self._stream_ctx: Any = None
         self._outer: torch.cuda.Stream | None = None
         self._locked = False
+        self._gc_held = False
 
     def __enter__(self) -> BreakableCUDAGraph:
         active = _CAPTURE.get()
@@ -207,6 +208,9 @@ class breakable_graph:
         if self.graph.is_captured:
             raise CaptureError("this BreakableCUDAGraph already holds a capture; call reset() before "
                                "capturing it again")
+        # No garbage collection mid-capture (bcg.collector says why).
+        collector.hold()
+        self._gc_held = True
         try:
             stream = self._enter_cuda() if not self.graph.is_emulated else None
             self._state = _CaptureState(self.graph, self.pool, self.mode, self.barrier_fn, self.auto_join, stream,
@@ -284,4 +288,7 @@ class breakable_graph:
         if self._locked:
             self._locked = False
             _cuda_capture_lock.release()
+        if self._gc_held:
+            self._gc_held = False
+            collector.release()
 

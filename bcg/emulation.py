@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextvars
 import itertools
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -202,6 +203,7 @@ class EmulatedGraph:
         self._inference = torch.is_inference_mode_enabled()
         self._mode = _RecordMode(self._ops, self._fresh)
         self._token = begin_segment_capture(self)
+        _CAPTURES_UNDERWAY[id(self)] = (self, capture_error_mode, threading.get_ident())
         self._mode.__enter__()
 
     def capture_end(self) -> None:
@@ -211,6 +213,7 @@ class EmulatedGraph:
         try:
             mode.__exit__(None, None, None)
         finally:
+            _CAPTURES_UNDERWAY.pop(id(self), None)
             end_segment_capture(self._token)
             self._token = None
             self._captured = True
@@ -238,9 +241,34 @@ class EmulatedGraph:
                 op.run()
 
     def reset(self) -> None:
+        if self._captured:
+            _destroyed_during_capture(self)
         self._ops, self._fresh = [], set()
         self._captured = False
         self._invalid = None
+
+    def __del__(self) -> None:
+        if getattr(self, "_captured", False):  # a CUDAGraph's destructor resets it: the same rule applies
+            _destroyed_during_capture(self)
+
+
+# The emulated segments capturing now, in every thread: id -> (graph, capture_error_mode, thread).
+_CAPTURES_UNDERWAY: dict[int, tuple[EmulatedGraph, str, int]] = {}
+
+
+def _destroyed_during_capture(graph: EmulatedGraph) -> None:
+    """A captured graph is reset or destroyed: on CUDA, cudaGraphExecDestroy is an unsafe call while a capture is
+    underway (in any thread for a "global" capture, in this one for "thread_local"), and it invalidates that
+    capture, whose cudaStreamEndCapture then fails. A collection of garbage in the middle of a capture does it."""
+    if not _CAPTURES_UNDERWAY:  # also at interpreter exit, where the dict may already be gone
+        return
+    me = threading.get_ident()
+    for other, mode, thread in list(_CAPTURES_UNDERWAY.values()):
+        if other is graph or mode == "relaxed" or (mode == "thread_local" and thread != me):
+            continue
+        if other._invalid is None:
+            other._invalid = ("a captured CUDA graph was reset or destroyed during this capture (a garbage "
+                              "collection mid-capture does it): keep graphs alive, or reset them, outside captures")
 
 
 def poison_value(dtype: torch.dtype) -> float | int | bool:

@@ -39,6 +39,8 @@ from bcg.ops import kernels as fused
 __all__ = ["RULES", "RouterSpec", "router_spec"]
 
 RULES = ("softmax_topk", "topk_softmax", "sigmoid_topk")
+# aten.mm with out_dtype (bf16/fp16 operands, fp32 result) runs on CUDA only, where torch has it
+_HAS_MM_DTYPE = hasattr(torch.ops.aten.mm, "dtype")
 
 
 @dataclass
@@ -57,6 +59,7 @@ class RouterSpec:
     topk_group: int = 1
     scaling: float = 1.0
     num_shared: int = 0  # shared experts routed as experts E, E + 1, ... with weight 1 (after the scaling)
+    weight_lowp: Tensor | None = None  # (E, H): the router's own bf16/fp16 weight where ``weight`` is its fp32 copy
 
     @property
     def num_experts(self) -> int:
@@ -65,6 +68,13 @@ class RouterSpec:
 
     def logits(self, x: Tensor) -> Tensor:
         """``(T, H)`` -> ``(T, E)`` router logits, computed as the router does (one GEMM)."""
+        w = self.weight_lowp
+        if (self.logits_fp32 and w is not None and x.dtype == w.dtype and x.is_cuda and _HAS_MM_DTYPE
+                and self.bias is None and not torch.compiler.is_compiling()):
+            # A product of two bf16 (or fp16) values is exact in fp32, so a GEMM of the low-precision operands
+            # accumulating and writing fp32 computes the router's fp32 logits without the input's cast: one kernel
+            # where the cast, an fp32 GEMM and its split-K reduce were three.
+            return torch.mm(x.reshape(-1, x.shape[-1]), w.t(), out_dtype=torch.float32).view(*x.shape[:-1], -1)
         return F.linear(x.float() if self.logits_fp32 else x, self.weight, self.bias)
 
     def route(self, x: Tensor, impl: str) -> tuple[Tensor, Tensor]:
@@ -129,7 +139,8 @@ def router_spec(router: nn.Module, top_k: int, renormalize: bool | None, dtype: 
             candidates.append(RouterSpec(
                 "sigmoid_topk", fp32, None, top_k, renorm, True, True, correction.detach().float(),
                 int(getattr(router, "num_group", getattr(router, "n_group", 1)) or 1),
-                int(getattr(router, "topk_group", 1) or 1), float(getattr(router, "routed_scaling_factor", 1.0))))
+                int(getattr(router, "topk_group", 1) or 1), float(getattr(router, "routed_scaling_factor", 1.0)),
+                weight_lowp=weight if weight.dtype in (torch.bfloat16, torch.float16) else None))
     elif isinstance(bias, Tensor):
         candidates.append(RouterSpec("topk_softmax", weight, bias, top_k))
     else:

@@ -83,3 +83,42 @@ def test_a_fused_moe_block_runs_at_most_the_native_kernels_plus_two(arch, dtype,
     assert count <= NATIVE_KERNELS + 2, ops
     if dtype == torch.float32:
         assert count == NATIVE_KERNELS, ops
+
+
+def test_a_bf16_fp32_router_keeps_its_own_weight_for_one_gemm():
+    """glm4_moe's router computes in fp32: its bf16 weight is kept beside the fp32 copy, so CUDA can run the logits
+    as one GEMM of the bf16 operands with an fp32 result; routers that compute in their own dtype keep no second."""
+    for arch, lowp in (("glm4_moe", True), ("qwen3_moe", False), ("gpt_oss", False)):
+        hf = make_model(arch, dtype=torch.bfloat16)
+        HFCausalLM(hf)
+        router = next(m for m in hf.modules() if isinstance(m, FusedMoE)).spec.router
+        assert (router.weight_lowp is not None) == lowp, arch
+        if lowp:
+            assert router.weight.dtype == torch.float32 and router.weight_lowp.dtype == torch.bfloat16
+            torch.testing.assert_close(router.weight, router.weight_lowp.float(), rtol=0, atol=0)
+            x = torch.randn(8, hf.config.hidden_size, dtype=torch.bfloat16)
+            # off CUDA the fp32 path runs: the router's own computation, exactly
+            want = torch.nn.functional.linear(x.float(), router.weight)
+            assert torch.equal(router.logits(x), want)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_bf16_fp32_router_on_cuda_is_one_kernel_and_the_fp32_logits():
+    from torch.profiler import ProfilerActivity, profile
+
+    hf = make_model("glm4_moe", dtype=torch.bfloat16)
+    HFCausalLM(hf)
+    router = next(m for m in hf.modules() if isinstance(m, FusedMoE)).spec.router
+    router = replace(router, weight=router.weight.cuda(), weight_lowp=router.weight_lowp.cuda())
+    x = torch.randn(64, router.weight.shape[1], dtype=torch.bfloat16, device="cuda")
+    got = router.logits(x)
+    want = torch.nn.functional.linear(x.float(), router.weight)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)  # the same products; only the summation order
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        router.logits(x)
+        torch.cuda.synchronize()
+    kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    assert len(kernels) <= 2, kernels  # one GEMM (two where cuBLAS splits K): the cast, GEMM and reduce were three
