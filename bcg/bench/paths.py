@@ -8,7 +8,8 @@ split graph and each island through its custom op. :func:`measure_paths` builds 
 ``runner.forward`` of one bucket on each from an idle device, and reads off per backend:
 
 * ``per_layer_us``: what one more layer adds to the replay's host time beyond the island's own host time measured
-  on the eager engine (a segment launch or piece call, the break or the island's custom-op call, the step wrapper);
+  on the eager engine (a segment launch or piece call, the break or the island's custom-op call, the step wrapper),
+  the island measured as the model's islands are (back to back where it can be called again);
 * ``fixed_us``: what the replay path adds per forward beyond the eager path's (staging into static fields, graph
   logits; tc_piecewise's guards and split-graph entry).
 
@@ -70,18 +71,21 @@ def _host_us(eng: Any, batch: Any) -> float:
 
 
 def _island_us(eng: Any, batch: Any) -> float:
-    """Median host µs of all island calls of one eager forward (each timed on its own)."""
-    from bcg.bench.profile import IslandTimer
+    """Median host µs of all island calls of one eager forward, each island as analyze measures it for a replay: a
+    repeatable island at its back-to-back cost (:data:`bcg.bench.profile.REPEATABLE`), another as its call took.
+    The same measure as the model's islands, so what is subtracted here is what the prediction adds back."""
+    from bcg.bench.profile import STEADY_REPEATS, IslandTimer
     from bcg.islands import observing_islands
 
     totals = []
     with torch.inference_mode():
         for i in range(REPS + 3):
-            timer = IslandTimer()
+            timer = IslandTimer(repeats=STEADY_REPEATS)
             with observing_islands(timer):
                 eng.runner.forward(batch)
             if i >= 3:
-                totals.append(sum(timer.us.values()))
+                totals.append(sum(timer.steady_us[n][0] * timer.calls[n] if n in timer.steady_us else us
+                                  for n, us in timer.us.items()))
         sync(eng.device)
     return statistics.median(totals)
 
