@@ -18,3 +18,24 @@ def test_breakables_replay_path_is_measured_once_per_process() -> None:
     assert paths.seconds > 0
     again = measure_paths("cpu", ("breakable",))  # the cache=False call filled the cache
     assert again.seconds == 0.0 and again.per_layer_us == paths.per_layer_us
+
+
+def test_the_toys_islands_are_subtracted_at_their_back_to_back_cost(monkeypatch) -> None:
+    """What the paths subtract per layer is the island as the model adds it back: a repeatable island at its
+    back-to-back cost (here fixed at 7 µs a call), not its in-forward time (inflated here by 5 ms a call)."""
+    import time
+
+    from bcg.bench import paths as paths_mod
+    from bcg.bench import profile
+
+    monkeypatch.setattr(profile, "_steady_us", lambda fn, args, kwargs, repeats: (7.0, 6.0, 8.0))
+    real = profile.IslandTimer.__call__
+
+    def slow(self, fn, name, args, kwargs):  # an in-forward call far costlier than the back-to-back one
+        time.sleep(0.005)
+        return real(self, fn, name, args, kwargs)
+
+    monkeypatch.setattr(profile.IslandTimer, "__call__", slow)
+    monkeypatch.setattr(paths_mod, "REPS", 2)
+    out = measure_paths("cpu", (), cache=False)
+    assert out.island_us == 7.0  # one attention island a layer, 7 µs: the slope between the toy's layer counts
