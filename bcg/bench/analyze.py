@@ -5,7 +5,8 @@ The run, in the order CUPTI needs (once the profiler is loaded it slows later ho
 
 1. this machine's launch, replay, break, capture and compile costs (:mod:`bcg.bench.machine`), on CUDA the host
    costs of the real replay paths on toy engines (:mod:`bcg.bench.paths`), and, for each kernels setting the
-   variants use, the host times of eager forwards per size (:func:`bcg.bench.profile.host_times`);
+   variants use, the host times of eager forwards at up to three sizes (:func:`bcg.bench.profile.host_times`), the
+   others interpolated (:mod:`bcg.bench.host_sizes`);
    under ``--cpu-cores`` both again with the process pinned to each core count (:mod:`bcg.bench.cores`);
 2. with ``--validate`` only: every variant built, captured and timed (:mod:`bcg.bench.validate`);
 3. every size's profiled eager forwards, and the step ``full`` would capture run eagerly, in one profiler session per
@@ -39,6 +40,7 @@ from bcg.bench.cores import pinned
 from bcg.bench.engines import BuildRecord, EngineSpec, engine_for
 from bcg.bench.findings import EAGER_OF, Measurements, findings
 from bcg.bench.forecast import Profiled
+from bcg.bench.host_sizes import interpolate, timed_sizes
 from bcg.bench.machine_cache import MachineCache
 from bcg.bench.predict import HostTimes
 from bcg.bench.profile import FullStep, host_times
@@ -149,12 +151,14 @@ def _host_phase(cfg: AnalyzeConfig, engines: dict[str, Any], settings: list[str]
             info.setdefault("model", _describe_model(eng, cfg.model))
             vocab = eng.model.config.vocab_size
             with clock.part("host times"), pinned(k):
-                hosts[k][setting] = {}
-                for n in sizes:
+                timed = {}
+                for n in timed_sizes(sizes):  # the others interpolated (bcg.bench.host_sizes says why)
                     bar.set_postfix(step=f"host times {EAGER_OF[setting]}", tokens=n, cores=k or "all")
-                    hosts[k][setting][n] = host_times(eng, prompt_for(vocab, n, cfg.seed), cfg.runs, cfg.warmup,
-                                                      _full_step(eng, n))
+                    timed[n] = host_times(eng, prompt_for(vocab, n, cfg.seed), cfg.runs, cfg.warmup,
+                                          _full_step(eng, n))
                     bar.update()
+                hosts[k][setting] = interpolate(timed, sizes)
+                bar.update(len(sizes) - len(timed))
     return costs, hosts
 
 
@@ -276,7 +280,7 @@ def run_analyze(cfg: AnalyzeConfig, environment: dict[str, Any]) -> dict[str, An
                     "parts_s": clock.parts, "profiles_s": profile_s, "machine_cached": m.costs[None].cached,
                     "machine_cache": cache.report(),
                     # how many untimed and timed runs each size's host times took (fewer than --warmup and --runs
-                    # once settled) and how many profiles its kernels combine
+                    # once settled; 0: interpolated) and how many profiles its kernels combine
                     "repeats": {EAGER_OF[s]: {n: {"host_warmups": m.hosts[None][s][n].warmups,
                                                   "host_runs": m.hosts[None][s][n].runs, "profiles": p.profiles}
                                               for n, p in by_size.items()} for s, by_size in m.profiles.items()}}

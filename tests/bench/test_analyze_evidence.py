@@ -1,6 +1,7 @@
 """The H200's own numbers replayed through the prediction model on a CPU, against what the same runs measured, at
 every length they hold (tests/bench/fixtures/analyze_h200.json.gz, written by ``benchmarks/analyze_targets.py
---fixture`` from the `bcg analyze --validate` runs of llama-dense and gptoss-moe at 8cfe768,
+--fixture`` from the `bcg analyze --validate` runs of llama-dense and gptoss-moe at 62e2aed,
+benchmarks/results/h200-2026-12-02-r5/call2-62e2aed/; the one before, from 8cfe768, is beside its run in
 benchmarks/results/h200-2026-12-02-r4/call2-8cfe768/).
 
 What a model entry holds decides how far the replay goes, per variant and length (``pytest -s`` prints the table):
@@ -12,25 +13,28 @@ What a model entry holds decides how far the replay goes, per variant and length
   :func:`~bcg.bench.program.simulate`): a change to how programs are played shows, not one to how they are composed;
 * ``file``: the GPU run's own prediction, where the file holds nothing to replay.
 
-Both entries hold inputs.json, so every row is ``model``. The errors (predicted / measured - 1) with islands at the
-host cost a replay pays (:func:`~bcg.bench.predict.replay_islands`); the run itself, which took each size's eager
-island times, was off by up to +111% (llama-dense, breakable+fused, 64 tokens):
+Both entries hold inputs.json, so every row is ``model``. The errors (predicted / measured - 1), repeatable islands
+timed back to back (the replay gives back the run's own predictions):
 
 ==================  ======  ======  ======  ======  ======  ======
 llama-dense             64     128     256     512    1024    2048
 ==================  ======  ======  ======  ======  ======  ======
-breakable           -19.4%  -22.5%  -19.1%  -12.2%  -10.6%   -7.4%
-breakable+fused     +28.6%  +22.6%  +14.9%   -4.5%   -3.0%   -3.5%
-full                 -8.2%  -14.3%   -2.2%   -3.6%   -5.8%   -5.0%
-tc_piecewise        -10.3%  -12.0%  -12.7%   -3.5%   +0.8%   +4.3%
-breakable+inductor  +14.3%   +3.2%   -7.1%   +1.6%   +1.2%   +4.5%
+breakable           -20.1%  -17.4%  -11.7%  -12.0%   -8.1%   -5.7%
+breakable+fused     -23.4%  -22.4%  -13.0%  -13.2%   -4.4%   -6.8%
+full                 -5.3%   -3.4%   -0.4%   +0.1%   +0.4%   -0.9%
+tc_piecewise        -35.5%  -33.9%  -26.1%   -7.5%   -1.3%   +3.0%
+breakable+inductor  -20.5%  -22.3%  -17.4%  -11.4%   -3.3%   +1.1%
 gptoss-moe
-breakable            -8.3%   -8.6%   -7.8%   -6.3%   -4.0%   -5.6%
-breakable+fused      -6.1%   -6.6%   -4.3%   -2.8%   -4.1%   -3.4%
-full                 -4.3%   -5.4%   -4.3%   -3.2%   -1.3%   -3.1%
-tc_piecewise         +4.7%   +4.1%   +4.0%   +6.2%   +9.8%   +6.6%
-breakable+inductor   -3.0%   -4.5%   -2.1%   +0.5%   +6.2%   +6.3%
+breakable           -11.0%   -9.9%   -9.8%   -6.3%   -4.7%   -6.1%
+breakable+fused      -9.8%  -10.1%   -6.7%   -5.3%   -5.2%   -3.6%
+full                 -6.4%   -6.8%   -6.0%   -4.8%   -2.9%   -4.3%
+tc_piecewise         -1.5%   -0.6%   -0.3%   +2.4%   +5.6%   +4.1%
+breakable+inductor   -3.1%   -2.5%   -0.1%   +2.9%   +5.3%   +5.2%
 ==================  ======  ======  ======  ======  ======  ======
+
+The llama-dense rows are under-predicted because that run's replay-path costs read 0 µs a breakable layer (the toy's
+island subtracted at its in-forward cost; since e686fc7 at its back-to-back cost): the machine costs are inputs here,
+so the replay cannot show that change; the next H200 fixture will.
 
 :data:`BOUND` is each variant's worst, rounded up to the next 5%: tighten it when a fixture from a newer run earns it
 (the target is 10%). Regenerate the fixture from an H200 run with ``python benchmarks/analyze_targets.py
@@ -53,7 +57,8 @@ from bcg.bench.predict import program_from_parts, simulate
 
 FIXTURE = Path(__file__).parent / "fixtures" / "analyze_h200.json.gz"  # with the runs' inputs.json
 # |predicted / measured - 1| per variant, over both models and every length (the docstring's table)
-BOUND = {"breakable": 0.25, "breakable+fused": 0.30, "full": 0.15, "tc_piecewise": 0.15, "breakable+inductor": 0.15}
+BOUND = {"breakable": 0.25, "breakable+fused": 0.25, "full": 0.10, "tc_piecewise": 0.40, "breakable+inductor": 0.25}
+INTERPOLATED = 0.03  # how far host times interpolated between three sizes may move a prediction
 COMPOSITION = 0.03  # a replay of the parts against the GPU run's own prediction (parts share their time evenly)
 
 
@@ -138,3 +143,30 @@ def test_a_fixture_with_the_runs_inputs_replays_the_whole_model(tmp_path: Path,
     for v, n, run_ms, ms, _, how in rows:
         assert how == "model" and ms == run_ms, (v, n)
     assert set(entry["variants"]["breakable"]["parts_by_length"]) == {"8", "16"}
+
+
+def test_host_times_interpolated_between_three_sizes_predict_as_well(capsys: pytest.CaptureFixture[str]) -> None:
+    """``bcg analyze`` times the eager host work at three of the six sizes and interpolates the rest
+    (:mod:`bcg.bench.host_sizes`): on the H200's inputs, every prediction moves by at most :data:`INTERPOLATED` and
+    stays within :data:`BOUND` of what the runs measured."""
+    from bcg.bench.host_sizes import interpolate, timed_sizes
+
+    data = read_fixture(FIXTURE)
+    worst = 0.0
+    for name, entry in data["models"].items():
+        m = replay.load(entry["inputs"])
+        full = findings(m)["predictions"]
+        for by_setting in m.hosts.values():
+            for setting, by_size in by_setting.items():
+                sizes = sorted(by_size)
+                by_setting[setting] = interpolate({n: by_size[n] for n in timed_sizes(sizes)}, sizes)
+        fewer = findings(m)["predictions"]
+        for v, x in entry["variants"].items():
+            for key, measured in x["measured_ms"].items():
+                n = int(key)
+                moved = fewer[v][n] / full[v][n] - 1
+                worst = max(worst, abs(moved))
+                assert abs(moved) <= INTERPOLATED, (name, v, n, moved)
+                assert abs(fewer[v][n] / measured - 1) <= BOUND[v], (name, v, n)
+    with capsys.disabled():
+        print(f"\ninterpolated host times move the predictions by at most {worst:.1%}")
