@@ -9,17 +9,22 @@ Configuration is :class:`~bcg.runtime.config.EngineConfig` and the command's fla
 * ``BCG_HF_FUSION=off``: transformers models run every module as written (no load-time fusion; read at each load).
 * ``BCG_COMPILE_LOG=1``: torch.compile's own log of bcg's compiles reaches the terminal (by default a failed trace is
   reported in one line by bcg, and dynamo's log of the attempt is kept quiet).
+* ``BCG_PDL=1``: bcg's Triton kernels run under programmatic dependent launch on sm_90+ (each waits for the kernel
+  before it with ``griddepcontrol`` and may start while that one finishes; ``benchmarks/pdl.py`` measures whether
+  CUDA graphs keep it).
 * ``BCG_GC_FREEZE=0``: a serving engine leaves the heap to the garbage collector as it is (by default its first
   ``submit`` moves every object alive then out of the collector's sight, ``gc.freeze()``, until it closes).
 
-The first four are read once, at import: they are asked on hot paths, where an environment lookup per call costs.
+The first four and ``BCG_PDL`` are read once, at import: they are asked on hot paths, where an environment lookup
+per call costs.
 """
 
 from __future__ import annotations
 
 import os
 
-__all__ = ["COMPILE_LOG", "DEBUG", "FLASH_WRAPPER", "TP_ALLREDUCE_ISLAND", "gc_freeze", "hf_fusion", "leak_check_mode"]
+__all__ = ["COMPILE_LOG", "DEBUG", "FLASH_WRAPPER", "PDL", "TP_ALLREDUCE_ISLAND", "gc_freeze", "hf_fusion",
+           "leak_check_mode"]
 
 
 def _flag(name: str) -> bool:
@@ -30,6 +35,7 @@ DEBUG: bool = _flag("BCG_DEBUG")
 FLASH_WRAPPER: bool = os.environ.get("BCG_FLASH", "").lower() == "wrapper"
 TP_ALLREDUCE_ISLAND: bool = os.environ.get("BCG_TP_ALLREDUCE", "").lower() == "island"
 COMPILE_LOG: bool = _flag("BCG_COMPILE_LOG")
+PDL: bool = _flag("BCG_PDL")
 
 
 def leak_check_mode() -> str:

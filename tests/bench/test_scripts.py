@@ -8,6 +8,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+import torch
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -125,3 +128,10 @@ def test_summarize_refuses_what_is_not_a_bench_run_in_one_line(tmp_path: Path) -
         assert proc.returncode == 2 and proc.stdout == "", proc.stderr
         assert proc.stderr.startswith(f"summarize.py: error: '{folder}") and message in proc.stderr, proc.stderr
         assert len(proc.stderr.splitlines()) == 1, proc.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the script measures (the H200 run)")
+def test_pdl_refuses_without_a_gpu() -> None:
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "pdl.py")], capture_output=True, text=True,
+                          timeout=120, cwd=ROOT)
+    assert proc.returncode == 2 and "programmatic dependent launch on a GPU" in proc.stderr

@@ -10,13 +10,14 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from bcg.ops.kernels.triton_utils import exp_f32, launch, rows_2d
+from bcg.ops.kernels.triton_utils import exp_f32, grid_dependency, launch, rows_2d
 
 _MAX_BLOCK = 1024
 
 
 @triton.jit
 def _silu_and_mul_kernel(x_ptr, x_stride, out_ptr, out_stride, n_cols, BLOCK: tl.constexpr):
+    grid_dependency()  # under programmatic dependent launch: the kernel before is done
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -43,6 +44,7 @@ def silu_and_mul(x: Tensor, out: Tensor) -> None:
 @triton.jit
 def _clamped_swiglu_kernel(x_ptr, x_stride, bias_ptr, bias_stride, expert_ptr, out_ptr, out_stride, n_cols, alpha,
                            limit, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+    grid_dependency()  # under programmatic dependent launch: the kernel before is done
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols

@@ -30,7 +30,7 @@ import triton.language as tl
 from torch import Tensor
 from triton.language.extra import libdevice
 
-from bcg.ops.kernels.triton_utils import INTERPRETING, launch
+from bcg.ops.kernels.triton_utils import INTERPRETING, grid_dependency, launch
 
 __all__ = ["BlockConfig", "block_config", "varlen_attention"]
 
@@ -134,6 +134,7 @@ def _varlen_fwd(
     BLOCK_N: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr,
     STATIC_BLOCKS_N: tl.constexpr, HAS_KV_SLOTS: tl.constexpr, ZERO_TAIL: tl.constexpr,
 ):
+    grid_dependency()  # under programmatic dependent launch: the kernel before is done
     pid_m = tl.program_id(0)
     seq = tl.program_id(1)
     head = tl.program_id(2)

@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from bcg.ops.kernels.triton_utils import launch
+from bcg.ops.kernels.triton_utils import grid_dependency, launch
 
 # Globals a compiled kernel reads must be constexpr.
 _LOW = tl.constexpr(4294967295)  # 2**32 - 1: the key's position in the low 32 bits, reversed: the earlier key is larger
@@ -39,6 +39,7 @@ def _index_topk_kernel(
     KEY_STRIDE: tl.constexpr, TOPK: tl.constexpr, L_BLOCK: tl.constexpr, BLOCK_K: tl.constexpr,
     R_BLOCK: tl.constexpr,
 ):
+    grid_dependency()  # under programmatic dependent launch: the kernel before is done
     pid = tl.program_id(0).to(tl.int64)
     row = row0 + pid
     # The row's request: the number of requests whose rows end at or before it (padded rows: the last, length 0).

@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from bcg.ops.kernels.triton_utils import exp_f32, launch, launch_rows
+from bcg.ops.kernels.triton_utils import LAUNCH_OPTIONS, exp_f32, grid_dependency, launch, launch_rows
 
 _HIST_ELEMENTS = 4096  # pairs per histogram step
 _RANK_ELEMENTS = 8192  # chunk * padded experts: the one-hot tile a program ranks at once
@@ -32,6 +32,7 @@ def _router_topk_kernel(
     HAS_BIAS: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, E_BLOCK: tl.constexpr,
     K_BLOCK: tl.constexpr, G_BLOCK: tl.constexpr,
 ):
+    grid_dependency()  # under programmatic dependent launch: the kernel before is done
     t = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, E_BLOCK)
     valid = e < n_experts
@@ -124,6 +125,7 @@ def _expert_order_kernel(
     ids_ptr, n_pairs, top_k, n_experts, token_ptr, slot_ptr, end_ptr, expert_ptr,
     CHUNK: tl.constexpr, E_BLOCK: tl.constexpr, HIST_BLOCK: tl.constexpr,
 ):
+    grid_dependency()  # under programmatic dependent launch: the kernel before is done
     chunk_start = tl.program_id(0) * CHUNK
     e = tl.arange(0, E_BLOCK)
     total = tl.zeros([E_BLOCK], dtype=tl.int32)
@@ -161,7 +163,7 @@ def expert_order(ids: Tensor, num_experts: int, token_index: Tensor, slot: Tenso
     _expert_order_kernel[grid](
         ids.reshape(-1), n_pairs, top_k, num_experts, token_index, slot.view(-1), group_end, expert,
         CHUNK=chunk, E_BLOCK=e_block, HIST_BLOCK=max(16, min(4096, _HIST_ELEMENTS)),
-        num_warps=4 if chunk * e_block <= 4096 else 8,
+        num_warps=4 if chunk * e_block <= 4096 else 8, **LAUNCH_OPTIONS,
     )
 
 
@@ -170,6 +172,7 @@ def _combine_kernel(
     y_ptr, y_stride, slot_ptr, w_ptr, w_stride, out_ptr, out_stride, n_cols, bias_ptr, bias_stride, expert_ptr,
     TOP_K: tl.constexpr, BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr,
 ):
+    grid_dependency()  # under programmatic dependent launch: the kernel before is done
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols

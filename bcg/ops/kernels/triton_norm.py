@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from bcg.ops.kernels.triton_utils import launch_rows, row_block, row_warps, rows_2d
+from bcg.ops.kernels.triton_utils import grid_dependency, launch_rows, row_block, row_warps, rows_2d
 
 
 @triton.jit
@@ -20,6 +20,7 @@ def _rms_norm_kernel(
     n_cols, eps,
     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
 ):
+    grid_dependency()  # under programmatic dependent launch: the kernel before is done
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols

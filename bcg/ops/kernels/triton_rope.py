@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from bcg.ops.kernels.triton_utils import cos_f32, launch_rows, sin_f32
+from bcg.ops.kernels.triton_utils import cos_f32, grid_dependency, launch_rows, sin_f32
 
 
 @triton.jit
@@ -23,6 +23,7 @@ def _qkv_norm_rope_kernel(
     HEADS: tl.constexpr, KV_HEADS: tl.constexpr, DIM: tl.constexpr, HAS_NORM: tl.constexpr, HAS_CACHE: tl.constexpr,
     QK_BLOCK: tl.constexpr, V_BLOCK: tl.constexpr, HALF_BLOCK: tl.constexpr, DIM_BLOCK: tl.constexpr,
 ):
+    grid_dependency()  # under programmatic dependent launch: the kernel before is done
     HALF: tl.constexpr = DIM // 2
     t = tl.program_id(0).to(tl.int64)
     j = tl.arange(0, HALF_BLOCK)

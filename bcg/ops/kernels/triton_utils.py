@@ -6,18 +6,51 @@ run inside a CUDA graph capture, and its pick could differ between runs). Import
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
+import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 from triton.language.extra import libdevice
+
+from bcg import env
 
 # Triton's interpreter (TRITON_INTERPRET=1, the CPU tests) has no libdevice; compiled kernels use it for the
 # accurate fp32 exp/sin/cos that torch's CUDA kernels use (tl.exp is ex2.approx for fp32). Read when this module
 # is imported, like triton.jit reads the same switch when it decorates.
 INTERPRETING: bool = bool(triton.knobs.runtime.interpret)
 _ACCURATE_MATH = tl.constexpr(not INTERPRETING)
+
+
+def _pdl() -> bool:
+    """``BCG_PDL`` asked for programmatic dependent launch and this machine runs it (compiled kernels on sm_90+)."""
+    if not env.PDL or INTERPRETING:
+        return False
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9:
+        logging.getLogger(__name__).warning("bcg: BCG_PDL is set but programmatic dependent launch needs an sm_90 "
+                                            "or newer GPU; bcg's kernels launch as usual")
+        return False
+    return True
+
+
+# Programmatic dependent launch (BCG_PDL, off by default until benchmarks/pdl.py and device_bound.py show it pays):
+# each kernel waits at grid_dependency() for the kernel before it, and is launched so that it may start while that
+# one finishes. Read once, at import, like the interpreter switch: the kernels compile with it.
+PDL: bool = _pdl()
+_PDL = tl.constexpr(PDL)
+LAUNCH_OPTIONS: dict[str, Any] = {"launch_pdl": True} if PDL else {}
+
+
+@triton.jit
+def grid_dependency():
+    """The first statement of every bcg kernel. Under programmatic dependent launch the kernel may start before the
+    one before it has finished: it waits here until that one's writes are visible, and lets the kernel after it be
+    launched (which waits the same way). Without PDL, nothing."""
+    if _PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
 
 
 def row_block(n_cols: int) -> int:
@@ -43,13 +76,13 @@ def rows_2d(t: Tensor, write: bool = False) -> Tensor:
 def launch_rows(kernel: Any, n_rows: int, *args: Any, **meta: Any) -> None:
     """Launch ``kernel`` with one program per row; nothing is launched for zero rows (an empty grid is an error)."""
     if n_rows > 0:
-        kernel[(n_rows,)](*args, **meta)
+        kernel[(n_rows,)](*args, **meta, **LAUNCH_OPTIONS)
 
 
 def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **meta: Any) -> None:
     """Launch ``kernel`` on ``grid`` unless the grid is empty."""
     if all(g > 0 for g in grid):
-        kernel[grid](*args, **meta)
+        kernel[grid](*args, **meta, **LAUNCH_OPTIONS)
 
 
 @triton.jit

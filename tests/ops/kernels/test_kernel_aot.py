@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -67,3 +68,69 @@ def test_moe_combine_kernel_compiles_for_sm90(has_bias):
     report = compile_sm90(triton_moe._combine_kernel, types, dict(TOP_K=4, BLOCK=1024, HAS_BIAS=has_bias),
                           num_warps=4)
     assert "0 bytes spill stores" in report, report
+
+
+def test_the_pdl_benchmarks_kernel_waits_and_releases_only_where_asked():
+    """benchmarks/pdl.py's kernel: with GDC its PTX holds the grid-dependency wait and release PDL needs, without
+    it neither (what the H200 run compares)."""
+    import importlib.util as iu
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    spec = iu.spec_from_file_location("pdl_bench", Path(__file__).resolve().parents[3] / "benchmarks" / "pdl.py")
+    pdl = iu.module_from_spec(spec)
+    spec.loader.exec_module(pdl)
+    kernel = pdl._add_one_kernel
+    for gdc in (True, False):
+        signature = {"x_ptr": "*fp32", "y_ptr": "*fp32", "n": "i32", "BLOCK": "constexpr", "GDC": "constexpr"}
+        constexprs = {(3,): 1024, (4,): gdc}
+        ptx = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs),
+                             target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
+        assert ("griddepcontrol.wait" in ptx) == gdc and ("griddepcontrol.launch_dependents" in ptx) == gdc
+
+
+_PDL_PTX = """
+import torch
+torch.cuda.is_available = lambda: True  # the CPU stands in for an sm_90 machine: only the compile is asked
+torch.cuda.get_device_capability = lambda *a: (9, 0)
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from bcg.ops.kernels import triton_norm, triton_utils
+k = triton_norm._rms_norm_kernel
+types = {"x_ptr": "*bf16", "x_stride": "i32", "res_ptr": "*bf16", "res_stride": "i32", "w_ptr": "*bf16",
+         "out_ptr": "*bf16", "out_stride": "i32", "res_out_ptr": "*bf16", "res_out_stride": "i32", "n_cols": "i32",
+         "eps": "fp32", "HAS_RESIDUAL": "constexpr", "BLOCK": "constexpr"}
+ptx = triton.compile(ASTSource(fn=k, signature=types, constexprs={(11,): True, (12,): 1024}),
+                     target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
+print(triton_utils.LAUNCH_OPTIONS, "griddepcontrol.wait" in ptx, "griddepcontrol.launch_dependents" in ptx)
+"""
+
+
+@pytest.mark.parametrize("flag", ["1", ""])
+def test_bcg_pdl_puts_the_grid_dependency_into_every_kernel_and_launch(flag):
+    """BCG_PDL=1 (on an sm_90 machine): bcg's kernels wait for the kernel before them and launch with PDL; unset,
+    their PTX holds no grid-dependency instruction and the launch no option (rms_norm stands for the nine)."""
+    env = {k: v for k, v in os.environ.items() if k != "BCG_PDL"} | ({"BCG_PDL": flag} if flag else {})
+    out = subprocess.run([sys.executable, "-c", _PDL_PTX], capture_output=True, text=True, env=env, check=True)
+    want = "{'launch_pdl': True} True True" if flag else "{} False False"
+    assert out.stdout.strip().splitlines()[-1] == want, out.stderr[-2000:]
+
+
+def test_every_bcg_kernel_starts_with_its_grid_dependency():
+    import ast
+
+    from bcg.ops import kernels
+
+    root = Path(kernels.__file__).parent
+    found = 0
+    for path in root.glob("triton_*.py"):
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.FunctionDef) and node.name.endswith(("_kernel", "_fwd")):
+                first = node.body[0]
+                assert isinstance(first, ast.Expr) and isinstance(first.value, ast.Call) and \
+                    getattr(first.value.func, "id", None) == "grid_dependency", (path.name, node.name)
+                found += 1
+    assert found == 9
