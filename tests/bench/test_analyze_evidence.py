@@ -1,8 +1,8 @@
 """The H200's own numbers replayed through the prediction model on a CPU, against what the same runs measured, at
 every length they hold (tests/bench/fixtures/analyze_h200.json.gz, written by ``benchmarks/analyze_targets.py
---fixture`` from the `bcg analyze --validate` runs of llama-dense and gptoss-moe at 62e2aed,
-benchmarks/results/h200-2026-12-02-r5/call2-62e2aed/; the one before, from 8cfe768, is beside its run in
-benchmarks/results/h200-2026-12-02-r4/call2-8cfe768/).
+--fixture`` from the `bcg analyze --validate` runs of llama-dense and gptoss-moe at 8aca837,
+benchmarks/results/h200-2026-12-02-r5/call4-8aca837/; analyze_h200_all_sizes.json.gz is the run of 62e2aed, the last
+that timed the host at every size, for the interpolation's test; earlier fixtures are beside their runs).
 
 What a model entry holds decides how far the replay goes, per variant and length (``pytest -s`` prints the table):
 
@@ -14,27 +14,28 @@ What a model entry holds decides how far the replay goes, per variant and length
 * ``file``: the GPU run's own prediction, where the file holds nothing to replay.
 
 Both entries hold inputs.json, so every row is ``model``. The errors (predicted / measured - 1), repeatable islands
-timed back to back (the replay gives back the run's own predictions):
+timed back to back, the replay paths' islands subtracted the same way, host times timed at 64, 512 and 2048 tokens
+and interpolated between (the replay gives back the run's own predictions):
 
 ==================  ======  ======  ======  ======  ======  ======
 llama-dense             64     128     256     512    1024    2048
 ==================  ======  ======  ======  ======  ======  ======
-breakable           -20.1%  -17.4%  -11.7%  -12.0%   -8.1%   -5.7%
-breakable+fused     -23.4%  -22.4%  -13.0%  -13.2%   -4.4%   -6.8%
-full                 -5.3%   -3.4%   -0.4%   +0.1%   +0.4%   -0.9%
-tc_piecewise        -35.5%  -33.9%  -26.1%   -7.5%   -1.3%   +3.0%
-breakable+inductor  -20.5%  -22.3%  -17.4%  -11.4%   -3.3%   +1.1%
+breakable           -17.9%  -17.1%  -13.2%  -10.8%   -6.8%   -5.6%
+breakable+fused     -15.3%  -19.5%  -18.8%  -16.0%  -10.3%   -9.5%
+full                -14.2%  -13.1%   -9.4%   -7.0%   -4.7%   -4.1%
+tc_piecewise        -17.2%  -14.7%  -13.8%   -2.2%   +2.3%   +3.7%
+breakable+inductor   -6.1%   -8.3%   -3.3%   +0.0%   +2.6%   +3.9%
 gptoss-moe
-breakable           -11.0%   -9.9%   -9.8%   -6.3%   -4.7%   -6.1%
-breakable+fused      -9.8%  -10.1%   -6.7%   -5.3%   -5.2%   -3.6%
-full                 -6.4%   -6.8%   -6.0%   -4.8%   -2.9%   -4.3%
-tc_piecewise         -1.5%   -0.6%   -0.3%   +2.4%   +5.6%   +4.1%
-breakable+inductor   -3.1%   -2.5%   -0.1%   +2.9%   +5.3%   +5.2%
+breakable            -9.3%   -7.9%   -7.2%   -6.8%   -4.5%   -6.1%
+breakable+fused     -10.2%   -9.5%   -8.0%   -5.4%   -6.1%   -5.3%
+full                 -6.2%   -4.0%   -4.5%   -6.1%   -3.5%   -6.0%
+tc_piecewise         -4.6%   +1.6%   +2.9%   +5.0%   +4.3%   +2.5%
+breakable+inductor   -3.1%   -4.3%   -1.8%   -1.9%   +2.8%   +3.0%
 ==================  ======  ======  ======  ======  ======  ======
 
-The llama-dense rows are under-predicted because that run's replay-path costs read 0 µs a breakable layer (the toy's
-island subtracted at its in-forward cost; since e686fc7 at its back-to-back cost): the machine costs are inputs here,
-so the replay cannot show that change; the next H200 fixture will.
+llama-dense's short prompts are under-predicted on every backend, full included (which has no island): a cost per
+prefill that the host measures is missing from the programs, larger on this run's slower host (its graph launch
+measured 5.1 µs where the run before measured 2.8).
 
 :data:`BOUND` is each variant's worst, rounded up to the next 5%: tighten it when a fixture from a newer run earns it
 (the target is 10%). Regenerate the fixture from an H200 run with ``python benchmarks/analyze_targets.py
@@ -56,8 +57,9 @@ from bcg.bench.findings import findings
 from bcg.bench.predict import program_from_parts, simulate
 
 FIXTURE = Path(__file__).parent / "fixtures" / "analyze_h200.json.gz"  # with the runs' inputs.json
+ALL_SIZES = Path(__file__).parent / "fixtures" / "analyze_h200_all_sizes.json.gz"  # host timed at every size
 # |predicted / measured - 1| per variant, over both models and every length (the docstring's table)
-BOUND = {"breakable": 0.25, "breakable+fused": 0.25, "full": 0.10, "tc_piecewise": 0.40, "breakable+inductor": 0.25}
+BOUND = {"breakable": 0.20, "breakable+fused": 0.20, "full": 0.15, "tc_piecewise": 0.20, "breakable+inductor": 0.10}
 INTERPOLATED = 0.03  # how far host times interpolated between three sizes may move a prediction
 COMPOSITION = 0.03  # a replay of the parts against the GPU run's own prediction (parts share their time evenly)
 
@@ -148,10 +150,10 @@ def test_a_fixture_with_the_runs_inputs_replays_the_whole_model(tmp_path: Path,
 def test_host_times_interpolated_between_three_sizes_predict_as_well(capsys: pytest.CaptureFixture[str]) -> None:
     """``bcg analyze`` times the eager host work at three of the six sizes and interpolates the rest
     (:mod:`bcg.bench.host_sizes`): on the H200's inputs, every prediction moves by at most :data:`INTERPOLATED` and
-    stays within :data:`BOUND` of what the runs measured."""
+    stays within 40% of what the runs measured (that run's replay paths under-counted a layer: the errors are its)."""
     from bcg.bench.host_sizes import interpolate, timed_sizes
 
-    data = read_fixture(FIXTURE)
+    data = read_fixture(ALL_SIZES)
     worst = 0.0
     for name, entry in data["models"].items():
         m = replay.load(entry["inputs"])
@@ -167,6 +169,6 @@ def test_host_times_interpolated_between_three_sizes_predict_as_well(capsys: pyt
                 moved = fewer[v][n] / full[v][n] - 1
                 worst = max(worst, abs(moved))
                 assert abs(moved) <= INTERPOLATED, (name, v, n, moved)
-                assert abs(fewer[v][n] / measured - 1) <= BOUND[v], (name, v, n)
+                assert abs(fewer[v][n] / measured - 1) <= 0.40, (name, v, n)
     with capsys.disabled():
         print(f"\ninterpolated host times move the predictions by at most {worst:.1%}")
