@@ -132,7 +132,7 @@ def _host_phase(cfg: AnalyzeConfig, engines: dict[str, Any], settings: list[str]
     compilers = tuple(sorted({v.compile for v in variants if v.compile} |
                              {v.tc_compiler for v in variants if v.backend == "tc_piecewise"}))
     guards = any(v.backend == "tc_piecewise" for v in variants)
-    paths_for = tuple(b for b in ("breakable", "tc_piecewise") if any(v.backend == b for v in variants))
+    paths_for = tuple(b for b in ("breakable", "full", "tc_piecewise") if any(v.backend == b for v in variants))
     costs: dict[int | None, Any] = {}
     hosts: Hosts = {}
     for k in [None, *(cfg.cpu_cores or [])]:
@@ -143,7 +143,7 @@ def _host_phase(cfg: AnalyzeConfig, engines: dict[str, Any], settings: list[str]
             with clock.part("replay paths"), pinned(k):
                 p = cache.path_costs(cfg.device, paths_for)
             costs[k].path_layer_us, costs[k].path_fixed_us = dict(p.per_layer_us), dict(p.fixed_us)
-            costs[k].path_params_per_layer = p.params_per_layer
+            costs[k].path_params_per_layer, costs[k].path_params_fixed = p.params_per_layer, p.params_fixed
             info.setdefault("path_errors", {}).update(p.errors)
         hosts[k] = {}
         for setting in settings:

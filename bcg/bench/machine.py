@@ -63,8 +63,9 @@ class MachineCosts:
         compile_ms: per compiler ("inductor", "traced"), (fixed ms of a compile, ms per kernel compiled).
         seconds: how long the benchmarks took; cached: True when they were this process's earlier measurement.
         path_layer_us / path_fixed_us: per backend, the real replay path's host µs per layer beyond the island's
-            own, and per forward beyond the eager path's (:mod:`bcg.bench.paths`; empty: not measured, the
-            primitives above stand in); path_params_per_layer: the parameter tensors of one layer of that toy.
+            own, and per forward beyond its layers and its batch's load (:mod:`bcg.bench.paths`; empty: not
+            measured, the primitives above stand in); path_params_per_layer / path_params_fixed: the parameter
+            tensors of one layer of that toy, and outside its layers.
     """
 
     device: str
@@ -91,6 +92,7 @@ class MachineCosts:
     path_layer_us: dict[str, float] = field(default_factory=dict)
     path_fixed_us: dict[str, float] = field(default_factory=dict)
     path_params_per_layer: float = 0.0
+    path_params_fixed: float = 0.0
 
     @property
     def graph_gap_us(self) -> float:

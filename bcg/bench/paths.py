@@ -10,8 +10,10 @@ split graph and each island through its custom op. :func:`measure_paths` builds 
 * ``per_layer_us``: what one more layer adds to the replay's host time beyond the island's own host time measured
   on the eager engine (a segment launch or piece call, the break or the island's custom-op call, the step wrapper),
   the island measured as the model's islands are (back to back where it can be called again);
-* ``fixed_us``: what the replay path adds per forward beyond the eager path's (staging into static fields, graph
-  logits; tc_piecewise's guards and split-graph entry).
+* ``fixed_us``: what one replay forward costs beyond its layers and its batch's load into the static fields (timed
+  apart on the same engine): the launch of the segment, piece or graph that no layer owns, the bucket's choice, the
+  logits, the record; tc_piecewise's guards of the parameters outside the layers and its split graph's entry. The
+  programs subtract from it what they count themselves (that launch, those guards).
 
 These depend on the machine and on bcg, not on the model: a process measures them once
 (:func:`measure_paths` caches), and :mod:`bcg.bench.machine_cache` keeps them on disk for the next run. The
@@ -52,22 +54,28 @@ class PathCosts:
     fixed_us: dict[str, float] = field(default_factory=dict)
     island_us: float = 0.0
     params_per_layer: float = 0.0  # parameter tensors a toy layer adds (dynamo guards each one)
+    params_fixed: float = 0.0  # the toy's parameter tensors outside its layers (embedding, final norm, head)
     seconds: float = 0.0
     errors: dict[str, str] = field(default_factory=dict)
 
 
 def _host_us(eng: Any, batch: Any) -> float:
     """Median host µs of ``runner.forward`` from an idle device, not waiting for its work."""
-    samples = []
     with torch.inference_mode():
-        for i in range(REPS + 3):
-            sync(eng.device)
-            t0 = time.perf_counter()
-            eng.runner.forward(batch)
-            if i >= 3:
-                samples.append((time.perf_counter() - t0) * 1e6)
-        sync(eng.device)
-    return statistics.median(samples)
+        return statistics.median(_host_samples(lambda: eng.runner.forward(batch), eng.device))
+
+
+def _host_samples(fn: Any, device: Any) -> list[float]:
+    """Host µs of ``REPS`` calls of ``fn``, each from an idle device, after three untimed ones."""
+    samples = []
+    for i in range(REPS + 3):
+        sync(device)
+        t0 = time.perf_counter()
+        fn()
+        if i >= 3:
+            samples.append((time.perf_counter() - t0) * 1e6)
+    sync(device)
+    return samples
 
 
 def _island_us(eng: Any, batch: Any) -> float:
@@ -90,9 +98,15 @@ def _island_us(eng: Any, batch: Any) -> float:
     return statistics.median(totals)
 
 
-def _timed(device: str, backend: str, layers: int, with_islands: bool = False) -> tuple[float, float, int]:
-    """(host µs of one forward, island host µs of one forward, parameter tensors) of tiny-dense with ``layers``
-    layers on ``backend``."""
+def _load_us(eng: Any, batch: Any) -> float:
+    """Median host µs of loading ``batch`` into the replay's static fields (what the programs count as the load)."""
+    with torch.inference_mode():
+        return statistics.median(_host_samples(lambda: eng.runner.inputs.load(batch, BUCKET), eng.device))
+
+
+def _timed(device: str, backend: str, layers: int, with_islands: bool = False) -> tuple[float, float, int, float]:
+    """(host µs of one forward, island host µs of one forward, parameter tensors, host µs of the batch's load into
+    the static fields: 0 on eager) of tiny-dense with ``layers`` layers on ``backend``."""
     from bcg.bench.engines import make_prompts, one_batch, release_memory
     from bcg.models.config import PRESETS
     from bcg.runtime import Engine
@@ -108,15 +122,16 @@ def _timed(device: str, backend: str, layers: int, with_islands: bool = False) -
         try:
             host = _host_us(eng, batch)
             islands = _island_us(eng, batch) if with_islands else 0.0
+            load = _load_us(eng, batch) if backend != "eager" else 0.0
         finally:
             eng.kv_pool.free(slots)
     finally:
         del eng
         release_memory()
-    return host, islands, params
+    return host, islands, params, load
 
 
-def measure_paths(device: torch.device | str, backends: tuple[str, ...] = ("breakable", "tc_piecewise"),
+def measure_paths(device: torch.device | str, backends: tuple[str, ...] = ("breakable", "full", "tc_piecewise"),
                   cache: bool = True) -> PathCosts:
     """Measures :class:`PathCosts` for ``backends`` on ``device`` (see the module doc); a backend whose toy engine
     cannot be built is left out with the reason in ``errors``. Example::
@@ -130,14 +145,14 @@ def measure_paths(device: torch.device | str, backends: tuple[str, ...] = ("brea
         return dataclasses.replace(_CACHE[key], seconds=0.0)
     t0 = time.perf_counter()
     low, high = LAYERS
-    (e_low, i_low, p_low), (e_high, i_high, p_high) = (_timed(device, "eager", n, with_islands=True) for n in LAYERS)
+    (_, i_low, p_low, _), (_, i_high, p_high, _) = (_timed(device, "eager", n, with_islands=True) for n in LAYERS)
     island_per_layer = max((i_high - i_low) / (high - low), 0.0)
-    eager_per_layer = (e_high - e_low) / (high - low)
-    eager_fixed = e_low - low * eager_per_layer
-    out = PathCosts(island_us=island_per_layer, params_per_layer=(p_high - p_low) / (high - low))
+    params_per_layer = (p_high - p_low) / (high - low)
+    out = PathCosts(island_us=island_per_layer, params_per_layer=params_per_layer,
+                    params_fixed=p_low - low * params_per_layer)
     for backend in backends:
         try:
-            h_low, h_high = (_timed(device, backend, n)[0] for n in LAYERS)
+            (h_low, _, _, load), (h_high, _, _, _) = (_timed(device, backend, n) for n in LAYERS)
         except Exception as e:  # a backend the toy cannot build: its primitives' costs stand
             from bcg.errors import first_line
 
@@ -146,7 +161,7 @@ def measure_paths(device: torch.device | str, backends: tuple[str, ...] = ("brea
         per_layer = (h_high - h_low) / (high - low)
         out.layer_total_us[backend] = per_layer
         out.per_layer_us[backend] = max(per_layer - island_per_layer, 0.0)
-        out.fixed_us[backend] = max((h_low - low * per_layer) - eager_fixed, 0.0)
+        out.fixed_us[backend] = max(h_low - low * per_layer - load, 0.0)
     out.seconds = time.perf_counter() - t0
     _CACHE[key] = dataclasses.replace(out)
     return out

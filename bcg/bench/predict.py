@@ -174,8 +174,8 @@ def _island(region: Region, host: HostTimes, overhead_us: float, extra: Sequence
 
 
 def _path(costs: Any, backend: str) -> tuple[float | None, float]:
-    """(host µs per layer of ``backend``'s real replay path beyond its island's own, None when not measured; µs per
-    forward it adds to the eager path) from :mod:`bcg.bench.paths`."""
+    """(host µs per layer of ``backend``'s real replay path beyond its island's own, None when not measured; host µs
+    per forward beyond its layers and its load, the launch no layer owns included) from :mod:`bcg.bench.paths`."""
     layer = (getattr(costs, "path_layer_us", None) or {}).get(backend)
     return layer, (getattr(costs, "path_fixed_us", None) or {}).get(backend, 0.0)
 
@@ -188,7 +188,8 @@ def breakable_program(trace: ForwardTrace, host: HostTimes, costs: Any,
     layer, fixed = _path(costs, "breakable")
     # The real path's cost of a break (the measured layer minus its segment's launch), else the primitive's.
     break_us = costs.break_us if layer is None else max(layer - costs.graph_launch_us, 0.0)
-    program = _outside(rs, host, host.load_us + fixed)
+    # The path's per-forward cost less the segment no layer owns, whose launch is counted below.
+    program = _outside(rs, host, host.load_us + max(fixed - costs.graph_launch_us, 0.0))
     for r in rs:
         if r.island is None:
             if r.kernels:
@@ -204,7 +205,8 @@ def full_program(full_trace: ForwardTrace, host: HostTimes, costs: Any,
     """The full backend's replay: one graph launch of every kernel of the step run under the static attention."""
     rs = regions(full_trace)
     load = host.full_load_us if host.full_load_us is not None else host.load_us
-    program = _outside(rs, host, load)
+    _, fixed = _path(costs, "full")  # less the graph's launch, counted below
+    program = _outside(rs, host, load + max(fixed - costs.graph_launch_us, 0.0))
     kernels = [k for r in rs for k in r.kernels]
     program.append(_graph("graph", compiled(kernels) if compiled else kernels, costs, costs.graph_launch_us))
     return [*program, Launch("after", host.after_us)]
@@ -231,12 +233,16 @@ def tc_piecewise_program(trace: ForwardTrace, host: HostTimes, costs: Any, num_p
     island, whose K/V write runs eagerly."""
     rs = regions(trace)
     layer, fixed = _path(costs, "tc_piecewise")
-    program = _outside(rs, host, host.load_us + fixed)
     if layer is None:
+        program = _outside(rs, host, host.load_us)
         program.append(Launch("guards", costs.tc_call_us(num_params)))
     else:  # the guards' fixed part is in the path's fixed cost, and a toy layer's parameters in its layer's
         toy = costs.path_params_per_layer * costs.guard_per_param_us
         layer = max(layer - toy, 0.0)
+        # the path's per-forward cost less what is counted below: the piece no layer owns, the guards of the toy's
+        # parameters outside its layers (this model's are all guarded below)
+        counted = costs.piece_us + getattr(costs, "path_params_fixed", 0.0) * costs.guard_per_param_us
+        program = _outside(rs, host, host.load_us + max(fixed - counted, 0.0))
         program.append(Launch("guards", costs.guard_per_param_us * num_params))
     for r, moved in _split_kv_writes(rs):
         if r.island is None:

@@ -39,3 +39,21 @@ def test_the_toys_islands_are_subtracted_at_their_back_to_back_cost(monkeypatch)
     monkeypatch.setattr(paths_mod, "REPS", 2)
     out = measure_paths("cpu", (), cache=False)
     assert out.island_us == 7.0  # one attention island a layer, 7 µs: the slope between the toy's layer counts
+
+
+def test_a_paths_fixed_cost_is_its_one_layer_forward_less_a_layer_and_its_load(monkeypatch) -> None:
+    """Per backend: a layer is the slope between the toy's layer counts, less the eager toy's island; the fixed cost
+    is the 1-layer forward less that slope and less the batch's load (which the programs count apart)."""
+    from bcg.bench import paths as paths_mod
+
+    table = {  # (backend, layers) -> (host, islands, params, load)
+        ("eager", 1): (300.0, 20.0, 9, 0.0), ("eager", 3): (500.0, 60.0, 21, 0.0),
+        ("breakable", 1): (150.0, 0.0, 9, 30.0), ("breakable", 3): (250.0, 0.0, 21, 30.0),
+        ("full", 1): (80.0, 0.0, 9, 25.0), ("full", 3): (84.0, 0.0, 21, 25.0),
+    }
+    monkeypatch.setattr(paths_mod, "_timed", lambda device, backend, n, with_islands=False: table[(backend, n)])
+    out = measure_paths("cpu", ("breakable", "full"), cache=False)
+    assert out.island_us == 20.0 and out.params_per_layer == 6.0 and out.params_fixed == 3.0
+    assert out.layer_total_us == {"breakable": 50.0, "full": 2.0}
+    assert out.per_layer_us == {"breakable": 30.0, "full": 0.0}  # the island (20 us) is the model's own
+    assert out.fixed_us == {"breakable": 150.0 - 50.0 - 30.0, "full": 80.0 - 2.0 - 25.0}

@@ -114,21 +114,28 @@ def test_tc_piecewise_program_pays_guards_piece_calls_and_eager_kv_writes() -> N
 
 def test_measured_replay_paths_replace_the_primitives_costs() -> None:
     # breakable: a 12 us layer on the real path is the 5 us segment launch plus a 7 us break (not the primitive's 3),
-    # and the path's 40 us per forward comes before the first graph
-    paths = costs(path_layer_us={"breakable": 12.0, "tc_piecewise": 60.0}, path_fixed_us={"breakable": 40.0,
-                                                                                          "tc_piecewise": 90.0},
-                  path_params_per_layer=4.0)
+    # and of the path's 40 us per forward beyond its layers and load, the 5 us launch of the segment no layer owns is
+    # counted with the segments: 35 us come before the first graph
+    paths = costs(path_layer_us={"breakable": 12.0, "tc_piecewise": 60.0},
+                  path_fixed_us={"breakable": 40.0, "full": 30.0, "tc_piecewise": 90.0},
+                  path_params_per_layer=4.0, path_params_fixed=2.0)
     played = simulate(predict.breakable_program(layer_trace(), host(), paths))
     assert played.parts["island:attention_island"]["host_us"] == pytest.approx(2 * (7 + 30))
-    assert played.parts["outside"]["host_us"] == pytest.approx(500 + 20 + 40)
+    assert played.parts["outside"]["host_us"] == pytest.approx(500 + 20 + 35)
     base = simulate(predict.breakable_program(layer_trace(), host(), costs()))
-    assert played.host_us == pytest.approx(base.host_us + 2 * (7 - 3) + 40)
+    assert played.host_us == pytest.approx(base.host_us + 2 * (7 - 3) + 35)
     # tc_piecewise: the 60 us layer less the toy layer's 4 parameters' guards (2 us), the 4 us piece call and the
-    # two 10 us K/V-write launches leaves 34 us for the island's call; the guards keep their per-parameter part
+    # two 10 us K/V-write launches leaves 34 us for the island's call; the guards keep their per-parameter part; of
+    # the 90 us per forward, the piece no layer owns (4 us) and the toy's 2 parameters outside its layers (1 us)
     played = simulate(predict.tc_piecewise_program(layer_trace(), host(), paths, num_params=10))
     assert played.parts["island:attention_island"]["host_us"] == pytest.approx(2 * (34 + 20 + 30))
     assert played.parts["guards"]["host_us"] == pytest.approx(0.5 * 10)
-    assert played.parts["outside"]["host_us"] == pytest.approx(500 + 20 + 90)
+    assert played.parts["outside"]["host_us"] == pytest.approx(500 + 20 + 85)
+    # full: its 30 us per forward less its graph's 5 us launch
+    p = profiled()
+    with_path = simulate(predict.full_program(p.full_trace, p.host, paths))
+    without = simulate(predict.full_program(p.full_trace, p.host, costs()))
+    assert with_path.parts["outside"]["host_us"] == pytest.approx(without.parts["outside"]["host_us"] + 25)
 
 
 def test_fusion_merges_runs_of_pointwise_kernels_between_matmuls() -> None:
