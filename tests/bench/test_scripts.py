@@ -135,3 +135,36 @@ def test_pdl_refuses_without_a_gpu() -> None:
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "pdl.py")], capture_output=True, text=True,
                           timeout=120, cwd=ROOT)
     assert proc.returncode == 2 and "programmatic dependent launch on a GPU" in proc.stderr
+
+
+def _graph_gap_module():
+    import importlib.util as iu
+
+    spec = iu.spec_from_file_location("graph_gap", ROOT / "benchmarks" / "graph_gap.py")
+    module = iu.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_graph_gaps_chains_write_only_their_own_buffers_and_run_on_a_cpu() -> None:
+    """What graph_gap.py captures on the GPU: each chain runs again and again on buffers it made (no host read, no
+    new shape), the layer-like chain's kernels differing from each other."""
+    from bcg.emulation import EmulatedGraph
+
+    chains = _graph_gap_module().chains(8, "cpu")
+    assert set(chains) == {"add x1", "layer-like", "gemms"}
+    for fn in chains.values():
+        fn()
+        graph = EmulatedGraph()  # refuses what a CUDA capture would (host reads, data-dependent shapes)
+        graph.capture_begin()
+        fn()
+        graph.capture_end()
+        graph.replay()
+        assert graph.num_ops > 0
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the script measures (the H200 run)")
+def test_graph_gap_refuses_without_a_gpu() -> None:
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "graph_gap.py")], capture_output=True, text=True,
+                          timeout=120, cwd=ROOT)
+    assert proc.returncode == 2 and "no CUDA device" in proc.stderr
