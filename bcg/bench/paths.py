@@ -4,7 +4,7 @@
 real replay also runs the runner's own steps around them: the batch staged into the static fields, each island as an
 ``EagerStep`` reading the batch's metadata from the forward context, each tc_piecewise piece called from dynamo's
 split graph and each island through its custom op. :func:`measure_paths` builds the tiny-dense preset with
-:data:`LAYERS` layer counts as an eager, a breakable and (when asked) a tc_piecewise engine on this machine, times
+:data:`LAYERS` layer counts as an eager engine and one of each backend asked (breakable, full, tc_piecewise), times
 ``runner.forward`` of one bucket on each from an idle device, and reads off per backend:
 
 * ``per_layer_us``: what one more layer adds to the replay's host time beyond the island's own host time measured
