@@ -91,32 +91,43 @@ def test_the_pdl_benchmarks_kernel_waits_and_releases_only_where_asked():
         assert ("griddepcontrol.wait" in ptx) == gdc and ("griddepcontrol.launch_dependents" in ptx) == gdc
 
 
-_PDL_PTX = """
-import torch
-torch.cuda.is_available = lambda: True  # the CPU stands in for an sm_90 machine: only the compile is asked
+def _rms_norm_pdl() -> tuple[dict, bool, bool]:
+    """(the kernels' launch options, whether rms_norm's sm_90 PTX waits, whether it releases) in this process."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from bcg.ops.kernels import triton_norm, triton_utils
+
+    types = {"x_ptr": "*bf16", "x_stride": "i32", "res_ptr": "*bf16", "res_stride": "i32", "w_ptr": "*bf16",
+             "out_ptr": "*bf16", "out_stride": "i32", "res_out_ptr": "*bf16", "res_out_stride": "i32",
+             "n_cols": "i32", "eps": "fp32", "HAS_RESIDUAL": "constexpr", "BLOCK": "constexpr"}
+    ptx = triton.compile(ASTSource(fn=triton_norm._rms_norm_kernel, signature=types,
+                                   constexprs={(11,): True, (12,): 1024}),
+                         target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
+    return triton_utils.LAUNCH_OPTIONS, "griddepcontrol.wait" in ptx, "griddepcontrol.launch_dependents" in ptx
+
+
+# A fresh process with BCG_PDL=1 (read at import) that stands in for an sm_90 machine: only the compile is asked.
+_PDL_PROCESS = f"""
+import sys, torch
+torch.cuda.is_available = lambda: True
 torch.cuda.get_device_capability = lambda *a: (9, 0)
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from bcg.ops.kernels import triton_norm, triton_utils
-k = triton_norm._rms_norm_kernel
-types = {"x_ptr": "*bf16", "x_stride": "i32", "res_ptr": "*bf16", "res_stride": "i32", "w_ptr": "*bf16",
-         "out_ptr": "*bf16", "out_stride": "i32", "res_out_ptr": "*bf16", "res_out_stride": "i32", "n_cols": "i32",
-         "eps": "fp32", "HAS_RESIDUAL": "constexpr", "BLOCK": "constexpr"}
-ptx = triton.compile(ASTSource(fn=k, signature=types, constexprs={(11,): True, (12,): 1024}),
-                     target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
-print(triton_utils.LAUNCH_OPTIONS, "griddepcontrol.wait" in ptx, "griddepcontrol.launch_dependents" in ptx)
+sys.path.insert(0, {str(Path(__file__).parent)!r})
+from test_kernel_aot import _rms_norm_pdl
+print(_rms_norm_pdl())
 """
 
 
-@pytest.mark.parametrize("flag", ["1", ""])
-def test_bcg_pdl_puts_the_grid_dependency_into_every_kernel_and_launch(flag):
-    """BCG_PDL=1 (on an sm_90 machine): bcg's kernels wait for the kernel before them and launch with PDL; unset,
-    their PTX holds no grid-dependency instruction and the launch no option (rms_norm stands for the nine)."""
-    env = {k: v for k, v in os.environ.items() if k != "BCG_PDL"} | ({"BCG_PDL": flag} if flag else {})
-    out = subprocess.run([sys.executable, "-c", _PDL_PTX], capture_output=True, text=True, env=env, check=True)
-    want = "{'launch_pdl': True} True True" if flag else "{} False False"
-    assert out.stdout.strip().splitlines()[-1] == want, out.stderr[-2000:]
+def test_bcg_pdl_puts_the_grid_dependency_into_every_kernel_and_launch():
+    """BCG_PDL=1 on an sm_90 machine: bcg's kernels wait for the kernel before them and launch with PDL; unset (this
+    process), their PTX holds no grid-dependency instruction and the launch no option (rms_norm stands for the
+    nine)."""
+    env = {k: v for k, v in os.environ.items() if k != "BCG_PDL"} | {"BCG_PDL": "1"}
+    out = subprocess.run([sys.executable, "-c", _PDL_PROCESS], capture_output=True, text=True, env=env, check=True)
+    assert out.stdout.strip().splitlines()[-1] == "({'launch_pdl': True}, True, True)", out.stderr[-2000:]
+    if os.environ.get("BCG_PDL", "") in ("", "0"):
+        assert _rms_norm_pdl() == ({}, False, False)
 
 
 def test_every_bcg_kernel_starts_with_its_grid_dependency():
