@@ -12,13 +12,15 @@ grow with the batch, linear in tokens). Device time is never interpolated: every
 from __future__ import annotations
 
 import math
-from dataclasses import fields, replace
+from dataclasses import replace
 
 from bcg.bench.predict import HostTimes
 
 __all__ = ["SPAN", "interpolate", "timed_sizes"]
 
 SPAN = 4  # sizes further apart than this get a timed size between them
+# The times interpolated between neighbours (island times per island, argument bytes by tokens)
+_SCALARS = ("forward_ms", "host_ms", "prefill_ms", "load_us", "full_load_us", "prefill_pre_us", "prefill_post_us")
 
 
 def timed_sizes(sizes: list[int]) -> list[int]:
@@ -48,9 +50,7 @@ def _mix(a: float | None, b: float | None, t: float) -> float | None:
 def _between(lo: HostTimes, hi: HostTimes, n: int) -> HostTimes:
     """``n``'s host times from its measured neighbours ``lo`` and ``hi`` (``runs`` 0: none of its own)."""
     t = math.log2(n / lo.num_tokens) / math.log2(hi.num_tokens / lo.num_tokens)
-    scalars = {f.name: _mix(getattr(lo, f.name), getattr(hi, f.name), t) for f in fields(HostTimes)
-               if f.name in ("forward_ms", "host_ms", "prefill_ms", "load_us", "full_load_us", "prefill_pre_us",
-                             "prefill_post_us")}
+    scalars = {name: _mix(getattr(lo, name), getattr(hi, name), t) for name in _SCALARS}
     islands = {name: lo.island_us[name] + (hi.island_us.get(name, lo.island_us[name]) - lo.island_us[name]) * t
                for name in lo.island_us}
     return replace(lo, num_tokens=n, **scalars, island_us=islands,

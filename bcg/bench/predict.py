@@ -241,7 +241,7 @@ def tc_piecewise_program(trace: ForwardTrace, host: HostTimes, costs: Any, num_p
         layer = max(layer - toy, 0.0)
         # the path's per-forward cost less what is counted below: the piece no layer owns, the guards of the toy's
         # parameters outside its layers (this model's are all guarded below)
-        counted = costs.piece_us + getattr(costs, "path_params_fixed", 0.0) * costs.guard_per_param_us
+        counted = costs.piece_us + costs.path_params_fixed * costs.guard_per_param_us
         program = _outside(rs, host, host.load_us + max(fixed - counted, 0.0))
         program.append(Launch("guards", costs.guard_per_param_us * num_params))
     for r, moved in _split_kv_writes(rs):
