@@ -11,7 +11,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from graph_helpers import add_one, capture_simple, check_simple, double_into  # noqa: F401 - the emulation tests' own
+from graph_helpers import (  # noqa: F401 - the emulation tests' own
+    add_one,
+    broken,
+    capture_simple,
+    check_simple,
+    churn_eager,
+    churn_inplace,
+    double_into,
+    flaky_island,
+)
 
 import bcg
 from bcg import capture as bcg_capture

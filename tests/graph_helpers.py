@@ -59,6 +59,34 @@ def noop() -> None:
     count("noop")
 
 
+@bcg.eager_on_graph
+def broken(x: torch.Tensor) -> torch.Tensor:
+    raise KeyError("eager boom")
+
+
+@bcg.eager_on_graph
+def churn_eager(h: torch.Tensor) -> torch.Tensor:
+    return torch.tanh(h) * 0.5
+
+
+@bcg.eager_on_graph
+def churn_inplace(t: torch.Tensor) -> None:
+    t.mul_(1.25).add_(0.1)
+
+
+def flaky_island():
+    """An island that raises "replay boom" while ``fail["on"]`` is set."""
+    fail = {"on": False}
+
+    @bcg.eager_on_graph
+    def flaky(x):
+        if fail["on"]:
+            raise RuntimeError("replay boom")
+        return x + 1
+
+    return fail, flaky
+
+
 def assert_clean(g: bcg.BreakableCUDAGraph) -> None:
     """No debris after a failed capture: graph reset, no capture state, no recording mode left."""
     assert not bcg.is_capturing()

@@ -11,6 +11,7 @@ from cuda_graph_helpers import (
     DEV,
     add_one,
     assert_nothing_capturing,
+    broken,
     capture_simple,
     check_simple,
     cuda_graph,
@@ -95,10 +96,6 @@ def test_item_in_a_segment_raises_and_leaves_no_stream_capturing():
 
 
 def test_exception_in_an_eager_function_resets_and_a_fresh_capture_works():
-    @bcg.eager_on_graph
-    def broken(x):
-        raise KeyError("eager boom")
-
     x = torch.ones(16, device=DEV)
     g = cuda_graph()
     with pytest.raises(KeyError, match="eager boom"):

@@ -9,6 +9,7 @@ from graph_helpers import (
     CALLS,
     add_one,
     assert_clean,
+    broken,
     capture_simple,
     check_simple,
     reset_calls,  # noqa: F401 - an autouse fixture: imported, it runs for every test here
@@ -21,10 +22,6 @@ import bcg
 
 
 def test_exception_in_an_eager_function_resets_and_propagates():
-    @bcg.eager_on_graph
-    def broken(x):
-        raise KeyError("eager boom")
-
     g = bcg.BreakableCUDAGraph(emulate=True)
     x = torch.zeros(4)
     with pytest.raises(KeyError, match="eager boom"):
@@ -64,10 +61,6 @@ def test_uncapturable_op_in_a_segment_resets_and_propagates():
 
 
 def test_swallowed_eager_exception_still_fails_the_capture():
-    @bcg.eager_on_graph
-    def broken(x):
-        raise KeyError("eager boom")
-
     g = bcg.BreakableCUDAGraph(emulate=True)
     x = torch.zeros(4)
     with pytest.raises(bcg.CaptureError, match="failed inside an eager function") as info:
@@ -84,10 +77,6 @@ def test_swallowed_eager_exception_still_fails_the_capture():
 
 
 def test_eager_call_after_a_swallowed_failure_raises():
-    @bcg.eager_on_graph
-    def broken(x):
-        raise KeyError("eager boom")
-
     g = bcg.BreakableCUDAGraph(emulate=True)
     x = torch.zeros(4)
     with pytest.raises(bcg.CaptureError, match="already failed before"):

@@ -19,6 +19,7 @@ from cuda_graph_helpers import (
     check_simple,
     cuda_graph,
     double_into,
+    flaky_island,
     no_stream_left_capturing,  # noqa: F401 - an autouse fixture: imported, it runs for every test here
 )
 
@@ -227,14 +228,7 @@ def test_one_device_sync_and_cache_cleanup_per_capture(monkeypatch):
 
 
 def test_exception_during_replay_then_a_correct_replay():
-    fail = {"on": False}
-
-    @bcg.eager_on_graph
-    def flaky(x):
-        if fail["on"]:
-            raise RuntimeError("replay boom")
-        return x + 1
-
+    fail, flaky = flaky_island()
     x = torch.zeros(16, device=DEV)
     g = cuda_graph()
     with bcg.breakable_graph(g):

@@ -4,7 +4,11 @@ reading each other's memory."""
 from __future__ import annotations
 
 import torch
-from graph_helpers import reset_calls  # noqa: F401 - an autouse fixture: imported, it runs for every test here
+from graph_helpers import (
+    churn_eager,
+    churn_inplace,
+    reset_calls,  # noqa: F401 - an autouse fixture: imported, it runs for every test here
+)
 
 import bcg
 
@@ -24,21 +28,11 @@ def test_pool_handles():
     assert bcg.BreakableCUDAGraph(pool=_PoolLike(), emulate=True).pool() == (0, 12345)
 
 
-@bcg.eager_on_graph
-def _churn_eager(h: torch.Tensor) -> torch.Tensor:
-    return torch.tanh(h) * 0.5
-
-
-@bcg.eager_on_graph
-def _churn_inplace(t: torch.Tensor) -> None:
-    t.mul_(1.25).add_(0.1)
-
-
 def _churn_model(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     h = x @ w  # intermediates are freed when they go out of scope
-    h = _churn_eager(h + 1)
+    h = churn_eager(h + 1)
     t = (h * 2).relu()
-    _churn_inplace(t)
+    churn_inplace(t)
     bcg.break_graph()
     return t.sum(-1, keepdim=True) + x[:, :1]
 

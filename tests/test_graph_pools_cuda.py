@@ -10,6 +10,8 @@ from cuda_graph_helpers import (
     DEV,
     capture_simple,
     check_simple,
+    churn_eager,
+    churn_inplace,
     cuda_graph,
     no_stream_left_capturing,  # noqa: F401 - an autouse fixture: imported, it runs for every test here
 )
@@ -22,23 +24,13 @@ pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available()
 # shared pools
 
 
-@bcg.eager_on_graph
-def _churn_eager(h: torch.Tensor) -> torch.Tensor:
-    return torch.tanh(h) * 0.5
-
-
-@bcg.eager_on_graph
-def _churn_inplace(t: torch.Tensor) -> None:
-    t.mul_(1.25).add_(0.1)
-
-
 def _churn_model(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     h = x @ w  # intermediates are freed when they go out of scope, so the pool reuses their blocks
     big = torch.empty(x.shape[0], 4096, device=x.device).fill_(0.5)
-    h = _churn_eager(h + big[:, : h.shape[1]])
+    h = churn_eager(h + big[:, : h.shape[1]])
     del big
     t = (h * 2).relu()
-    _churn_inplace(t)
+    churn_inplace(t)
     bcg.break_graph()
     scratch = torch.empty_like(t).fill_(0.25)  # more freed blocks, filled at replay
     return t.sum(-1, keepdim=True) + x[:, :1] + scratch[:, :1]

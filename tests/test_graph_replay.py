@@ -8,27 +8,15 @@ import torch
 from graph_helpers import (
     CALLS,
     add_one,
+    flaky_island,
     reset_calls,  # noqa: F401 - an autouse fixture: imported, it runs for every test here
 )
 
 import bcg
 
 
-def _flaky_island():
-    """An island that raises "replay boom" while ``fail["on"]`` is set."""
-    fail = {"on": False}
-
-    @bcg.eager_on_graph
-    def flaky(x):
-        if fail["on"]:
-            raise RuntimeError("replay boom")
-        return x + 1
-
-    return fail, flaky
-
-
 def test_exception_during_replay_propagates_and_the_next_replay_is_correct():
-    fail, flaky = _flaky_island()
+    fail, flaky = flaky_island()
     g = bcg.BreakableCUDAGraph(emulate=True)
     x = torch.zeros(3)
     with bcg.breakable_graph(g):
@@ -45,7 +33,7 @@ def test_exception_during_replay_propagates_and_the_next_replay_is_correct():
 
 
 def test_a_draining_replay_launches_the_remaining_segments_and_skips_their_eager_steps():
-    fail, flaky = _flaky_island()
+    fail, flaky = flaky_island()
     g = bcg.BreakableCUDAGraph(emulate=True)
     x = torch.zeros(3)
     with bcg.breakable_graph(g):
