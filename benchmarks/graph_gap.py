@@ -12,7 +12,8 @@ Chains (bf16, the llama-dense shapes at 64 tokens unless named otherwise):
 
 * ``add x1``: one tiny in-place add repeated (the machine probe's kind);
 * ``layer-like``: a GEMM (64 x 1024 x 1024), a residual add, an RMSNorm in torch ops (pow, mean, rsqrt, two muls) and
-  a SiLU-and-multiply in torch ops, each writing a fixed buffer: different kernels in turn;
+  a SiLU-and-multiply in torch ops, each writing a fixed buffer: different kernels in turn (the mixed chain of
+  ``bcg.bench.machine_probes``, which `bcg analyze` now measures as the machine's graph gap);
 * ``gemms``: the four GEMMs of a llama-dense layer at 64 tokens in turn.
 
 The last line printed is one JSON object (``--out`` too).
@@ -38,7 +39,10 @@ import torch
 
 
 def chains(tokens: int, dev: str = "cuda") -> dict[str, Callable[[], None]]:
-    """The chains (see the module doc), each a call that writes only buffers it made (capturable as it is)."""
+    """The chains (see the module doc), each a call that writes only buffers it made (capturable as it is); the
+    layer-like one is the mixed chain `bcg analyze` measures (at ``tokens``)."""
+    from bcg.bench.machine_probes import mixed_chain
+
     bf16 = torch.bfloat16
     g = torch.Generator(device=dev).manual_seed(0)
 
@@ -46,11 +50,7 @@ def chains(tokens: int, dev: str = "cuda") -> dict[str, Callable[[], None]]:
         return (torch.randn(*shape, device=dev, generator=g) * shape[-1] ** -0.5).to(bf16)
 
     tiny = torch.zeros(1, device=dev)
-    x, w = randn(tokens, 1024), randn(1024, 1024)
-    h, r, sq, n = (torch.empty(tokens, 1024, device=dev, dtype=bf16) for _ in range(4))
-    var = torch.empty(tokens, 1, device=dev, dtype=torch.float32)
-    act = torch.empty(tokens, 2816, device=dev, dtype=bf16)
-    gu = randn(tokens, 5632)
+    x, act = randn(tokens, 1024), randn(tokens, 2816)
     ws = {"qkv": randn(1024, 1536), "o": randn(1024, 1024), "gate_up": randn(1024, 5632), "down": randn(2816, 1024)}
     outs = {k: torch.empty(tokens, v.shape[1], device=dev, dtype=bf16) for k, v in ws.items()}
     ins = {"qkv": x, "o": x, "gate_up": x, "down": act}
@@ -58,19 +58,11 @@ def chains(tokens: int, dev: str = "cuda") -> dict[str, Callable[[], None]]:
     def add_x1() -> None:
         tiny.add_(1.0)
 
-    def layer_like() -> None:
-        torch.mm(x, w, out=h)
-        torch.add(h, x, out=r)
-        torch.pow(r, 2, out=sq)
-        torch.mean(sq.float(), dim=-1, keepdim=True, out=var)  # the float() is a kernel of its own, as in eager
-        torch.mul(r, torch.rsqrt(var + 1e-6).to(bf16), out=n)
-        torch.mul(torch.nn.functional.silu(gu[:, :2816]), gu[:, 2816:], out=act)
-
     def gemms() -> None:
         for k, wt in ws.items():
             torch.mm(ins[k], wt, out=outs[k])
 
-    return {"add x1": add_x1, "layer-like": layer_like, "gemms": gemms}
+    return {"add x1": add_x1, "layer-like": mixed_chain(torch.device(dev), (tokens, 1024, 2816)), "gemms": gemms}
 
 
 def _profiled(fn: Callable[[], None], repeat: int) -> tuple[int, float]:

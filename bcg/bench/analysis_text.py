@@ -23,6 +23,14 @@ def _buckets(buckets: list[int]) -> str:
     return f"{len(buckets)} ({buckets[0]}..{buckets[-1]})" if len(buckets) > 4 else ", ".join(map(str, buckets))
 
 
+def _chain(c: dict[str, Any]) -> str:
+    """The mixed chain's kernels alone and in a graph, µs per kernel ("-" where not measured)."""
+    n, alone, graph = c.get("chain_kernels"), c.get("chain_kernel_us"), c.get("graph_chain_us")
+    if not n or alone is None or graph is None:
+        return "-"
+    return f"{fmt(alone / n)} / {fmt(graph / n)} ({fmt(n, 0)} kernels)"
+
+
 def _machine(a: dict[str, Any]) -> str:
     c = a["machine"]["None"]
     rows = [["eager launch (host) / kernel (wall)", f"{fmt(c['eager_launch_us'])} / {fmt(c['eager_kernel_us'])}"],
@@ -30,6 +38,7 @@ def _machine(a: dict[str, Any]) -> str:
             ["tiny kernel alone (device)", fmt(c["tiny_kernel_us"])],
             ["medium kernel alone / in a graph (device)",
              f"{fmt(c['medium_kernel_us'])} / {fmt(c['graph_medium_kernel_us'])}"],
+            ["mixed chain's kernels alone / in a graph (device, per kernel)", _chain(c)],
             ["graph launch (host) / per node",
              f"{fmt(c['graph_launch_us'])} / {fmt(c['graph_launch_per_node_us'], 3)}"],
             ["break at replay (host)", fmt(c["break_us"])],

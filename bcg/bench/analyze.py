@@ -41,6 +41,7 @@ from bcg.bench.engines import BuildRecord, EngineSpec, engine_for
 from bcg.bench.findings import EAGER_OF, Measurements, findings
 from bcg.bench.forecast import Profiled
 from bcg.bench.host_sizes import interpolate, timed_sizes
+from bcg.bench.machine import replace_device
 from bcg.bench.machine_cache import MachineCache
 from bcg.bench.predict import HostTimes
 from bcg.bench.profile import FullStep, host_times
@@ -255,7 +256,7 @@ def run_analyze(cfg: AnalyzeConfig, environment: dict[str, Any]) -> dict[str, An
     with clock.part("machine (device)"):
         cache.device_costs(m.costs[None])
     for c in m.costs.values():  # device times do not depend on the host's cores
-        c.tiny_kernel_us, c.medium_kernel_us = m.costs[None].tiny_kernel_us, m.costs[None].medium_kernel_us
+        replace_device(c, vars(m.costs[None]))
     m.num_params = info["model"]["num_param_tensors"]
     if "free_bytes" in info:
         info["free_bytes"] = max(info["free_bytes"] - info["model"]["weight_bytes"], 0)

@@ -7,8 +7,9 @@ holds; dynamo's guards per call (by parameter count) and a compile per layer-lik
 a process measures them once and :mod:`bcg.bench.machine_cache` keeps them on disk for the next run.
 Under the CPU emulation they run the same code (emulated graphs), and mean nothing for a GPU.
 
-The host-side benchmarks (:func:`measure`) run before anything is profiled; :func:`measure_device` reads the one number
-that needs the profiler (a tiny kernel's device time) last, because the profiler, once loaded, slows later host work.
+The host-side benchmarks (:func:`measure`) run before anything is profiled; :func:`measure_device` reads the numbers
+that need the profiler (the eager device time of a tiny kernel, a medium one and the mixed chain) last, because the
+profiler, once loaded, slows later host work.
 The probes, their sizes and timers are in :mod:`bcg.bench.machine_probes`; dynamo's guards and the compile benchmark
 in :mod:`bcg.bench.machine_compile`.
 """
@@ -18,6 +19,7 @@ from __future__ import annotations
 import os
 import statistics
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -27,19 +29,27 @@ from bcg.bench.machine_compile import COMPILE_BLOCK_KERNELS, compile_block, comp
 from bcg.bench.machine_probes import (
     MEDIUM_ELEMENTS,
     N_BREAKS,
+    N_CHAIN,
     N_GRAPHS,
     N_KERNELS,
     N_MEDIUM,
     adds,
     breakable,
     capture,
+    capture_calls,
     host_us,
+    mixed_chain,
     piece,
+    profiled_spans,
     wall_us,
 )
 from bcg.bench.timing import sync
 
-__all__ = ["COMPILE_BLOCK_KERNELS", "MachineCosts", "compile_block", "measure", "measure_device"]
+__all__ = ["COMPILE_BLOCK_KERNELS", "DEVICE_FIELDS", "MachineCosts", "compile_block", "measure", "measure_device",
+           "replace_device"]
+
+# What measure_device fills in: device times, the same whatever the host's cores.
+DEVICE_FIELDS = ("tiny_kernel_us", "medium_kernel_us", "chain_kernel_us", "chain_kernels")
 
 
 @dataclass
@@ -53,6 +63,10 @@ class MachineCosts:
         graph_kernel_us: device time per kernel of a replayed graph of tiny kernels.
         medium_kernel_us / graph_medium_kernel_us: the same two for a kernel that moves a few MiB (None: not
             measured): between the two sizes a graph's per-kernel gap is interpolated.
+        graph_chain_us / chain_kernel_us / chain_kernels: one call of the mixed chain (different kernels in turn,
+            :func:`~bcg.bench.machine_probes.mixed_chain`): its device time in a replayed graph, its kernels' summed
+            eager device time (the profiler's), and its kernels (None: not measured). Where measured, their
+            difference per kernel is a graph's per-kernel gap, for kernels of every size.
         graph_launch_us: host time to launch (replay) a one-kernel graph; graph_launch_per_node_us: host time each
             further kernel node adds to a launch.
         break_us: host time a break adds at replay besides the segment launches and the island's own work.
@@ -84,6 +98,9 @@ class MachineCosts:
     tiny_kernel_us: float | None = None
     medium_kernel_us: float | None = None
     graph_medium_kernel_us: float | None = None
+    graph_chain_us: float | None = None
+    chain_kernel_us: float | None = None
+    chain_kernels: float | None = None
     guard_us: float = 0.0
     guard_per_param_us: float = 0.0
     compile_ms: dict[str, tuple[float, float]] = field(default_factory=dict)
@@ -100,10 +117,22 @@ class MachineCosts:
         own device time (0 until :func:`measure_device` ran)."""
         return 0.0 if self.tiny_kernel_us is None else self.graph_kernel_us - self.tiny_kernel_us
 
+    @property
+    def chain_gap_us(self) -> float | None:
+        """What each kernel of a graph of different kernels takes beyond its eager device time (the mixed chain's
+        replay less its kernels' profiled times, per kernel); None until measured."""
+        if self.graph_chain_us is None or self.chain_kernel_us is None or not self.chain_kernels:
+            return None
+        return (self.graph_chain_us - self.chain_kernel_us) / self.chain_kernels
+
     def graph_gap(self, device_us: float) -> float:
-        """What a kernel of ``device_us`` alone changes by inside a graph: the tiny kernel's gap, the medium kernel's
+        """What a kernel of ``device_us`` changes by inside a graph of a model: the mixed chain's gap where measured
+        (a model's graph starts each kernel after a different one); else the tiny kernel's gap, the medium kernel's
         at its size, linear between and flat beyond (back-to-back kernels hide part of their start; long ones
         little)."""
+        chain = self.chain_gap_us
+        if chain is not None:
+            return chain
         tiny = self.graph_gap_us
         if self.tiny_kernel_us is None or self.medium_kernel_us is None or self.graph_medium_kernel_us is None:
             return tiny
@@ -139,7 +168,7 @@ def _graph_memory(emulated: bool, stream: Any, device: torch.device) -> tuple[fl
 
 # Earlier measurements of this process, by what they depend on (none of it is the model's): see measure().
 _CACHE: dict[tuple, MachineCosts] = {}
-_DEVICE_CACHE: dict[str, tuple[float | None, float | None]] = {}  # device -> (tiny, medium) kernel µs
+_DEVICE_CACHE: dict[str, dict[str, Any]] = {}  # device -> its DEVICE_FIELDS
 
 
 def _cache_key(device: torch.device, compilers: tuple[str, ...], guards: bool) -> tuple:
@@ -179,6 +208,9 @@ def _measure(device: torch.device, compilers: tuple[str, ...], guards: bool) -> 
         graph_kernel = wall_us(many.replay, device) / N_KERNELS
         medium = capture(N_MEDIUM, emulated, stream, MEDIUM_ELEMENTS[device.type])
         graph_medium = wall_us(medium.replay, device) / N_MEDIUM
+        chain = mixed_chain(device)
+        _warm(chain, stream)
+        graph_chain = wall_us(capture_calls(chain, N_CHAIN, emulated, stream).replay, device) / N_CHAIN
         launch_one = host_us(one.replay, device)
         per_node = max((host_us(many.replay, device) - launch_one) / (N_KERNELS - 1), 0.0)
         broken = breakable(emulated, stream)
@@ -196,7 +228,7 @@ def _measure(device: torch.device, compilers: tuple[str, ...], guards: bool) -> 
         graph_kernel_us=graph_kernel, graph_launch_us=launch_one, graph_launch_per_node_us=per_node, break_us=breaks,
         piece_us=piece_host, capture_per_node_us=max((cap_many - cap_one) / (N_KERNELS - 1), 0.0),
         capture_per_graph_us=cap_one, graph_node_bytes=node_bytes, graph_bytes=graph_bytes,
-        graph_medium_kernel_us=graph_medium)
+        graph_medium_kernel_us=graph_medium, graph_chain_us=graph_chain)
     if guards:
         costs.guard_us, costs.guard_per_param_us = guard_costs(device)
     for compiler in compilers:
@@ -205,39 +237,51 @@ def _measure(device: torch.device, compilers: tuple[str, ...], guards: bool) -> 
     return costs
 
 
+def _warm(fn: Any, stream: Any) -> None:
+    """Two calls of ``fn`` on the capture stream before its capture (cuBLAS sets up its handle for a stream on its
+    first GEMM there)."""
+    with torch.inference_mode(), nullcontext() if stream is None else torch.cuda.stream(stream):
+        fn()
+        fn()
+    if stream is not None:
+        stream.synchronize()
+
+
 def measure_device(costs: MachineCosts, cache: bool = True) -> MachineCosts:
-    """Fills in ``tiny_kernel_us`` and ``medium_kernel_us``: the profiler's device time of a tiny and of a medium
-    kernel run eagerly (on a CPU the host time of each add, as the emulation's kernels are its ops). Run it after
-    every host timing of the process. With ``cache`` a process measures each device once (:data:`_DEVICE_CACHE`)."""
+    """Fills in :data:`DEVICE_FIELDS`: the profiler's device time of a tiny and of a medium kernel run eagerly, and
+    of the mixed chain's kernels with their count (on a CPU the host time of each add and of the chain, as the
+    emulation's kernels are its ops). Run it after every host timing of the process. With ``cache`` a process
+    measures each device once (:data:`_DEVICE_CACHE`)."""
     device = torch.device(costs.device)
     if cache and str(device) in _DEVICE_CACHE:
-        costs.tiny_kernel_us, costs.medium_kernel_us = _DEVICE_CACHE[str(device)]
-        return costs
+        return replace_device(costs, _DEVICE_CACHE[str(device)])
     x = torch.zeros(1, device=device)
     y = torch.zeros(MEDIUM_ELEMENTS[device.type], device=device)
+    chain = mixed_chain(device)
     t0 = time.perf_counter()
-    if costs.emulated:
-        costs.tiny_kernel_us = host_us(lambda: adds(x, N_KERNELS), device, reps=5) / N_KERNELS
-        costs.medium_kernel_us = host_us(lambda: adds(y, N_MEDIUM), device, reps=5) / N_MEDIUM
-    else:
-        costs.tiny_kernel_us = _profiled_us(x, 200, device)
-        costs.medium_kernel_us = _profiled_us(y, 50, device)
+    with torch.inference_mode():
+        if costs.emulated:
+            costs.tiny_kernel_us = host_us(lambda: adds(x, N_KERNELS), device, reps=5) / N_KERNELS
+            costs.medium_kernel_us = host_us(lambda: adds(y, N_MEDIUM), device, reps=5) / N_MEDIUM
+            costs.chain_kernel_us = host_us(chain, device, reps=5)
+            costs.chain_kernels = float(len(profiled_spans(chain, 1, device)))
+        else:
+            costs.tiny_kernel_us = _median(profiled_spans(lambda: adds(x, 200), 1, device))
+            costs.medium_kernel_us = _median(profiled_spans(lambda: adds(y, 50), 1, device))
+            spans = profiled_spans(chain, N_CHAIN, device)
+            costs.chain_kernel_us, costs.chain_kernels = sum(spans) / N_CHAIN, len(spans) / N_CHAIN
     costs.seconds += time.perf_counter() - t0
-    _DEVICE_CACHE[str(device)] = (costs.tiny_kernel_us, costs.medium_kernel_us)
+    _DEVICE_CACHE[str(device)] = {f: getattr(costs, f) for f in DEVICE_FIELDS}
     return costs
 
 
-def _profiled_us(x: torch.Tensor, n: int, device: torch.device) -> float | None:
-    """The median device time of ``n`` in-place adds on ``x`` in one profile."""
-    from torch.profiler import ProfilerActivity
+def replace_device(costs: MachineCosts, fields: dict[str, Any]) -> MachineCosts:
+    """``costs`` with the :data:`DEVICE_FIELDS` ``fields`` holds set (in place; a missing one stays unmeasured)."""
+    for f in DEVICE_FIELDS:
+        v = fields.get(f)
+        setattr(costs, f, None if v is None else float(v))
+    return costs
 
-    from bcg.bench.quiet_profiler import quiet_profile
 
-    adds(x, 10)
-    sync(device)
-    with quiet_profile(activities=[ProfilerActivity.CUDA]) as prof:
-        adds(x, n)
-        sync(device)
-    spans = [e.time_range.end - e.time_range.start for e in prof.events()
-             if str(e.device_type).endswith("CUDA") and e.time_range.end > e.time_range.start]
+def _median(spans: list[float]) -> float | None:
     return statistics.median(spans) if spans else None

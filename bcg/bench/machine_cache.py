@@ -42,7 +42,8 @@ from bcg.bench.defaults import MACHINE_CACHE_MODES
 __all__ = ["METHOD", "MachineCache", "cache_dir", "identity"]
 
 # Raise when machine*.py or paths.py changes what a measurement returns or how it is taken: old entries stop matching.
-METHOD = 3  # 2: paths.py subtracts the toy's islands back to back; 3: its fixed cost less the load, not eager's
+# 2: paths.py subtracts the toy's islands back to back; 3: its fixed cost less the load, not eager's; 4: the mixed chain
+METHOD = 4
 
 
 def cache_dir(environ: Mapping[str, str] = os.environ) -> Path:
@@ -102,7 +103,8 @@ def identity(device: torch.device | str, host: bool = True) -> dict[str, Any]:
 def _machine_shape() -> dict[str, Any]:
     return {"kernels": probes.N_KERNELS, "breaks": probes.N_BREAKS, "medium": probes.N_MEDIUM,
             "medium_elements": probes.MEDIUM_ELEMENTS, "graphs": probes.N_GRAPHS, "reps": probes.REPS,
-            "block_kernels": machine_compile.COMPILE_BLOCK_KERNELS}
+            "block_kernels": machine_compile.COMPILE_BLOCK_KERNELS, "chain": probes.N_CHAIN,
+            "chain_shape": probes.CHAIN_SHAPE}
 
 
 def _paths_shape() -> dict[str, Any]:
@@ -209,19 +211,18 @@ class MachineCache:
                          lambda v: dataclasses.replace(paths.PathCosts(**v), seconds=0.0), lambda p: p.seconds)
 
     def device_costs(self, costs: machine.MachineCosts) -> machine.MachineCosts:
-        """Fills in ``costs``' tiny and medium kernel device times (:func:`bcg.bench.machine.measure_device`), from
-        an entry where one matches: they depend on the device, not on the host's cores."""
+        """Fills in ``costs``' device times (:data:`bcg.bench.machine.DEVICE_FIELDS`, by
+        :func:`bcg.bench.machine.measure_device`), from an entry where one matches: they depend on the device, not on
+        the host's cores."""
         key = {**identity(costs.device, host=False), "shape": _machine_shape()}
         before = costs.seconds
 
         def measure(fresh: bool) -> dict[str, Any]:
             machine.measure_device(costs, cache=not fresh)
-            return {"tiny_kernel_us": costs.tiny_kernel_us, "medium_kernel_us": costs.medium_kernel_us,
-                    "seconds": costs.seconds - before}
+            return {**{f: getattr(costs, f) for f in machine.DEVICE_FIELDS}, "seconds": costs.seconds - before}
 
         def load(v: dict) -> dict[str, Any]:
-            costs.tiny_kernel_us, costs.medium_kernel_us = (None if v[k] is None else float(v[k])
-                                                            for k in ("tiny_kernel_us", "medium_kernel_us"))
+            machine.replace_device(costs, v)
             return v
 
         self._get("device", key, measure, load, lambda v: v["seconds"])

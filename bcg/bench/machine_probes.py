@@ -1,9 +1,11 @@
 """What the microbenchmarks of :mod:`bcg.bench.machine` time, and how: their sizes, the two timers, and the probes.
 
-Every probe is tiny in-place adds on a one-element tensor (a few MiB for the medium kernel), so the kernels
+Every probe but one is tiny in-place adds on a one-element tensor (a few MiB for the medium kernel), so the kernels
 themselves cost next to nothing and what is timed is the path around them: eagerly, inside a captured graph, inside a
-breakable graph with a break between adds, inside a torch.compile piece. The sizes below are part of the key of the
-costs kept on disk (:mod:`bcg.bench.machine_cache`): changing one measures again.
+breakable graph with a break between adds, inside a torch.compile piece. The one is :func:`mixed_chain`, different
+kernels in turn as a layer runs them (a GEMM, an add, a norm, SiLU-and-multiply): a graph of a model starts each
+kernel after a different one, which one add repeated does not show. The sizes below are part of the key of the costs
+kept on disk (:mod:`bcg.bench.machine_cache`): changing one measures again.
 """
 
 from __future__ import annotations
@@ -18,14 +20,18 @@ import torch
 
 from bcg.bench.timing import sync
 
-__all__ = ["MEDIUM_ELEMENTS", "N_BREAKS", "N_GRAPHS", "N_KERNELS", "N_MEDIUM", "REPS", "adds", "breakable",
-           "capture", "host_us", "piece", "wall_us"]
+__all__ = ["CHAIN_SHAPE", "MEDIUM_ELEMENTS", "N_BREAKS", "N_CHAIN", "N_GRAPHS", "N_KERNELS", "N_MEDIUM", "REPS",
+           "adds", "breakable", "capture", "capture_calls", "host_us", "mixed_chain", "piece", "profiled_spans",
+           "wall_us"]
 
 N_KERNELS = 1000  # kernels of the long graph and of the eager launch loop
 N_BREAKS = 16
 N_MEDIUM = 200  # kernels of the medium graph
 MEDIUM_ELEMENTS = {"cuda": 2**20, "cpu": 2**10}  # a 4 MiB add on a GPU (the CPU's: small, to stay quick)
 N_GRAPHS = 64  # one-kernel graphs of the per-graph memory benchmark
+N_CHAIN = 20  # calls of the mixed chain in its graph and in its profile
+# (tokens, hidden width, intermediate width) of the mixed chain: a small model's layer at a short prompt on a GPU
+CHAIN_SHAPE = {"cuda": (64, 1024, 2816), "cpu": (8, 64, 176)}
 REPS = 15
 
 
@@ -67,6 +73,50 @@ def capture(n: int, emulated: bool, stream: Any, elements: int = 1) -> Any:
     return graph
 
 
+def capture_calls(fn: Callable[[], Any], n: int, emulated: bool, stream: Any) -> Any:
+    """A plain graph of ``n`` calls of ``fn`` (an emulated graph on a CPU)."""
+    from bcg.runtime.backends.capture import capturing, new_graph
+
+    graph = new_graph(emulated)
+    with capturing(graph, None, stream):
+        for _ in range(n):
+            fn()
+    return graph
+
+
+def mixed_chain(device: torch.device, shape: tuple[int, int, int] | None = None) -> Callable[[], None]:
+    """Different kernels in turn, as a layer runs them at a short prompt: a GEMM, a residual add, an RMSNorm in torch
+    ops, SiLU-and-multiply, of ``shape`` (tokens, width, intermediate width; default the device's
+    :data:`CHAIN_SHAPE`); each call writes only buffers made here (capturable as it is).
+
+    Example::
+
+        chain = mixed_chain(torch.device("cuda"))
+        chain()          # about ten kernels (bf16 on a GPU, float32 on a CPU)
+    """
+    tokens, width, inner = shape or CHAIN_SHAPE[device.type]
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    g = torch.Generator(device=device).manual_seed(0)
+
+    def randn(*shape: int) -> torch.Tensor:
+        return (torch.randn(*shape, device=device, generator=g) * shape[-1] ** -0.5).to(dtype)
+
+    x, w, gate_up = randn(tokens, width), randn(width, width), randn(tokens, 2 * inner)
+    h, r, sq, normed = (torch.empty(tokens, width, device=device, dtype=dtype) for _ in range(4))
+    var = torch.empty(tokens, 1, device=device, dtype=torch.float32)
+    act = torch.empty(tokens, inner, device=device, dtype=dtype)
+
+    def chain() -> None:
+        torch.mm(x, w, out=h)
+        torch.add(h, x, out=r)
+        torch.pow(r, 2, out=sq)
+        torch.mean(sq.float(), dim=-1, keepdim=True, out=var)
+        torch.mul(r, torch.rsqrt(var + 1e-6).to(dtype), out=normed)
+        torch.mul(torch.nn.functional.silu(gate_up[:, :inner]), gate_up[:, inner:], out=act)
+
+    return chain
+
+
 def _break_step(x: torch.Tensor) -> None:
     from bcg.islands import break_graph
 
@@ -101,3 +151,26 @@ def piece(emulated: bool, stream: Any) -> Callable[[], Any]:
         graphed(x)
     runtime.mode = "replay"
     return lambda: graphed(x)
+
+
+def profiled_spans(fn: Any, calls: int, device: torch.device) -> list[float]:
+    """The device time of every kernel of ``calls`` calls of ``fn``, run eagerly in one profile after two untimed
+    calls (on a CPU, each computing op's time: the emulation's kernels)."""
+    from torch.profiler import ProfilerActivity
+
+    from bcg.bench.quiet_profiler import quiet_profile
+
+    fn()
+    fn()
+    sync(device)
+    cuda = device.type == "cuda"
+    with quiet_profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        for _ in range(calls):
+            fn()
+        sync(device)
+    if cuda:
+        return [e.time_range.end - e.time_range.start for e in prof.events()
+                if str(e.device_type).endswith("CUDA") and e.time_range.end > e.time_range.start]
+    from bcg.bench.trace import kernels_from_events
+
+    return [k.device_us for k in kernels_from_events(prof.events(), cuda=False).kernels]

@@ -100,6 +100,18 @@ def test_an_entry_that_cannot_be_used_is_measured_again_with_a_note(tmp_path: Pa
     assert json.loads(entry.read_text())["key"]["guards"] is False  # written whole again
 
 
+def test_the_device_entry_keeps_every_device_time_the_mixed_chains_included(tmp_path: Path) -> None:
+    from bcg.bench.machine import DEVICE_FIELDS
+
+    first = MachineCache("use", tmp_path)
+    measured = first.device_costs(first.machine_costs("cpu", (), False))
+    again = MachineCache("use", tmp_path)
+    loaded = again.device_costs(again.machine_costs("cpu", (), False))
+    assert again.sources["device"] == "disk" and loaded.chain_kernels and loaded.chain_kernel_us > 0
+    assert {f: getattr(loaded, f) for f in DEVICE_FIELDS} == {f: getattr(measured, f) for f in DEVICE_FIELDS}
+    assert loaded.graph_chain_us == measured.graph_chain_us  # the host-phase half, in the machine entry
+
+
 def test_the_key_holds_the_machine_the_software_and_the_measured_shapes(tmp_path: Path) -> None:
     cache = MachineCache("use", tmp_path)
     cache.machine_costs("cpu", (), False)

@@ -246,6 +246,30 @@ def test_the_graph_gap_is_interpolated_between_a_tiny_and_a_medium_kernel() -> N
     assert costs().graph_gap(50.0) == pytest.approx(-1.0)  # without the medium kernel: the tiny one's gap
 
 
+def test_the_mixed_chains_gap_is_every_kernels_gap_where_measured() -> None:
+    # 10 kernels summing 40 us eagerly, 45 us a call in a graph: 0.5 us a kernel, whatever a kernel's size
+    c = costs(medium_kernel_us=10.0, graph_medium_kernel_us=10.0, graph_chain_us=45.0, chain_kernel_us=40.0,
+              chain_kernels=10.0)
+    assert c.chain_gap_us == pytest.approx(0.5)
+    assert [c.graph_gap(us) for us in (1.0, 6.0, 50.0)] == pytest.approx([0.5, 0.5, 0.5])
+    assert costs(graph_chain_us=45.0).chain_gap_us is None  # a run that measured no chain: the add probes decide
+    assert costs(graph_chain_us=45.0).graph_gap(50.0) == pytest.approx(-1.0)
+    # a segment of three 10 us kernels: 31.5 us in the graph
+    k = [Kernel("mm", "aten::mm", 10.0)] * 3
+    assert predict._graph("segment", k, c, 5.0).device_us == pytest.approx(31.5)
+
+
+def test_the_machine_measures_the_mixed_chain_alone_and_in_a_graph() -> None:
+    from bcg.bench.machine import DEVICE_FIELDS, measure, measure_device
+
+    c = measure_device(measure("cpu", cache=False), cache=False)
+    assert c.graph_chain_us > 0 and c.chain_kernel_us > 0
+    assert c.chain_kernels >= 6  # a GEMM, an add, the norm's ops, SiLU and the multiply: different ops in turn
+    assert c.chain_gap_us == pytest.approx((c.graph_chain_us - c.chain_kernel_us) / c.chain_kernels)
+    again = measure_device(measure("cpu"))  # the process's own measurement, device fields included
+    assert {f: getattr(again, f) for f in DEVICE_FIELDS} == {f: getattr(c, f) for f in DEVICE_FIELDS}
+
+
 def test_several_profiles_combine_per_kernel_and_an_odd_one_is_left_out() -> None:
     from bcg.bench.trace import combine_traces
 
