@@ -43,7 +43,6 @@ from bcg.bench.machine_probes import (
     profiled_spans,
     wall_us,
 )
-from bcg.bench.timing import sync
 
 __all__ = ["COMPILE_BLOCK_KERNELS", "DEVICE_FIELDS", "MachineCosts", "compile_block", "measure", "measure_device",
            "replace_device"]
