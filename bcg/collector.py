@@ -5,15 +5,19 @@ exception's traceback, a dropped engine) and destroy it; destroying a CUDA graph
 unsafe call during a capture, and it invalidates the capture, whose end then fails with "operation failed due to a
 previous error during capture". :class:`bcg.breakable_graph` holds the collector off from its start to its end; the
 garbage waits for the next collection after it. The CPU emulation applies the same rule
-(:mod:`bcg.emulation`), so a capture that would fail this way on a GPU fails on a CPU too.
+(:mod:`bcg.emulation`), so a capture that would fail this way on a GPU fails on a CPU too. :func:`held` is the same
+hold as a ``with`` block, for other work that makes many objects and frees none (reading a profile's records: a
+collection every few thousand of them walks the whole heap).
 """
 
 from __future__ import annotations
 
 import gc
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 
-__all__ = ["hold", "release"]
+__all__ = ["held", "hold", "release"]
 
 _gc_lock = threading.Lock()
 _gc_holds = 0  # captures underway in this process (threads may capture at once)
@@ -37,3 +41,19 @@ def release() -> None:
         _gc_holds -= 1
         if _gc_holds == 0 and _gc_was_enabled:
             gc.enable()
+
+
+@contextmanager
+def held() -> Iterator[None]:
+    """No garbage collection inside the block (:func:`hold` and :func:`release` around it).
+
+    Example::
+
+        with held():
+            events = [make(r) for r in records]   # hundreds of thousands of objects, none garbage
+    """
+    hold()
+    try:
+        yield
+    finally:
+        release()

@@ -182,13 +182,21 @@ def format_analysis(a: dict[str, Any]) -> str:
     return "\n".join(out)
 
 
+def _profiler_own(sub: dict[str, float]) -> str:
+    """Of the profiled forwards' time, the profiler's own start and stop ("" for a run that did not time them)."""
+    if "start" not in sub or "stop" not in sub:
+        return ""
+    return f" (starting the profiler {fmt(sub['start'], 2)} s, stopping it {fmt(sub['stop'], 2)} s)"
+
+
 def _timings(t: dict[str, Any]) -> str:
     """Where predicting spent its time, by part, and where the machine's costs came from."""
     line = f"Predicting took {fmt(t['predict_s'], 1)} s"
     if t.get("parts_s"):
         sub = t.get("profiles_s") or {}
         line += " (" + ", ".join(f"{name} {fmt(s, 2)} s" + (
-            f" [running {fmt(sub['run'], 2)} s, reading {fmt(sub['read'], 2)} s]" if name == "profiles" and sub else "")
+            f" [running {fmt(sub['run'], 2)} s{_profiler_own(sub)}, reading {fmt(sub['read'], 2)} s]"
+            if name == "profiles" and sub else "")
             for name, s in t["parts_s"].items()) + ")"
     if t.get("validate_s"):
         line += (f", validating {fmt(t['validate_s'], 1)} s (predicting is {fmt(t['predict_over_validate'], 2)} of "

@@ -9,8 +9,8 @@ The run, in the order CUPTI needs (once the profiler is loaded it slows later ho
    others interpolated (:mod:`bcg.bench.host_sizes`);
    under ``--cpu-cores`` both again with the process pinned to each core count (:mod:`bcg.bench.cores`);
 2. with ``--validate`` only: every variant built, captured and timed (:mod:`bcg.bench.validate`);
-3. every size's profiled eager forwards, and the step ``full`` would capture run eagerly, in one profiler session per
-   kernels setting (:func:`bcg.bench.profiled.profile_sizes`), then the tiny kernel's device time.
+3. every size's profiled eager forwards, and the step ``full`` would capture run eagerly, both kernels settings in one
+   profiler session (:func:`bcg.bench.profiled.profile_settings`), then the machine's device times.
 
 The machine's costs do not depend on the model: they come from the disk cache where an entry matches this machine
 and software (:mod:`bcg.bench.machine_cache`; ``--machine-cache``), else are measured and kept there. The eager
@@ -45,7 +45,7 @@ from bcg.bench.machine import replace_device
 from bcg.bench.machine_cache import MachineCache
 from bcg.bench.predict import HostTimes
 from bcg.bench.profile import FullStep, host_times
-from bcg.bench.profiled import profile_sizes
+from bcg.bench.profiled import profile_settings
 from bcg.bench.recommend import Workload
 from bcg.bench.validate import measure_variants, prompt_for
 from bcg.bench.variants import parse_variant
@@ -119,7 +119,7 @@ def _eager(spec: EngineSpec, name: str, model: str) -> Iterator[Any]:
 def _full_step(eng: Any, size: int) -> FullStep | None:
     try:
         return FullStep(eng, size)
-    except Exception:  # full cannot stage this model at all: profile_sizes records why
+    except Exception:  # full cannot stage this model at all: profile_settings records why
         return None
 
 
@@ -166,16 +166,15 @@ def _host_phase(cfg: AnalyzeConfig, engines: dict[str, Any], settings: list[str]
 def _profile_phase(cfg: AnalyzeConfig, engines: dict[str, Any], settings: list[str], sizes: list[int],
                    hosts: dict[str, dict[int, HostTimes]], bar: Any, seconds: dict[str, float]
                    ) -> dict[str, dict[int, Profiled]]:
-    """Step 3: every size's profiled eager forwards, in one profiler session per kernels setting (after every timed
+    """Step 3: every size's profiled eager forwards, every kernels setting in one profiler session (after every timed
     run); engines built again after ``--validate`` first run each size once."""
-    out: dict[str, dict[int, Profiled]] = {}
+    bar.set_postfix(step="profile " + ", ".join(EAGER_OF[s] for s in settings), tokens=",".join(map(str, sizes)))
+    jobs = {}
     for setting in settings:
-        eng = engines[setting]
-        vocab = eng.model.config.vocab_size
-        bar.set_postfix(step=f"profile {EAGER_OF[setting]}", tokens=",".join(map(str, sizes)))
-        out[setting] = profile_sizes(eng, {n: prompt_for(vocab, n, cfg.seed) for n in sizes}, hosts[setting],
-                                     warm=cfg.validate, seconds=seconds)
-        bar.update(len(sizes))
+        vocab = engines[setting].model.config.vocab_size
+        jobs[setting] = (engines[setting], {n: prompt_for(vocab, n, cfg.seed) for n in sizes}, hosts[setting])
+    out = profile_settings(jobs, warm=cfg.validate, seconds=seconds)
+    bar.update(len(sizes) * len(settings))
     return out
 
 

@@ -42,7 +42,8 @@ returns, with its ``config`` and ``plots`` (lengths are JSON object keys, so str
 - ``memory`` (free and total device memory, the budget), ``verdict``;
 - ``timings``: ``predict_s`` and ``validate_s``; ``parts_s`` (seconds by part: ``eager engines``, ``machine``,
   ``replay paths``, ``host times``, ``profiles``, ``machine (device)``, ``composition``); ``profiles_s`` (of the
-  profiles: ``run``, the profiled forwards, and ``read``, their records turned into traces); ``machine_cache``
+  profiles: ``run``, the profiled forwards, of which ``start`` and ``stop``, the profiler's own, and ``read``, their
+  records turned into traces); ``machine_cache``
   (``mode``, ``dir``, per cost ``sources`` "disk", "measured" or "process", and ``files``); ``repeats`` (per eager
   variant and size, ``host_warmups``, ``host_runs`` and ``profiles``);
 - ``inputs_file``: inputs.json beside it, what the predictions were computed from (:mod:`bcg.bench.replay`).

@@ -78,6 +78,30 @@ def test_every_size_is_profiled_in_one_session(eng: object, monkeypatch: pytest.
     assert ps[8].activation_bytes < ps[16].activation_bytes
 
 
+def test_both_kernels_settings_are_profiled_in_one_session(eng: object, monkeypatch: pytest.MonkeyPatch) -> None:
+    sessions = []
+
+    def counted(**kwargs: object):
+        sessions.append(kwargs)
+        return quiet_profile(**kwargs)
+
+    monkeypatch.setattr(profiled, "quiet_profile", counted)
+    monkeypatch.setattr(profiled, "PROFILE_AGREE", float("inf"))
+    prompts = _prompts((8,))
+    spec = EngineSpec("tiny-dense", EngineConfig(device="cpu", chunked_prefill_size=32, progress=False))
+    with engine_for(spec, "eager+fused") as fused:
+        hosts = {s: {8: profile.host_times(e, prompts[8], runs=2, warmup=0)} for s, e in (("torch", eng),
+                                                                                           ("fused", fused))}
+        seconds: dict[str, float] = {}
+        ps = profiled.profile_settings({"torch": (eng, prompts, hosts["torch"]),
+                                        "fused": (fused, prompts, hosts["fused"])}, seconds=seconds)
+    assert len(sessions) == 1 and set(ps) == {"torch", "fused"}
+    for s in ps:  # each setting's forwards are its own: its host times, its kernels
+        assert ps[s][8].host is hosts[s][8] and ps[s][8].profiles == 2 and ps[s][8].full_trace is not None
+    assert [k.name for k in ps["torch"][8].trace.kernels] != [k.name for k in ps["fused"][8].trace.kernels]
+    assert 0 < seconds["start"] + seconds["stop"] < seconds["run"] and seconds["read"] > 0
+
+
 def test_profiles_that_disagree_are_profiled_again(eng: object, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(profiled, "PROFILE_AGREE", -1.0)  # no two profiles agree: every size once more
     prompts = _prompts((8,))
