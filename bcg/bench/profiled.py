@@ -1,13 +1,14 @@
 """Profiling the eager forwards for the predictions: every size's kernels, in as few profiler sessions as it takes.
 
-:func:`profile_settings` profiles, for every kernels setting's eager engine and every size, the eager forward with every island call annotated
-(:mod:`bcg.bench.trace` reads the annotations back) and the same step run under the static attention (``full``'s
-graph: where that run fails, or calls an island, ``full`` cannot capture the model), each :data:`PROFILE_REPEATS`
-times, all in one profiler session (both settings' engines too): each forward runs inside its own range (:func:`~bcg.bench.kineto.forward_label`)
-and :func:`~bcg.bench.kineto.split_forwards` cuts the session's records into forwards. A size whose profiles
-disagree (another kernel sequence, or a device time more than :data:`PROFILE_AGREE` apart) gets profiled again, up to
-:data:`PROFILE_MAX` times, in a second session; each kernel's device time is then the median over a size's profiles
-and their range its interval (:func:`~bcg.bench.trace.combine_traces`). Starting and stopping the profiler and
+:func:`profile_settings` profiles, for every kernels setting's eager engine and every size, the eager forward with
+every island call annotated (:mod:`bcg.bench.trace` reads the annotations back) and the same step run under the
+static attention (``full``'s graph: where that run fails, or calls an island, ``full`` cannot capture the model), each
+:data:`PROFILE_REPEATS` times, all in one profiler session: each forward runs inside its own range
+(:func:`~bcg.bench.kineto.forward_label`) and :func:`~bcg.bench.kineto.split_forwards` cuts the session's records
+into forwards. A size whose profiles disagree (another kernel sequence, or a device time more than
+:data:`PROFILE_AGREE` apart) gets profiled again, up to :data:`PROFILE_MAX` times, in a second session; each kernel's
+device time is then the median over a size's profiles and their range its interval
+(:func:`~bcg.bench.trace.combine_traces`). Starting and stopping the profiler and
 reading its records is most of what a profile costs, so one session for everything is much of the difference; the
 records are read with the garbage collector held off (:func:`bcg.collector.held`), which halves the reading.
 """
