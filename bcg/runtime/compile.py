@@ -39,6 +39,7 @@ from bcg.errors import first_line
 from bcg.models.regions import REGION_FLAG, regional
 from bcg.ops.context import LayerIds
 from bcg.ops.region_islands import at_layer
+from bcg.runtime.weak_backend import compile_owned
 from bcg.tensors import tensor_leaves
 
 __all__ = ["COMPILERS", "CompileRefused", "CompiledLayers", "compile_layers", "quiet_compile"]
@@ -110,19 +111,18 @@ class CompiledLayers:
         self.model, self.compiler = model, compiler
         self.num_calls = self.num_graphs = 0
         self.ops: Counter[str] = Counter()
-        inner = "inductor" if compiler == "inductor" else _islands_direct
-
-        def backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
-            self.num_graphs += 1
-            self.ops.update(_custom_ops(gm))
-            if inner == "inductor":
-                from torch._inductor.compile_fx import compile_fx
-
-                return compile_fx(gm, example_inputs)
-            return inner(gm, example_inputs)
-
-        self._fn = torch.compile(_private_region(), fullgraph=True, backend=backend)
+        self._fn = compile_owned(_private_region(), self, self._compile, fullgraph=True)
         self._num_tokens: int | None = None  # set during the first call: its token count is marked dynamic
+
+    def _compile(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+        """The backend (dynamo holds it weakly: :class:`~bcg.runtime.weak_backend.WeakBackend`)."""
+        self.num_graphs += 1
+        self.ops.update(_custom_ops(gm))
+        if self.compiler == "inductor":
+            from torch._inductor.compile_fx import compile_fx
+
+            return compile_fx(gm, example_inputs)
+        return _islands_direct(gm, example_inputs)
 
     def __call__(self, hidden: Tensor, positions: Tensor) -> Tensor:
         first = self.num_calls == 0

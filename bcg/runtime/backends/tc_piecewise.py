@@ -11,6 +11,7 @@ from bcg.errors import first_line
 from bcg.runtime.backends.base import BackendRefused, GraphBackend
 from bcg.runtime.backends.piecewise import PieceRuntime, PiecewiseCompiler
 from bcg.runtime.compile import quiet_compile
+from bcg.runtime.weak_backend import compile_owned
 
 __all__ = ["PiecewiseHandle", "TcPiecewiseBackend"]
 
@@ -52,7 +53,7 @@ class TcPiecewiseBackend(GraphBackend):
 
         self.runtime = PieceRuntime(pool=r.pool, is_emulated=r.is_emulated)
         self.compiler = PiecewiseCompiler(self.runtime, r.config.tc_compiler)
-        self.compiled = torch.compile(r.step.function(), fullgraph=True, backend=self.compiler)
+        self.compiled = compile_owned(r.step.function(), self, self.compiler, fullgraph=True)
         n = r.max_bucket
         # Trace and compile now, under the grad mode of capture and replay, so the guards match them.
         with torch.inference_mode(), r.inputs.dummy(n), quiet_compile():  # a refusal is one line, not dynamo's log
