@@ -48,7 +48,8 @@ class WeakBackend:
         return target(gm, example_inputs)
 
 
-def compile_owned(fn: types.FunctionType, owner: object, backend: Callable[..., Any], **kwargs: Any) -> Callable[..., Any]:
+def compile_owned(fn: types.FunctionType, owner: object, backend: Callable[..., Any],
+                  **kwargs: Any) -> Callable[..., Any]:
     """``torch.compile(fn, backend=WeakBackend(backend), **kwargs)``, whose compiled code dynamo forgets once ``owner``
     is collected. ``fn`` must have a code object of its own (one per engine: see
     :meth:`bcg.runtime.runner.step.ModelStep.function`), as forgetting drops every entry of that code.
