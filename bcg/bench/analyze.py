@@ -37,7 +37,7 @@ from tqdm.auto import tqdm
 from bcg.bench import replay
 from bcg.bench.config import AnalyzeConfig, BenchError
 from bcg.bench.cores import pinned
-from bcg.bench.engines import BuildRecord, EngineSpec, engine_for
+from bcg.bench.engines import BuildRecord, EngineSpec, engine_for, memory_note
 from bcg.bench.findings import EAGER_OF, Measurements, findings
 from bcg.bench.forecast import Profiled
 from bcg.bench.host_sizes import interpolate, timed_sizes
@@ -112,7 +112,8 @@ def _eager(spec: EngineSpec, name: str, model: str) -> Iterator[Any]:
     record = BuildRecord(name)
     with engine_for(spec, name, record) as eng:
         if eng is None:
-            raise BenchError(f"the {name} engine of {model!r} could not be built ({record.error})")
+            raise BenchError(f"the {name} engine of {model!r} could not be built ({record.error})"
+                             f"{memory_note(spec.config.torch_device)}")
         yield eng
 
 

@@ -21,7 +21,7 @@ from bcg.errors import first_line
 if TYPE_CHECKING:
     from bcg.runtime.config import EngineConfig
 
-__all__ = ["BuildRecord", "EngineSpec", "describe_build", "engine_for", "make_prompts", "one_batch",
+__all__ = ["BuildRecord", "EngineSpec", "describe_build", "engine_for", "make_prompts", "memory_note", "one_batch",
            "release_memory", "split_tokens"]
 
 
@@ -63,6 +63,22 @@ def release_memory() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
+
+
+def memory_note(device: torch.device) -> str:
+    """What this process holds of ``device``'s memory, for an engine that could not be built ("" off CUDA): another
+    process's use and an earlier engine's look the same from the error alone.
+
+    Example::
+
+        memory_note(torch.device("cuda"))   # '; of the device's 139.8 GiB, 0.0 GiB are free and this process ...'
+    """
+    if device.type != "cuda":
+        return ""
+    free, total = torch.cuda.mem_get_info(device)
+    allocated, reserved = torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device)
+    return (f"; of the device's {total / 2**30:.1f} GiB, {free / 2**30:.1f} GiB are free and this process has "
+            f"{allocated / 2**30:.1f} GiB allocated and {reserved / 2**30:.1f} GiB reserved")
 
 
 @dataclass(frozen=True)
