@@ -11,15 +11,18 @@
 #   ANALYZE_ARGS   extra flags of every validated run (default: --runs 20 --warmup 5)
 #   CHECKPOINT     scripts/make_checkpoint.py shape run through transformers (default: qwen3-0.6b; empty skips it)
 #   CORES          core counts of the --cpu-cores runs (default: 2,4,8,16; empty skips them)
+#   TIMES          1 (default) runs the cold and warm prediction-time runs first; 0 skips them
 #   T_ANALYZE      time limit of one run in seconds (default 600)
 set -uo pipefail
 source "$(dirname "$0")/steps.sh"
 setup analyze.tgz out/analyze-gpu "$@"
 python3 -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name())" | tee "$work/summary.log"
 args=${ANALYZE_ARGS:---runs 20 --warmup 5}
-step analyze-cold "${T_ANALYZE:-600}" python3 -m bcg analyze --machine-cache refresh --no-progress --no-plots \
-  --out "$work/analyze-cold"
-step analyze-warm "${T_ANALYZE:-600}" python3 -m bcg analyze --no-progress --no-plots --out "$work/analyze-warm"
+if [ "${TIMES:-1}" != 0 ]; then
+  step analyze-cold "${T_ANALYZE:-600}" python3 -m bcg analyze --machine-cache refresh --no-progress --no-plots \
+    --out "$work/analyze-cold"
+  step analyze-warm "${T_ANALYZE:-600}" python3 -m bcg analyze --no-progress --no-plots --out "$work/analyze-warm"
+fi
 for model in ${MODELS:-llama-dense gptoss-moe glm-dsa}; do
   step "analyze-$model" "${T_ANALYZE:-600}" python3 -m bcg analyze --model "$model" --validate --no-progress \
     --out "$work/analyze-$model" $args
