@@ -23,6 +23,14 @@ def _buckets(buckets: list[int]) -> str:
     return f"{len(buckets)} ({buckets[0]}..{buckets[-1]})" if len(buckets) > 4 else ", ".join(map(str, buckets))
 
 
+def _replay_line(variant: str, r: dict[str, Any]) -> str:
+    """One measured replay, step by step (:func:`bcg.bench.validate.replay_breakdown`)."""
+    return (f"Measured replay of {variant}, bucket {r['bucket']}: {r['num_segments']} segments "
+            f"{fmt(r['segments_ms'], 3)} ms, {r['num_breaks']} islands {fmt(r['islands_ms'], 3)} ms (p = "
+            f"{fmt(r['p'], 3)} of the replay), the whole replay {fmt(r['replay_ms'], 3)} ms launched in "
+            f"{fmt(r['replay_host_ms'], 3)} ms of host time, the eager work around it {fmt(r['outside_ms'], 3)} ms.")
+
+
 def _chain(c: dict[str, Any]) -> str:
     """The mixed chain's kernels alone and in a graph, µs per kernel ("-" where not measured)."""
     n, alone, graph = c.get("chain_kernels"), c.get("chain_kernel_us"), c.get("graph_chain_us")
@@ -165,12 +173,9 @@ def format_analysis(a: dict[str, Any]) -> str:
     rec = a["recommendation"]
     out.append(f"Recommendation: {rec['backend']}, max_tokens={fmt(rec['ceiling'])}, buckets {_buckets(rec['buckets'])}"
                f" ({rec['reason']}).")
-    replay = next((v["replay"] for v in (a.get("validation") or {}).values() if v.get("replay")), None)
-    if replay and replay.get("bucket") is not None:
-        out.append(f"Measured replay of bucket {replay['bucket']}: {replay['num_segments']} segments "
-                   f"{fmt(replay['segments_ms'], 3)} ms, {replay['num_breaks']} islands {fmt(replay['islands_ms'], 3)} "
-                   f"ms (p = {fmt(replay['p'], 3)} of the replay), launched in {fmt(replay['replay_host_ms'], 3)} ms "
-                   "of host time.")
+    for variant, v in (a.get("validation") or {}).items():
+        out += [_replay_line(variant, r) for r in (v.get("replay"), v.get("replay_short"))
+                if r and r.get("bucket") is not None]
     fc = (a.get("fusion_check") or {}).get(a["length"]) or (a.get("fusion_check") or {}).get(str(a["length"]))
     if fc:
         out.append(f"Fusion rule at {a['length']} tokens: the graph work's kernels take {fmt(fc['torch_us'], 0)} µs, "

@@ -189,7 +189,7 @@ def findings(m: Measurements) -> dict[str, Any]:
         out["validation"] = {v: {"available": x.available, "error": x.error, "graph_used": x.graph_used,
                                  "build_ms": x.build_ms, "graph_memory_bytes": x.graph_memory_bytes,
                                  "predicted_available": fcs[v].available, "replay": x.replay,
-                                 "fallbacks": dict(x.fallbacks)}
+                                 "replay_short": x.replay_short, "fallbacks": dict(x.fallbacks)}
                              for v, x in m.measured.items()}
     out["fusion_check"] = fusion_check(m)
     out["amdahl"] = amdahl_point(m, params["dynamic_share"], predicted, measured)

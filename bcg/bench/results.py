@@ -36,7 +36,8 @@ returns, with its ``config`` and ``plots`` (lengths are JSON object keys, so str
   (and ``resident_graph_memory_by_variant``); ``islands``: per island ``name``, ``calls``, ``host_us``,
   ``device_us`` and ``share``; ``amdahl``: ``p``, ``s_max``, ``predicted_speedup``/``predicted_n`` (and measured);
 - with ``--validate``: ``measured`` and ``errors`` (``predicted / measured - 1``) shaped like ``predictions``, and
-  ``validation`` per variant (availability, build time and graph memory measured, the replay's steps);
+  ``validation`` per variant (availability, build time and graph memory measured; the breakable backends' replay
+  step by step at the representative length, ``replay``, and at the shortest, ``replay_short``);
 - with ``--cpu-cores``: ``cpu_cores``: core count -> ``launch_gap_share``, ``predictions`` (and ``measured``) ms per
   variant at ``length``;
 - ``memory`` (free and total device memory, the budget), ``verdict``;

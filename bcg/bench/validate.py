@@ -31,9 +31,9 @@ __all__ = ["Measured", "errors", "measure_variants", "replay_breakdown", "time_p
 @dataclass
 class Measured:
     """One variant built and timed: available or why not, prefill ms per length (and per core count), whether each
-    length replayed a graph, its build time and resident graph memory, (plain breakable) its replay's steps, and the
-    timings left out because they measured the eager fallback (``fallbacks``, by ``"<length>"`` or
-    ``"<length>@<cores>"``)."""
+    length replayed a graph, its build time and resident graph memory, (breakable backends) its replay's steps at the
+    representative length and at the shortest, and the timings left out because they measured the eager fallback
+    (``fallbacks``, by ``"<length>"`` or ``"<length>@<cores>"``)."""
 
     variant: str
     available: bool
@@ -46,6 +46,7 @@ class Measured:
     num_segments: int | None = None
     num_breaks: int | None = None
     replay: dict[str, Any] | None = None
+    replay_short: dict[str, Any] | None = None  # the same at the shortest length (the host-bound end)
     fallbacks: dict[str, str] = field(default_factory=dict)  # "<length>" or "<length>@<cores>": why it ran eagerly
 
 
@@ -69,7 +70,6 @@ def measure_variants(spec: EngineSpec, variants: Sequence[str], lengths: Sequenc
         got["full"].ms[512], got["breakable"].graph_memory_bytes
     """
     out: dict[str, Measured] = {}
-    stepped = next((v for v in variants if v.split("+")[0] == "breakable"), None)  # its replay, step by step
     for variant in variants:
         record = BuildRecord(variant)
         with engine_for(spec, variant, record) as eng:
@@ -89,8 +89,10 @@ def measure_variants(spec: EngineSpec, variants: Sequence[str], lengths: Sequenc
                 for k in (k for k in cores if k is not None):
                     with pinned(k):
                         _store(m, k, *time_prefills(eng, {length: prompts[length]}, runs, warmup))
-            if variant == stepped:
-                m.replay = replay_breakdown(eng, prompt_for(vocab, length, seed), runs, warmup)
+            if parse_variant(variant).backend == "breakable":  # its replay step by step: where the time goes
+                m.replay = replay_breakdown(eng, prompts[length], runs, warmup)
+                if min(lengths) != length:
+                    m.replay_short = replay_breakdown(eng, prompts[min(lengths)], runs, warmup)
         if _runs_dynamo(variant) and m.available:
             for k in (k for k in cores if k is not None):
                 _measure_rebuilt(spec, variant, m, k, prompt_for(vocab, length, seed), length, runs, warmup)

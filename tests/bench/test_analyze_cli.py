@@ -84,7 +84,8 @@ def test_validate_and_cpu_cores_end_to_end(tmp_path: Path, capsys: pytest.Captur
         for n, err in summary["errors"][v].items():
             assert err == pytest.approx(summary["predictions"][v][n] / summary["measured"][v][n] - 1)
     assert "predicted before capture, then measured (--validate)" in out and "error" in out
-    assert "The host as a variable" in out and "Measured replay of bucket 16" in out
+    assert "The host as a variable" in out and "Measured replay of breakable, bucket 16" in out
+    assert "Measured replay of breakable, bucket 8" in out  # the shortest length's too (5 tokens: bucket 8)
     data = json.loads((tmp_path / "results.json").read_text())
     assert set(data["cpu_cores"]) == {str(k) for k in cores}
     for k in cores:  # the host's costs per core count; the device's are the same for all
@@ -99,6 +100,8 @@ def test_validate_and_cpu_cores_end_to_end(tmp_path: Path, capsys: pytest.Captur
     assert all(data["validation"][v]["fallbacks"] == {} for v in VARIANTS)
     breakable = data["validation"]["breakable"]
     assert breakable["available"] and breakable["predicted_available"] and breakable["replay"]["bucket"] == 16
+    assert breakable["replay_short"]["bucket"] == 8 and breakable["replay_short"]["replay_host_ms"] > 0
+    assert data["validation"]["full"]["replay"] is None  # the step-by-step replay is the breakable backends' own
     assert data["timings"]["validate_s"] > 0 and data["amdahl"]["measured_speedup"] > 0
     assert set(data["measured_expected_ms"]) == {"eager", *VARIANTS}
     assert (tmp_path / "cpu_cores.png").stat().st_size > 1000
