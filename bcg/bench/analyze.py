@@ -117,6 +117,11 @@ def _eager(spec: EngineSpec, name: str, model: str) -> Iterator[Any]:
         yield eng
 
 
+def _full_settings(cfg: AnalyzeConfig) -> set[str]:
+    """The kernels settings a ``full`` variant runs: only their eager engines time and profile the full step."""
+    return {v.kernels for v in (parse_variant(b) for b in cfg.backends) if v.backend == "full"}
+
+
 def _full_step(eng: Any, size: int) -> FullStep | None:
     try:
         return FullStep(eng, size)
@@ -157,7 +162,7 @@ def _host_phase(cfg: AnalyzeConfig, engines: dict[str, Any], settings: list[str]
                 for n in timed_sizes(sizes):  # the others interpolated (bcg.bench.host_sizes says why)
                     bar.set_postfix(step=f"host times {EAGER_OF[setting]}", tokens=n, cores=k or "all")
                     timed[n] = host_times(eng, prompt_for(vocab, n, cfg.seed), cfg.runs, cfg.warmup,
-                                          _full_step(eng, n))
+                                          _full_step(eng, n) if setting in _full_settings(cfg) else None)
                     bar.update()
                 hosts[k][setting] = interpolate(timed, sizes)
                 bar.update(len(sizes) - len(timed))
@@ -174,7 +179,7 @@ def _profile_phase(cfg: AnalyzeConfig, engines: dict[str, Any], settings: list[s
     for setting in settings:
         vocab = engines[setting].model.config.vocab_size
         jobs[setting] = (engines[setting], {n: prompt_for(vocab, n, cfg.seed) for n in sizes}, hosts[setting])
-    out = profile_settings(jobs, warm=cfg.validate, seconds=seconds)
+    out = profile_settings(jobs, warm=cfg.validate, seconds=seconds, full=_full_settings(cfg))
     bar.update(len(sizes) * len(settings))
     return out
 

@@ -16,7 +16,7 @@ records are read with the garbage collector held off (:func:`bcg.collector.held`
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -39,6 +39,7 @@ __all__ = ["PROFILE_AGREE", "PROFILE_MAX", "PROFILE_REPEATS", "agree", "profile_
 PROFILE_REPEATS = 2  # profiles of each forward in the first session
 PROFILE_MAX = 3  # at most, for a forward whose first profiles disagree
 PROFILE_AGREE = 0.02  # two profiles agree when their device times are this close (and their kernels the same)
+NOT_PROFILED = "the full step was not profiled: no full variant runs these kernels"
 
 
 def agree(traces: list[ForwardTrace], within: float | None = None) -> bool:
@@ -103,12 +104,13 @@ Jobs = dict[str, tuple[Any, dict[int, torch.Tensor], dict[int, int]]]
 Got = tuple[ForwardTrace, "float | None", list[str]]
 
 
-def _session(jobs: Jobs, full_errors: dict[str, dict[int, str]], seconds: dict[str, float]
+def _session(jobs: Jobs, full_errors: dict[str, dict[int, str] | None], seconds: dict[str, float]
              ) -> dict[tuple[str, str, int], list[Got]]:
     """One profiler session for every setting of ``jobs``: per size, as many profiled eager forwards as asked and as
-    many of the full step (sizes in ``full_errors[setting]`` skip it; a size whose full step fails gets its error
-    there). Returns the runs by (setting, "eager" or "full", size); adds to ``seconds`` the time spent running the
-    session ("run"; of it, starting and stopping the profiler: "start", "stop") and reading its records ("read")."""
+    many of the full step (sizes in ``full_errors[setting]`` skip it, and so does a setting whose ``full_errors`` is
+    None; a size whose full step fails gets its error there). Returns the runs by (setting, "eager" or "full",
+    size); adds to ``seconds`` the time spent running the session ("run"; of it, starting and stopping the profiler:
+    "start", "stop") and reading its records ("read")."""
     from torch.profiler import ProfilerActivity
 
     devices = {eng.device for eng, _, _ in jobs.values()}
@@ -121,7 +123,7 @@ def _session(jobs: Jobs, full_errors: dict[str, dict[int, str]], seconds: dict[s
     with quiet_profile(activities=activities, profile_memory=not cuda) as prof, torch.inference_mode():
         t_in = time.perf_counter()
         for setting, (eng, prompts, counts) in jobs.items():
-            _profile_engine(setting, eng, prompts, counts, full_errors.setdefault(setting, {}), runs)
+            _profile_engine(setting, eng, prompts, counts, full_errors.get(setting), runs)
         t_out = time.perf_counter()
     t1 = time.perf_counter()
     with held():  # hundreds of thousands of records, none garbage: a collection would walk the heap again and again
@@ -135,8 +137,9 @@ def _session(jobs: Jobs, full_errors: dict[str, dict[int, str]], seconds: dict[s
 
 
 def _profile_engine(setting: str, eng: Any, prompts: dict[int, torch.Tensor], counts: dict[int, int],
-                    full_errors: dict[int, str], runs: dict[tuple[str, str, int], list[_Run]]) -> None:
-    """One setting's part of a session (:func:`_session`): its runs added to ``runs``."""
+                    full_errors: dict[int, str] | None, runs: dict[tuple[str, str, int], list[_Run]]) -> None:
+    """One setting's part of a session (:func:`_session`): its runs added to ``runs`` (no full step where
+    ``full_errors`` is None)."""
     device = eng.device
     for n, count in counts.items():
         batch, slots = one_batch(eng, prompts[n])
@@ -145,7 +148,7 @@ def _profile_engine(setting: str, eng: Any, prompts: dict[int, torch.Tensor], co
                 run = _Run(f"{setting}/eager:{n}#{r}")
                 run(device, eng.runner.forward, batch)
                 runs.setdefault((setting, "eager", n), []).append(run)
-            if n in full_errors:
+            if full_errors is None or n in full_errors:
                 continue
             try:
                 step = FullStep(eng, n)
@@ -177,13 +180,15 @@ def profile_sizes(eng: Any, prompts: dict[int, torch.Tensor], hosts: dict[int, H
 
 def profile_settings(jobs: dict[str, tuple[Any, dict[int, torch.Tensor], dict[int, HostTimes]]],
                      repeats: int = PROFILE_REPEATS, most: int = PROFILE_MAX, warm: bool = False,
-                     seconds: dict[str, float] | None = None) -> dict[str, dict[int, Profiled]]:
+                     seconds: dict[str, float] | None = None, full: Collection[str] | None = None
+                     ) -> dict[str, dict[int, Profiled]]:
     """Per kernels setting of ``jobs`` (its eager engine, a prompt per size, the host times of each size), the
     :class:`~bcg.bench.forecast.Profiled` forward of every size, from ``repeats`` profiles each, and up to ``most``
     where they disagree (see the module doc), every setting in the same sessions. ``warm`` first runs each size once
     unprofiled, for an engine that has not run them yet (a size's first forward pays one-time costs that are no part
     of its kernels' times). ``seconds`` gets the time spent running the profiled forwards ("run", of which "start"
-    and "stop": the profiler's own) and reading their records ("read") added.
+    and "stop": the profiler's own) and reading their records ("read") added. ``full`` names the settings whose full
+    step is profiled (None: every one); the others' ``full_error`` says it was not (no ``full`` variant runs them).
 
     Example::
 
@@ -193,7 +198,7 @@ def profile_settings(jobs: dict[str, tuple[Any, dict[int, torch.Tensor], dict[in
     if warm:
         for eng, prompts, _ in jobs.values():
             _warm(eng, prompts)
-    full_errors: dict[str, dict[int, str]] = {}
+    full_errors: dict[str, dict[int, str] | None] = {s: {} if full is None or s in full else None for s in jobs}
     seconds = {} if seconds is None else seconds
     got = _session({s: (eng, prompts, {n: max(repeats, 1) for n in prompts}) for s, (eng, prompts, _) in jobs.items()},
                    full_errors, seconds)
@@ -204,13 +209,15 @@ def profile_settings(jobs: dict[str, tuple[Any, dict[int, torch.Tensor], dict[in
         more = {s: (jobs[s][0], jobs[s][1], counts) for s, counts in again.items() if counts}
         for key, rs in _session(more, full_errors, seconds).items():
             got.setdefault(key, []).extend(rs)
-    return {s: {n: _profiled(s, n, prompts[n], hosts[n], got, full_errors.get(s, {})) for n in prompts}
+    return {s: {n: _profiled(s, n, prompts[n], hosts[n], got, full_errors[s]) for n in prompts}
             for s, (_, prompts, hosts) in jobs.items()}
 
 
 def _profiled(setting: str, n: int, prompt: torch.Tensor, host: HostTimes,
-              got: dict[tuple[str, str, int], list[Got]], full_errors: dict[int, str]) -> Profiled:
+              got: dict[tuple[str, str, int], list[Got]], full_errors: dict[int, str] | None) -> Profiled:
     """One size's :class:`~bcg.bench.forecast.Profiled` from its runs in ``got``."""
+    if full_errors is None:
+        full_errors = {n: NOT_PROFILED}
     eager = got[(setting, "eager", n)]
     trace, low, high = combine_traces([r[0] for r in eager])
     p = Profiled(prompt.numel(), trace, host, activation_bytes=_max_peak(r[1] for r in eager),

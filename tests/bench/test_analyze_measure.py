@@ -94,10 +94,13 @@ def test_both_kernels_settings_are_profiled_in_one_session(eng: object, monkeypa
                                                                                            ("fused", fused))}
         seconds: dict[str, float] = {}
         ps = profiled.profile_settings({"torch": (eng, prompts, hosts["torch"]),
-                                        "fused": (fused, prompts, hosts["fused"])}, seconds=seconds)
+                                        "fused": (fused, prompts, hosts["fused"])}, seconds=seconds, full={"torch"})
     assert len(sessions) == 1 and set(ps) == {"torch", "fused"}
     for s in ps:  # each setting's forwards are its own: its host times, its kernels
-        assert ps[s][8].host is hosts[s][8] and ps[s][8].profiles == 2 and ps[s][8].full_trace is not None
+        assert ps[s][8].host is hosts[s][8] and ps[s][8].profiles == 2
+    # the full step only where a full variant runs those kernels
+    assert ps["torch"][8].full_trace is not None and ps["torch"][8].full_error is None
+    assert ps["fused"][8].full_trace is None and ps["fused"][8].full_error == profiled.NOT_PROFILED
     assert [k.name for k in ps["torch"][8].trace.kernels] != [k.name for k in ps["fused"][8].trace.kernels]
     assert 0 < seconds["start"] + seconds["stop"] < seconds["run"] and seconds["read"] > 0
 
