@@ -18,7 +18,7 @@ from bcg.bench import amdahl
 from bcg.bench.diagnostics import amdahl_point, fusion_check, islands, parameters
 from bcg.bench.forecast import Forecast, ForecastContext, forecast
 from bcg.bench.measurements import Measurements
-from bcg.bench.predict import HostTimes, replay_islands
+from bcg.bench.predict import HostTimes, islands_by_setting, replay_islands
 from bcg.bench.recommend import Recommendation, eager_curve, expected_ms, recommend
 from bcg.bench.validate import errors
 from bcg.bench.variants import parse_variant
@@ -35,7 +35,9 @@ def _setting(variant: str) -> str:
 
 def _forecasts(m: Measurements, k: int | None) -> dict[str, Forecast]:
     ctx = ForecastContext(m.costs[k], m.emulated, m.tc_compiler, m.num_params, m.warmup)
-    hosts = replay_islands(m.hosts[k])  # islands at the host cost a replay pays, not an eager forward's
+    # islands at the host cost a replay pays, not an eager forward's (one whose kernels differ by setting: its own)
+    own = islands_by_setting({s: by_size[m.length].trace for s, by_size in m.profiles.items() if m.length in by_size})
+    hosts = replay_islands(m.hosts[k], own)
     out = {}
     for v in m.variants:
         setting = _setting(v)

@@ -28,7 +28,7 @@ The programs' steps and how they are played are :mod:`bcg.bench.program`'s, the 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -37,7 +37,8 @@ from bcg.bench.program import Launch, Played, program_from_parts, simulate
 from bcg.bench.trace import ForwardTrace, Kernel, Region, regions
 
 __all__ = ["FUSION_REST", "HostTimes", "Launch", "Played", "breakable_program", "full_program", "fuse",
-           "in_graph_us", "is_fusible", "program_from_parts", "simulate", "tc_piecewise_program"]
+           "in_graph_us", "is_fusible", "islands_by_setting", "program_from_parts", "replay_islands", "simulate",
+           "tc_piecewise_program"]
 
 # The K/V write that precedes each attention island (two index_copy_), run eagerly in tc_piecewise's islands.
 _KV_WRITE_OP = "aten::index_copy_"
@@ -100,38 +101,65 @@ class HostTimes:
 
 
 
-def replay_islands(hosts: dict[str, dict[int, HostTimes]]) -> dict[str, dict[int, HostTimes]]:
+def replay_islands(hosts: dict[str, dict[int, HostTimes]], own: Collection[str] = ()
+                   ) -> dict[str, dict[int, HostTimes]]:
     """``hosts`` (per kernels setting, per size) with each island's host µs per call as a replay would pay it: the
-    least measured at that size or any longer one, over every setting.
+    least measured at that size or any longer one, over every setting (for the islands named in ``own``: over its
+    own setting's sizes only).
 
     An island runs the same code whatever the kernels around it, and its host work does not shrink as the batch
     grows; what varies is the host's state around the call. In an eager forward whose other kernels are Triton
     launches the same island measured 80-100 µs on the H200 where the plain-torch forward measured 50-58 (and a
-    stray run at one size 90), while a replay calls it between graph launches. The quartile bounds (``low``,
-    ``high``) are settled the same way, each from its own series.
+    stray run at one size 90), while a replay calls it between graph launches. An island whose own kernels differ
+    between the settings (glm-dsa's ``select_topk``: torch's ops, or bcg's Triton top-k) runs other code in each, so
+    it is in ``own`` (:func:`islands_by_setting`). The quartile bounds (``low``, ``high``) are settled the same way,
+    each from its own series.
 
     Example::
 
         hosts = replay_islands(measurements.hosts[None])
         hosts["fused"][64].island_us["attention_island"]      # <= every size's and setting's from 64 up
     """
-    def settle(pick: Callable[[HostTimes], HostTimes]) -> dict[str, dict[int, float]]:
+    def settle(pick: Callable[[HostTimes], HostTimes], setting: str) -> dict[str, dict[int, float]]:
         least: dict[str, dict[int, float]] = {}  # island -> size -> least over the settings
-        for sizes in hosts.values():
+        for other, sizes in hosts.items():
             for n, h in sizes.items():
                 for name, us in pick(h).island_us.items():
+                    if other != setting and name in own:
+                        continue
                     per = least.setdefault(name, {})
                     per[n] = min(per.get(n, us), us)
         return {name: {n: min(us for m, us in per.items() if m >= n) for n in per} for name, per in least.items()}
 
-    mid, low, high = settle(lambda h: h), settle(lambda h: h.low or h), settle(lambda h: h.high or h)
-
     def apply(h: HostTimes, table: dict[str, dict[int, float]], n: int) -> HostTimes:
         return replace(h, island_us={name: table[name][n] for name in h.island_us})
 
-    return {setting: {n: replace(apply(h, mid, n), low=apply(h.low, low, n) if h.low else None,
-                                 high=apply(h.high, high, n) if h.high else None) for n, h in sizes.items()}
-            for setting, sizes in hosts.items()}
+    out = {}
+    for setting, sizes in hosts.items():
+        mid, low, high = (settle(pick, setting) for pick in (lambda h: h, lambda h: h.low or h,
+                                                              lambda h: h.high or h))
+        out[setting] = {n: replace(apply(h, mid, n), low=apply(h.low, low, n) if h.low else None,
+                                   high=apply(h.high, high, n) if h.high else None) for n, h in sizes.items()}
+    return out
+
+
+def islands_by_setting(traces: dict[str, ForwardTrace]) -> set[str]:
+    """The islands whose calls launch other kernels under each kernels setting's trace of ``traces`` (the same size):
+    other code, whose host cost is its own setting's (:func:`replay_islands`).
+
+    Example::
+
+        islands_by_setting({s: measurements.profiles[s][512].trace for s in measurements.profiles})  # {'select_topk'}
+    """
+    kernels: dict[str, set[tuple[str, ...]]] = {}
+    for trace in traces.values():
+        by_name: dict[str, tuple[str, ...]] = {}
+        for r in regions(trace):
+            if r.island is not None and r.island.name not in by_name:
+                by_name[r.island.name] = tuple(k.name for k in r.kernels)
+        for name, names in by_name.items():
+            kernels.setdefault(name, set()).add(names)
+    return {name for name, seen in kernels.items() if len(seen) > 1}
 
 
 def in_graph_us(device_us: float, gap_us: float) -> float:

@@ -315,3 +315,19 @@ def test_islands_are_predicted_at_the_host_cost_a_replay_pays():
     assert lows == {64: 40.0, 128: 40.0, 256: 50.0} and settled["fused"][64].high is None
     assert hosts["fused"][64].island_us["attention_island"] == 95.0  # the measurements themselves are kept
     assert settled["fused"][64].forward_ms == hosts["fused"][64].forward_ms  # only the islands change
+    # an island whose kernels differ by setting (other code: glm-dsa's select_topk) keeps its own setting's times
+    own = predict.replay_islands(hosts, own={"attention_island"})
+    assert {n: h.island_us["attention_island"] for n, h in own["fused"].items()} == {64: 80.0, 128: 80.0, 256: 80.0}
+    assert {n: h.island_us["attention_island"] for n, h in own["torch"].items()} == {64: 50.0, 128: 50.0, 256: 55.0}
+
+
+def test_an_island_is_its_settings_own_where_its_kernels_differ():
+    def trace(topk_kernels):
+        ks = [Kernel("mm", "aten::mm", 5.0, host_us=1), Kernel("flash", "aten::sdpa", 3.0, "attention_island#0", 11),
+              *[Kernel(n, "", 2.0, "select_topk#1", 21) for n in topk_kernels],
+              Kernel("mm", "aten::mm", 5.0, host_us=30)]
+        return ForwardTrace(ks, [IslandCall("attention_island", 0, 10), IslandCall("select_topk", 1, 20)])
+
+    torch_trace, fused_trace = trace(["topk", "gather", "scatter"]), trace(["bcg_topk_kernel"])
+    assert predict.islands_by_setting({"torch": torch_trace, "fused": fused_trace}) == {"select_topk"}
+    assert predict.islands_by_setting({"torch": torch_trace, "fused": torch_trace}) == set()
