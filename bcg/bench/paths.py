@@ -5,7 +5,8 @@ real replay also runs the runner's own steps around them: the batch staged into 
 ``EagerStep`` reading the batch's metadata from the forward context, each tc_piecewise piece called from dynamo's
 split graph and each island through its custom op. :func:`measure_paths` builds the tiny-dense preset with
 :data:`LAYERS` layer counts as an eager engine and one of each backend asked (breakable, full, tc_piecewise), times
-``runner.forward`` of one bucket on each from an idle device, and reads off per backend:
+``runner.forward`` of one bucket on each from an idle device (a backend's two toys alive together and timed in turn,
+so that a drift of a shared host's speed does not land in the slope between them), and reads off per backend:
 
 * ``per_layer_us``: what one more layer adds to the replay's host time beyond the island's own host time measured
   on the eager engine (a segment launch or piece call, the break or the island's custom-op call, the step wrapper),
@@ -26,6 +27,8 @@ from __future__ import annotations
 import dataclasses
 import statistics
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,7 +38,7 @@ from bcg.bench.timing import sync
 
 __all__ = ["LAYERS", "PathCosts", "measure_paths"]
 
-LAYERS = (1, 3)  # tiny-dense layer counts: the slope between them is one layer's cost
+LAYERS = (1, 5)  # tiny-dense layer counts: the slope between them is one layer's cost
 BUCKET = 16
 REPS = 15
 _CACHE: dict[tuple, PathCosts] = {}
@@ -59,10 +62,21 @@ class PathCosts:
     errors: dict[str, str] = field(default_factory=dict)
 
 
-def _host_us(eng: Any, batch: Any) -> float:
-    """Median host µs of ``runner.forward`` from an idle device, not waiting for its work."""
+def _paired_host_us(a: tuple[Any, Any], b: tuple[Any, Any]) -> tuple[float, float]:
+    """Median host µs of ``runner.forward`` of each (engine, batch) pair from an idle device, not waiting for its
+    work, the two timed in turn: a drift of the host's speed while timing (a shared machine's) moves both alike
+    rather than the slope between them (timed one after the other, the slope of two H200 runs came out negative)."""
+    samples: tuple[list[float], list[float]] = ([], [])
     with torch.inference_mode():
-        return statistics.median(_host_samples(lambda: eng.runner.forward(batch), eng.device))
+        for i in range(REPS + 3):
+            for (eng, batch), out in zip((a, b), samples):
+                sync(eng.device)
+                t0 = time.perf_counter()
+                eng.runner.forward(batch)
+                if i >= 3:
+                    out.append((time.perf_counter() - t0) * 1e6)
+        sync(a[0].device)
+    return statistics.median(samples[0]), statistics.median(samples[1])
 
 
 def _host_samples(fn: Any, device: Any) -> list[float]:
@@ -104,9 +118,10 @@ def _load_us(eng: Any, batch: Any) -> float:
         return statistics.median(_host_samples(lambda: eng.runner.inputs.load(batch, BUCKET), eng.device))
 
 
-def _timed(device: str, backend: str, layers: int, with_islands: bool = False) -> tuple[float, float, int, float]:
-    """(host µs of one forward, island host µs of one forward, parameter tensors, host µs of the batch's load into
-    the static fields: 0 on eager) of tiny-dense with ``layers`` layers on ``backend``."""
+@contextmanager
+def _toy(device: str, backend: str, layers: int) -> Iterator[tuple[Any, Any, int]]:
+    """(engine, a batch of one bucket, parameter tensors) of tiny-dense with ``layers`` layers on ``backend``, freed
+    on exit."""
     from bcg.bench.engines import make_prompts, one_batch, release_memory
     from bcg.models.config import PRESETS
     from bcg.runtime import Engine
@@ -117,18 +132,34 @@ def _timed(device: str, backend: str, layers: int, with_islands: bool = False) -
     try:
         if eng.telemetry.refused_reason or eng.telemetry.compile_error:
             raise RuntimeError(eng.telemetry.refused_reason or eng.telemetry.compile_error)
-        params = len(list(eng.model.parameters()))
         batch, slots = one_batch(eng, make_prompts([BUCKET], model.vocab_size, 0)[0])
         try:
-            host = _host_us(eng, batch)
-            islands = _island_us(eng, batch) if with_islands else 0.0
-            load = _load_us(eng, batch) if backend != "eager" else 0.0
+            yield eng, batch, len(list(eng.model.parameters()))
         finally:
             eng.kv_pool.free(slots)
     finally:
         del eng
         release_memory()
-    return host, islands, params, load
+
+
+def _eager(device: str) -> tuple[list[float], list[int]]:
+    """(island host µs of one forward, parameter tensors) of the eager tiny-dense toy at each of :data:`LAYERS`."""
+    islands, params = [], []
+    for n in LAYERS:
+        with _toy(device, "eager", n) as (eng, batch, num_params):
+            islands.append(_island_us(eng, batch))
+            params.append(num_params)
+    return islands, params
+
+
+def _timed(device: str, backend: str) -> tuple[tuple[float, float], float]:
+    """((host µs of one forward at each of :data:`LAYERS`), host µs of the batch's load into the static fields of the
+    smaller) of the tiny-dense toys on ``backend``."""
+    low, high = LAYERS
+    with _toy(device, backend, low) as (eng, batch, _), _toy(device, backend, high) as (eng_high, batch_high, _):
+        hosts = _paired_host_us((eng, batch), (eng_high, batch_high))
+        load = _load_us(eng, batch)
+    return hosts, load
 
 
 def measure_paths(device: torch.device | str, backends: tuple[str, ...] = ("breakable", "full", "tc_piecewise"),
@@ -145,14 +176,14 @@ def measure_paths(device: torch.device | str, backends: tuple[str, ...] = ("brea
         return dataclasses.replace(_CACHE[key], seconds=0.0)
     t0 = time.perf_counter()
     low, high = LAYERS
-    (_, i_low, p_low, _), (_, i_high, p_high, _) = (_timed(device, "eager", n, with_islands=True) for n in LAYERS)
+    (i_low, i_high), (p_low, p_high) = _eager(device)
     island_per_layer = max((i_high - i_low) / (high - low), 0.0)
     params_per_layer = (p_high - p_low) / (high - low)
     out = PathCosts(island_us=island_per_layer, params_per_layer=params_per_layer,
                     params_fixed=p_low - low * params_per_layer)
     for backend in backends:
         try:
-            (h_low, _, _, load), (h_high, _, _, _) = (_timed(device, backend, n) for n in LAYERS)
+            (h_low, h_high), load = _timed(device, backend)
         except Exception as e:  # a backend the toy cannot build: its primitives' costs stand
             from bcg.errors import first_line
 

@@ -4,6 +4,8 @@ numbers are the emulation's, only their shape and the cache are checked)."""
 
 from __future__ import annotations
 
+import torch
+
 from bcg.bench.paths import measure_paths
 
 
@@ -46,14 +48,29 @@ def test_a_paths_fixed_cost_is_its_one_layer_forward_less_a_layer_and_its_load(m
     is the 1-layer forward less that slope and less the batch's load (which the programs count apart)."""
     from bcg.bench import paths as paths_mod
 
-    table = {  # (backend, layers) -> (host, islands, params, load)
-        ("eager", 1): (300.0, 20.0, 9, 0.0), ("eager", 3): (500.0, 60.0, 21, 0.0),
-        ("breakable", 1): (150.0, 0.0, 9, 30.0), ("breakable", 3): (250.0, 0.0, 21, 30.0),
-        ("full", 1): (80.0, 0.0, 9, 25.0), ("full", 3): (84.0, 0.0, 21, 25.0),
-    }
-    monkeypatch.setattr(paths_mod, "_timed", lambda device, backend, n, with_islands=False: table[(backend, n)])
+    monkeypatch.setattr(paths_mod, "LAYERS", (1, 3))
+    # the eager toys: islands of one forward and parameter tensors at 1 and 3 layers
+    monkeypatch.setattr(paths_mod, "_eager", lambda device: ([20.0, 60.0], [9, 21]))
+    table = {"breakable": ((150.0, 250.0), 30.0), "full": ((80.0, 84.0), 25.0)}  # (host at 1 and 3 layers), load
+    monkeypatch.setattr(paths_mod, "_timed", lambda device, backend: table[backend])
     out = measure_paths("cpu", ("breakable", "full"), cache=False)
     assert out.island_us == 20.0 and out.params_per_layer == 6.0 and out.params_fixed == 3.0
     assert out.layer_total_us == {"breakable": 50.0, "full": 2.0}
     assert out.per_layer_us == {"breakable": 30.0, "full": 0.0}  # the island (20 us) is the model's own
     assert out.fixed_us == {"breakable": 150.0 - 50.0 - 30.0, "full": 80.0 - 2.0 - 25.0}
+
+
+def test_the_two_layer_counts_are_timed_in_turn() -> None:
+    """A drift of the host's speed while timing moves both toys alike, not the slope between them."""
+    from types import SimpleNamespace
+
+    from bcg.bench import paths
+
+    calls: list[str] = []
+
+    def toy(name: str) -> tuple[SimpleNamespace, None]:
+        runner = SimpleNamespace(forward=lambda batch: calls.append(name))
+        return SimpleNamespace(runner=runner, device=torch.device("cpu")), None
+
+    low, high = paths._paired_host_us(toy("low"), toy("high"))
+    assert calls == ["low", "high"] * (paths.REPS + 3) and low > 0 and high > 0
