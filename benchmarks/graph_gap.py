@@ -1,12 +1,13 @@
 """What a kernel costs inside a replayed CUDA graph beyond its own profiled device time, for chains of kernels like a
 short prompt's layers rather than one kernel repeated.
 
-`bcg analyze` predicts a graph's device time as its kernels' eager device times plus a per-kernel gap, which the
-machine's probes measure on chains of one tiny (or medium) add repeated: on the H200 that gap reads -0.03 to +0.09 µs.
-Replayed through the model, the H200's analyze runs fit a gap near 0.5 µs a kernel instead (BENCHMARKS.md, issue 30):
-the same kernel launched again may be cheaper to start than a different one. This measures both kinds of chain the
-same way: the chain's kernels profiled eagerly (the sum of their device times, as the model reads an eager profile),
-then the same chain captured into one graph and replayed (CUDA events); the gap is the difference over the kernels.
+`bcg analyze` predicts a graph's device time as its kernels' eager device times plus a per-kernel gap. Its first
+probes repeated one tiny (or medium) add and read -0.03 to +0.09 µs on the H200, while the H200's analyze runs,
+replayed through the model, fit a gap near 0.5 µs a kernel (benchmarks/results/h200-2026-12-02-r5/REPORT.md, issue
+30): the same kernel launched again may be cheaper to start than a different one. This measures both kinds of chain
+the same way: the chain's kernels profiled eagerly (the sum of their device times, as the model reads an eager
+profile), then the same chain captured into one graph and replayed (CUDA events); the gap is the difference over the
+kernels. On the H200 it read about 0.33 µs a kernel for every chain (BENCHMARKS.md).
 
 Chains (bf16, the llama-dense shapes at 64 tokens unless named otherwise):
 
