@@ -8,9 +8,9 @@ static attention (``full``'s graph: where that run fails, or calls an island, ``
 into forwards. A size whose profiles disagree (another kernel sequence, or a device time more than
 :data:`PROFILE_AGREE` apart) gets profiled again, up to :data:`PROFILE_MAX` times, in a second session; each kernel's
 device time is then the median over a size's profiles and their range its interval
-(:func:`~bcg.bench.trace.combine_traces`). Starting and stopping the profiler and
-reading its records is most of what a profile costs, so one session for everything is much of the difference; the
-records are read with the garbage collector held off (:func:`bcg.collector.held`), which halves the reading.
+(:func:`~bcg.bench.trace.combine_traces`). Starting and stopping the profiler and reading its records is most of what
+a profile costs, so one session for everything is much of the difference; the records are read with the garbage
+collector held off (:func:`bcg.collector.held`), which halves the reading.
 """
 
 from __future__ import annotations
