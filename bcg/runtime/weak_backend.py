@@ -59,7 +59,8 @@ def compile_owned(fn: types.FunctionType, owner: object, backend: Callable[..., 
         self.compiled = compile_owned(step.function(), self, compiler, fullgraph=True)
     """
     compiled = torch.compile(fn, backend=WeakBackend(backend), **kwargs)
-    weakref.finalize(owner, _forget, fn.__code__)
+    forget = weakref.finalize(owner, _forget, fn.__code__)
+    forget.atexit = False  # at the process's exit dynamo's caches go with it (and may be half torn down)
     return compiled
 
 
