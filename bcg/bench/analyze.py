@@ -43,7 +43,6 @@ from bcg.bench.forecast import Profiled
 from bcg.bench.host_sizes import interpolate, timed_sizes
 from bcg.bench.machine import replace_device
 from bcg.bench.machine_cache import MachineCache
-from bcg.bench.notes import compile_notes, trace_notes
 from bcg.bench.predict import HostTimes
 from bcg.bench.profile import FullStep, host_times
 from bcg.bench.profiled import profile_settings
@@ -103,8 +102,7 @@ def _describe_model(eng: Any, name: str) -> dict[str, Any]:
             "vocab_size": mc.vocab_size, "num_params": sum(p.numel() for p in params),
             "num_param_tensors": len(params), "weight_bytes": sum(p.numel() * p.element_size() for p in params),
             "dtype": str(eng.dtype).replace("torch.", ""), "device": str(eng.device),
-            "auto_islands": list(eng.telemetry.auto_islands), "notes": list(eng.telemetry.notes),
-            "compile_only_islands": list(getattr(eng.model, "compile_only_islands", ()))}
+            "auto_islands": list(eng.telemetry.auto_islands), "notes": list(eng.telemetry.notes)}
 
 
 @contextmanager
@@ -202,6 +200,21 @@ def _budget(cfg: AnalyzeConfig, info: dict[str, Any]) -> float | None:
     return None if free is None else MEMORY_SHARE_LIMIT * free
 
 
+def _trace_notes(m: Measurements) -> list[str]:
+    """What the profile could not attribute: an island none of whose calls got a kernel (every island the models
+    mark launches at least one), so its device time was counted as graph work."""
+    from bcg.bench.trace import regions
+
+    notes = []
+    for setting, by_size in m.profiles.items():
+        rs = [r for r in regions(by_size[m.length].trace) if r.island is not None]
+        names = {r.island.name for r in rs} - {r.island.name for r in rs if r.kernels}
+        notes += [f"{EAGER_OF[setting]}: the profile matched no kernel to island {n} (neither its launches' "
+                  "correlation ids nor their ops were recorded); its kernels count as graph work in the predictions"
+                  for n in sorted(names)]
+    return notes
+
+
 def run_analyze(cfg: AnalyzeConfig, environment: dict[str, Any]) -> dict[str, Any]:
     """Runs ``bcg analyze`` for a resolved ``cfg``; returns the analysis as plain data (results.json's content, and
     under ``inputs`` what it was computed from: :func:`bcg.bench.replay.dump`, inputs.json's).
@@ -260,7 +273,7 @@ def run_analyze(cfg: AnalyzeConfig, environment: dict[str, Any]) -> dict[str, An
                          "lengths": m.lengths(), "length": cfg.length}
     with clock.part("composition"):
         a.update(findings(m))
-    a["notes"] = (trace_notes(m) if not cfg.emulated else []) + compile_notes(cfg.backends, info["model"])
+    a["notes"] = _trace_notes(m) if not cfg.emulated else []
     a["notes"] += [f"the replay path of {b} could not be measured on a toy engine ({why}); its primitives' costs "
                    "stand in" for b, why in info.get("path_errors", {}).items()] + cache.notes
     predict_s += time.perf_counter() - t2

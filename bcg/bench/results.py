@@ -21,8 +21,7 @@ Every non-finite float is written as ``null``, so any JSON reader accepts the fi
 The ``results.json`` of ``bcg analyze`` (schema ``bcg.analyze/2``) is the dict :func:`bcg.bench.analyze.run_analyze`
 returns, with its ``config`` and ``plots`` (lengths are JSON object keys, so strings):
 
-- ``model`` (its sizes, its automatic islands, the islands only compiling creates), ``notes`` (where the
-  predictions are known to fall short for it), ``machine`` (the :class:`~bcg.bench.machine.MachineCosts` per core
+- ``model`` (its sizes, its automatic islands), ``machine`` (the :class:`~bcg.bench.machine.MachineCosts` per core
   count, ``"None"`` for the process as it ran), ``workload`` (``source``, ``num_prompts``), ``lengths``, ``length``;
 - ``predictions``: variant -> length -> predicted prefill ms of one request (the eager variants measured);
   ``unavailable``: variant -> why it cannot run the model; ``forecasts``: per variant ``available``, ``reason``,

@@ -61,10 +61,6 @@ class CausalLM(nn.Module):
         model.compute_logits(hidden[batch.logits_indices]).shape      # (1, 256)
     """
 
-    # Islands a layer runs only when its stack is compiled (compile=): a region op that needs the running layer at
-    # replay (bcg.ops.region_islands). Uncompiled, their work is captured in the segments.
-    compile_only_islands: tuple[str, ...] = ()
-
     def __init__(self, config: ModelConfig, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         check_tensor_parallel(config, tp.size)

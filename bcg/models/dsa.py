@@ -111,8 +111,6 @@ class DSALM(CausalLM):
         2
     """
 
-    compile_only_islands = ("sparse attention",)  # bcg.ops.region_islands._sparse_attention_island, every layer
-
     def __init__(self, config: ModelConfig, tp: TensorParallel = SINGLE) -> None:
         super().__init__(config, tp)
         for layer_id in range(config.num_layers):
