@@ -4,10 +4,13 @@
 A layer compiled once and reused for every layer of the same structure ("regional compilation") must not bake its
 layer's index into the graph: dynamo guards on an int attribute such as ``layer_id``, so every layer would compile
 again. Inside a region the models therefore call :func:`region_attention` (and the DSA pair) without a layer index;
-the eager loop that runs the regions says which layer is running (:func:`at_layer`), and the island reads it when it
-runs. The ops are opaque to the compiler like the other islands (:mod:`bcg.ops.custom_ops`), and their implementation
-calls the ``@eager_on_graph`` island with the concrete index, so a compiled region called during a breakable capture
-breaks there and the captured eager step holds that index: a replay needs no loop and no cursor.
+the eager loop that runs the regions says which layer is running (:func:`at_layer`), and the op reads it when it
+runs. The ops are opaque to the compiler like the other islands (:mod:`bcg.ops.custom_ops`). Attention and the DSA
+top-k call their ``@eager_on_graph`` island with the concrete index, so a compiled region called during a breakable
+capture breaks there and the captured eager step holds that index: a replay needs no loop and no cursor. The DSA
+sparse attention has fixed shapes and is no island: called during a capture it reads the running layer's pool slices
+and its kernels go into the segment, as they do uncompiled (as an island it cost glm-dsa's compiled replay 24 eager
+calls of about 0.5 ms each at 512 tokens on the H200).
 
 Example::
 
@@ -22,7 +25,6 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from bcg.islands import eager_on_graph
 from bcg.ops import custom_ops, dsa
 from bcg.ops.attention import attention
 from bcg.ops.context import LayerIds, current_forward_context, forward_state
@@ -70,21 +72,10 @@ def _select_topk_here(index_q: Tensor, index_k: Tensor, head_weights: Tensor, to
     return dsa.select_topk(index_q, index_k, head_weights, _layer_field("index_group"), topk, impl)
 
 
-def _nothing_at_capture(*args: object, **kwargs: object) -> None:
-    """At capture the plan holds garbage (its segment only recorded): gathering keys by it could index out of the
-    pool, a device-side assert that ends the CUDA context. The island only writes ``out``, which nothing reads
-    until a replay has run the real island."""
-
-
-@eager_on_graph(capture_stub=_nothing_at_capture)
-def _sparse_attention_island(q: Tensor, k: Tensor, v: Tensor, plan: list[Tensor], out: Tensor, layer_id: int) -> None:
-    dsa.sparse_attention(q, k, v, plan, out, layer_id)
-
-
 def _sparse_attention_here(q: Tensor, k: Tensor, v: Tensor, plan: list[Tensor], out: Tensor) -> None:
-    # An island although its shapes are fixed: a graph replaying the region's opaque op would need the running
-    # layer, which only the eager loop knows (the CPU emulation replays the op itself, not the kernels it launched).
-    _sparse_attention_island(q, k, v, plan, out, _layer_field("attention"))
+    # Not an island: its shapes are fixed, so a breakable capture records its kernels in the segment (as it does
+    # uncompiled), reading the running layer's pool slices at capture; a replay needs neither the loop nor the layer.
+    dsa.sparse_attention(q, k, v, plan, out, _layer_field("attention"))
 
 
 # --- the opaque ops a compiled region calls ----------------------------------------------------------------------
@@ -151,7 +142,8 @@ def region_select_topk(index_q: Tensor, index_k: Tensor, head_weights: Tensor, t
 
 
 def region_sparse_attention(q: Tensor, k: Tensor, v: Tensor, plan: list[Tensor], out: Tensor) -> None:
-    """:func:`bcg.ops.dsa.sparse_attention` for the running layer, as an island (see ``_sparse_attention_here``)."""
+    """:func:`bcg.ops.dsa.sparse_attention` for the running layer (traced as ``bcg::region_sparse_attention``;
+    captured in the segment, not an island)."""
     if torch.compiler.is_compiling():
         torch.ops.bcg.region_sparse_attention(q, k, v, plan, out)
     else:
