@@ -55,14 +55,21 @@ def test_kinetos_records_read_as_the_function_events_and_cut_into_forwards(eng: 
         assert [c.label for c in a.calls] == ["attention_island#0", "attention_island#1"]  # two layers, per forward
 
 
-def test_every_size_is_profiled_in_one_session(eng: object, monkeypatch: pytest.MonkeyPatch) -> None:
-    sessions = []
+@pytest.fixture
+def sessions(monkeypatch: pytest.MonkeyPatch) -> list[dict]:
+    """The keyword arguments of every profiler session started while the test runs."""
+    started: list[dict] = []
 
     def counted(**kwargs: object):
-        sessions.append(kwargs)
+        started.append(kwargs)
         return quiet_profile(**kwargs)
 
     monkeypatch.setattr(profiled, "quiet_profile", counted)
+    return started
+
+
+def test_every_size_is_profiled_in_one_session(eng: object, sessions: list[dict],
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(profiled, "PROFILE_AGREE", float("inf"))  # any two profiles agree: no second session
     prompts = _prompts((8, 16))
     hosts = {n: profile.host_times(eng, p, runs=2, warmup=0) for n, p in prompts.items()}
@@ -78,14 +85,8 @@ def test_every_size_is_profiled_in_one_session(eng: object, monkeypatch: pytest.
     assert ps[8].activation_bytes < ps[16].activation_bytes
 
 
-def test_both_kernels_settings_are_profiled_in_one_session(eng: object, monkeypatch: pytest.MonkeyPatch) -> None:
-    sessions = []
-
-    def counted(**kwargs: object):
-        sessions.append(kwargs)
-        return quiet_profile(**kwargs)
-
-    monkeypatch.setattr(profiled, "quiet_profile", counted)
+def test_both_kernels_settings_are_profiled_in_one_session(eng: object, sessions: list[dict],
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(profiled, "PROFILE_AGREE", float("inf"))
     prompts = _prompts((8,))
     spec = EngineSpec("tiny-dense", EngineConfig(device="cpu", chunked_prefill_size=32, progress=False))
