@@ -101,7 +101,7 @@ class _Run:
 # One profiler session's work: per kernels setting, its eager engine, the prompt of each size and the profiles of each
 Jobs = dict[str, tuple[Any, dict[int, torch.Tensor], dict[int, int]]]
 # One profiled run: its trace, its activation peak, the islands it called
-Got = tuple[ForwardTrace, "float | None", list[str]]
+Got = tuple[ForwardTrace, float | None, list[str]]
 
 
 def _session(jobs: Jobs, full_errors: dict[str, dict[int, str] | None], seconds: dict[str, float]
