@@ -2,11 +2,13 @@
 
 For each results.json given (one model each): with ``--validate``, the prediction error of every backend at
 64-2048 tokens (target: at most 10%), whether the recommended backend is the fastest measured on the workload or
-within 3% of it, and that no measurement was an eager fallback (a backend whose replays failed under
-``--cpu-cores``, say); for a run without ``--validate`` whose machine costs all came from the disk cache (a second
-run on the machine), whether predicting took at most 5 s. Also reported: how many measured latencies fell inside their
-prediction's interval, what predicting spent its time on, and where the machine's costs came from. The last line
-printed is one JSON object with every number and a verdict per target (null where a run cannot say).
+within 3% of it, among the backends whose measured graph memory fits the run's budget (``--memory-budget``, else the
+default share of free memory), and fits it itself (:func:`within_budget`), and that no measurement was an eager
+fallback (a backend whose replays failed under ``--cpu-cores``, say); for a run without ``--validate`` whose machine
+costs all came from the disk cache (a second run on the machine), whether predicting took at most 5 s. Also reported:
+how many measured latencies fell inside their prediction's interval, what predicting spent its time on, and where the
+machine's costs came from. The last line printed is one JSON object with every number and a verdict per target (null
+where a run cannot say).
 
 ``--fixture PATH`` also writes what tests/bench/test_analyze_evidence.py replays on a CPU: per validated model its
 machine's costs, each variant's program parts, predictions and measurements at every length, the measured replay,
@@ -41,6 +43,30 @@ def _cached(result: dict) -> bool:
     return bool(sources) and all(s == "disk" for s in sources)
 
 
+def within_budget(result: dict) -> dict[str, bool | None]:
+    """Per validated variant, whether the graph memory its build measured fits the recommendation's budget (None:
+    not measured, or the recommendation capped the ladder lower than the validation built it, so the full ladder's
+    memory says nothing of it). A recommendation is right when it is the fastest measured of those that fit.
+
+    Example::
+
+        >>> within_budget({"recommendation": {"backend": "full", "ceiling": 2048, "memory_budget_bytes": 100},
+        ...                "config": {"max_tokens": 2048},
+        ...                "validation": {"full": {"graph_memory_bytes": 80}, "breakable": {"graph_memory_bytes": 120},
+        ...                               "eager": {"graph_memory_bytes": None}}})
+        {'full': True, 'breakable': False, 'eager': None}
+    """
+    rec = result["recommendation"]
+    budget = rec.get("memory_budget_bytes")
+    built = (result.get("config") or {}).get("max_tokens")
+    out: dict[str, bool | None] = {}
+    for v, x in (result.get("validation") or {}).items():
+        mem = x.get("graph_memory_bytes")
+        capped = v == rec["backend"] and rec.get("ceiling") is not None and built and rec["ceiling"] < built
+        out[v] = None if budget is None or mem is None or capped else mem <= budget
+    return out
+
+
 def check(result: dict) -> dict:
     """The targets one analysis (its results.json as a dict) can say something about."""
     name = result["model"]["name"]
@@ -56,7 +82,9 @@ def check(result: dict) -> dict:
     errors = {v: {int(n): e for n, e in by_len.items() if int(n) in LENGTHS} for v, by_len in result["errors"].items()}
     worst = {v: max((abs(e) for e in by_len.values()), default=None) for v, by_len in errors.items()}
     rec = out["recommended"]
-    expected = {v: ms for v, ms in (result.get("measured_expected_ms") or {}).items() if ms}
+    fits = within_budget(result)
+    expected = {v: ms for v, ms in (result.get("measured_expected_ms") or {}).items()
+                if ms and fits.get(v) is not False}
     fastest = min(expected, key=expected.get) if expected else None
     behind = expected[rec] / expected[fastest] - 1 if fastest and rec in expected else None
     mismatched = [v for v, x in result.get("validation", {}).items() if x["available"] != x["predicted_available"]]
@@ -72,7 +100,8 @@ def check(result: dict) -> dict:
         "availability_mismatches": mismatched, "fallbacks": fallbacks,
         "measured_inside_interval": f"{sum(inside)}/{len(inside)}" if inside else None,
         "errors_ok": all(w is not None and w <= MAX_ERROR for w in worst.values()) and not mismatched,
-        "recommendation_ok": behind is not None and behind <= WITHIN_FASTEST,
+        "budget_bytes": result["recommendation"].get("memory_budget_bytes"), "fits_budget_measured": fits,
+        "recommendation_ok": behind is not None and behind <= WITHIN_FASTEST and fits.get(rec) is not False,
         "no_fallbacks_ok": not fallbacks,
     }
 
@@ -135,8 +164,9 @@ def _inputs_beside(path: Path, result: dict) -> dict | None:
 def write_fixture(dest: Path, paths: list[Path], results: list[dict]) -> Path:
     """Writes the fixture of every validated run among ``results`` to ``dest`` (gzip-compressed for ``.gz``)."""
     models: dict[str, dict] = {}
-    for p, r in zip(paths, results):  # a model's plain validated run (not its --cpu-cores one), the first if several
-        if "errors" in r and not (r.get("config") or {}).get("cpu_cores") and r["model"]["name"] not in models:
+    for p, r in zip(paths, results):  # a model's plain validated run (no --cpu-cores, no --memory-budget), the first
+        plain = not any((r.get("config") or {}).get(k) for k in ("cpu_cores", "memory_budget"))
+        if "errors" in r and plain and r["model"]["name"] not in models:
             models[r["model"]["name"]] = fixture_entry(r, _inputs_beside(p, r))
     env = next((r["environment"] for r in results if "errors" in r), {})
     data = {"source": f"bcg analyze --validate on {env.get('device_name')} (torch {env.get('torch')}): "

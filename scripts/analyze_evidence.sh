@@ -8,8 +8,9 @@
 # tests/bench/fixtures/). Usage: scripts/analyze_evidence.sh [OUTDIR] (default $OUT, else out/analyze-gpu); every
 # step's log is bundled into analyze.tgz after each step.
 #   MODELS         presets validated (default: llama-dense gptoss-moe glm-dsa)
-#   ANALYZE_ARGS   extra flags of every validated run (default: --runs 20 --warmup 5)
+#   ANALYZE_ARGS   extra flags of every validated run (default: none; analyze times --runs 10 --warmup 3)
 #   CHECKPOINT     scripts/make_checkpoint.py shape run through transformers (default: qwen3-0.6b; empty skips it)
+#   BUDGET         --memory-budget of one more validated run of BUDGET_MODEL (default 1GiB, llama-dense; empty skips)
 #   CORES          core counts of the --cpu-cores runs (default: 2,4,8,16; empty skips them)
 #   TIMES          1 (default) runs the cold and warm prediction-time runs first; 0 skips them
 #   T_ANALYZE      time limit of one run in seconds (default 600)
@@ -17,7 +18,7 @@ set -uo pipefail
 source "$(dirname "$0")/steps.sh"
 setup analyze.tgz out/analyze-gpu "$@"
 python3 -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name())" | tee "$work/summary.log"
-args=${ANALYZE_ARGS:---runs 20 --warmup 5}
+args=${ANALYZE_ARGS:-}
 if [ "${TIMES:-1}" != 0 ]; then
   step analyze-cold "${T_ANALYZE:-600}" python3 -m bcg analyze --machine-cache refresh --no-progress --no-plots \
     --out "$work/analyze-cold"
@@ -27,6 +28,10 @@ for model in ${MODELS:-llama-dense gptoss-moe glm-dsa}; do
   step "analyze-$model" "${T_ANALYZE:-600}" python3 -m bcg analyze --model "$model" --validate --no-progress \
     --out "$work/analyze-$model" $args
 done
+if [ -n "${BUDGET-1GiB}" ]; then  # the recommendation under an explicit graph-memory budget (issue 30)
+  step analyze-budget "${T_ANALYZE:-600}" python3 -m bcg analyze --model "${BUDGET_MODEL:-llama-dense}" --validate \
+    --memory-budget "${BUDGET-1GiB}" --no-progress --out "$work/analyze-budget" $args
+fi
 checkpoint=${CHECKPOINT-qwen3-0.6b}
 if [ -n "$checkpoint" ]; then
   ckpt=$(mktemp -d)/$checkpoint  # outside $work: 1.2 GB must not go into the bundle

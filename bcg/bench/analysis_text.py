@@ -31,12 +31,15 @@ def _replay_line(variant: str, r: dict[str, Any]) -> str:
             f"{fmt(r['replay_host_ms'], 3)} ms of host time, the eager work around it {fmt(r['outside_ms'], 3)} ms.")
 
 
-def _chain(c: dict[str, Any]) -> str:
-    """The mixed chain's kernels alone and in a graph, µs per kernel ("-" where not measured)."""
-    n, alone, graph = c.get("chain_kernels"), c.get("chain_kernel_us"), c.get("graph_chain_us")
+def _chain(c: dict[str, Any], prefix: str = "") -> str:
+    """The mixed (or, with ``prefix`` "fused_", the fused) chain's kernels alone and in a graph, µs per kernel ("-"
+    where not measured)."""
+    n, alone = c.get(f"{prefix}chain_kernels"), c.get(f"{prefix}chain_kernel_us")
+    graph = c.get(f"graph_{prefix}chain_us")
     if not n or alone is None or graph is None:
         return "-"
-    return f"{fmt(alone / n)} / {fmt(graph / n)} ({fmt(n, 0)} kernels)"
+    triton = f", {fmt(c['fused_chain_triton'], 0)} of them Triton's" if prefix and c.get("fused_chain_triton") else ""
+    return f"{fmt(alone / n)} / {fmt(graph / n)} ({fmt(n, 0)} kernels{triton})"
 
 
 def _machine(a: dict[str, Any]) -> str:
@@ -47,6 +50,7 @@ def _machine(a: dict[str, Any]) -> str:
             ["medium kernel alone / in a graph (device)",
              f"{fmt(c['medium_kernel_us'])} / {fmt(c['graph_medium_kernel_us'])}"],
             ["mixed chain's kernels alone / in a graph (device, per kernel)", _chain(c)],
+            ["fused chain's kernels alone / in a graph (device, per kernel)", _chain(c, "fused_")],
             ["graph launch (host) / per node",
              f"{fmt(c['graph_launch_us'])} / {fmt(c['graph_launch_per_node_us'], 3)}"],
             ["break at replay (host)", fmt(c["break_us"])],

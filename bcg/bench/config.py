@@ -23,6 +23,8 @@ from bcg.bench import checks
 from bcg.bench.config_base import Run, default_device, resolve_machine, show_progress, spec, tc_compiler_for
 from bcg.bench.defaults import (
     ANALYZE_BACKENDS,
+    ANALYZE_RUNS,
+    ANALYZE_WARMUP,
     CPU_DEFAULTS,
     CUDA_DEFAULTS,
     MACHINE_CACHE_MODES,
@@ -141,8 +143,8 @@ class AnalyzeConfig(Run):
     predict_lengths: list[int] | None = None
     length: int | None = None
     max_tokens: int | None = None
-    runs: int = RUNS
-    warmup: int = WARMUP
+    runs: int = ANALYZE_RUNS
+    warmup: int = ANALYZE_WARMUP
     out: str = "out/analyze"
     device: str | None = None
     dtype: str | None = None

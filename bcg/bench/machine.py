@@ -30,13 +30,14 @@ from bcg.bench.machine_probes import (
     MEDIUM_ELEMENTS,
     N_BREAKS,
     N_CHAIN,
-    N_GRAPHS,
     N_KERNELS,
     N_MEDIUM,
     adds,
     breakable,
     capture,
     capture_calls,
+    fused_chain,
+    graph_memory,
     host_us,
     mixed_chain,
     piece,
@@ -48,7 +49,8 @@ __all__ = ["COMPILE_BLOCK_KERNELS", "DEVICE_FIELDS", "MachineCosts", "compile_bl
            "replace_device"]
 
 # What measure_device fills in: device times, the same whatever the host's cores.
-DEVICE_FIELDS = ("tiny_kernel_us", "medium_kernel_us", "chain_kernel_us", "chain_kernels")
+DEVICE_FIELDS = ("tiny_kernel_us", "medium_kernel_us", "chain_kernel_us", "chain_kernels", "fused_chain_kernel_us",
+                 "fused_chain_kernels")
 
 
 @dataclass
@@ -66,6 +68,9 @@ class MachineCosts:
             :func:`~bcg.bench.machine_probes.mixed_chain`): its device time in a replayed graph, its kernels' summed
             eager device time (the profiler's), and its kernels (None: not measured). Where measured, their
             difference per kernel is a graph's per-kernel gap, for kernels of every size.
+        graph_fused_chain_us / fused_chain_kernel_us / fused_chain_kernels / fused_chain_triton: the same for the
+            fused chain (:func:`~bcg.bench.machine_probes.fused_chain`), with its Triton kernels per call (0: the
+            chain ran the plain-torch reference, and a Triton kernel's gap is the others').
         graph_launch_us: host time to launch (replay) a one-kernel graph; graph_launch_per_node_us: host time each
             further kernel node adds to a launch.
         break_us: host time a break adds at replay besides the segment launches and the island's own work.
@@ -100,6 +105,10 @@ class MachineCosts:
     graph_chain_us: float | None = None
     chain_kernel_us: float | None = None
     chain_kernels: float | None = None
+    graph_fused_chain_us: float | None = None
+    fused_chain_kernel_us: float | None = None
+    fused_chain_kernels: float | None = None
+    fused_chain_triton: float = 0.0
     guard_us: float = 0.0
     guard_per_param_us: float = 0.0
     compile_ms: dict[str, tuple[float, float]] = field(default_factory=dict)
@@ -143,26 +152,19 @@ class MachineCosts:
             return medium
         return tiny + (medium - tiny) * (device_us - low) / (high - low)
 
+    def triton_gap(self, device_us: float) -> float:
+        """What one of bcg's Triton kernels of ``device_us`` changes by inside a graph: the fused chain's time in a
+        graph beyond its kernels' eager times and its other kernels' gap (:meth:`graph_gap`), per Triton kernel;
+        :meth:`graph_gap` itself where the fused chain ran no Triton kernel."""
+        other = self.graph_gap(device_us)
+        graph, alone, n = self.graph_fused_chain_us, self.fused_chain_kernel_us, self.fused_chain_kernels
+        if graph is None or alone is None or not n or not self.fused_chain_triton:
+            return other
+        return (graph - alone - other * (n - self.fused_chain_triton)) / self.fused_chain_triton
+
     def tc_call_us(self, num_params: int) -> float:
         """Host time dynamo adds to one call of a compiled function reading ``num_params`` parameter tensors."""
         return self.guard_us + self.guard_per_param_us * num_params
-
-
-def _graph_memory(emulated: bool, stream: Any, device: torch.device) -> tuple[float, float]:
-    """(bytes per kernel node, bytes per graph executable) from the device's free memory around captures."""
-    if emulated:
-        return 0.0, 0.0
-    from bcg.bench.engines import release_memory
-
-    release_memory()
-    free0 = torch.cuda.mem_get_info(device)[0]
-    big = capture(4 * N_KERNELS, emulated, stream)
-    free1 = torch.cuda.mem_get_info(device)[0]
-    small = [capture(1, emulated, stream) for _ in range(N_GRAPHS)]
-    free2 = torch.cuda.mem_get_info(device)[0]
-    del big, small
-    release_memory()
-    return max(free0 - free1, 0) / (4 * N_KERNELS), max(free1 - free2, 0) / N_GRAPHS
 
 
 # Earlier measurements of this process, by what they depend on (none of it is the model's): see measure().
@@ -210,6 +212,9 @@ def _measure(device: torch.device, compilers: tuple[str, ...], guards: bool) -> 
         chain = mixed_chain(device)
         _warm(chain, stream)
         graph_chain = wall_us(capture_calls(chain, N_CHAIN, emulated, stream).replay, device) / N_CHAIN
+        fused, triton = fused_chain(device)
+        _warm(fused, stream)  # Triton compiles each kernel at its first call
+        graph_fused = wall_us(capture_calls(fused, N_CHAIN, emulated, stream).replay, device) / N_CHAIN
         launch_one = host_us(one.replay, device)
         per_node = max((host_us(many.replay, device) - launch_one) / (N_KERNELS - 1), 0.0)
         broken = breakable(emulated, stream)
@@ -221,13 +226,14 @@ def _measure(device: torch.device, compilers: tuple[str, ...], guards: bool) -> 
         t0 = time.perf_counter()
         capture(N_KERNELS, emulated, stream)
         cap_many = (time.perf_counter() - t0) * 1e6
-    node_bytes, graph_bytes = _graph_memory(emulated, stream, device)
+    node_bytes, graph_bytes = graph_memory(emulated, stream, device)
     costs = MachineCosts(
         device=str(device), emulated=emulated, eager_launch_us=launch, eager_kernel_us=eager_wall,
         graph_kernel_us=graph_kernel, graph_launch_us=launch_one, graph_launch_per_node_us=per_node, break_us=breaks,
         piece_us=piece_host, capture_per_node_us=max((cap_many - cap_one) / (N_KERNELS - 1), 0.0),
         capture_per_graph_us=cap_one, graph_node_bytes=node_bytes, graph_bytes=graph_bytes,
-        graph_medium_kernel_us=graph_medium, graph_chain_us=graph_chain)
+        graph_medium_kernel_us=graph_medium, graph_chain_us=graph_chain, graph_fused_chain_us=graph_fused,
+        fused_chain_triton=float(triton))
     if guards:
         costs.guard_us, costs.guard_per_param_us = guard_costs(device)
     for compiler in compilers:
@@ -256,7 +262,7 @@ def measure_device(costs: MachineCosts, cache: bool = True) -> MachineCosts:
         return replace_device(costs, _DEVICE_CACHE[str(device)])
     x = torch.zeros(1, device=device)
     y = torch.zeros(MEDIUM_ELEMENTS[device.type], device=device)
-    chain = mixed_chain(device)
+    chain, fused = mixed_chain(device), fused_chain(device)[0]
     t0 = time.perf_counter()
     with torch.inference_mode():
         if costs.emulated:
@@ -264,11 +270,15 @@ def measure_device(costs: MachineCosts, cache: bool = True) -> MachineCosts:
             costs.medium_kernel_us = host_us(lambda: adds(y, N_MEDIUM), device, reps=5) / N_MEDIUM
             costs.chain_kernel_us = host_us(chain, device, reps=5)
             costs.chain_kernels = float(len(profiled_spans(chain, 1, device)))
+            costs.fused_chain_kernel_us = host_us(fused, device, reps=5)
+            costs.fused_chain_kernels = float(len(profiled_spans(fused, 1, device)))
         else:
             costs.tiny_kernel_us = _median(profiled_spans(lambda: adds(x, 200), 1, device))
             costs.medium_kernel_us = _median(profiled_spans(lambda: adds(y, 50), 1, device))
             spans = profiled_spans(chain, N_CHAIN, device)
             costs.chain_kernel_us, costs.chain_kernels = sum(spans) / N_CHAIN, len(spans) / N_CHAIN
+            spans = profiled_spans(fused, N_CHAIN, device)
+            costs.fused_chain_kernel_us, costs.fused_chain_kernels = sum(spans) / N_CHAIN, len(spans) / N_CHAIN
     costs.seconds += time.perf_counter() - t0
     _DEVICE_CACHE[str(device)] = {f: getattr(costs, f) for f in DEVICE_FIELDS}
     return costs

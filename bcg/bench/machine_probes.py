@@ -4,7 +4,9 @@ Every probe but one is tiny in-place adds on a one-element tensor (a few MiB for
 themselves cost next to nothing and what is timed is the path around them: eagerly, inside a captured graph, inside a
 breakable graph with a break between adds, inside a torch.compile piece. The one is :func:`mixed_chain`, different
 kernels in turn as a layer runs them (a GEMM, an add, a norm, SiLU-and-multiply): a graph of a model starts each
-kernel after a different one, which one add repeated does not show. The sizes below are part of the key of the costs
+kernel after a different one, which one add repeated does not show; :func:`fused_chain` is the same with bcg's own
+Triton kernels between the GEMMs, as the fused kernels setting runs a layer (a Triton kernel in a graph was measured
+to start later after its neighbour than torch's do). The sizes below are part of the key of the costs
 kept on disk (:mod:`bcg.bench.machine_cache`): changing one measures again.
 """
 
@@ -21,8 +23,8 @@ import torch
 from bcg.bench.timing import sync
 
 __all__ = ["CHAIN_SHAPE", "MEDIUM_ELEMENTS", "N_BREAKS", "N_CHAIN", "N_GRAPHS", "N_KERNELS", "N_MEDIUM", "REPS",
-           "adds", "breakable", "capture", "capture_calls", "host_us", "mixed_chain", "piece", "profiled_spans",
-           "wall_us"]
+           "adds", "breakable", "capture", "capture_calls", "fused_chain", "graph_memory", "host_us", "mixed_chain",
+           "piece", "profiled_spans", "wall_us"]
 
 N_KERNELS = 1000  # kernels of the long graph and of the eager launch loop
 N_BREAKS = 16
@@ -112,6 +114,35 @@ def mixed_chain(device: torch.device, shape: tuple[int, int, int] | None = None)
     return chain
 
 
+def fused_chain(device: torch.device, shape: tuple[int, int, int] | None = None) -> tuple[Callable[[], None], int]:
+    """:func:`mixed_chain` with bcg's fused kernels: a GEMM, the residual add + RMSNorm in one Triton kernel,
+    SiLU-and-multiply in another (:mod:`bcg.ops.kernels`), of the same ``shape``; returns the chain and its Triton
+    kernels per call (0 where the kernels run their plain-torch reference: on a CPU, or without Triton).
+
+    Example::
+
+        chain, triton = fused_chain(torch.device("cuda"))
+        chain()          # three kernels, two of them Triton's
+    """
+    from bcg.ops import kernels
+
+    tokens, width, inner = shape or CHAIN_SHAPE[device.type]
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    g = torch.Generator(device=device).manual_seed(0)
+    x, w, gate_up = (torch.randn(*s, device=device, generator=g).mul_(s[-1] ** -0.5).to(dtype)
+                     for s in ((tokens, width), (width, width), (tokens, 2 * inner)))
+    h, residual = torch.empty_like(x), x.clone()
+    weight = torch.ones(width, device=device, dtype=dtype)
+    act = torch.empty(tokens, inner, device=device, dtype=dtype)
+
+    def chain() -> None:
+        torch.mm(x, w, out=h)
+        kernels.fused_add_rms_norm(h, residual, weight, 1e-6)  # residual += h, h = its norm: h grows no further
+        kernels.silu_and_mul(gate_up, out=act)
+
+    return chain, 2 if kernels.fused_available(device) else 0
+
+
 def _break_step(x: torch.Tensor) -> None:
     from bcg.islands import break_graph
 
@@ -146,6 +177,24 @@ def piece(emulated: bool, stream: Any) -> Callable[[], Any]:
         graphed(x)
     runtime.mode = "replay"
     return lambda: graphed(x)
+
+
+def graph_memory(emulated: bool, stream: Any, device: torch.device) -> tuple[float, float]:
+    """(bytes per kernel node, bytes per graph executable) from the device's free memory around captures of
+    :data:`N_KERNELS` x 4 tiny kernels and of :data:`N_GRAPHS` one-kernel graphs (0, 0 under the emulation)."""
+    if emulated:
+        return 0.0, 0.0
+    from bcg.bench.engines import release_memory
+
+    release_memory()
+    free0 = torch.cuda.mem_get_info(device)[0]
+    big = capture(4 * N_KERNELS, emulated, stream)
+    free1 = torch.cuda.mem_get_info(device)[0]
+    small = [capture(1, emulated, stream) for _ in range(N_GRAPHS)]
+    free2 = torch.cuda.mem_get_info(device)[0]
+    del big, small
+    release_memory()
+    return max(free0 - free1, 0) / (4 * N_KERNELS), max(free1 - free2, 0) / N_GRAPHS
 
 
 def profiled_spans(fn: Any, calls: int, device: torch.device) -> list[float]:

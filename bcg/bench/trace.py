@@ -56,6 +56,11 @@ class Kernel:
     is_copy: bool = False
     host_us: float = 0.0  # when it was launched (host clock): where it falls among the island calls
 
+    @property
+    def is_triton(self) -> bool:
+        """Launched from Python outside every ``aten::`` op: one of bcg's Triton kernels (not a copy)."""
+        return not self.op and not self.is_copy
+
 
 @dataclass(frozen=True)
 class IslandCall:

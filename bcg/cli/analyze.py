@@ -18,7 +18,7 @@ HELP = "predict every backend before capturing anything, and recommend one"
 
 def add_flags(an: argparse.ArgumentParser) -> None:
     """Fills in the ``analyze`` subcommand's parser (:class:`~bcg.bench.config.AnalyzeConfig`, one flag per field)."""
-    from bcg.bench.defaults import ANALYZE_BACKENDS, MACHINE_CACHE_MODES
+    from bcg.bench.defaults import ANALYZE_BACKENDS, ANALYZE_RUNS, ANALYZE_WARMUP, MACHINE_CACHE_MODES
     from bcg.bench.defaults import CPU_DEFAULTS as C
     from bcg.bench.defaults import CUDA_DEFAULTS as G
     from bcg.cli.run import run_analyze
@@ -29,7 +29,7 @@ def add_flags(an: argparse.ArgumentParser) -> None:
                       "ceiling and buckets for a workload under a graph-memory budget. The seed's four parameters "
                       "(launch-gap share, dynamic share, bucket coverage, resident graph memory) are named in the "
                       "report. --validate also captures and measures every backend.")
-    measure_flags(an, "out/analyze")
+    measure_flags(an, "out/analyze", ANALYZE_RUNS, ANALYZE_WARMUP)
     an.add_argument("--backends", type=backend_list, default=None,
                     help="comma list of the variants to predict, named as in bench (e.g. breakable+fused, "
                     "tc_piecewise, breakable+inductor; eager, and eager+fused when a +fused variant is named, are "

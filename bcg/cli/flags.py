@@ -74,17 +74,19 @@ def engine_flags(p: argparse.ArgumentParser, model_help: str, model: str | None 
                    help="progress bars on stderr (default: on when stderr is a terminal, off in logs and pipes)")
 
 
-def measure_flags(p: argparse.ArgumentParser, out: str) -> None:
-    """The flags of bench and analyze: how often to time, on how many threads, and where the results go."""
+def measure_flags(p: argparse.ArgumentParser, out: str, runs: int | None = None, warmup: int | None = None) -> None:
+    """The flags of bench and analyze: how often to time (``runs`` and ``warmup`` default to bench's), on how many
+    threads, and where the results go."""
     from bcg.bench.defaults import CPU_DEFAULTS as C
     from bcg.bench.defaults import CUDA_DEFAULTS as G
     from bcg.bench.defaults import RUNS, WARMUP
 
     engine_flags(p, both(G.model, C.model))
-    p.add_argument("--runs", type=int, default=RUNS,
+    p.add_argument("--runs", type=int, default=RUNS if runs is None else runs,
                    help="timed runs per measurement; the median is reported with its interquartile range "
                    "(default: %(default)s)")
-    p.add_argument("--warmup", type=int, default=WARMUP, help="untimed runs before timing (default: %(default)s)")
+    p.add_argument("--warmup", type=int, default=WARMUP if warmup is None else warmup,
+                   help="untimed runs before timing (default: %(default)s)")
     p.add_argument("--out", type=out_dir, default=out, help="output folder for results.json and the PNGs, checked "
                    "for writing before anything runs (default: %(default)s)")
     p.add_argument("--threads", type=int, default=None,

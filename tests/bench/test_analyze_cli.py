@@ -124,6 +124,37 @@ def _targets(*argv: str) -> int:
     return targets(list(argv))
 
 
+def test_the_target_check_judges_a_recommendation_among_what_fits_the_budget_measured() -> None:
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    try:
+        from analyze_targets import check
+    finally:
+        sys.path.pop(0)
+    mib = 2**20
+
+    def result(backend: str, budget: float, ceiling: int = 2048) -> dict:
+        return {"model": {"name": "m"}, "environment": {}, "config": {"max_tokens": 2048},
+                "timings": {"predict_s": 3.0, "validate_s": 30.0},
+                "recommendation": {"backend": backend, "ceiling": ceiling, "memory_budget_bytes": budget},
+                "errors": {}, "measured": {}, "predictions": {},
+                "measured_expected_ms": {"fast": 1.0, "slow": 1.5, "eager": 9.0},
+                "validation": {v: {"available": True, "predicted_available": True, "graph_memory_bytes": m}
+                               for v, m in (("fast", 300 * mib), ("slow", 100 * mib), ("eager", None))}}
+
+    # no budget in the way: the fastest is right, the slower one 50% behind
+    assert check(result("fast", 1024 * mib))["recommendation_ok"] is True
+    assert check(result("slow", 1024 * mib))["recommendation_ok"] is False
+    # "fast" measured over a 200 MiB budget: the fastest that fits is "slow", and recommending "fast" is wrong
+    over = check(result("fast", 200 * mib))
+    assert over["fits_budget_measured"] == {"fast": False, "slow": True, "eager": None}
+    assert over["fastest_measured"] == "slow" and over["recommendation_ok"] is False
+    assert check(result("slow", 200 * mib))["recommendation_ok"] is True
+    # capped below the ladder the validation built, its full ladder's memory says nothing of the recommendation
+    assert check(result("fast", 200 * mib, ceiling=512))["fits_budget_measured"]["fast"] is None
+
+
 def test_workload_trace_and_a_budget_nothing_fits(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     trace = tmp_path / "trace.jsonl"
     trace.write_text('{"input_len": 12, "output_len": 1}\n{"prompt_token_ids": [1, 2, 3, 4, 5]}\n')

@@ -62,6 +62,9 @@ def test_machine_costs_on_cuda() -> None:
         value = getattr(costs, name)
         assert value is not None and math.isfinite(value) and value > 0, name
     assert costs.graph_node_bytes >= 0 and costs.graph_bytes >= 0 and not costs.emulated
+    # the fused chain ran bcg's two Triton kernels a call beside its GEMM (one or two cuBLAS kernels)
+    assert costs.fused_chain_triton == 2 and 3 <= costs.fused_chain_kernels <= 4
+    assert costs.graph_fused_chain_us > 0 and math.isfinite(costs.triton_gap(2.0))
 
 
 def test_validated_analyze_agrees_on_availability(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

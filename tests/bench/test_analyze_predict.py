@@ -4,6 +4,8 @@ availability, and the graph-memory and build estimates."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from analyze_cases import costs, event, host, layer_trace, profiled
 
@@ -257,6 +259,30 @@ def test_the_mixed_chains_gap_is_every_kernels_gap_where_measured() -> None:
     # a segment of three 10 us kernels: 31.5 us in the graph
     k = [Kernel("mm", "aten::mm", 10.0)] * 3
     assert predict._graph("segment", k, c, 5.0).device_us == pytest.approx(31.5)
+
+
+def test_a_triton_kernels_gap_is_the_fused_chains_beyond_its_other_kernels() -> None:
+    # the mixed chain: 0.5 us a kernel; the fused chain: 4 kernels (2 Triton) of 15 us alone, 20 in a graph, so
+    # each Triton kernel takes (20 - 15 - 2 * 0.5) / 2 = 2 us beyond its eager time
+    c = costs(graph_chain_us=45.0, chain_kernel_us=40.0, chain_kernels=10.0, graph_fused_chain_us=20.0,
+              fused_chain_kernel_us=15.0, fused_chain_kernels=4.0, fused_chain_triton=2.0)
+    assert c.triton_gap(3.0) == pytest.approx(2.0) and c.graph_gap(3.0) == pytest.approx(0.5)
+    ks = [Kernel("nvjet_gemm", "aten::mm", 10.0), Kernel("_rms_norm_kernel", "", 3.0),
+          Kernel("Memcpy DtoD", "", 1.0, is_copy=True)]
+    assert [k.is_triton for k in ks] == [False, True, False]
+    assert predict._graph("segment", ks, c, 5.0).device_us == pytest.approx(10.5 + 5.0 + 1.5)
+    # a chain that ran no Triton kernel (the CPU, no Triton) says nothing of them: the others' gap stands
+    assert replace(c, fused_chain_triton=0.0).triton_gap(3.0) == pytest.approx(0.5)
+    assert costs(graph_chain_us=45.0, chain_kernel_us=40.0, chain_kernels=10.0).triton_gap(3.0) == pytest.approx(0.5)
+
+
+def test_the_machine_measures_the_fused_chain_alone_and_in_a_graph() -> None:
+    from bcg.bench.machine import DEVICE_FIELDS, measure, measure_device
+
+    c = measure_device(measure("cpu", cache=False), cache=False)
+    assert c.graph_fused_chain_us > 0 and c.fused_chain_kernel_us > 0 and "fused_chain_kernel_us" in DEVICE_FIELDS
+    assert c.fused_chain_kernels >= 4  # the GEMM, and the fused kernels' plain-torch references' ops
+    assert c.fused_chain_triton == 0 and c.triton_gap(2.0) == c.graph_gap(2.0)  # a CPU runs no Triton kernel
 
 
 def test_the_machine_measures_the_mixed_chain_alone_and_in_a_graph() -> None:
