@@ -53,7 +53,8 @@ def _machine(a: dict[str, Any]) -> str:
             ["fused chain's kernels alone / in a graph (device, per kernel)", _chain(c, "fused_")],
             ["graph launch (host) / per node",
              f"{fmt(c['graph_launch_us'])} / {fmt(c['graph_launch_per_node_us'], 3)}"],
-            ["break at replay (host)", fmt(c["break_us"])],
+            ["break at replay (host) / a segment's start after it (device)",
+             f"{fmt(c['break_us'])} / {fmt(c.get('segment_start_us'))}"],
             ["piecewise piece call (host)", fmt(c["piece_us"])],
             ["capture per node / per graph", f"{fmt(c['capture_per_node_us'])} / {fmt(c['capture_per_graph_us'])}"],
             ["graph memory per node / per graph", f"{fmt_bytes(c['graph_node_bytes'])} / "

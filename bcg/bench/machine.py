@@ -1,17 +1,13 @@
 """What launching costs on this machine: the microbenchmarks behind every prediction of ``bcg analyze``.
 
-Each number comes from tiny in-place adds on a one-element tensor, so the kernels themselves cost next to nothing and
-what is timed is the path around them: an eager launch, a kernel inside a replayed graph, a graph launch, a break of a
-breakable graph, a piece of torch.compile piecewise, a capture; the graph memory each node and each graph executable
-holds; dynamo's guards per call (by parameter count) and a compile per layer-like block. They take a few seconds, so
-a process measures them once and :mod:`bcg.bench.machine_cache` keeps them on disk for the next run.
-Under the CPU emulation they run the same code (emulated graphs), and mean nothing for a GPU.
-
-The host-side benchmarks (:func:`measure`) run before anything is profiled; :func:`measure_device` reads the numbers
-that need the profiler (the eager device time of a tiny kernel, a medium one and the mixed chain) last, because the
-profiler, once loaded, slows later host work.
-The probes, their sizes and timers are in :mod:`bcg.bench.machine_probes`; dynamo's guards and the compile benchmark
-in :mod:`bcg.bench.machine_compile`.
+Each number times the path around kernels that cost next to nothing (:mod:`bcg.bench.machine_probes` has the probes,
+sizes and timers): an eager launch, a kernel inside a replayed graph, a graph launch, a break, a segment's start on the
+device, a piece of torch.compile piecewise, a capture; the graph memory each node and each graph executable holds;
+dynamo's guards per call and a compile per layer-like block (:mod:`bcg.bench.machine_compile`). A process measures
+them once and :mod:`bcg.bench.machine_cache` keeps them on disk. Under the CPU emulation they run the same code
+(emulated graphs) and mean nothing for a GPU. The host-side benchmarks (:func:`measure`) run before anything is
+profiled; :func:`measure_device` reads the numbers that need the profiler (the eager device time of a tiny kernel, a
+medium one and the two chains) last, because the profiler, once loaded, slows later host work.
 """
 
 from __future__ import annotations
@@ -42,6 +38,7 @@ from bcg.bench.machine_probes import (
     mixed_chain,
     piece,
     profiled_spans,
+    segment_starts,
     wall_us,
 )
 
@@ -74,6 +71,8 @@ class MachineCosts:
         graph_launch_us: host time to launch (replay) a one-kernel graph; graph_launch_per_node_us: host time each
             further kernel node adds to a launch.
         break_us: host time a break adds at replay besides the segment launches and the island's own work.
+        segment_start_us: device time a graph launched after eager work (a segment after an island, a piece) takes
+            beyond its kernels (:func:`~bcg.bench.machine_probes.segment_starts`; 0: not measured).
         piece_us: host time of one torch.compile piece called in a piecewise graph, its graph's replay included.
         capture_per_node_us / capture_per_graph_us: capture and instantiation time per kernel and per graph.
         graph_node_bytes / graph_bytes: device memory per kernel node and per graph executable (0 on a CPU).
@@ -99,6 +98,7 @@ class MachineCosts:
     capture_per_graph_us: float
     graph_node_bytes: float = 0.0
     graph_bytes: float = 0.0
+    segment_start_us: float = 0.0
     tiny_kernel_us: float | None = None
     medium_kernel_us: float | None = None
     graph_medium_kernel_us: float | None = None
@@ -220,6 +220,8 @@ def _measure(device: torch.device, compilers: tuple[str, ...], guards: bool) -> 
         broken = breakable(emulated, stream)
         breaks = max((host_us(broken.replay, device) - (N_BREAKS + 1) * launch_one) / N_BREAKS, 0.0)
         piece_host = host_us(piece(emulated, stream), device)
+        broken_replay, whole_replay = segment_starts(emulated, stream)
+        segment_start = (wall_us(broken_replay, device) - wall_us(whole_replay, device)) / N_BREAKS
         t0 = time.perf_counter()
         capture(1, emulated, stream)
         cap_one = (time.perf_counter() - t0) * 1e6
@@ -233,7 +235,7 @@ def _measure(device: torch.device, compilers: tuple[str, ...], guards: bool) -> 
         piece_us=piece_host, capture_per_node_us=max((cap_many - cap_one) / (N_KERNELS - 1), 0.0),
         capture_per_graph_us=cap_one, graph_node_bytes=node_bytes, graph_bytes=graph_bytes,
         graph_medium_kernel_us=graph_medium, graph_chain_us=graph_chain, graph_fused_chain_us=graph_fused,
-        fused_chain_triton=float(triton))
+        fused_chain_triton=float(triton), segment_start_us=max(segment_start, 0.0))
     if guards:
         costs.guard_us, costs.guard_per_param_us = guard_costs(device)
     for compiler in compilers:

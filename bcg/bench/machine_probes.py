@@ -1,13 +1,13 @@
 """What the microbenchmarks of :mod:`bcg.bench.machine` time, and how: their sizes, the two timers, and the probes.
 
-Every probe but one is tiny in-place adds on a one-element tensor (a few MiB for the medium kernel), so the kernels
+Most probes are tiny in-place adds on a one-element tensor (a few MiB for the medium kernel), so the kernels
 themselves cost next to nothing and what is timed is the path around them: eagerly, inside a captured graph, inside a
-breakable graph with a break between adds, inside a torch.compile piece. The one is :func:`mixed_chain`, different
-kernels in turn as a layer runs them (a GEMM, an add, a norm, SiLU-and-multiply): a graph of a model starts each
-kernel after a different one, which one add repeated does not show; :func:`fused_chain` is the same with bcg's own
-Triton kernels between the GEMMs, as the fused kernels setting runs a layer (a Triton kernel in a graph was measured
-to start later after its neighbour than torch's do). The sizes below are part of the key of the costs
-kept on disk (:mod:`bcg.bench.machine_cache`): changing one measures again.
+breakable graph with a break between adds, inside a torch.compile piece. :func:`mixed_chain` runs different kernels
+in turn as a layer runs them (a GEMM, an add, a norm, SiLU-and-multiply): a graph of a model starts each kernel after
+a different one, which one add repeated does not show; :func:`fused_chain` is the same with bcg's own Triton kernels
+between the GEMMs, as the fused kernels setting runs a layer. :func:`segment_starts` times, with the device the slower
+clock, what a segment launched after an island's eager kernel costs the device beyond its kernels. The sizes below
+are part of the key of the costs kept on disk (:mod:`bcg.bench.machine_cache`): changing one measures again.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ import torch
 from bcg.bench.timing import sync
 
 __all__ = ["CHAIN_SHAPE", "MEDIUM_ELEMENTS", "N_BREAKS", "N_CHAIN", "N_GRAPHS", "N_KERNELS", "N_MEDIUM", "REPS",
-           "adds", "breakable", "capture", "capture_calls", "fused_chain", "graph_memory", "host_us", "mixed_chain",
-           "piece", "profiled_spans", "wall_us"]
+           "SLEEP_CYCLES", "adds", "breakable", "capture", "capture_calls", "fused_chain", "graph_memory", "host_us",
+           "mixed_chain", "piece", "profiled_spans", "segment_starts", "wall_us"]
 
 N_KERNELS = 1000  # kernels of the long graph and of the eager launch loop
 N_BREAKS = 16
@@ -35,6 +35,9 @@ N_CHAIN = 20  # calls of the mixed chain in its graph and in its profile
 # (tokens, hidden width, intermediate width) of the mixed chain: a small model's layer at a short prompt on a GPU
 CHAIN_SHAPE = {"cuda": (64, 1024, 2816), "cpu": (8, 64, 176)}
 REPS = 15
+# The long kernel of each segment of the segment-start probe: about 25 µs on a 2 GHz GPU, so the device, not the host
+# launching the segments, sets the pace of the replay.
+SLEEP_CYCLES = 50_000
 
 
 def host_us(fn: Callable[[], Any], device: torch.device, reps: int = REPS) -> float:
@@ -161,6 +164,42 @@ def breakable(emulated: bool, stream: Any) -> Any:
     with bcg.breakable_graph(graph, stream=stream):
         _break_step(x)
     return graph
+
+
+def segment_starts(emulated: bool, stream: Any) -> tuple[Callable[[], None], Callable[[], None]]:
+    """Two replays of the same kernels, to time: a breakable graph of :data:`N_BREAKS` + 1 segments (a long kernel,
+    then an add) with an island launching one add between each two, and one plain graph of the same kernels without
+    the breaks. The long kernels keep the device the slower clock in both, so their difference per break is what the
+    device spends starting a segment after eager work, beyond the kernels themselves.
+
+    Example::
+
+        broken, whole = segment_starts(False, torch.cuda.Stream())
+        (wall_us(broken, dev) - wall_us(whole, dev)) / N_BREAKS      # device µs a segment start costs
+    """
+    import bcg
+
+    x = torch.zeros(1, device="cpu" if emulated else "cuda")
+
+    @bcg.eager_on_graph
+    def island(t: torch.Tensor) -> None:
+        t.add_(1.0)
+
+    def step(breaks: bool) -> None:
+        for i in range(N_BREAKS + 1):
+            if emulated:
+                x.mul_(1.0)  # the emulation has no sleep kernel; its numbers mean nothing for a GPU anyway
+            else:
+                torch.cuda._sleep(SLEEP_CYCLES)
+            x.add_(1.0)
+            if i < N_BREAKS:
+                island(x) if breaks else x.add_(1.0)
+
+    broken = bcg.BreakableCUDAGraph(emulate=emulated)
+    with bcg.breakable_graph(broken, stream=stream):
+        step(True)
+    whole = capture_calls(lambda: step(False), 1, emulated, stream)
+    return broken.replay, whole.replay
 
 
 def piece(emulated: bool, stream: Any) -> Callable[[], Any]:

@@ -169,9 +169,10 @@ def in_graph_us(device_us: float, gap_us: float) -> float:
 
 
 def _graph(part: str, kernels: Sequence[Kernel], costs: Any, launch_us: float) -> Launch:
-    # bcg's Triton kernels start later after a neighbour than torch's do (the fused chain measures their own gap)
+    # bcg's Triton kernels start later after a neighbour than torch's do (the fused chain measures their own gap);
+    # every graph here is launched after eager work (the load, an island), which the device pays for at its start
     gap = [(costs.triton_gap if k.is_triton else costs.graph_gap)(k.device_us) for k in kernels]
-    device = sum(in_graph_us(k.device_us, g) for k, g in zip(kernels, gap))
+    device = costs.segment_start_us + sum(in_graph_us(k.device_us, g) for k, g in zip(kernels, gap))
     return Launch(part, launch_us + costs.graph_launch_per_node_us * len(kernels), device, True, len(kernels))
 
 

@@ -65,6 +65,7 @@ def test_machine_costs_on_cuda() -> None:
     # the fused chain ran bcg's two Triton kernels a call beside its GEMM (one or two cuBLAS kernels)
     assert costs.fused_chain_triton == 2 and 3 <= costs.fused_chain_kernels <= 4
     assert costs.graph_fused_chain_us > 0 and math.isfinite(costs.triton_gap(2.0))
+    assert 0 <= costs.segment_start_us < 50  # a few µs a segment launched after an island's kernel
 
 
 def test_validated_analyze_agrees_on_availability(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
+import torch
 from analyze_cases import costs, event, host, layer_trace, profiled
 
 from bcg.bench import predict
@@ -274,6 +275,29 @@ def test_a_triton_kernels_gap_is_the_fused_chains_beyond_its_other_kernels() -> 
     # a chain that ran no Triton kernel (the CPU, no Triton) says nothing of them: the others' gap stands
     assert replace(c, fused_chain_triton=0.0).triton_gap(3.0) == pytest.approx(0.5)
     assert costs(graph_chain_us=45.0, chain_kernel_us=40.0, chain_kernels=10.0).triton_gap(3.0) == pytest.approx(0.5)
+
+
+def test_every_graph_launched_after_eager_work_pays_the_segment_start_on_the_device() -> None:
+    c = costs(graph_chain_us=45.0, chain_kernel_us=40.0, chain_kernels=10.0, segment_start_us=4.0)
+    ks = [Kernel("mm", "aten::mm", 10.0)] * 3
+    assert predict._graph("segment", ks, c, 5.0).device_us == pytest.approx(4.0 + 31.5)
+    # a breakable program pays it once per segment, on the device only: the host's launches are unchanged
+    trace = layer_trace(num_layers=3)
+    plain, started = (predict.breakable_program(trace, host(calls=3), x)
+                      for x in (replace(c, segment_start_us=0.0), c))
+    segments = [s for s in started if s.part == "segment"]
+    assert len(segments) >= 3
+    assert sum(s.device_us for s in started) - sum(s.device_us for s in plain) == pytest.approx(4.0 * len(segments))
+    assert [s.host_us for s in started] == [s.host_us for s in plain]
+
+
+def test_the_machine_measures_a_segments_start_with_the_device_the_slower_clock() -> None:
+    from bcg.bench.machine import measure
+    from bcg.bench.machine_probes import segment_starts, wall_us
+
+    broken, whole = segment_starts(True, None)  # the emulation: both replays run, the same kernels
+    assert wall_us(broken, torch.device("cpu")) > 0 and wall_us(whole, torch.device("cpu")) > 0
+    assert measure("cpu", cache=False).segment_start_us >= 0
 
 
 def test_the_machine_measures_the_fused_chain_alone_and_in_a_graph() -> None:
