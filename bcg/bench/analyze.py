@@ -276,6 +276,9 @@ def run_analyze(cfg: AnalyzeConfig, environment: dict[str, Any]) -> dict[str, An
     a["notes"] = _trace_notes(m) if not cfg.emulated else []
     a["notes"] += [f"the replay path of {b} could not be measured on a toy engine ({why}); its primitives' costs "
                    "stand in" for b, why in info.get("path_errors", {}).items()] + cache.notes
+    a["notes"] += [f"{v} was predicted to capture this model but its build failed ({x['error']}); the recommendation "
+                   "leaves it out" for v, x in (a.get("validation") or {}).items()
+                   if x["predicted_available"] and not x["available"]]
     predict_s += time.perf_counter() - t2
     a["memory"] = {"free_bytes": info.get("free_bytes"), "total_bytes": info.get("total_bytes"),
                    "budget_bytes": m.budget_bytes,

@@ -101,6 +101,17 @@ def _recommend(m: Measurements, fcs: dict[str, Forecast]) -> Recommendation:
                      lambda fc, b: fc.graph_memory_bytes(b, costs), build, m.padding, m.budget_bytes, bounds)
 
 
+def _refused_when_built(m: Measurements, fcs: dict[str, Forecast]) -> dict[str, Forecast]:
+    """``fcs`` with every variant the validation could not build marked unavailable, with its build's error: a
+    backend predicted to capture but refused when built (torch.compile specialising the token count while compiling,
+    say) must not be recommended. Without a validation, ``fcs`` as they are."""
+    if m.measured is None:
+        return fcs
+    refused = {v: x.error for v, x in m.measured.items() if not x.available and v in fcs and fcs[v].available}
+    return {v: replace(fc, available=False, reason=f"predicted to capture, but its build failed: {refused[v]}")
+            if v in refused else fc for v, fc in fcs.items()}
+
+
 def _measured_expected(m: Measurements, measured: dict[str, dict[int, float]]) -> dict[str, float]:
     """Each measured variant's expected latency per prompt of the workload, from its measured latencies (a forward
     that would not replay takes its kernels' measured eager latency), as the recommendation weighed the predicted
@@ -149,7 +160,7 @@ def findings(m: Measurements) -> dict[str, Any]:
     """
     fcs = _forecasts(m, None)
     predicted = _predictions(m, fcs, None, m.lengths())
-    rec = _recommend(m, fcs)
+    rec = _recommend(m, _refused_when_built(m, fcs))
     params = parameters(m, rec, fcs)
     costs = m.costs[None]
     forecasts = {}

@@ -1,7 +1,7 @@
 """The H200's own numbers replayed through the prediction model on a CPU, against what the same runs measured, at
 every length they hold (tests/bench/fixtures/analyze_h200.json.gz, written by ``benchmarks/analyze_targets.py
 --fixture`` from the `bcg analyze --validate` runs of llama-dense, gptoss-moe, glm-dsa and a Qwen3-0.6B-shaped
-checkpoint run through transformers at e7d8ec0, benchmarks/results/h200-2026-12-02-r6/call3-e7d8ec0/;
+checkpoint run through transformers at eb511fe, benchmarks/results/h200-2026-12-02-r7/call2-eb511fe/;
 analyze_h200_all_sizes.json.gz is the run of 62e2aed, the last that timed the host at every size, for the
 interpolation's test; earlier fixtures are beside their runs).
 
@@ -14,37 +14,37 @@ What a model entry holds decides how far the replay goes, per variant and length
   :func:`~bcg.bench.program.simulate`): a change to how programs are played shows, not one to how they are composed;
 * ``file``: the GPU run's own prediction, where the file holds nothing to replay.
 
-Every entry holds inputs.json, so every row is ``model``. The errors (predicted / measured - 1) with the mixed chain's
-in-graph gap and an island whose kernels differ by setting at its own setting's host cost:
+Every entry holds inputs.json, so every row is ``model``. The errors (predicted / measured - 1), with the mixed
+chain's in-graph gap (0.17 µs a kernel), bcg's Triton kernels at the fused chain's (0.28) and every graph paying the
+measured segment start (1.9 µs):
 
 ==========================  ======  ======  ======  ======  ======  ======
 model, variant                  64     128     256     512    1024    2048
 ==========================  ======  ======  ======  ======  ======  ======
-llama-dense breakable       -15.9%  -14.4%  -10.8%   -7.7%   -6.9%   -5.2%
-breakable+fused             -14.0%  -12.9%  -12.7%  -10.4%   -5.7%   -6.2%
-full                         -2.8%   -2.1%   -1.2%   +0.3%   +0.7%   +0.1%
-tc_piecewise                 -8.5%   -7.2%   -6.5%   -1.7%   +3.1%   +6.3%
-breakable+inductor          -10.5%   -9.2%   -7.6%   -2.7%   +2.2%   +6.2%
-gptoss-moe breakable         -8.2%   -7.3%   -6.0%   -4.7%   -3.9%   -4.1%
-breakable+fused             -14.5%   -6.8%   -7.9%   -6.7%   -3.6%   -3.8%
-full                         -2.4%   -2.1%   -2.5%   -2.7%   -0.8%   -3.2%
-tc_piecewise                 -2.2%   -0.3%   +0.6%   +3.1%   +6.4%   +6.9%
-breakable+inductor           -0.5%   +0.7%   +1.7%   +4.4%   +8.1%   +8.0%
-glm-dsa breakable            -9.7%   -8.0%   -5.8%   -3.5%   -3.0%   -0.8%
-breakable+fused              -3.2%   -1.9%   -0.2%   +0.1%   +0.2%   -0.6%
-breakable+inductor          -49.6%  -39.3%  -16.5%  -13.2%  -10.8%   -9.6%
-qwen3-0.6b breakable         -9.4%   -6.8%   -4.9%   -3.1%   -1.5%   -1.4%
-breakable+fused             -11.7%  -11.1%   -3.5%   -3.9%   -3.3%   -3.6%
-full                         -3.5%   -2.0%   -1.1%   -0.2%   +0.6%   +0.9%
-breakable+inductor           +5.5%   +8.0%   +7.9%   +9.4%   +8.7%   +8.6%
+glm-dsa breakable           -10.5%   -9.0%   -5.4%   -3.6%   -2.4%   -0.9%
+breakable+fused              -2.6%   -1.5%   -0.7%   -0.3%   +0.3%   +0.4%
+breakable+inductor          -10.9%  -10.6%   -8.5%   -7.1%   -6.8%   -5.6%
+gptoss-moe breakable         -6.8%   -5.5%   -4.9%   -3.1%   -2.6%   -4.0%
+breakable+fused              -6.9%   -4.7%   -4.2%   -2.0%   -2.1%   -1.7%
+full                         -3.8%   -2.8%   -1.5%   -0.3%   -0.5%   -2.4%
+tc_piecewise                 +0.8%   +3.0%   +3.9%   +6.7%   +8.9%   +8.4%
+breakable+inductor           -1.9%   -1.9%   +2.3%   +5.6%   +8.6%   +8.9%
+llama-dense breakable       -11.7%  -10.4%   -8.2%   -6.3%   -4.8%   -3.9%
+breakable+fused             -12.1%  -11.9%  -11.5%  -12.7%   -7.4%   -6.4%
+full                         -5.0%   -2.7%   -2.0%   -0.6%   -0.1%   -0.2%
+tc_piecewise                 -4.0%   -2.9%   -2.0%   +1.5%   +5.1%   +7.8%
+breakable+inductor           -8.0%   -4.3%   -4.7%   -0.2%   +4.7%   +7.1%
+qwen3-0.6b breakable         -9.0%   -6.5%   -4.8%   -4.2%   -1.4%   -2.4%
+breakable+fused             -10.8%   -9.4%   -5.9%   -5.0%   -3.3%   -3.5%
+full                         -4.7%   -3.3%   -1.6%   -1.2%   +0.1%   +0.1%
+breakable+inductor           +5.9%   +8.5%   +9.2%  +10.2%   +7.9%   +9.0%
 ==========================  ======  ======  ======  ======  ======  ======
 
-The short prompts' misses of the breakable backends are device time inside the graphs: the runs' step-by-step replays
-spent 0.2-0.8 µs a kernel more in the segments than the profiled kernels (the Triton kernels of +fused the most),
-where the machine's mixed chain measured 0.15. glm-dsa's breakable+inductor ran 24 more islands than the eager trace
-shows in this run: compiled, its sparse attention was an island costing about 0.5 ms a layer at 512 tokens, which a
-prediction from the eager trace does not count (:data:`EXCEPTIONS`); since then the compiled region captures it
-(:mod:`bcg.ops.region_islands`), so a newer fixture should need no exception.
+The breakable backends' short prompts are still short of their measurement: the runs' step-by-step replays spent 3-12
+µs a segment beyond their kernels, where the probe measured 1.9 (one run of the same call, the budget run, measured
+llama-dense's breakable+fused within 10.1%: the runs' own spread is 2-3%). glm-dsa's breakable+inductor, -50% before
+its compiled sparse attention was captured in the segments, is within 11%. The transformers checkpoint's tc_piecewise
+was predicted to capture but its build failed on the H200 (Inductor specialised the token count), so it holds no row.
 
 :data:`BOUND` is each variant's worst over the models, rounded up to the next 5%: tighten it when a fixture from a
 newer run earns it (the target is 10%). Regenerate the fixture from an H200 run with ``python
@@ -69,9 +69,9 @@ from bcg.bench.predict import program_from_parts, simulate
 FIXTURE = Path(__file__).parent / "fixtures" / "analyze_h200.json.gz"  # with the runs' inputs.json
 ALL_SIZES = Path(__file__).parent / "fixtures" / "analyze_h200_all_sizes.json.gz"  # host timed at every size
 # |predicted / measured - 1| per variant, over both models and every length (the docstring's table)
-BOUND = {"breakable": 0.20, "breakable+fused": 0.15, "full": 0.05, "tc_piecewise": 0.10, "breakable+inductor": 0.15}
+BOUND = {"breakable": 0.15, "breakable+fused": 0.15, "full": 0.10, "tc_piecewise": 0.10, "breakable+inductor": 0.15}
 # (model, variant) -> bound, where the model is known to miss something (see the module doc)
-EXCEPTIONS = {("glm-dsa", "breakable+inductor"): 0.50}
+EXCEPTIONS: dict[tuple[str, str], float] = {}
 INTERPOLATED = 0.03  # how far host times interpolated between three sizes may move a prediction
 COMPOSITION = 0.03  # a replay of the parts against the GPU run's own prediction (parts share their time evenly)
 

@@ -136,6 +136,17 @@ def measurements(validated: bool = False, cores: list[int] | None = None) -> Mea
     return m
 
 
+def test_a_variant_whose_build_failed_in_the_validation_is_not_recommended() -> None:
+    m = measurements(validated=True)
+    first = findings(m)["recommendation"]["backend"]
+    assert first in {"breakable", "full", "tc_piecewise"}
+    m.measured[first] = Measured(first, False, error="BackendRefused: the token count was specialised")
+    out = findings(m)
+    assert out["recommendation"]["backend"] not in {first, "eager"}  # the next fastest graph backend, not it
+    assert out["forecasts"][first]["available"]  # the forecast itself stays what was predicted
+    assert out["validation"][first]["predicted_available"] and not out["validation"][first]["available"]
+
+
 def test_findings_shape_and_values() -> None:
     out = findings(measurements())
     assert set(out["predictions"]) == {"eager", "breakable", "full", "tc_piecewise"}
