@@ -197,15 +197,16 @@ class _Timed:
         self.timer.us.clear()
         self.timer.calls.clear()
         marks = Marks(self.device, capacity=2)
+        self.enter = time.perf_counter()  # the engine's work before the forward ends here, not after the sync
         marks.mark()  # syncs first: the forward starts from an idle device
-        self.enter = time.perf_counter()
+        start = time.perf_counter()
         try:
             with observing_islands(self.timer):
                 return self.forward(batch)
         finally:
             self.leave = time.perf_counter()
             marks.mark()
-            self.wall_ms, self.host_us = marks.deltas_ms()[0], (self.leave - self.enter) * 1e6
+            self.wall_ms, self.host_us = marks.deltas_ms()[0], (self.leave - start) * 1e6
 
 
 def host_times(eng: Any, prompt: torch.Tensor, runs: int, warmup: int, full: FullStep | None = None) -> HostTimes:
@@ -214,10 +215,11 @@ def host_times(eng: Any, prompt: torch.Tensor, runs: int, warmup: int, full: Ful
     ``full`` also times the load into the static attention's fields.
 
     One loop of ``Engine.prefill`` calls times everything: after at most ``warmup`` untimed ones (fewer once two in a
-    row took times within :data:`SETTLED` of each other: the one-time costs of a new size are paid), the calls
-    alternate between observed (each island call timed, the forward marked on the device: the forward's wall and
-    host time, the islands') and plain (the prefill's wall time and the engine's work before and after the forward,
-    which the island timer would tax). Each series takes at most ``runs`` timed runs, fewer once it has settled
+    row took times within :data:`SETTLED` of each other: the one-time costs of a new size are paid), each call is
+    observed (each island call timed, the forward marked on the device: the forward's wall and host time, the
+    islands') and gives the prefill's wall time and the engine's work before and after the forward too, taxed by the
+    island timer's clock reads (about a µs an island call, tens of µs in an eager forward of milliseconds; plain calls
+    of their own for them doubled the runs). At most ``runs`` timed runs, fewer once every series has settled
     (:func:`settled`).
 
     Example::
@@ -235,9 +237,9 @@ def host_times(eng: Any, prompt: torch.Tensor, runs: int, warmup: int, full: Ful
     runner.forward = timed
     try:
         with torch.inference_mode():
-            for _ in range(warmup + 2 * max(runs, 1)):
+            for _ in range(warmup + max(runs, 1)):
                 warming = len(warm) < warmup and not _agree(warm[-2:])
-                timed.observed = not warming and len(walls) == len(prefill)
+                timed.observed = not warming
                 marks = Marks(device, capacity=2)
                 marks.mark()
                 t0 = time.perf_counter()
@@ -248,16 +250,14 @@ def host_times(eng: Any, prompt: torch.Tensor, runs: int, warmup: int, full: Ful
                 if warming:
                     warm.append(wall)
                     continue
-                if timed.observed:
-                    walls.append(timed.wall_ms)
-                    hosts.append(timed.host_us / 1e3)
-                    islands.append(dict(timer.us))
-                    calls = dict(timer.calls)
-                else:
-                    prefill.append(wall)
-                    pre.append((timed.enter - t0) * 1e6)
-                    post.append((t1 - timed.leave) * 1e6)
-                if len(prefill) >= runs or (len(walls) == len(prefill) and settled(walls) and settled(prefill)):
+                walls.append(timed.wall_ms)
+                hosts.append(timed.host_us / 1e3)
+                islands.append(dict(timer.us))
+                calls = dict(timer.calls)
+                prefill.append(wall)
+                pre.append((timed.enter - t0) * 1e6)
+                post.append((t1 - timed.leave) * 1e6)
+                if len(prefill) >= runs or (settled(walls) and settled(prefill)):
                     break
     finally:
         del runner.forward  # the class's method again
