@@ -11,8 +11,9 @@ machine's costs came from. The last line printed is one JSON object with every n
 where a run cannot say).
 
 ``--fixture PATH`` also writes what tests/bench/test_analyze_evidence.py replays on a CPU: per validated model its
-machine's costs, each variant's program parts, predictions and measurements at every length, the measured replay,
-and the run's inputs.json (every size's traces and host times) when it lies beside the results; ``.gz`` compresses.
+machine's costs, each variant's program parts, predictions and measurements at every length and its graph memory
+predicted and measured, the measured replay, and the run's inputs.json (every size's traces and host times; or
+inputs.json.gz) when it lies beside the results; ``.gz`` compresses.
 
 Usage::
 
@@ -141,10 +142,13 @@ def tables(checks: list[dict], results: list[dict]) -> list[str]:
 def fixture_entry(result: dict, inputs: dict | None) -> dict:
     """What test_analyze_evidence.py replays of one validated run (see the module doc)."""
     variants = {}
+    validation = result.get("validation") or {}
     for v, fc in result["forecasts"].items():
         if fc["available"] and v in (result.get("measured") or {}):
             variants[v] = {"parts": fc["parts"], "parts_by_length": fc.get("parts_by_length") or {},
-                           "predicted_ms": result["predictions"][v], "measured_ms": result["measured"][v]}
+                           "predicted_ms": result["predictions"][v], "measured_ms": result["measured"][v],
+                           "predicted_graph_memory_bytes": fc.get("graph_memory_bytes"),
+                           "measured_graph_memory_bytes": (validation.get(v) or {}).get("graph_memory_bytes")}
     replay = next((x["replay"] for x in (result.get("validation") or {}).values() if x.get("replay")), None)
     if inputs is not None:  # the process as it ran: the pinned core counts and the validation are not replayed
         inputs = dict(inputs, costs={"None": inputs["costs"]["None"]}, hosts={"None": inputs["hosts"]["None"]},
@@ -155,9 +159,11 @@ def fixture_entry(result: dict, inputs: dict | None) -> dict:
 
 def _inputs_beside(path: Path, result: dict) -> dict | None:
     named = result.get("inputs_file")
-    for candidate in ([Path(named)] if named else []) + [path.with_name("inputs.json")]:
+    beside = [path.with_name("inputs.json"), path.with_name("inputs.json.gz")]
+    for candidate in ([Path(named)] if named else []) + beside:
         if candidate.exists():
-            return json.loads(candidate.read_text())
+            data = candidate.read_bytes()
+            return json.loads(gzip.decompress(data) if candidate.suffix == ".gz" else data)
     return None
 
 

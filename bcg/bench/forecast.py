@@ -248,8 +248,10 @@ def forecast(name: str, profiles: dict[int, Profiled], ctx: ForecastContext) -> 
         fc.nodes[size] = sum(int(v["nodes"]) for v in graph_parts)
         full = variant.backend == "full"
         fc.activation[size] = (p.full_activation_bytes if full else p.activation_bytes) or 0.0
-    if variant.backend == "tc_piecewise":
-        # Every piece's outputs stay alive per bucket: the tensors crossing each island, plus the residual stream.
+    if variant.backend == "tc_piecewise" or variant.compile is not None:
+        # Every piece's outputs stay alive per bucket: the tensors crossing each island. A compiled layer stack's
+        # regions allocate theirs per bucket too (the uncompiled stack shares one set of bridge buffers); on the H200
+        # breakable+inductor held 4-6 GiB on llama-dense, gptoss-moe and the Qwen3 shape where this was left out.
         fc.piece_bytes_per_token = sum(any_p.host.island_bytes.get(n, 0.0) * any_p.host.island_calls.get(n, 0)
                                        for n in any_p.host.island_bytes) / max(any_p.size, 1)
     largest = max(profiles)

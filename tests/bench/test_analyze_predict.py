@@ -205,6 +205,13 @@ def test_forecast_latency_memory_and_build_by_hand() -> None:
     assert fc.build_ms([64], lambda b: (1.0, 0.9), costs(), warmup=2) == pytest.approx(2.0 + 0.9 + 0.33)
 
 
+def test_a_compiled_layer_stack_keeps_its_island_crossing_outputs_per_bucket_as_pieces_do() -> None:
+    ctx = _ctx(compile_ms={"inductor": (100.0, 2.0)})
+    compiled = forecast("breakable+inductor", {64: profiled(64)}, ctx)
+    assert compiled.piece_bytes_per_token == pytest.approx(2000.0)  # what tc_piecewise's pieces keep (below)
+    assert forecast("breakable", {64: profiled(64)}, _ctx()).piece_bytes_per_token == 0.0  # one set of bridges
+
+
 def test_forecast_of_tc_piecewise_keeps_piece_outputs_and_compiles() -> None:
     fc = forecast("tc_piecewise", {64: profiled(64)}, _ctx(compile_ms={"inductor": (100.0, 2.0)}))
     breakable = forecast("breakable", {64: profiled(64)}, _ctx())
