@@ -17,7 +17,7 @@ __all__ = ["ANALYZE_BACKENDS", "ANALYZE_RUNS", "ANALYZE_WARMUP", "CPU_DEFAULTS",
 
 RUNS, WARMUP = 20, 5
 # bcg analyze's: the host times stop once settled anyway, and every H200 validation of the predictions (whose errors
-# the replay fixture checks) ran with these; twice the runs cost 2 s of the 5 s prediction target for no accuracy.
+# the replay fixture checks) ran with these; twice the runs cost about 2 s of the 5 s prediction target.
 ANALYZE_RUNS, ANALYZE_WARMUP = 10, 3
 # What bcg analyze does with the machine's costs cached on disk (bcg.bench.machine_cache): read them where they match
 # (and measure and keep them where none do), measure them again and overwrite, or neither read nor write.

@@ -12,6 +12,7 @@ import pytest
 
 from bcg.bench import analyze, checks, results, tables, text, timing
 from bcg.bench.config import AnalyzeConfig, BenchConfig
+from bcg.bench.defaults import ANALYZE_RUNS, ANALYZE_WARMUP, RUNS, WARMUP
 from bcg.bench.engines import BuildRecord, EngineSpec, split_tokens
 from bcg.bench.latency import LatencyResult
 from bcg.bench.memory import ceilings_for, run_memory
@@ -79,8 +80,10 @@ def test_configs_fill_cpu_defaults() -> None:
     assert BenchConfig(device="cpu", backends=["disabled", "eager"]).resolved().backends == ["eager"]
     a = AnalyzeConfig(device="cpu").resolved()
     assert a.chunked_prefill_size == 256 and a.max_tokens == 256 and a.length <= 256
-    # One set of machine defaults for both commands, and one thread on the CPU.
-    assert b.chunked_prefill_size == a.chunked_prefill_size and (b.runs, b.warmup) == (a.runs, a.warmup)
+    # One set of machine defaults for both commands, and one thread on the CPU; analyze times fewer runs (its host
+    # times stop once settled, and every validation of its predictions ran with these)
+    assert b.chunked_prefill_size == a.chunked_prefill_size and (b.runs, b.warmup) == (RUNS, WARMUP)
+    assert (a.runs, a.warmup) == (ANALYZE_RUNS, ANALYZE_WARMUP) == (10, 3)
     assert b.threads == a.threads == 1
     assert AnalyzeConfig(device="cpu", length=8, max_tokens=16).resolved().length == 8
     with pytest.raises(ValueError, match="--length must be in"):  # 0 is refused, not replaced by a default
