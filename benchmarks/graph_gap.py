@@ -7,7 +7,8 @@ replayed through the model, fit a gap near 0.5 µs a kernel (benchmarks/results/
 30): the same kernel launched again may be cheaper to start than a different one. This measures both kinds of chain
 the same way: the chain's kernels profiled eagerly (the sum of their device times, as the model reads an eager
 profile), then the same chain captured into one graph and replayed (CUDA events); the gap is the difference over the
-kernels. On the H200 it read about 0.33 µs a kernel for every chain (BENCHMARKS.md).
+kernels. On the H200 it read about 0.33 µs a kernel for every chain
+(benchmarks/results/h200-2026-12-02-r6/REPORT.md).
 
 Chains (bf16, the llama-dense shapes at 64 tokens unless named otherwise):
 

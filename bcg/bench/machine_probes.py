@@ -84,6 +84,18 @@ def capture_calls(fn: Callable[[], Any], n: int, emulated: bool, stream: Any) ->
     return graph
 
 
+def _chain_inputs(device: torch.device, shape: tuple[int, int, int] | None
+                  ) -> tuple[tuple[int, int, int], torch.dtype, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Both chains' shape (default the device's :data:`CHAIN_SHAPE`), dtype (bf16 on a GPU, float32 on a CPU) and
+    seeded inputs: the activation, the square weight and the gate/up activation, scaled by their last dimension."""
+    tokens, width, inner = shape or CHAIN_SHAPE[device.type]
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    g = torch.Generator(device=device).manual_seed(0)
+    x, w, gate_up = (torch.randn(*s, device=device, generator=g).mul_(s[-1] ** -0.5).to(dtype)
+                     for s in ((tokens, width), (width, width), (tokens, 2 * inner)))
+    return (tokens, width, inner), dtype, (x, w, gate_up)
+
+
 def mixed_chain(device: torch.device, shape: tuple[int, int, int] | None = None) -> Callable[[], None]:
     """Different kernels in turn, as a layer runs them at a short prompt: a GEMM, a residual add, an RMSNorm in torch
     ops, SiLU-and-multiply, of ``shape`` (tokens, width, intermediate width; default the device's
@@ -94,14 +106,7 @@ def mixed_chain(device: torch.device, shape: tuple[int, int, int] | None = None)
         chain = mixed_chain(torch.device("cuda"))
         chain()          # about ten kernels (bf16 on a GPU, float32 on a CPU)
     """
-    tokens, width, inner = shape or CHAIN_SHAPE[device.type]
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    g = torch.Generator(device=device).manual_seed(0)
-
-    def randn(*shape: int) -> torch.Tensor:
-        return (torch.randn(*shape, device=device, generator=g) * shape[-1] ** -0.5).to(dtype)
-
-    x, w, gate_up = randn(tokens, width), randn(width, width), randn(tokens, 2 * inner)
+    (tokens, width, inner), dtype, (x, w, gate_up) = _chain_inputs(device, shape)
     h, r, sq, normed = (torch.empty(tokens, width, device=device, dtype=dtype) for _ in range(4))
     var = torch.empty(tokens, 1, device=device, dtype=torch.float32)
     act = torch.empty(tokens, inner, device=device, dtype=dtype)
@@ -129,11 +134,7 @@ def fused_chain(device: torch.device, shape: tuple[int, int, int] | None = None)
     """
     from bcg.ops import kernels
 
-    tokens, width, inner = shape or CHAIN_SHAPE[device.type]
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    g = torch.Generator(device=device).manual_seed(0)
-    x, w, gate_up = (torch.randn(*s, device=device, generator=g).mul_(s[-1] ** -0.5).to(dtype)
-                     for s in ((tokens, width), (width, width), (tokens, 2 * inner)))
+    (tokens, width, inner), dtype, (x, w, gate_up) = _chain_inputs(device, shape)
     h, residual = torch.empty_like(x), x.clone()
     weight = torch.ones(width, device=device, dtype=dtype)
     act = torch.empty(tokens, inner, device=device, dtype=dtype)
