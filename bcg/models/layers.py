@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from bcg.models.parallel_layers import column_linear, even_part, row_linear
+from bcg.models.parallel_layers import RowParallelLinear, column_linear, even_part, row_linear
 from bcg.ops import kernels as fused
 from bcg.ops.kernels.rope import rope_angles, rotate
 from bcg.ops.parallel import SINGLE, TensorParallel
@@ -148,6 +148,8 @@ class SwiGLUMLP(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         if self.kernels == "fused":
-            return self.down_proj(fused.silu_and_mul(self.gate_up_proj(x), impl="fused"))
+            # The activation and the down projection: one kernel at short prompts (bcg.ops.kernels.down_proj).
+            down = fused.swiglu_down(self.gate_up_proj(x), self.down_proj.weight, impl="fused")
+            return self.down_proj.tp.all_reduce(down) if isinstance(self.down_proj, RowParallelLinear) else down
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)

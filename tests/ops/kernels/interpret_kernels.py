@@ -15,6 +15,7 @@ import importlib.metadata
 import os
 from types import SimpleNamespace
 
+import down_proj_cases
 import kernel_cases as cases
 import pytest
 import torch
@@ -279,3 +280,11 @@ def test_triton_implementations_of_the_ops_pass_opcheck(interpreted_ops, name, c
         if name == "clamped_swiglu" and g.dtype == torch.bfloat16 and e.numel():
             atol = 4 * cases.RTOL[g.dtype] * e.float().abs().max().item()  # six truncations, `up + 1` cancels
         torch.testing.assert_close(g, e, rtol=rtol, atol=atol)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows,cols,inner,num_sms", down_proj_cases.SHAPES)
+def test_swiglu_down(run, dtype, rows, cols, inner, num_sms):
+    tk = importlib.import_module("bcg.ops.kernels.triton_down_proj")
+    down_proj_cases.check_swiglu_down(down_proj_cases.direct(tk), "cpu", dtype, rows, cols, inner, num_sms,
+                                   ulps=run.ulps.get(dtype, 1.0))

@@ -1,0 +1,95 @@
+"""A SwiGLU MLP's activation and down projection, ``silu_and_mul(gate_up) @ weight.T``: one kernel at short prompts.
+
+At a few dozen rows the down projection reads its whole weight for little work: cuBLAS splits K and adds a reduce
+kernel, and SiLU-and-multiply runs as a kernel of its own before it, so the step is three launches. Up to
+:data:`MAX_FUSED_ROWS` rows of bf16/fp16 on CUDA it is one Triton kernel (:mod:`bcg.ops.kernels.triton_down_proj`):
+the activation computed as the A operand is loaded (with :func:`~bcg.ops.kernels.silu_and_mul`'s roundings) and
+K split over the SMs, the partials summed in a fixed order by the tile's last program. Larger batches (where cuBLAS
+needs no split and its GEMMs are faster than a Triton one), fp32, and every other device run the two steps:
+:func:`~bcg.ops.kernels.silu_and_mul`, then ``F.linear``; so does a ``torch.compile`` trace, which sees the same ops
+as before. The result differs from the two steps only in the matmul's summation order.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from bcg.ops.kernels.activation import silu_and_mul
+from bcg.ops.kernels.dispatch import kernel_path
+
+__all__ = ["MAX_FUSED_ROWS", "swiglu_down", "swiglu_down_reference"]
+
+# Rows up to which the fused kernel runs (benchmarks/down_proj.py measures both paths per row count).
+MAX_FUSED_ROWS = 128
+_FUSED_DTYPES = (torch.bfloat16, torch.float16)
+# One int32 counter per output tile, per device, zero between launches (the kernel resets what it counts). Counters
+# outgrown are kept: a captured graph holds their address.
+_COUNTERS: dict[torch.device, Tensor] = {}
+_OUTGROWN: list[Tensor] = []
+
+
+def swiglu_down_reference(gate_up: Tensor, weight: Tensor) -> Tensor:
+    """Plain torch: ``silu(gate) * up`` with ``gate, up = gate_up.chunk(2, -1)``, then ``F.linear`` by ``weight``."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.linear(F.silu(gate) * up, weight)
+
+
+def is_fused(gate_up: Tensor, weight: Tensor) -> bool:
+    """Whether :func:`swiglu_down` runs its one kernel for these operands (given the fused path on CUDA)."""
+    rows = gate_up.numel() // max(1, gate_up.shape[-1])
+    return (0 < rows <= MAX_FUSED_ROWS and gate_up.dtype in _FUSED_DTYPES and weight.dtype == gate_up.dtype
+            and gate_up.stride(-1) == 1 and weight.stride(-1) == 1)
+
+
+def swiglu_down(gate_up: Tensor, weight: Tensor, *, impl: str = "fused") -> Tensor:
+    """``silu(gate_up[..., :I]) * gate_up[..., I:]``, projected by ``weight (H, I)``: ``(..., 2I) -> (..., H)``.
+
+    ``impl`` picks the kernels (:mod:`bcg.ops.kernels.dispatch`); with ``"fused"`` on CUDA, up to
+    :data:`MAX_FUSED_ROWS` rows of bf16/fp16 run as one kernel, everything else as
+    :func:`~bcg.ops.kernels.silu_and_mul` and ``F.linear``. The kernel keeps one counter per output tile in a
+    per-device buffer, so launches of it on two streams of one device must not run at the same time.
+
+    Example:
+        >>> x, w = torch.randn(3, 10), torch.randn(4, 5)
+        >>> torch.allclose(swiglu_down(x, w), (F.silu(x[:, :5]) * x[:, 5:]) @ w.T)
+        True
+    """
+    if gate_up.shape[-1] != 2 * weight.shape[-1]:
+        raise ValueError(f"swiglu_down needs gate_up (..., 2I) for a weight (H, I); got {tuple(gate_up.shape)} and "
+                         f"{tuple(weight.shape)}")
+    if kernel_path(impl, gate_up) != "triton" or not is_fused(gate_up, weight):
+        return F.linear(silu_and_mul(gate_up, impl=impl), weight)
+    from bcg.ops.kernels import triton_down_proj
+
+    rows, cols = gate_up.numel() // gate_up.shape[-1], weight.shape[0]
+    plan = triton_down_proj.tiling(rows, cols, weight.shape[1], _num_sms(gate_up.device))
+    out = gate_up.new_empty((*gate_up.shape[:-1], cols))
+    # One split writes the output directly; the partials buffer is then never read, so a 1-element one stands in.
+    partials = gate_up.new_empty(plan.split_k * rows * cols if plan.split_k > 1 else 1, dtype=torch.float32)
+    triton_down_proj.swiglu_down(gate_up, weight, out, partials, _counters(gate_up.device, plan.tiles), plan)
+    return out
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _counters(device: torch.device, tiles: int) -> Tensor:
+    """The device's tile counters, at least ``tiles`` of them (made, or grown, outside a graph capture only: a
+    capture would record the zeroing and replay it)."""
+    counters = _COUNTERS.get(device)
+    if counters is None or counters.numel() < tiles:
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                f"swiglu_down needs {tiles} tile counters on {device} and has "
+                f"{0 if counters is None else counters.numel()}: they are made on the first eager call, so run the "
+                "forward once outside the capture (a warm-up) with the largest batch the graph will hold")
+        if counters is not None:
+            _OUTGROWN.append(counters)
+        counters = _COUNTERS[device] = torch.zeros(max(4096, tiles), dtype=torch.int32, device=device)
+    return counters

@@ -1,0 +1,57 @@
+"""Shared inputs and checks for :func:`bcg.ops.kernels.swiglu_down` (the interpreter and CUDA tiers)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from kernel_cases import RTOL, randn, row_view
+from torch import Tensor
+
+# (rows, cols, inner, SMs): no split, splits of a few and of many K steps, odd sizes in every dimension, one row,
+# more rows than a 64-row tile, and the two llama shapes' down projections.
+SHAPES = [(5, 96, 200, 132), (64, 128, 512, 4), (3, 64, 1000, 132), (33, 70, 300, 132), (1, 1024, 2816, 132),
+          (100, 200, 700, 16)]
+LLAMA_SHAPES = [(64, 1024, 2816, 132), (64, 2048, 8192, 132), (16, 1024, 2816, 132), (128, 2048, 8192, 132)]
+
+Launch = Callable[[Tensor, Tensor, int], tuple[Tensor, Tensor]]
+
+
+def direct(tk) -> Launch:
+    """Calls the launcher of ``tk`` (the imported ``triton_down_proj``) with ``num_sms`` SMs' tiling and fresh
+    counters; returns the output and the counters."""
+    def launch(x: Tensor, w: Tensor, num_sms: int) -> tuple[Tensor, Tensor]:
+        rows, cols = x.shape[0], w.shape[0]
+        plan = tk.tiling(rows, cols, w.shape[1], num_sms)
+        out = torch.full((rows, cols), float("nan"), dtype=x.dtype, device=x.device)
+        partials = torch.full((max(1, plan.split_k * rows * cols),), float("nan"), device=x.device)
+        counters = torch.zeros(plan.tiles + 3, dtype=torch.int32, device=x.device)
+        tk.swiglu_down(x, w, out, partials, counters, plan)
+        return out, counters
+    return launch
+
+
+def inputs(rows: int, cols: int, inner: int, dtype: torch.dtype, device: str) -> tuple[Tensor, Tensor]:
+    """Row-strided ``gate_up (rows, 2 inner)`` and a ``weight (cols, inner)`` scaled as a trained layer's."""
+    x = row_view(rows, 2 * inner, dtype=dtype, device=device, seed=inner + rows, pad=8)
+    return x, randn(cols, inner, dtype=dtype, device=device, seed=cols, scale=inner**-0.5)
+
+
+def check_swiglu_down(launch: Launch, device: str, dtype: torch.dtype, rows: int, cols: int, inner: int,
+                      num_sms: int, ulps: float = 1.0) -> None:
+    """The kernel against the two steps computed in fp64 from the activation as eager torch rounds it: within two
+    units of the output's scale (the sums run in another order), every element written, the input untouched, every
+    counter back at zero, and a second launch giving the same bits (the partials are summed in a fixed order)."""
+    from bcg.ops.kernels import silu_and_mul_reference
+
+    x, w = inputs(rows, cols, inner, dtype, device)
+    x0 = x.clone()
+    out, counters = launch(x, w, num_sms)
+    assert torch.equal(x, x0), "swiglu_down changed its input"
+    assert not out.isnan().any(), "an output element was not written"
+    assert int(counters.count_nonzero()) == 0, "a tile counter was left non-zero: the next launch would misread it"
+    ref = silu_and_mul_reference(x).double() @ w.double().T
+    tol = 2 * RTOL[dtype] * ulps * float(ref.abs().max())
+    torch.testing.assert_close(out.double(), ref, rtol=2 * RTOL[dtype] * ulps, atol=tol)
+    again, _ = launch(x, w, num_sms)
+    assert torch.equal(again, out), "two launches on the same inputs differ"

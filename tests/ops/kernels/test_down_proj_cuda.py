@@ -1,0 +1,77 @@
+"""swiglu_down on CUDA: the one kernel against fp64 at odd sizes and at the llama shapes, forced into K splits of
+every size; the entry point's dispatch; capture and replay; and what happens when the counters would be made in a
+capture. Run with ``python -m pytest -m cuda tests/ops/kernels``."""
+
+from __future__ import annotations
+
+import down_proj_cases as cases
+import pytest
+import torch
+import torch.nn.functional as F
+
+from bcg.models.layers import SwiGLUMLP
+from bcg.ops import kernels
+from bcg.ops.kernels import down_proj as module
+from bcg.ops.kernels import triton_down_proj
+
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+DEV = "cuda"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows,cols,inner,num_sms", cases.SHAPES + cases.LLAMA_SHAPES)
+def test_kernel_matches_fp64(dtype, rows, cols, inner, num_sms):
+    cases.check_swiglu_down(cases.direct(triton_down_proj), DEV, dtype, rows, cols, inner, num_sms)
+
+
+@pytest.mark.parametrize("rows", [1, 17, 64, module.MAX_FUSED_ROWS, module.MAX_FUSED_ROWS + 1, 512])
+def test_entry_point_runs_one_kernel_up_to_its_rows(rows):
+    x, w = cases.inputs(rows, 1024, 2816, torch.bfloat16, DEV)
+    two_steps = F.linear(kernels.silu_and_mul(x), w)
+    got = kernels.swiglu_down(x, w)
+    if rows > module.MAX_FUSED_ROWS:
+        assert torch.equal(got, two_steps)  # the unfused path, unchanged
+        return
+    # The fused kernel: the same products summed in another order; cuBLAS is not bit-exact to it.
+    torch.testing.assert_close(got.float(), two_steps.float(), rtol=2**-7, atol=2**-7 * float(two_steps.abs().max()))
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        kernels.swiglu_down(x, w)
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    assert names == ["_swiglu_down_kernel"], names
+
+
+def test_capture_and_replay_follow_fresh_inputs():
+    x, w = cases.inputs(64, 1024, 2816, torch.bfloat16, DEV)
+    static = x.clone()
+    kernels.swiglu_down(static, w)  # warm-up: compiles the kernel and makes the counters
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = kernels.swiglu_down(static, w)
+    for seed in (1, 2, 3):
+        fresh = x * (1 + 0.25 * seed)
+        static.copy_(fresh)
+        graph.replay()
+        assert torch.equal(out, kernels.swiglu_down(fresh, w)), "replay differs from the eager kernel"
+
+
+def test_counters_are_not_made_in_a_capture(monkeypatch):
+    monkeypatch.setattr(module, "_COUNTERS", {})
+    x, w = cases.inputs(64, 1024, 2816, torch.bfloat16, DEV)
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(RuntimeError, match="warm-up"):
+        with torch.cuda.graph(graph):
+            kernels.swiglu_down(x, w)
+    monkeypatch.undo()
+    assert torch.equal(kernels.swiglu_down(x, w), kernels.swiglu_down(x.clone(), w))  # the device is still usable
+
+
+def test_mlp_in_bf16_matches_the_torch_path():
+    mlp = SwiGLUMLP(1024, 2816).to(DEV, torch.bfloat16)
+    x = torch.randn(64, 1024, device=DEV, dtype=torch.bfloat16)
+    with torch.no_grad():
+        mlp.kernels = "torch"
+        expected = mlp(x)
+        mlp.kernels = "fused"
+        got = mlp(x)
+    torch.testing.assert_close(got.float(), expected.float(), rtol=2**-7, atol=2**-7 * float(expected.abs().max()))
