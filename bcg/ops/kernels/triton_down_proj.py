@@ -12,7 +12,7 @@ a tuner syncs the host and cannot run in a capture). Importing this module needs
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import triton
 import triton.language as tl
@@ -41,26 +41,29 @@ class Tiling(NamedTuple):
     num_stages: int
 
 
-def tiling(rows: int, cols: int, inner: int, num_sms: int) -> Tiling:
-    """The tiles for ``(rows, inner) @ (inner, cols)``: K split until about two programs run per SM (the weight read
-    is what takes the time at few rows, and it needs every SM), each split at least four K steps long. 64 rows or
-    more run on Hopper's wgmma; 128-row tiles take 8 warps and narrow ones longer K steps, which keeps every
-    configuration under the register file with a four-deep cp.async pipeline (tests/ops/kernels/test_kernel_aot.py
-    compiles them for sm_90 and checks that nothing spills).
+def tiling(rows: int, cols: int, inner: int, num_sms: int, *, block_m: int | None = None, block_n: int = 64,
+           block_k: int | None = None, split_k: int | None = None, num_warps: int | None = None,
+           num_stages: int = 4, programs_per_sm: int = 2, min_k_iters: int = 4) -> Tiling:
+    """The tiles for ``(rows, inner) @ (inner, cols)``: K split until about ``programs_per_sm`` programs run per SM
+    (the weight read is what takes the time at few rows, and it needs every SM), each split at least
+    ``min_k_iters`` K steps long. 64 rows or more run on Hopper's wgmma; 128-row tiles take 8 warps and narrow ones
+    longer K steps, which keeps every configuration under the register file with a four-deep cp.async pipeline
+    (tests/ops/kernels/test_kernel_aot.py compiles them for sm_90 and checks that nothing spills). Every choice can
+    be overridden (``benchmarks/down_proj.py --sweep`` times the alternatives).
 
     Example::
 
         >>> tiling(64, 1024, 2816, 132)
         Tiling(block_m=64, block_n=64, block_k=64, split_k=11, k_iters=4, tiles=16, num_warps=4, num_stages=4)
     """
-    block_m = min(128, max(16, triton.next_power_of_2(rows)))
-    block_n, block_k = 64, 128 if block_m <= 32 else 64
+    block_m = block_m or min(128, max(16, triton.next_power_of_2(rows)))
+    block_k = block_k or (128 if block_m <= 32 else 64)
     tiles = triton.cdiv(rows, block_m) * triton.cdiv(cols, block_n)
     steps = triton.cdiv(inner, block_k)
-    split = max(1, min(triton.cdiv(2 * num_sms, tiles), steps // 4))
-    k_iters = triton.cdiv(steps, split)
+    split = split_k or max(1, min(triton.cdiv(programs_per_sm * num_sms, tiles), steps // min_k_iters))
+    k_iters = triton.cdiv(steps, min(split, steps))
     return Tiling(block_m, block_n, block_k, triton.cdiv(steps, k_iters), k_iters, tiles,
-                  num_warps=8 if block_m >= 128 else 4, num_stages=4)
+                  num_warps=num_warps or (8 if block_m >= 128 else 4), num_stages=num_stages)
 
 
 @triton.jit
@@ -68,7 +71,7 @@ def _swiglu_down_kernel(
     x_ptr, x_stride, w_ptr, w_stride, out_ptr, out_stride, part_ptr, count_ptr,
     n_rows, n_cols, inner,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-    K_ITERS: tl.constexpr,
+    K_ITERS: tl.constexpr, SWIGLU: tl.constexpr,
 ):
     grid_dependency()  # under programmatic dependent launch: the kernel before is done
     pid_n, pid_m, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -82,11 +85,14 @@ def _swiglu_down_kernel(
         ks = (pid_k * K_ITERS + i) * BLOCK_K + tl.arange(0, BLOCK_K)
         k_ok = ks < inner
         a_mask = row_ok[:, None] & k_ok[None, :]
-        gate = tl.load(x_rows + ks[None, :], mask=a_mask, other=0.0).to(tl.float32)
-        up = tl.load(x_rows + inner + ks[None, :], mask=a_mask, other=0.0).to(tl.float32)
-        # silu_and_mul's arithmetic and roundings (bcg.ops.kernels.triton_activation), then the matmul's input dtype.
-        silu = (gate / (1.0 + tl.exp(-gate))).to(x_ptr.dtype.element_ty).to(tl.float32)
-        a = (silu * up).to(w_ptr.dtype.element_ty)
+        if SWIGLU:
+            gate = tl.load(x_rows + ks[None, :], mask=a_mask, other=0.0).to(tl.float32)
+            up = tl.load(x_rows + inner + ks[None, :], mask=a_mask, other=0.0).to(tl.float32)
+            # silu_and_mul's arithmetic and roundings (bcg.ops.kernels.triton_activation), then the matmul's dtype.
+            silu = (gate / (1.0 + tl.exp(-gate))).to(x_ptr.dtype.element_ty).to(tl.float32)
+            a = (silu * up).to(w_ptr.dtype.element_ty)
+        else:  # a plain split-K matmul of x (R, I): what the benchmark compares the prologue's cost against
+            a = tl.load(x_rows + ks[None, :], mask=a_mask, other=0.0)
         w = tl.load(w_cols + ks[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0.0)
         if _DOT_IN_FP32:
             acc = tl.dot(a.to(tl.float32), w.to(tl.float32), acc)
@@ -113,16 +119,18 @@ def _swiglu_down_kernel(
             tl.atomic_xchg(count_ptr + tile, 0, sem="relaxed", scope="gpu")  # ready for the next launch
 
 
-def swiglu_down(x: Tensor, weight: Tensor, out: Tensor, partials: Tensor, counters: Tensor, plan: Tiling) -> None:
+def swiglu_down(x: Tensor, weight: Tensor, out: Tensor, partials: Tensor, counters: Tensor, plan: Tiling,
+                swiglu: bool = True) -> Any:
     """``out[:] = silu_and_mul(x) @ weight.T`` for ``x (R, 2I)``, ``weight (H, I)``, ``out (R, H)``, on the tiles of
     ``plan`` (:func:`tiling`). ``partials`` holds ``plan.split_k * R * H`` fp32 values (unused at one split) and
-    ``counters`` at least ``plan.tiles`` int32 zeros, which the kernel leaves zero."""
+    ``counters`` at least ``plan.tiles`` int32 zeros, which the kernel leaves zero. ``swiglu=False``: ``x (R, I)``
+    is the matmul's operand as it is. Returns Triton's compiled kernel (its registers and spills, for benchmarks)."""
     x2, out2 = rows_2d(x), rows_2d(out, write=True)
     n_rows, n_cols, inner = x2.shape[0], weight.shape[0], weight.shape[1]
     grid = (triton.cdiv(n_cols, plan.block_n), triton.cdiv(n_rows, plan.block_m), plan.split_k)
-    launch(
+    return launch(
         _swiglu_down_kernel, grid,
         x2, x2.stride(0), weight, weight.stride(0), out2, out2.stride(0), partials, counters, n_rows, n_cols, inner,
         BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, SPLIT_K=plan.split_k,
-        K_ITERS=plan.k_iters, num_warps=plan.num_warps, num_stages=plan.num_stages,
+        K_ITERS=plan.k_iters, SWIGLU=swiglu, num_warps=plan.num_warps, num_stages=plan.num_stages,
     )

@@ -79,10 +79,12 @@ def launch_rows(kernel: Any, n_rows: int, *args: Any, **meta: Any) -> None:
         kernel[(n_rows,)](*args, **meta, **LAUNCH_OPTIONS)
 
 
-def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **meta: Any) -> None:
-    """Launch ``kernel`` on ``grid`` unless the grid is empty."""
+def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **meta: Any) -> Any:
+    """Launch ``kernel`` on ``grid`` unless the grid is empty; returns what Triton's launch returns (the compiled
+    kernel), or None."""
     if all(g > 0 for g in grid):
-        kernel[grid](*args, **meta, **LAUNCH_OPTIONS)
+        return kernel[grid](*args, **meta, **LAUNCH_OPTIONS)
+    return None
 
 
 @triton.jit

@@ -168,7 +168,7 @@ def test_down_projection_kernel_compiles_for_sm90_on_the_tensor_cores(rows, cols
              "out_stride": "i32", "part_ptr": "*fp32", "count_ptr": "*i32", "n_rows": "i32", "n_cols": "i32",
              "inner": "i32"}
     constants = dict(BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, SPLIT_K=split,
-                     K_ITERS=plan.k_iters)
+                     K_ITERS=plan.k_iters, SWIGLU=True)
     ptx: list[str] = []
     report = compile_sm90(triton_down_proj._swiglu_down_kernel, types, constants, num_warps=plan.num_warps,
                           num_stages=plan.num_stages, ptx=ptx,
