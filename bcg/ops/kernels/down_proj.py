@@ -1,13 +1,16 @@
 """A SwiGLU MLP's activation and down projection, ``silu_and_mul(gate_up) @ weight.T``: one kernel at short prompts.
 
 At a few dozen rows the down projection reads its whole weight for little work: cuBLAS splits K and adds a reduce
-kernel, and SiLU-and-multiply runs as a kernel of its own before it, so the step is three launches. Up to
-:data:`MAX_FUSED_ROWS` rows of bf16/fp16 on CUDA it is one Triton kernel (:mod:`bcg.ops.kernels.triton_down_proj`):
-the activation computed as the A operand is loaded (with :func:`~bcg.ops.kernels.silu_and_mul`'s roundings) and
-K split over the SMs, the partials summed in a fixed order by the tile's last program. Larger batches (where cuBLAS
-needs no split and its GEMMs are faster than a Triton one), fp32, and every other device run the two steps:
-:func:`~bcg.ops.kernels.silu_and_mul`, then ``F.linear``; so does a ``torch.compile`` trace, which sees the same ops
-as before. The result differs from the two steps only in the matmul's summation order.
+kernel, and SiLU-and-multiply runs as a kernel of its own before it, so the step is three launches. With
+``BCG_SWIGLU_DOWN=1``, up to :data:`MAX_FUSED_ROWS` rows of bf16/fp16 on CUDA are one Triton kernel
+(:mod:`bcg.ops.kernels.triton_down_proj`): the activation computed as the A operand is loaded (with
+:func:`~bcg.ops.kernels.silu_and_mul`'s roundings) and K split over the SMs, the partials summed in a fixed order by
+the tile's last program. It is off by default: on the H200 it ran 2-6x slower than the three launches it replaces
+(``benchmarks/down_proj.py``), because every output-column tile recomputes the activation of the rows it reads
+(``cols / block_n`` times in all), work the separate kernel does once. Otherwise (larger batches, where cuBLAS needs
+no split; fp32; other devices; a ``torch.compile`` trace, which sees the same ops as before) it is the two steps:
+:func:`~bcg.ops.kernels.silu_and_mul`, then ``F.linear``. The one kernel differs from them only in the matmul's
+summation order.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from bcg import env
 from bcg.ops.kernels.activation import silu_and_mul
 from bcg.ops.kernels.dispatch import kernel_path
 
@@ -39,17 +43,18 @@ def swiglu_down_reference(gate_up: Tensor, weight: Tensor) -> Tensor:
 
 
 def is_fused(gate_up: Tensor, weight: Tensor) -> bool:
-    """Whether :func:`swiglu_down` runs its one kernel for these operands (given the fused path on CUDA)."""
+    """Whether :func:`swiglu_down` runs its one kernel for these operands (given the fused path on CUDA and
+    ``BCG_SWIGLU_DOWN=1``)."""
     rows = gate_up.numel() // max(1, gate_up.shape[-1])
-    return (0 < rows <= MAX_FUSED_ROWS and gate_up.dtype in _FUSED_DTYPES and weight.dtype == gate_up.dtype
-            and gate_up.stride(-1) == 1 and weight.stride(-1) == 1)
+    return (env.SWIGLU_DOWN and 0 < rows <= MAX_FUSED_ROWS and gate_up.dtype in _FUSED_DTYPES
+            and weight.dtype == gate_up.dtype and gate_up.stride(-1) == 1 and weight.stride(-1) == 1)
 
 
 def swiglu_down(gate_up: Tensor, weight: Tensor, *, impl: str = "fused") -> Tensor:
     """``silu(gate_up[..., :I]) * gate_up[..., I:]``, projected by ``weight (H, I)``: ``(..., 2I) -> (..., H)``.
 
-    ``impl`` picks the kernels (:mod:`bcg.ops.kernels.dispatch`); with ``"fused"`` on CUDA, up to
-    :data:`MAX_FUSED_ROWS` rows of bf16/fp16 run as one kernel, everything else as
+    ``impl`` picks the kernels (:mod:`bcg.ops.kernels.dispatch`); with ``"fused"`` on CUDA and
+    ``BCG_SWIGLU_DOWN=1``, up to :data:`MAX_FUSED_ROWS` rows of bf16/fp16 run as one kernel, everything else as
     :func:`~bcg.ops.kernels.silu_and_mul` and ``F.linear``. The kernel keeps one counter per output tile in a
     per-device buffer, so launches of it on two streams of one device must not run at the same time.
 

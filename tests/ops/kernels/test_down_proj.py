@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from kernel_cases import DTYPES, randn, row_view
 
+from bcg import env
 from bcg.models.layers import SwiGLUMLP
 from bcg.ops import kernels
 from bcg.ops.kernels import down_proj as module
@@ -33,8 +34,11 @@ def test_rejects_mismatched_operands_by_name():
         kernels.swiglu_down(torch.randn(3, 10), torch.randn(4, 5), impl="triton")
 
 
-def test_one_kernel_only_for_short_half_precision_batches():
+def test_one_kernel_only_when_asked_and_for_short_half_precision_batches(monkeypatch):
     w = torch.zeros(8, 16, dtype=torch.bfloat16)
+    monkeypatch.setattr(env, "SWIGLU_DOWN", False)  # the default: the two steps measured faster
+    assert not module.is_fused(torch.zeros(4, 32, dtype=torch.bfloat16), w)
+    monkeypatch.setattr(env, "SWIGLU_DOWN", True)
     rows = module.MAX_FUSED_ROWS
     assert module.is_fused(torch.zeros(rows, 32, dtype=torch.bfloat16), w)
     assert module.is_fused(torch.zeros(2, 3, 32, dtype=torch.bfloat16), w)

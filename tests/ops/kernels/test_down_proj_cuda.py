@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from bcg import env
 from bcg.models.layers import SwiGLUMLP
 from bcg.ops import kernels
 from bcg.ops.kernels import down_proj as module
@@ -25,7 +26,8 @@ def test_kernel_matches_fp64(dtype, rows, cols, inner, num_sms):
 
 
 @pytest.mark.parametrize("rows", [1, 17, 64, module.MAX_FUSED_ROWS, module.MAX_FUSED_ROWS + 1, 512])
-def test_entry_point_runs_one_kernel_up_to_its_rows(rows):
+def test_entry_point_runs_one_kernel_up_to_its_rows(rows, monkeypatch):
+    monkeypatch.setattr(env, "SWIGLU_DOWN", True)
     x, w = cases.inputs(rows, 1024, 2816, torch.bfloat16, DEV)
     two_steps = F.linear(kernels.silu_and_mul(x), w)
     got = kernels.swiglu_down(x, w)
@@ -41,7 +43,8 @@ def test_entry_point_runs_one_kernel_up_to_its_rows(rows):
     assert names == ["_swiglu_down_kernel"], names
 
 
-def test_capture_and_replay_follow_fresh_inputs():
+def test_capture_and_replay_follow_fresh_inputs(monkeypatch):
+    monkeypatch.setattr(env, "SWIGLU_DOWN", True)
     x, w = cases.inputs(64, 1024, 2816, torch.bfloat16, DEV)
     static = x.clone()
     kernels.swiglu_down(static, w)  # warm-up: compiles the kernel and makes the counters
@@ -56,17 +59,20 @@ def test_capture_and_replay_follow_fresh_inputs():
 
 
 def test_counters_are_not_made_in_a_capture(monkeypatch):
+    monkeypatch.setattr(env, "SWIGLU_DOWN", True)
     monkeypatch.setattr(module, "_COUNTERS", {})
     x, w = cases.inputs(64, 1024, 2816, torch.bfloat16, DEV)
     graph = torch.cuda.CUDAGraph()
     with pytest.raises(RuntimeError, match="warm-up"):
         with torch.cuda.graph(graph):
             kernels.swiglu_down(x, w)
-    monkeypatch.undo()
+    monkeypatch.setattr(module, "_COUNTERS", {})
     assert torch.equal(kernels.swiglu_down(x, w), kernels.swiglu_down(x.clone(), w))  # the device is still usable
 
 
-def test_mlp_in_bf16_matches_the_torch_path():
+@pytest.mark.parametrize("one_kernel", [False, True])
+def test_mlp_in_bf16_matches_the_torch_path(one_kernel, monkeypatch):
+    monkeypatch.setattr(env, "SWIGLU_DOWN", one_kernel)
     mlp = SwiGLUMLP(1024, 2816).to(DEV, torch.bfloat16)
     x = torch.randn(64, 1024, device=DEV, dtype=torch.bfloat16)
     with torch.no_grad():
