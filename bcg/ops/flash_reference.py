@@ -35,6 +35,7 @@ as the kernel can. It is O(total_q * total_k) memory: a reference for tests and 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -149,9 +150,11 @@ def _gather_slots(k: Tensor, v: Tensor, kv_slots: Tensor, cu_k: Tensor) -> tuple
             torch.where(is_key, v.index_select(0, slots), 0.0).to(v.dtype))
 
 
-def _require(ok: bool, message: str) -> None:
+def _require(ok: bool, message: str | Callable[[], str]) -> None:
+    """RuntimeError(message) unless ``ok``; a message that formats values is a callable, made only on failure (an
+    island checks its inputs at every layer, and formatting devices and shapes would cost more than the checks)."""
     if not ok:
-        raise RuntimeError(message)
+        raise RuntimeError(message if isinstance(message, str) else message())
 
 
 def check_varlen_inputs(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
@@ -180,46 +183,47 @@ def _check_shapes(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor) -
     _require(head_dim <= 256, "FlashAttention forward only supports head dimension at most 256")
     _require(num_heads % num_kv_heads == 0, "Number of heads in key/value must divide number of heads in query")
     _require(head_dim % 8 == 0, "head_size must be a multiple of 8, this is ensured by padding!")
-    _require(tuple(k.shape) == (total_k, num_kv_heads, head_dim) and k.shape == v.shape,
-             f"key and value must have shape (total_k, num_heads_k, head_size) = ({total_k}, {num_kv_heads}, "
-             f"{head_dim}), got {tuple(k.shape)} and {tuple(v.shape)}")
+    _require(k.shape == (total_k, num_kv_heads, head_dim) and k.shape == v.shape,
+             lambda: f"key and value must have shape (total_k, num_heads_k, head_size) = ({total_k}, "
+             f"{num_kv_heads}, {head_dim}), got {tuple(k.shape)} and {tuple(v.shape)}")
     _require(cu_k.shape == (batch_size + 1,),
-             f"cu_seqlens_k must have shape (batch_size + 1) = ({batch_size + 1},), got {tuple(cu_k.shape)}")
+             lambda: f"cu_seqlens_k must have shape (batch_size + 1) = ({batch_size + 1},), got {tuple(cu_k.shape)}")
 
 
 def _check_inputs(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, out: Tensor | None,
                   softcap: float | None, sinks: Tensor | None, kv_slots: Tensor | None = None) -> None:
     """The kernel entry point's dtype, device, layout and rank checks (its messages, where it has one)."""
-    _require(q.dtype in _HALF, f"FlashAttention only support fp16 and bf16 data type (got {q.dtype})")
+    _require(q.dtype in _HALF, lambda: f"FlashAttention only support fp16 and bf16 data type (got {q.dtype})")
     _require(k.dtype == q.dtype, "query and key must have the same dtype")
     _require(v.dtype == q.dtype, "query and value must have the same dtype")
     _require(cu_q.dtype == torch.int32, "cu_seqlens_q must have dtype int32")
     _require(cu_k.dtype == torch.int32, "cu_seqlens_k must have dtype int32")
     for name, t in (("k", k), ("v", v), ("cu_seqlens_q", cu_q), ("cu_seqlens_k", cu_k)):
-        _require(t.device == q.device, f"{name} must be on {q.device} like q, got {t.device}")
+        _require(t.device == q.device, lambda name=name, t=t: f"{name} must be on {q.device} like q, got {t.device}")
     _require(q.dim() == 3 and k.dim() == 3 and v.dim() == 3,
-             f"varlen q/k/v must be (tokens, heads, head_dim), got {q.dim()}/{k.dim()}/{v.dim()} dims")
+             lambda: f"varlen q/k/v must be (tokens, heads, head_dim), got {q.dim()}/{k.dim()}/{v.dim()} dims")
     for t in (q, k, v):
         _require(t.stride(-1) == 1, "Input tensor must have contiguous last dimension")
     _require(cu_q.is_contiguous(), "cu_seqlens_q must be contiguous")
     _require(cu_k.is_contiguous(), "cu_seqlens_k must be contiguous")
-    _require(cu_q.dim() == 1, f"cu_seqlens_q must be 1-D (batch_size + 1), got shape {tuple(cu_q.shape)}")
-    _require(softcap is None or softcap >= 0, f"softcap must be positive (0 or None: no cap), got {softcap}")
+    _require(cu_q.dim() == 1, lambda: f"cu_seqlens_q must be 1-D (batch_size + 1), got shape {tuple(cu_q.shape)}")
+    _require(softcap is None or softcap >= 0, lambda: f"softcap must be positive (0 or None: no cap), got {softcap}")
     if sinks is not None:
         _require(tuple(sinks.shape) == (q.shape[1],) and sinks.device == q.device,
-                 f"sinks must be one logit per query head, ({q.shape[1]},) on {q.device}, got {tuple(sinks.shape)} "
-                 f"on {sinks.device}")
+                 lambda: f"sinks must be one logit per query head, ({q.shape[1]},) on {q.device}, got "
+                 f"{tuple(sinks.shape)} on {sinks.device}")
     if kv_slots is not None:
         _require(kv_slots.dtype in (torch.int32, torch.int64) and kv_slots.dim() == 1 and kv_slots.is_contiguous()
                  and kv_slots.device == q.device,
-                 f"kv_slots must be a contiguous 1-D int32/int64 tensor of slots on {q.device}, got "
+                 lambda: f"kv_slots must be a contiguous 1-D int32/int64 tensor of slots on {q.device}, got "
                  f"{kv_slots.dtype} {tuple(kv_slots.shape)} on {kv_slots.device}")
     if out is not None:
         _require(out.dtype == q.dtype, "Output must have the same dtype as inputs")
-        _require(out.device == q.device, f"out must be on {q.device} like q, got {out.device}")
+        _require(out.device == q.device, lambda: f"out must be on {q.device} like q, got {out.device}")
         _require(out.stride(-1) == 1, "Output tensor must have contiguous last dimension")
-        _require(out.shape == q.shape, f"out must have shape (total_q, num_heads, head_size) = {tuple(q.shape)}, "
-                 f"got {tuple(out.shape)}")
+        _require(out.shape == q.shape,
+                 lambda: f"out must have shape (total_q, num_heads, head_size) = {tuple(q.shape)}, got "
+                 f"{tuple(out.shape)}")
 
 
 def _check_bounds(cu: Tensor, total: int, max_seqlen: int, which: str) -> None:
