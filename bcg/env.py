@@ -12,13 +12,14 @@ Configuration is :class:`~bcg.runtime.config.EngineConfig` and the command's fla
 * ``BCG_PDL=1``: bcg's Triton kernels run under programmatic dependent launch on sm_90+ (each waits for the kernel
   before it with ``griddepcontrol`` and may start while that one finishes; ``benchmarks/pdl.py`` measures whether
   CUDA graphs keep it).
-* ``BCG_SWIGLU_DOWN=1``: a SwiGLU MLP's activation and down projection run as one Triton kernel at short prompts
-  (:mod:`bcg.ops.kernels.down_proj`; off by default until ``benchmarks/down_proj.py`` finds a tiling that beats
-  SiLU-and-multiply plus cuBLAS: the H200 measured it 2-6x slower).
+* ``BCG_MLP_FUSION=gate_up|down|none``: which one-kernel fusion a SwiGLU MLP's activation rides at short prompts with
+  the fused kernels: ``gate_up`` (:mod:`bcg.ops.kernels.gate_up`, in the gate/up projection's epilogue), ``down``
+  (:mod:`bcg.ops.kernels.down_proj`, in the down projection's prologue; measured 1.4-2.8x slower on the H200) or
+  ``none`` (SiLU-and-multiply as a kernel of its own, the default); ``benchmarks/mlp_kernels.py`` measures them.
 * ``BCG_GC_FREEZE=0``: a serving engine leaves the heap to the garbage collector as it is (by default its first
   ``submit`` moves every object alive then out of the collector's sight, ``gc.freeze()``, until it closes).
 
-The first four, ``BCG_PDL`` and ``BCG_SWIGLU_DOWN`` are read once, at import: they are asked on hot paths, where an
+The first four, ``BCG_PDL`` and ``BCG_MLP_FUSION`` are read once, at import: they are asked on hot paths, where an
 environment lookup per call costs.
 """
 
@@ -26,7 +27,7 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["COMPILE_LOG", "DEBUG", "FLASH_WRAPPER", "PDL", "SWIGLU_DOWN", "TP_ALLREDUCE_ISLAND", "gc_freeze",
+__all__ = ["COMPILE_LOG", "DEBUG", "FLASH_WRAPPER", "MLP_FUSION", "PDL", "TP_ALLREDUCE_ISLAND", "gc_freeze",
            "hf_fusion", "leak_check_mode"]
 
 
@@ -39,7 +40,9 @@ FLASH_WRAPPER: bool = os.environ.get("BCG_FLASH", "").lower() == "wrapper"
 TP_ALLREDUCE_ISLAND: bool = os.environ.get("BCG_TP_ALLREDUCE", "").lower() == "island"
 COMPILE_LOG: bool = _flag("BCG_COMPILE_LOG")
 PDL: bool = _flag("BCG_PDL")
-SWIGLU_DOWN: bool = _flag("BCG_SWIGLU_DOWN")
+MLP_FUSION: str = os.environ.get("BCG_MLP_FUSION", "").lower() or "none"
+if MLP_FUSION not in ("gate_up", "down", "none"):
+    raise ValueError(f"BCG_MLP_FUSION={MLP_FUSION!r}: expected gate_up, down or none (unset: none)")
 
 
 def leak_check_mode() -> str:

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from bcg import env
 from bcg.models.parallel_layers import RowParallelLinear, column_linear, even_part, row_linear
 from bcg.ops import kernels as fused
 from bcg.ops.kernels.rope import rope_angles, rotate
@@ -148,8 +149,11 @@ class SwiGLUMLP(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         if self.kernels == "fused":
-            # The activation and the down projection: one kernel at short prompts (bcg.ops.kernels.down_proj).
-            down = fused.swiglu_down(self.gate_up_proj(x), self.down_proj.weight, impl="fused")
-            return self.down_proj.tp.all_reduce(down) if isinstance(self.down_proj, RowParallelLinear) else down
+            if env.MLP_FUSION == "gate_up" and type(self.gate_up_proj) is nn.Linear and self.gate_up_proj.bias is None:
+                return self.down_proj(fused.gate_up_silu(x, self.gate_up_proj.weight, impl="fused"))
+            if env.MLP_FUSION == "down":
+                down = fused.swiglu_down(self.gate_up_proj(x), self.down_proj.weight, impl="fused")
+                return self.down_proj.tp.all_reduce(down) if isinstance(self.down_proj, RowParallelLinear) else down
+            return self.down_proj(fused.silu_and_mul(self.gate_up_proj(x), impl="fused"))
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from bcg import env
 from bcg.models.hf.joined import JoinedWeight
 from bcg.ops import kernels as fused
 
@@ -168,10 +169,12 @@ class FusedMLP(FusedModule):
             self.gate_up_weight, self.gate_up_bias = children[names[0]].weight, children[names[0]].bias
 
     def forward(self, x: Tensor) -> Tensor:
-        gate_up = F.linear(x, self.gate_up_weight, self.gate_up_bias)
         down = getattr(self, self.down_name)
+        if self.act is None and env.MLP_FUSION == "gate_up" and self.gate_up_bias is None:
+            return down(fused.gate_up_silu(x, self.gate_up_weight, impl=self.kernels))
+        gate_up = F.linear(x, self.gate_up_weight, self.gate_up_bias)
         if self.act is None:
-            if type(down) is nn.Linear and down.bias is None:  # one kernel at short prompts (swiglu_down)
+            if env.MLP_FUSION == "down" and type(down) is nn.Linear and down.bias is None:
                 return fused.swiglu_down(gate_up, down.weight, impl=self.kernels)
             return down(fused.silu_and_mul(gate_up, impl=self.kernels))
         gate, up = gate_up.chunk(2, dim=-1)

@@ -17,7 +17,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-__all__ = ["KernelImpl", "KernelPath", "fused_available", "kernel_path", "use_fused"]
+__all__ = ["KernelImpl", "KernelPath", "fused_available", "kernel_path", "num_sms", "use_fused"]
 
 KernelImpl = Literal["fused", "torch"]
 KernelPath = Literal["torch", "triton", "op"]
@@ -87,3 +87,9 @@ def kernel_path(impl: str, x: Tensor) -> KernelPath:
         use_fused(impl, x)  # the same checks: a CUDA trace needs Triton for the op's CUDA kernel
         return "op"
     return "triton" if use_fused(impl, x) else "torch"
+
+
+@functools.cache
+def num_sms(device: torch.device) -> int:
+    """The CUDA device's streaming multiprocessors (what the split matmuls size their grids by)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count

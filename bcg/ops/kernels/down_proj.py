@@ -1,33 +1,32 @@
 """A SwiGLU MLP's activation and down projection, ``silu_and_mul(gate_up) @ weight.T``: one kernel at short prompts.
 
 At a few dozen rows the down projection reads its whole weight for little work: cuBLAS splits K and adds a reduce
-kernel, and SiLU-and-multiply runs as a kernel of its own before it, so the step is three launches. With
-``BCG_SWIGLU_DOWN=1``, up to :data:`MAX_FUSED_ROWS` rows of bf16/fp16 on CUDA are one Triton kernel
+kernel, and SiLU-and-multiply runs as a kernel of its own before it, so the step is three launches. Up to
+:data:`MAX_FUSED_ROWS` rows of bf16/fp16 on CUDA, :func:`swiglu_down` is one Triton kernel
 (:mod:`bcg.ops.kernels.triton_down_proj`): the activation computed as the A operand is loaded (with
 :func:`~bcg.ops.kernels.silu_and_mul`'s roundings) and K split over the SMs, the partials summed in a fixed order by
-the tile's last program. It is off by default: on the H200 it ran 2-6x slower than the three launches it replaces
-(``benchmarks/down_proj.py``), because every output-column tile recomputes the activation of the rows it reads
-(``cols / block_n`` times in all), work the separate kernel does once. Otherwise (larger batches, where cuBLAS needs
-no split; fp32; other devices; a ``torch.compile`` trace, which sees the same ops as before) it is the two steps:
-:func:`~bcg.ops.kernels.silu_and_mul`, then ``F.linear``. The one kernel differs from them only in the matmul's
-summation order.
+the tile's last program. Otherwise (larger batches, where cuBLAS needs no split; fp32; other devices; a
+``torch.compile`` trace, which sees the same ops as before) it is the two steps: :func:`~bcg.ops.kernels.silu_and_mul`,
+then ``F.linear``. The one kernel differs from them only in the matmul's summation order.
+
+On the H200 the one kernel ran 1.4-2.8x slower than the three launches (``benchmarks/mlp_kernels.py``): every
+output-column tile recomputes the activation of the rows it reads (``cols / block_n`` times in all, where the
+separate kernel does it once). Models call it only with ``BCG_MLP_FUSION=down`` (:mod:`bcg.env`).
 """
 
-from __future__ import annotations
 
-import functools
+from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from bcg import env
 from bcg.ops.kernels.activation import silu_and_mul
-from bcg.ops.kernels.dispatch import kernel_path
+from bcg.ops.kernels.dispatch import kernel_path, num_sms
 
 __all__ = ["MAX_FUSED_ROWS", "swiglu_down", "swiglu_down_reference"]
 
-# Rows up to which the fused kernel runs (benchmarks/down_proj.py measures both paths per row count).
+# Rows up to which the fused kernel runs (benchmarks/mlp_kernels.py measures both paths per row count).
 MAX_FUSED_ROWS = 128
 _FUSED_DTYPES = (torch.bfloat16, torch.float16)
 # One int32 counter per output tile, per device, zero between launches (the kernel resets what it counts). Counters
@@ -43,18 +42,17 @@ def swiglu_down_reference(gate_up: Tensor, weight: Tensor) -> Tensor:
 
 
 def is_fused(gate_up: Tensor, weight: Tensor) -> bool:
-    """Whether :func:`swiglu_down` runs its one kernel for these operands (given the fused path on CUDA and
-    ``BCG_SWIGLU_DOWN=1``)."""
+    """Whether :func:`swiglu_down` runs its one kernel for these operands (given the fused path on CUDA)."""
     rows = gate_up.numel() // max(1, gate_up.shape[-1])
-    return (env.SWIGLU_DOWN and 0 < rows <= MAX_FUSED_ROWS and gate_up.dtype in _FUSED_DTYPES
+    return (0 < rows <= MAX_FUSED_ROWS and gate_up.dtype in _FUSED_DTYPES
             and weight.dtype == gate_up.dtype and gate_up.stride(-1) == 1 and weight.stride(-1) == 1)
 
 
 def swiglu_down(gate_up: Tensor, weight: Tensor, *, impl: str = "fused") -> Tensor:
     """``silu(gate_up[..., :I]) * gate_up[..., I:]``, projected by ``weight (H, I)``: ``(..., 2I) -> (..., H)``.
 
-    ``impl`` picks the kernels (:mod:`bcg.ops.kernels.dispatch`); with ``"fused"`` on CUDA and
-    ``BCG_SWIGLU_DOWN=1``, up to :data:`MAX_FUSED_ROWS` rows of bf16/fp16 run as one kernel, everything else as
+    ``impl`` picks the kernels (:mod:`bcg.ops.kernels.dispatch`); with ``"fused"`` on CUDA, up to
+    :data:`MAX_FUSED_ROWS` rows of bf16/fp16 run as one kernel, everything else as
     :func:`~bcg.ops.kernels.silu_and_mul` and ``F.linear``. The kernel keeps one counter per output tile in a
     per-device buffer, so launches of it on two streams of one device must not run at the same time.
 
@@ -71,17 +69,13 @@ def swiglu_down(gate_up: Tensor, weight: Tensor, *, impl: str = "fused") -> Tens
     from bcg.ops.kernels import triton_down_proj
 
     rows, cols = gate_up.numel() // gate_up.shape[-1], weight.shape[0]
-    plan = triton_down_proj.tiling(rows, cols, weight.shape[1], _num_sms(gate_up.device))
+    plan = triton_down_proj.tiling(rows, cols, weight.shape[1], num_sms(gate_up.device))
     out = gate_up.new_empty((*gate_up.shape[:-1], cols))
     # One split writes the output directly; the partials buffer is then never read, so a 1-element one stands in.
     partials = gate_up.new_empty(plan.split_k * rows * cols if plan.split_k > 1 else 1, dtype=torch.float32)
     triton_down_proj.swiglu_down(gate_up, weight, out, partials, _counters(gate_up.device, plan.tiles), plan)
     return out
 
-
-@functools.cache
-def _num_sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _counters(device: torch.device, tiles: int) -> Tensor:

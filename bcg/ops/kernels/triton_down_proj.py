@@ -49,7 +49,7 @@ def tiling(rows: int, cols: int, inner: int, num_sms: int, *, block_m: int | Non
     ``min_k_iters`` K steps long. 64 rows or more run on Hopper's wgmma; 128-row tiles take 8 warps and narrow ones
     longer K steps, which keeps every configuration under the register file with a four-deep cp.async pipeline
     (tests/ops/kernels/test_kernel_aot.py compiles them for sm_90 and checks that nothing spills). Every choice can
-    be overridden (``benchmarks/down_proj.py --sweep`` times the alternatives).
+    be overridden (``benchmarks/mlp_kernels.py --sweep down`` times the alternatives).
 
     Example::
 

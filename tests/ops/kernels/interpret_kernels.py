@@ -15,8 +15,8 @@ import importlib.metadata
 import os
 from types import SimpleNamespace
 
-import down_proj_cases
 import kernel_cases as cases
+import mlp_cases
 import pytest
 import torch
 from op_samples import samples
@@ -283,8 +283,16 @@ def test_triton_implementations_of_the_ops_pass_opcheck(interpreted_ops, name, c
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("rows,cols,inner,num_sms", down_proj_cases.SHAPES)
+@pytest.mark.parametrize("rows,cols,inner,num_sms", mlp_cases.SHAPES)
 def test_swiglu_down(run, dtype, rows, cols, inner, num_sms):
     tk = importlib.import_module("bcg.ops.kernels.triton_down_proj")
-    down_proj_cases.check_swiglu_down(down_proj_cases.direct(tk), "cpu", dtype, rows, cols, inner, num_sms,
+    mlp_cases.check_swiglu_down(mlp_cases.direct(tk), "cpu", dtype, rows, cols, inner, num_sms,
                                    ulps=run.ulps.get(dtype, 1.0))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows,hidden,inter,num_sms", mlp_cases.GATE_UP_SHAPES)
+def test_gate_up_silu(run, dtype, rows, hidden, inter, num_sms):
+    tk = importlib.import_module("bcg.ops.kernels.triton_gate_up")
+    mlp_cases.check_gate_up_silu(mlp_cases.direct_gate_up(tk), "cpu", dtype, rows, hidden, inter, num_sms,
+                                 ulps=run.ulps.get(dtype, 1.0))

@@ -1,6 +1,6 @@
-"""swiglu_down on the CPU: the two steps it replaces exactly, the rule that picks the one kernel, the kernel's tiles,
-and the MLP that calls it (its kernel runs under the interpreter in interpret_kernels.py, on CUDA in
-test_down_proj_cuda.py)."""
+"""The MLP's one-kernel fusions on the CPU, swiglu_down and gate_up_silu: the two steps each replaces exactly, the
+rules that pick the one kernel, the kernels' tiles, and the MLP that calls them (the kernels run under the
+interpreter in interpret_kernels.py, on CUDA in test_down_proj_cuda.py)."""
 
 from __future__ import annotations
 
@@ -34,11 +34,8 @@ def test_rejects_mismatched_operands_by_name():
         kernels.swiglu_down(torch.randn(3, 10), torch.randn(4, 5), impl="triton")
 
 
-def test_one_kernel_only_when_asked_and_for_short_half_precision_batches(monkeypatch):
+def test_one_kernel_only_for_short_half_precision_batches():
     w = torch.zeros(8, 16, dtype=torch.bfloat16)
-    monkeypatch.setattr(env, "SWIGLU_DOWN", False)  # the default: the two steps measured faster
-    assert not module.is_fused(torch.zeros(4, 32, dtype=torch.bfloat16), w)
-    monkeypatch.setattr(env, "SWIGLU_DOWN", True)
     rows = module.MAX_FUSED_ROWS
     assert module.is_fused(torch.zeros(rows, 32, dtype=torch.bfloat16), w)
     assert module.is_fused(torch.zeros(2, 3, 32, dtype=torch.bfloat16), w)
@@ -65,10 +62,45 @@ def test_tiles_cover_k_once_and_fill_the_sms(rows, cols, inner, sms):
     assert programs >= min(sms, plan.tiles * (steps // 4)) or plan.split_k == 1 and plan.tiles >= 2 * sms
 
 
+@pytest.mark.parametrize("fusion", ["none", "gate_up", "down"])
 @pytest.mark.parametrize("kernels_impl", ["fused", "torch"])
-def test_mlp_matches_its_unfused_arithmetic(kernels_impl):
+def test_mlp_matches_its_unfused_arithmetic(kernels_impl, fusion, monkeypatch):
+    """Every BCG_MLP_FUSION is the same arithmetic on the CPU (the kernels' references)."""
+    monkeypatch.setattr(env, "MLP_FUSION", fusion)
     mlp = SwiGLUMLP(32, 80).to(torch.bfloat16)
     mlp.kernels = kernels_impl
     x = randn(5, 32, dtype=torch.bfloat16, device="cpu", seed=3)
     gate, up = mlp.gate_up_proj(x).chunk(2, dim=-1)
     assert torch.equal(mlp(x), mlp.down_proj(F.silu(gate) * up))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gate_up_silu_is_the_projection_then_the_activation(dtype):
+    x, w = row_view(7, 48, dtype=dtype, device="cpu", seed=0), randn(2 * 30, 48, dtype=dtype, device="cpu", seed=1)
+    expected = kernels.silu_and_mul(F.linear(x, w))
+    assert torch.equal(kernels.gate_up_silu(x, w), expected)
+    assert torch.equal(kernels.gate_up_silu(x, w, impl="torch"), expected)
+    assert kernels.gate_up_silu(x[None], w).shape == (1, 7, 30)
+    with pytest.raises(ValueError, match=r"weight \(2I, H\)"):
+        kernels.gate_up_silu(x, w[:-1])
+    with pytest.raises(ValueError, match=r"weight \(2I, H\)"):
+        kernels.gate_up_silu(x, w[:, :-1])
+
+
+def test_gate_up_silu_one_kernel_only_for_short_half_precision_batches():
+    from bcg.ops.kernels import gate_up
+
+    w = torch.zeros(16, 8, dtype=torch.bfloat16)
+    assert gate_up.is_fused(torch.zeros(gate_up.MAX_FUSED_ROWS, 8, dtype=torch.bfloat16), w)
+    assert not gate_up.is_fused(torch.zeros(gate_up.MAX_FUSED_ROWS + 1, 8, dtype=torch.bfloat16), w)
+    assert not gate_up.is_fused(torch.zeros(4, 8), w.float())
+    assert not gate_up.is_fused(torch.zeros(4, 8, dtype=torch.bfloat16), w.t().contiguous().t())  # not row-major
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="the tiling is computed with triton.cdiv")
+def test_gate_up_tiles_fill_the_sms_with_narrower_columns():
+    from bcg.ops.kernels.triton_gate_up import tiling
+
+    assert tiling(64, 2816, 132).block_n == 32  # 44 programs of 64 columns would leave most SMs idle
+    assert tiling(64, 16384, 132).block_n == 64  # 256 programs: enough
+    assert tiling(200, 64, 132).block_m == 128 and tiling(5, 64, 132).block_m == 16

@@ -1,10 +1,11 @@
-"""swiglu_down on CUDA: the one kernel against fp64 at odd sizes and at the llama shapes, forced into K splits of
-every size; the entry point's dispatch; capture and replay; and what happens when the counters would be made in a
-capture. Run with ``python -m pytest -m cuda tests/ops/kernels``."""
+"""The MLP's one-kernel fusions on CUDA: swiglu_down against fp64 at odd sizes and at the llama shapes, forced into
+K splits of every size, its dispatch, capture and replay, and what happens when its counters would be made in a
+capture; gate_up_silu the same way; the MLP under each BCG_MLP_FUSION. Run with ``python -m pytest -m cuda
+tests/ops/kernels``."""
 
 from __future__ import annotations
 
-import down_proj_cases as cases
+import mlp_cases as cases
 import pytest
 import torch
 import torch.nn.functional as F
@@ -13,7 +14,7 @@ from bcg import env
 from bcg.models.layers import SwiGLUMLP
 from bcg.ops import kernels
 from bcg.ops.kernels import down_proj as module
-from bcg.ops.kernels import triton_down_proj
+from bcg.ops.kernels import gate_up, triton_down_proj, triton_gate_up
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 DEV = "cuda"
@@ -26,8 +27,7 @@ def test_kernel_matches_fp64(dtype, rows, cols, inner, num_sms):
 
 
 @pytest.mark.parametrize("rows", [1, 17, 64, module.MAX_FUSED_ROWS, module.MAX_FUSED_ROWS + 1, 512])
-def test_entry_point_runs_one_kernel_up_to_its_rows(rows, monkeypatch):
-    monkeypatch.setattr(env, "SWIGLU_DOWN", True)
+def test_entry_point_runs_one_kernel_up_to_its_rows(rows):
     x, w = cases.inputs(rows, 1024, 2816, torch.bfloat16, DEV)
     two_steps = F.linear(kernels.silu_and_mul(x), w)
     got = kernels.swiglu_down(x, w)
@@ -43,8 +43,7 @@ def test_entry_point_runs_one_kernel_up_to_its_rows(rows, monkeypatch):
     assert names == ["_swiglu_down_kernel"], names
 
 
-def test_capture_and_replay_follow_fresh_inputs(monkeypatch):
-    monkeypatch.setattr(env, "SWIGLU_DOWN", True)
+def test_capture_and_replay_follow_fresh_inputs():
     x, w = cases.inputs(64, 1024, 2816, torch.bfloat16, DEV)
     static = x.clone()
     kernels.swiglu_down(static, w)  # warm-up: compiles the kernel and makes the counters
@@ -59,7 +58,6 @@ def test_capture_and_replay_follow_fresh_inputs(monkeypatch):
 
 
 def test_counters_are_not_made_in_a_capture(monkeypatch):
-    monkeypatch.setattr(env, "SWIGLU_DOWN", True)
     monkeypatch.setattr(module, "_COUNTERS", {})
     x, w = cases.inputs(64, 1024, 2816, torch.bfloat16, DEV)
     graph = torch.cuda.CUDAGraph()
@@ -70,9 +68,9 @@ def test_counters_are_not_made_in_a_capture(monkeypatch):
     assert torch.equal(kernels.swiglu_down(x, w), kernels.swiglu_down(x.clone(), w))  # the device is still usable
 
 
-@pytest.mark.parametrize("one_kernel", [False, True])
-def test_mlp_in_bf16_matches_the_torch_path(one_kernel, monkeypatch):
-    monkeypatch.setattr(env, "SWIGLU_DOWN", one_kernel)
+@pytest.mark.parametrize("fusion", ["none", "gate_up", "down"])
+def test_mlp_in_bf16_matches_the_torch_path(fusion, monkeypatch):
+    monkeypatch.setattr(env, "MLP_FUSION", fusion)
     mlp = SwiGLUMLP(1024, 2816).to(DEV, torch.bfloat16)
     x = torch.randn(64, 1024, device=DEV, dtype=torch.bfloat16)
     with torch.no_grad():
@@ -81,3 +79,27 @@ def test_mlp_in_bf16_matches_the_torch_path(one_kernel, monkeypatch):
         mlp.kernels = "fused"
         got = mlp(x)
     torch.testing.assert_close(got.float(), expected.float(), rtol=2**-7, atol=2**-7 * float(expected.abs().max()))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows,hidden,inter,num_sms", cases.GATE_UP_SHAPES)
+def test_gate_up_kernel_matches_fp64(dtype, rows, hidden, inter, num_sms):
+    cases.check_gate_up_silu(cases.direct_gate_up(triton_gate_up), DEV, dtype, rows, hidden, inter, num_sms)
+
+
+@pytest.mark.parametrize("rows", [1, 64, gate_up.MAX_FUSED_ROWS, gate_up.MAX_FUSED_ROWS + 1])
+def test_gate_up_entry_point_runs_one_kernel_up_to_its_rows(rows):
+    x = cases.randn(rows, 1024, dtype=torch.bfloat16, device=DEV, seed=rows)
+    w = cases.randn(2 * 2816, 1024, dtype=torch.bfloat16, device=DEV, seed=1, scale=1024**-0.5)
+    two_steps = kernels.silu_and_mul(F.linear(x, w))
+    got = kernels.gate_up_silu(x, w)
+    if rows > gate_up.MAX_FUSED_ROWS:
+        assert torch.equal(got, two_steps)
+        return
+    torch.testing.assert_close(got.float(), two_steps.float(), rtol=2**-7, atol=2**-7 * float(two_steps.abs().max()))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = kernels.gate_up_silu(x, w)
+    x.mul_(0.5)
+    graph.replay()
+    assert torch.equal(captured, kernels.gate_up_silu(x, w)), "replay differs from the eager kernel"

@@ -151,7 +151,7 @@ def test_every_bcg_kernel_starts_with_its_grid_dependency():
                 assert isinstance(first, ast.Expr) and isinstance(first.value, ast.Call) and \
                     getattr(first.value.func, "id", None) == "grid_dependency", (path.name, node.name)
                 found += 1
-    assert found == 10
+    assert found == 11
 
 
 @pytest.mark.parametrize("rows,cols,inner", [(16, 1024, 2816), (64, 1024, 2816), (128, 2048, 8192), (1, 64, 64),
@@ -178,3 +178,26 @@ def test_down_projection_kernel_compiles_for_sm90_on_the_tensor_cores(rows, cols
     assert "cp.async" in ptx[0] or plan.k_iters == 1, "the loads are not pipelined"
     assert ("wgmma" in ptx[0]) == (plan.block_m >= 64), "tensor-core instruction"
     assert ("atom" in ptx[0] and ".acq_rel" in ptx[0]) == (split > 1)
+
+
+@pytest.mark.parametrize("rows,hidden,inter", [(16, 1024, 2816), (64, 1024, 2816), (64, 2048, 8192), (128, 2048, 8192)])
+def test_gate_up_kernel_compiles_for_sm90_on_the_tensor_cores(rows, hidden, inter):
+    """The launcher's own tiles on an H200 for the llama gate/up projections: no spills, the loads pipelined, wgmma
+    where a tile has 64 rows or more."""
+    import triton
+
+    from bcg.ops.kernels import triton_gate_up
+
+    plan = triton_gate_up.tiling(rows, inter, 132)
+    types = {"x_ptr": "*bf16", "x_stride": "i32", "w_ptr": "*bf16", "w_up_ptr": "*bf16", "w_stride": "i32",
+             "out_ptr": "*bf16", "out_stride": "i32", "n_rows": "i32", "inter": "i32", "hidden": "i32"}
+    constants = dict(BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_K=plan.block_k,
+                     K_ITERS=triton.cdiv(hidden, plan.block_k))
+    ptx: list[str] = []
+    report = compile_sm90(triton_gate_up._gate_up_silu_kernel, types, constants, num_warps=plan.num_warps,
+                          num_stages=plan.num_stages, ptx=ptx,
+                          aligned=("x_ptr", "x_stride", "w_ptr", "w_up_ptr", "w_stride", "out_ptr", "out_stride",
+                                   "inter", "hidden"))
+    assert "0 bytes spill stores" in report, report
+    assert "cp.async" in ptx[0], "the loads are not pipelined"
+    assert ("wgmma" in ptx[0]) == (plan.block_m >= 64), "tensor-core instruction"

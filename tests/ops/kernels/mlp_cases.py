@@ -1,4 +1,5 @@
-"""Shared inputs and checks for :func:`bcg.ops.kernels.swiglu_down` (the interpreter and CUDA tiers)."""
+"""Shared inputs and checks for the MLP's one-kernel fusions, :func:`bcg.ops.kernels.swiglu_down` and
+:func:`bcg.ops.kernels.gate_up_silu` (the interpreter and CUDA tiers)."""
 
 from __future__ import annotations
 
@@ -55,3 +56,38 @@ def check_swiglu_down(launch: Launch, device: str, dtype: torch.dtype, rows: int
     torch.testing.assert_close(out.double(), ref, rtol=2 * RTOL[dtype] * ulps, atol=tol)
     again, _ = launch(x, w, num_sms)
     assert torch.equal(again, out), "two launches on the same inputs differ"
+
+
+# (rows, hidden, inter, SMs) of gate_up_silu: odd sizes, one row, 64-wide and 32-wide column blocks, the llama shapes.
+GATE_UP_SHAPES = [(5, 96, 200, 132), (1, 64, 64, 132), (33, 70, 130, 4), (64, 1024, 2816, 132), (16, 2048, 8192, 132),
+                  (100, 200, 300, 16)]
+
+GateUpLaunch = Callable[[Tensor, Tensor, int], Tensor]
+
+
+def direct_gate_up(tk) -> GateUpLaunch:
+    """Calls the launcher of ``tk`` (the imported ``triton_gate_up``) with ``num_sms`` SMs' tiling."""
+    def launch(x: Tensor, w: Tensor, num_sms: int) -> Tensor:
+        out = torch.full((x.shape[0], w.shape[0] // 2), float("nan"), dtype=x.dtype, device=x.device)
+        tk.gate_up_silu(x, w, out, tk.tiling(x.shape[0], w.shape[0] // 2, num_sms))
+        return out
+    return launch
+
+
+def check_gate_up_silu(launch: GateUpLaunch, device: str, dtype: torch.dtype, rows: int, hidden: int, inter: int,
+                       num_sms: int, ulps: float = 1.0) -> None:
+    """The kernel against the two steps: the projection computed in fp64 and rounded to the dtype as its output
+    would be, then SiLU-and-multiply as eager torch rounds it; within two units of the scale (the projection's sums
+    run in another order, and a gate that rounds the other way moves its product by a unit), every element written,
+    the input untouched."""
+    from bcg.ops.kernels import silu_and_mul_reference
+
+    x = row_view(rows, hidden, dtype=dtype, device=device, seed=hidden + rows, pad=8)
+    w = randn(2 * inter, hidden, dtype=dtype, device=device, seed=inter, scale=hidden**-0.5)
+    x0 = x.clone()
+    out = launch(x, w, num_sms)
+    assert torch.equal(x, x0), "gate_up_silu changed its input"
+    assert not out.isnan().any(), "an output element was not written"
+    ref = silu_and_mul_reference((x.double() @ w.double().T).to(dtype)).double()
+    tol = 2 * RTOL[dtype] * ulps
+    torch.testing.assert_close(out.double(), ref, rtol=tol, atol=tol * float(ref.abs().max()))

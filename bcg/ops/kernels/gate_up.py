@@ -1,0 +1,58 @@
+"""A SwiGLU MLP's fused gate/up projection and its activation, ``silu_and_mul(x @ weight.T)``: one kernel at short
+prompts.
+
+The projection's ``(R, 2I)`` output exists only to be read once by SiLU-and-multiply. Up to :data:`MAX_FUSED_ROWS`
+rows of bf16/fp16 on CUDA, :func:`gate_up_silu` is one Triton kernel (:mod:`bcg.ops.kernels.triton_gate_up`) that
+accumulates the gate and up columns side by side and applies the activation in its epilogue, each element once and
+with the two steps' roundings; otherwise (larger batches, fp32, other devices, a ``torch.compile`` trace) it is the
+two steps, ``F.linear`` then :func:`~bcg.ops.kernels.silu_and_mul`. The one kernel differs from them only in the
+matmul's summation order. Which of this, the two steps and :func:`~bcg.ops.kernels.swiglu_down` a model's MLP runs
+is ``BCG_MLP_FUSION`` (:mod:`bcg.env`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from bcg.ops.kernels.activation import silu_and_mul
+from bcg.ops.kernels.dispatch import kernel_path, num_sms
+
+__all__ = ["MAX_FUSED_ROWS", "gate_up_silu"]
+
+# Rows up to which the one kernel runs; past them cuBLAS's GEMM is compute-bound and faster than a Triton one.
+MAX_FUSED_ROWS = 128
+_FUSED_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def is_fused(x: Tensor, weight: Tensor) -> bool:
+    """Whether :func:`gate_up_silu` runs its one kernel for these operands (given the fused path on CUDA)."""
+    rows = x.numel() // max(1, x.shape[-1])
+    return (0 < rows <= MAX_FUSED_ROWS and x.dtype in _FUSED_DTYPES and weight.dtype == x.dtype
+            and x.stride(-1) == 1 and weight.is_contiguous())
+
+
+def gate_up_silu(x: Tensor, weight: Tensor, *, impl: str = "fused") -> Tensor:
+    """``silu(gate) * up`` of ``x @ weight.T``, ``weight (2I, H)`` holding the gate rows then the up rows:
+    ``(..., H) -> (..., I)``. ``impl`` picks the kernels (:mod:`bcg.ops.kernels.dispatch`).
+
+    Example:
+        >>> x, w = torch.randn(3, 4), torch.randn(10, 4)
+        >>> gate, up = (x @ w.T).chunk(2, dim=-1)
+        >>> torch.allclose(gate_up_silu(x, w), F.silu(gate) * up)
+        True
+    """
+    if weight.shape[0] % 2 or weight.shape[-1] != x.shape[-1]:
+        raise ValueError(f"gate_up_silu needs x (..., H) and a weight (2I, H) of gate then up rows; got "
+                         f"{tuple(x.shape)} and {tuple(weight.shape)}")
+    if kernel_path(impl, x) != "triton" or not is_fused(x, weight):
+        return silu_and_mul(F.linear(x, weight), impl=impl)
+    from bcg.ops.kernels import triton_gate_up
+
+    inter = weight.shape[0] // 2
+    rows = x.numel() // x.shape[-1]
+    out = x.new_empty((*x.shape[:-1], inter))
+    triton_gate_up.gate_up_silu(x, weight, out, triton_gate_up.tiling(rows, inter, num_sms(x.device)))
+    return out
+
