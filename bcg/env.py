@@ -13,9 +13,9 @@ Configuration is :class:`~bcg.runtime.config.EngineConfig` and the command's fla
   before it with ``griddepcontrol`` and may start while that one finishes; ``benchmarks/pdl.py`` measures whether
   CUDA graphs keep it).
 * ``BCG_MLP_FUSION=gate_up|down|none``: which one-kernel fusion a SwiGLU MLP's activation rides at short prompts with
-  the fused kernels: ``gate_up`` (:mod:`bcg.ops.kernels.gate_up`, in the gate/up projection's epilogue), ``down``
-  (:mod:`bcg.ops.kernels.down_proj`, in the down projection's prologue; measured 1.4-2.8x slower on the H200) or
-  ``none`` (SiLU-and-multiply as a kernel of its own, the default); ``benchmarks/mlp_kernels.py`` measures them.
+  the fused kernels: ``gate_up`` (the default: :mod:`bcg.ops.kernels.gate_up`, in the gate/up projection's epilogue),
+  ``down`` (:mod:`bcg.ops.kernels.down_proj`, in the down projection's prologue; measured 1.4-2.8x slower on the
+  H200) or ``none`` (SiLU-and-multiply as a kernel of its own); ``benchmarks/mlp_kernels.py`` measures them.
 * ``BCG_GC_FREEZE=0``: a serving engine leaves the heap to the garbage collector as it is (by default its first
   ``submit`` moves every object alive then out of the collector's sight, ``gc.freeze()``, until it closes).
 
@@ -40,9 +40,9 @@ FLASH_WRAPPER: bool = os.environ.get("BCG_FLASH", "").lower() == "wrapper"
 TP_ALLREDUCE_ISLAND: bool = os.environ.get("BCG_TP_ALLREDUCE", "").lower() == "island"
 COMPILE_LOG: bool = _flag("BCG_COMPILE_LOG")
 PDL: bool = _flag("BCG_PDL")
-MLP_FUSION: str = os.environ.get("BCG_MLP_FUSION", "").lower() or "none"
+MLP_FUSION: str = os.environ.get("BCG_MLP_FUSION", "").lower() or "gate_up"
 if MLP_FUSION not in ("gate_up", "down", "none"):
-    raise ValueError(f"BCG_MLP_FUSION={MLP_FUSION!r}: expected gate_up, down or none (unset: none)")
+    raise ValueError(f"BCG_MLP_FUSION={MLP_FUSION!r}: expected gate_up, down or none (unset: gate_up)")
 
 
 def leak_check_mode() -> str:

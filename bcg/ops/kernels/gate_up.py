@@ -21,8 +21,9 @@ from bcg.ops.kernels.dispatch import kernel_path, num_sms
 
 __all__ = ["MAX_FUSED_ROWS", "gate_up_silu"]
 
-# Rows up to which the one kernel runs; past them cuBLAS's GEMM is compute-bound and faster than a Triton one.
-MAX_FUSED_ROWS = 128
+# Rows up to which the one kernel runs: on the H200 it beat the two steps at 16 and 64 rows and lost at 128 and 256,
+# where cuBLAS's GEMM is nearer its compute bound (benchmarks/mlp_kernels.py, round 8).
+MAX_FUSED_ROWS = 64
 _FUSED_DTYPES = (torch.bfloat16, torch.float16)
 
 

@@ -98,9 +98,9 @@ def test_gate_up_silu_one_kernel_only_for_short_half_precision_batches():
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="the tiling is computed with triton.cdiv")
-def test_gate_up_tiles_fill_the_sms_with_narrower_columns():
+def test_gate_up_tiles_are_the_sweeps_pick():
     from bcg.ops.kernels.triton_gate_up import tiling
 
-    assert tiling(64, 2816, 132).block_n == 32  # 44 programs of 64 columns would leave most SMs idle
-    assert tiling(64, 16384, 132).block_n == 64  # 256 programs: enough
-    assert tiling(200, 64, 132).block_m == 128 and tiling(5, 64, 132).block_m == 16
+    assert tiling(64, 2816, 132).block_n == 32 and tiling(64, 2816, 132).block_k == 128  # the sweep's pick
+    assert tiling(40, 2816, 132).block_m == 64  # wgmma, the extra rows masked
+    assert tiling(200, 64, 132)[:3] == (128, 32, 64) and tiling(5, 64, 132).block_m == 16
