@@ -27,7 +27,6 @@ kernel on CUDA, a fake kernel for tracing; :func:`varlen_attention` calls it whi
 implementations directly otherwise (a trip through the dispatcher costs host time at every island).
 """
 
-import weakref
 from typing import Optional
 
 import torch
@@ -87,7 +86,7 @@ def varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_s
     """
     fused = use_fused(impl, q)
     if fused:  # the reference checks the same itself
-        _check_once(q, k, v, cu_seqlens_q, cu_seqlens_k, out, softcap, sinks, kv_slots)
+        check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, out, softcap, sinks, kv_slots)
     if torch.compiler.is_compiling():
         torch.ops.bcg.varlen_attention_(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, out, scale,
                                         softcap, window_left, sinks, kv_slots, zero_tail)
@@ -98,25 +97,6 @@ def varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_s
         varlen_attention_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, out, scale,
                                    softcap, window_left, sinks, kv_slots, zero_tail)
     return out
-
-
-# The last arguments whose checks passed (weak references: nothing is kept alive), their shapes and soft-cap. An
-# island calls the kernel at every layer with the same buffers and the batch's metadata, so the checks (several us of
-# host time) run at its first layer only.
-_last_checked: tuple = ()
-
-
-def _check_once(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, out: Tensor, softcap: Optional[float],
-                sinks: Optional[Tensor], kv_slots: Optional[Tensor]) -> None:
-    global _last_checked
-    args = (q, k, v, cu_q, cu_k, out, sinks, kv_slots)
-    shapes = (q.shape, k.shape, v.shape, out.shape, cu_q.shape, cu_k.shape)
-    last = _last_checked
-    if last and last[2] == softcap and shapes == last[1] and all(
-            (a is None and r is None) or (r is not None and r() is a) for a, r in zip(args, last[0])):
-        return
-    check_varlen_inputs(q, k, v, cu_q, cu_k, out, softcap, sinks, kv_slots)
-    _last_checked = (tuple(None if a is None else weakref.ref(a) for a in args), shapes, softcap)
 
 
 def _triton(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int,

@@ -111,24 +111,3 @@ def test_compiled_code_calls_the_op():
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU the CUDA tests run the compiled kernel")
 def test_the_triton_kernel_under_the_interpreter_in_a_fresh_process():
     run_under_interpreter(HERE / "interpret_attention.py", allow_skips=False)
-
-
-
-
-def test_the_contract_is_checked_again_whenever_an_argument_or_its_shape_changes():
-    """The island's layers pass the same buffers: their checks run once, and any other argument is checked anew."""
-    from bcg.ops.kernels import attention as module
-
-    q, kv = torch.zeros(4, 4, 16, dtype=torch.bfloat16), torch.zeros(4, 2, 16, dtype=torch.bfloat16)
-    cu, out = torch.tensor([0, 4], dtype=torch.int32), torch.zeros(4, 4, 16, dtype=torch.bfloat16)
-    module._check_once(q, kv, kv, cu, cu, out, None, None, None)
-    module._check_once(q, kv, kv, cu, cu, out, None, None, None)  # the same: passes without checking
-    with pytest.raises(RuntimeError, match="same dtype"):
-        module._check_once(q, kv, kv.float(), cu, cu, out, None, None, None)
-    with pytest.raises(RuntimeError, match="out must have shape"):
-        module._check_once(q, kv, kv, cu, cu, out[:, :2], None, None, None)
-    with pytest.raises(RuntimeError, match="softcap"):
-        module._check_once(q, kv, kv, cu, cu, out, -1.0, None, None)
-    out.resize_(4, 4, 8)  # the same tensor, another shape
-    with pytest.raises(RuntimeError, match="out must have shape"):
-        module._check_once(q, kv, kv, cu, cu, out, None, None, None)
