@@ -11,7 +11,9 @@ with a prefix gathers its key ranges from the pool first. The causal mask must b
 request has a prefix (query ``i`` sees keys ``0..prefix+i``): that is probed once per device, and a top-left kernel
 sends those batches to the reference.
 
-Soft-capped layers (gemma2) and layers with sinks (gpt-oss) run bcg's Triton varlen kernel on CUDA
+Buckets of :data:`TRITON_FROM_TOKENS` tokens or more run bcg's Triton varlen kernel on CUDA (faster there on the H200,
+and in place; its launch costs more host time, which short prompts pay). Soft-capped layers (gemma2) and layers with
+sinks (gpt-oss) run it too
 (:mod:`bcg.ops.kernels.attention`: torch's FlashAttention has no soft-cap, and its sinks take three more launches),
 over the same metadata; without Triton, and on a CPU, they take the feature path's
 exact per-request math. :class:`~bcg.ops.attention.triton_varlen.TritonAttention` runs that kernel for every layer.
@@ -63,6 +65,12 @@ def runs_triton_varlen(q: Tensor, v: Tensor) -> bool:
 
 logger = logging.getLogger(__name__)
 
+# Buckets from which the island runs bcg's Triton varlen kernel where it can, FlashAttention below. On the H200
+# (round 8) the Triton kernel's device time at 2048 tokens is 0.87-0.94x FlashAttention's with its copy, and it
+# writes in place, so llama-dense's prefill took 0.93x the wall time there; but its launch costs the host 20-50 us
+# more, and a short prompt's islands are on the critical path (at 64 tokens the same swap took 2.2x the wall time).
+TRITON_FROM_TOKENS = 2048
+
 
 @register_attention_backend
 class VarlenAttention(AttentionBackend):
@@ -102,6 +110,11 @@ class VarlenAttention(AttentionBackend):
         return None
 
     def attend(self, ctx: BatchContext, q: Tensor, k: Tensor, v: Tensor, out: Tensor, layer_id: int) -> None:
+        if ctx.num_padded_tokens >= TRITON_FROM_TOKENS and runs_triton_varlen(q, v):
+            _log_once(f"bcg varlen attention on {q.device}: buckets of {TRITON_FROM_TOKENS} tokens or more run bcg's "
+                      "Triton varlen kernel (faster there, and in place)", logging.INFO)
+            self.attend_rows(ctx, q, k, v, out, layer_id, triton_kernel())
+            return
         self.attend_rows(ctx, q, k, v, out, layer_id, flash_kernel)
 
     def attend_with(self, ctx: BatchContext, q: Tensor, k: Tensor, v: Tensor, out: Tensor, layer_id: int,

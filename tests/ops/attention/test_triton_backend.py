@@ -106,3 +106,22 @@ def test_varlen_sends_soft_capped_and_sink_layers_to_the_triton_kernel_where_it_
     exact = torch.empty_like(q)
     reference_attention(q, k, v, ctx, features, exact)
     assert (out.float() - exact.float()).abs().max() <= 2e-2 and (want.float() - exact.float()).abs().max() <= 2e-2
+
+
+@pytest.mark.parametrize("runs_triton", [False, True])
+def test_varlen_runs_the_triton_kernel_from_its_bucket_on(monkeypatch, kernel_calls, runs_triton):
+    """Buckets of TRITON_FROM_TOKENS or more take bcg's kernel where it runs (stood in for here), smaller ones
+    FlashAttention; the numbers are the same either way."""
+    monkeypatch.setattr(varlen_module, "runs_triton_varlen", lambda q, v: runs_triton)
+    monkeypatch.setattr(varlen_module, "TRITON_FROM_TOKENS", 6)
+    pool, ctx, q, k, v = _island_inputs(num_tokens=6)
+    backend = VarlenAttention(pool)
+    out, small = torch.empty_like(q), torch.empty_like(q[:4])
+    backend.attend(ctx, q, k, v, out, 0)  # a 6-row bucket
+    assert len(kernel_calls) == int(runs_triton)
+    _, small_ctx, q4, k4, v4 = _island_inputs(num_tokens=4)
+    backend.attend(small_ctx, q4, k4, v4, small, 0)  # below the threshold: FlashAttention only
+    assert len(kernel_calls) == int(runs_triton)
+    want = torch.empty_like(q)
+    TritonAttention(pool).attend(ctx, q, k, v, want, 0)
+    assert (out.float() - want.float()).abs().max() <= 2e-2
