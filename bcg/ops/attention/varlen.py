@@ -66,9 +66,9 @@ def runs_triton_varlen(q: Tensor, v: Tensor) -> bool:
 logger = logging.getLogger(__name__)
 
 # Buckets from which the island runs bcg's Triton varlen kernel where it can, FlashAttention below. On the H200
-# (round 8) the Triton kernel's device time at 2048 tokens is 0.87-0.94x FlashAttention's with its copy, and it
-# writes in place, so llama-dense's prefill took 0.93x the wall time there; but its launch costs the host 20-50 us
-# more, and a short prompt's islands are on the critical path (at 64 tokens the same swap took 2.2x the wall time).
+# (round 8) the Triton kernel's device time at 2048 tokens is 0.87x FlashAttention's with its copy, and it writes in
+# place, so llama-dense's prefill took 0.93x the wall time there; but its launch costs the host more (56-86 us a
+# layer in a prefill), and a short prompt's islands are on the critical path (at 64 tokens: 2.2x the wall time).
 TRITON_FROM_TOKENS = 2048
 
 
