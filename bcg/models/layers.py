@@ -130,7 +130,8 @@ class SwiGLUMLP(nn.Module):
     """``down(silu(gate(x)) * up(x))`` with gate and up fused into one matmul.
 
     Tensor parallel: gate and up column-parallel (each rank ``intermediate_size / tp.size`` of both), down
-    row-parallel (one all-reduce).
+    row-parallel (one all-reduce). With the fused kernels SiLU-and-multiply rides the gate/up projection's epilogue
+    at short prompts (:func:`~bcg.ops.kernels.gate_up_silu`; ``BCG_MLP_FUSION`` in :mod:`bcg.env` picks another).
 
     Example:
         >>> mlp = SwiGLUMLP(64, 128)

@@ -49,8 +49,7 @@ from bcg.ops.kernels.rope import qkv_norm_rope, qkv_norm_rope_reference
 __all__ = [
     "ExpertOrder", "KernelImpl", "clamped_swiglu", "clamped_swiglu_reference", "expert_order",
     "expert_order_reference", "fused_add_rms_norm", "fused_add_rms_norm_reference", "fused_available", "gate_up_silu",
-    "moe_combine",
-    "moe_combine_reference", "qkv_norm_rope", "qkv_norm_rope_reference", "rms_norm", "rms_norm_reference",
-    "router_topk", "router_topk_reference", "silu_and_mul", "silu_and_mul_reference", "swiglu_down",
-    "swiglu_down_reference",
+    "moe_combine", "moe_combine_reference", "qkv_norm_rope", "qkv_norm_rope_reference", "rms_norm",
+    "rms_norm_reference", "router_topk", "router_topk_reference", "silu_and_mul", "silu_and_mul_reference",
+    "swiglu_down", "swiglu_down_reference",
 ]
