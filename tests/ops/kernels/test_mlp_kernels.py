@@ -1,10 +1,11 @@
 """The MLP's one-kernel fusions on the CPU, swiglu_down and gate_up_silu: the two steps each replaces exactly, the
 rules that pick the one kernel, the kernels' tiles, and the MLP that calls them (the kernels run under the
-interpreter in interpret_kernels.py, on CUDA in test_down_proj_cuda.py)."""
+interpreter in interpret_kernels.py, on CUDA in test_mlp_kernels_cuda.py)."""
 
 from __future__ import annotations
 
 import importlib.util
+import os
 
 import pytest
 import torch
@@ -104,3 +105,18 @@ def test_gate_up_tiles_are_the_sweeps_pick():
     assert tiling(64, 2816, 132).block_n == 32 and tiling(64, 2816, 132).block_k == 128  # the sweep's pick
     assert tiling(40, 2816, 132).block_m == 64  # wgmma, the extra rows masked
     assert tiling(200, 64, 132)[:3] == (128, 32, 64) and tiling(5, 64, 132).block_m == 16
+
+
+@pytest.mark.parametrize(("value", "expected"), [("", "gate_up"), ("NONE", "none"), ("down", "down")])
+def test_the_mlp_fusion_switch_is_read_once_and_checked(value, expected):
+    """BCG_MLP_FUSION: unset is the gate/up epilogue; a value that names no fusion stops the import with the choices."""
+    import subprocess
+    import sys
+
+    code = "from bcg import env; print(env.MLP_FUSION)"
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "BCG_MLP_FUSION": value})
+    assert run.returncode == 0 and run.stdout.strip() == expected, run.stderr
+    bad = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "BCG_MLP_FUSION": "epilogue"})
+    assert bad.returncode != 0 and "expected gate_up, down or none" in bad.stderr
