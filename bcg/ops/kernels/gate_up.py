@@ -21,8 +21,8 @@ from bcg.ops.kernels.dispatch import kernel_path, num_sms
 
 __all__ = ["MAX_FUSED_ROWS", "gate_up_silu"]
 
-# Rows up to which the one kernel runs: on the H200 it beat the two steps at 16 and 64 rows and lost at 128 and 256,
-# where cuBLAS's GEMM is nearer its compute bound (benchmarks/mlp_kernels.py, round 8).
+# Rows up to which the one kernel runs: on the H200 a whole MLP took 0.91-0.97x the two steps' time at 16-64 rows and
+# 1.10-1.15x at 128, where cuBLAS's GEMM is nearer its compute bound (benchmarks/mlp_kernels.py, round 8).
 MAX_FUSED_ROWS = 64
 _FUSED_DTYPES = (torch.bfloat16, torch.float16)
 
