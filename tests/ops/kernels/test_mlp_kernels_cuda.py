@@ -82,7 +82,7 @@ def test_mlp_in_bf16_matches_the_torch_path(fusion, monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("rows,hidden,inter,num_sms", cases.GATE_UP_SHAPES)
+@pytest.mark.parametrize("rows,hidden,inter,num_sms", cases.GATE_UP_SHAPES + cases.GATE_UP_LLAMA_SHAPES)
 def test_gate_up_kernel_matches_fp64(dtype, rows, hidden, inter, num_sms):
     cases.check_gate_up_silu(cases.direct_gate_up(triton_gate_up), DEV, dtype, rows, hidden, inter, num_sms)
 
