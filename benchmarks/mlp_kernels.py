@@ -6,8 +6,9 @@ splits K and adds a reduce kernel); ``gate_up`` is bcg's gate/up kernel with the
 (``bcg/ops/kernels/triton_gate_up.py``) and cuBLAS's down GEMM; ``down`` is cuBLAS's gate/up GEMM and bcg's down kernel
 with the activation in its prologue (``bcg/ops/kernels/triton_down_proj.py``). For the MLPs of the llama-dense,
 Llama-3.2-1B and Qwen3-0.6B layers (bf16) at each row count: the kernels one MLP launches, and its device time inside
-a CUDA graph (``--calls`` MLPs captured back to back, the graph replayed ``--replays`` times between CUDA events:
-what a segment's replay pays, the in-graph gaps between kernels included), and each fusion's largest difference
+a CUDA graph (``--calls`` MLPs captured back to back, the median of ``--replays`` timed replays, divided: what a
+segment's replay pays, the in-graph gaps between kernels included; ``benchmarks/kernels.py``'s ``graph_us``, which
+since 2026-12-03's round 8 replaces this script's own mean over the replays), and each fusion's largest difference
 from ``none``. The fused kernels run through their launchers, past the entry points' row limits too.
 
 ``--sweep gate_up`` (or ``down``) times one kernel under other tilings at the given row counts (block sizes, K
@@ -34,31 +35,15 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-if __package__ in (None, ""):  # run as a script: the checkout's bcg, not an installed one
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # this folder's kernels.py
+sys.path.insert(1, str(Path(__file__).resolve().parent.parent))  # the checkout's bcg, not an installed one
+from kernels import graph_us
+
 from bcg.ops.kernels import silu_and_mul
 
 # model -> (hidden, intermediate)
 SHAPES = {"llama-dense": (1024, 2816), "llama-3.2-1b": (2048, 8192), "qwen3-0.6b": (1024, 3072)}
 FUSIONS = ("none", "gate_up", "down")
-
-
-def graph_us(fn: Callable[[], object], calls: int, replays: int) -> float:
-    """Device µs per call of ``fn``: ``calls`` captured in one graph, replayed ``replays`` times between events."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1000 / (calls * replays)
 
 
 def kernel_names(fn: Callable[[], object]) -> list[str]:
