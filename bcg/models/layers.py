@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from bcg import env
-from bcg.models.parallel_layers import RowParallelLinear, column_linear, even_part, row_linear
+from bcg.models.parallel_layers import column_linear, even_part, row_linear
 from bcg.ops import kernels as fused
 from bcg.ops.kernels.rope import rope_angles, rotate
 from bcg.ops.parallel import SINGLE, TensorParallel
@@ -150,11 +150,27 @@ class SwiGLUMLP(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         if self.kernels == "fused":
-            if env.MLP_FUSION == "gate_up" and self.gate_up_proj.bias is None:  # one kernel at short prompts
-                return self.down_proj(fused.gate_up_silu(x, self.gate_up_proj.weight, impl="fused"))
-            if env.MLP_FUSION == "down":
-                down = fused.swiglu_down(self.gate_up_proj(x), self.down_proj.weight, impl="fused")
-                return self.down_proj.tp.all_reduce(down) if isinstance(self.down_proj, RowParallelLinear) else down
-            return self.down_proj(fused.silu_and_mul(self.gate_up_proj(x), impl="fused"))
+            return swiglu_fused(x, self.gate_up_proj.weight, self.gate_up_proj.bias, self.down_proj, "fused")
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
+
+
+def swiglu_fused(x: Tensor, gate_up_weight: Tensor, gate_up_bias: Tensor | None, down: nn.Module,
+                 impl: str) -> Tensor:
+    """``down(silu(gate) * up)`` of the joined ``(2I, H)`` gate/up projection on the fused kernels, SiLU-and-multiply
+    where ``BCG_MLP_FUSION`` puts it (:mod:`bcg.env`): in the gate/up projection's epilogue (the default), in a plain
+    ``nn.Linear`` down projection's prologue, or a kernel of its own. Each fusion runs its one kernel only at short
+    prompts and is the two steps elsewhere.
+
+    Example:
+        >>> mlp = SwiGLUMLP(8, 16)
+        >>> x = torch.randn(3, 8)
+        >>> torch.allclose(swiglu_fused(x, mlp.gate_up_proj.weight, None, mlp.down_proj, "fused"), mlp(x))
+        True
+    """
+    if env.MLP_FUSION == "gate_up" and gate_up_bias is None:
+        return down(fused.gate_up_silu(x, gate_up_weight, impl=impl))
+    gate_up = F.linear(x, gate_up_weight, gate_up_bias)
+    if env.MLP_FUSION == "down" and type(down) is nn.Linear and down.bias is None:
+        return fused.swiglu_down(gate_up, down.weight, impl=impl)
+    return down(fused.silu_and_mul(gate_up, impl=impl))

@@ -28,8 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from bcg import env
 from bcg.models.hf.joined import JoinedWeight
+from bcg.models.layers import swiglu_fused
 from bcg.ops import kernels as fused
 
 __all__ = ["FusedDecoderLayer", "FusedMLP", "FusedModule", "FusedRMSNorm", "NoMatch", "NormHandoff", "NormSpec",
@@ -170,13 +170,9 @@ class FusedMLP(FusedModule):
 
     def forward(self, x: Tensor) -> Tensor:
         down = getattr(self, self.down_name)
-        if self.act is None and env.MLP_FUSION == "gate_up" and self.gate_up_bias is None:
-            return down(fused.gate_up_silu(x, self.gate_up_weight, impl=self.kernels))
-        gate_up = F.linear(x, self.gate_up_weight, self.gate_up_bias)
         if self.act is None:
-            if env.MLP_FUSION == "down" and type(down) is nn.Linear and down.bias is None:
-                return fused.swiglu_down(gate_up, down.weight, impl=self.kernels)
-            return down(fused.silu_and_mul(gate_up, impl=self.kernels))
+            return swiglu_fused(x, self.gate_up_weight, self.gate_up_bias, down, self.kernels)
+        gate_up = F.linear(x, self.gate_up_weight, self.gate_up_bias)
         gate, up = gate_up.chunk(2, dim=-1)
         return down(self.act(gate) * up)
 
