@@ -18,12 +18,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from bcg.ops.kernels.triton_utils import INTERPRETING, grid_dependency, launch, rows_2d
-
-# Triton's interpreter multiplies bf16 tiles wrongly (3.7: off by orders of magnitude; fp16 is right), so there the
-# operands go to fp32 first: each product of two bf16 or fp16 values is exact in fp32, as in the tensor cores' MMA
-# with its fp32 accumulator, so the interpreted kernel still checks the compiled one's arithmetic.
-_DOT_IN_FP32 = tl.constexpr(INTERPRETING)
+from bcg.ops.kernels.triton_utils import dot, grid_dependency, launch, rows_2d
 
 
 class Tiling(NamedTuple):
@@ -94,10 +89,7 @@ def _swiglu_down_kernel(
         else:  # a plain split-K matmul of x (R, I): what the benchmark compares the prologue's cost against
             a = tl.load(x_rows + ks[None, :], mask=a_mask, other=0.0)
         w = tl.load(w_cols + ks[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-        if _DOT_IN_FP32:
-            acc = tl.dot(a.to(tl.float32), w.to(tl.float32), acc)
-        else:
-            acc = tl.dot(a, w, acc)
+        acc = dot(a, w, acc)
     out_mask = row_ok[:, None] & col_ok[None, :]
     out_offsets = rows.to(tl.int64)[:, None] * out_stride + cols[None, :]
     if SPLIT_K == 1:

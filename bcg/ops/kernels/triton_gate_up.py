@@ -17,10 +17,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from bcg.ops.kernels.triton_utils import INTERPRETING, grid_dependency, launch, rows_2d
-
-# Triton's interpreter multiplies bf16 tiles wrongly (see triton_down_proj): fp32 operands there.
-_DOT_IN_FP32 = tl.constexpr(INTERPRETING)
+from bcg.ops.kernels.triton_utils import dot, grid_dependency, launch, rows_2d
 
 
 class Tiling(NamedTuple):
@@ -73,12 +70,8 @@ def _gate_up_silu_kernel(
         w_mask = k_ok[:, None] & col_ok[None, :]
         w_gate = tl.load(gate_cols + ks[:, None], mask=w_mask, other=0.0)
         w_up = tl.load(up_cols + ks[:, None], mask=w_mask, other=0.0)
-        if _DOT_IN_FP32:
-            acc_gate = tl.dot(a.to(tl.float32), w_gate.to(tl.float32), acc_gate)
-            acc_up = tl.dot(a.to(tl.float32), w_up.to(tl.float32), acc_up)
-        else:
-            acc_gate = tl.dot(a, w_gate, acc_gate)
-            acc_up = tl.dot(a, w_up, acc_up)
+        acc_gate = dot(a, w_gate, acc_gate)
+        acc_up = dot(a, w_up, acc_up)
     # The projection's output rounding, then silu_and_mul's arithmetic and roundings (triton_activation).
     gate = acc_gate.to(out_ptr.dtype.element_ty).to(tl.float32)
     up = acc_up.to(out_ptr.dtype.element_ty).to(tl.float32)

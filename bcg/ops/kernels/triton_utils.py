@@ -87,6 +87,21 @@ def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **meta: Any) -> Any:
     return None
 
 
+# Triton's interpreter multiplies bf16 tiles wrongly (3.7: off by orders of magnitude; fp16 is right), so there the
+# operands of dot() go to fp32 first: each product of two bf16 or fp16 values is exact in fp32, as in the tensor
+# cores' MMA with its fp32 accumulator, so an interpreted kernel still checks the compiled one's arithmetic.
+_DOT_IN_FP32 = tl.constexpr(INTERPRETING)
+
+
+@triton.jit
+def dot(a, b, acc):
+    """``acc + a @ b`` with an fp32 accumulator: the tensor cores' MMA where compiled (see ``_DOT_IN_FP32``)."""
+    if _DOT_IN_FP32:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
+    else:
+        return tl.dot(a, b, acc)
+
+
 @triton.jit
 def exp_f32(x):
     """``exp`` in fp32, correctly rounded to within CUDA's ``expf`` (libdevice) where compiled."""
