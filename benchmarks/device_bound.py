@@ -140,9 +140,10 @@ def measure(name: str, backend: str, lengths: list[int], runs: int, out: Path | 
             engine_args: dict[str, Any]) -> dict[str, Any]:
     model: Any = SHAPES.get(name, name)
     t0 = time.perf_counter()
-    # "breakable+full": the small buckets also hold a whole-step graph (EngineConfig.full_graph_tokens)
+    # "breakable+full": the small buckets also hold a whole-step graph (EngineConfig.full_graph_tokens, the engine's
+    # default on CUDA); "breakable" attends in islands at every bucket, as bcg bench names them.
     base, _, option = backend.partition("+")
-    full = {"full_graph_tokens": FULL_GRAPH_TOKENS} if option == "full" else {}
+    full = {"full_graph_tokens": FULL_GRAPH_TOKENS if option == "full" else 0} if base == "breakable" else {}
     eng = Engine(model, backend=base, progress=False, **engine_args, **full)
     build_s = time.perf_counter() - t0
     tele = eng.telemetry
@@ -216,8 +217,9 @@ def main(argv: list[str] | None = None) -> int:
     cuda = torch.cuda.is_available()
     p.add_argument("--models", default="llama-dense,gptoss-moe,glm-dsa,llama-3.2-1b,qwen3-0.6b" if cuda
                    else "tiny-dense", help="comma list: presets, checkpoint folders, or " + ", ".join(SHAPES))
-    p.add_argument("--backends", default="breakable",
-                   help="comma list of backends; breakable+full adds the small buckets' whole-step graphs")
+    p.add_argument("--backends", default="breakable+full" if cuda else "breakable",
+                   help="comma list of backends: breakable attends in islands at every bucket, breakable+full adds "
+                        "the small buckets' whole-step graphs (the engine's default on CUDA)")
     p.add_argument("--lengths", default="64,256,1024,2048" if cuda else "16,64")
     p.add_argument("--runs", type=int, default=20 if cuda else 3)
     p.add_argument("--kernels", default=None, help="fused or torch (default: the engine's)")

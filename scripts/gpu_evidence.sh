@@ -61,7 +61,7 @@ case $steps in *" baseline "*)
 device_models=${DEVICE_MODELS:-llama-dense,gptoss-moe,glm-dsa,llama-3.2-1b,qwen3-0.6b}
 case $steps in *" device "*)
   step device "${T_DEVICE:-300}" python3 benchmarks/device_bound.py --models "$device_models" --timeline \
-    --backends "${DEVICE_BACKENDS:-breakable}" \
+    --backends "${DEVICE_BACKENDS:-breakable+full}" \
     --out "$work/device" ${DEVICE_ARGS:-} ;; esac
 case $steps in *" device_baseline "*)
   if [ -d .baseline/bcg ]; then

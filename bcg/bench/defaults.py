@@ -40,9 +40,10 @@ class MachineDefaults:
     tc_compiler: str  # what compiles tc_piecewise's pieces (bcg.bench.config_base.tc_compiler_for)
 
 
-# The variants of bcg/bench/variants.py: plain torch ops unless "+fused", uncompiled unless "+inductor".
-CUDA_DEFAULTS = MachineDefaults("llama-dense", ("eager", "breakable", "breakable+fused", "breakable+inductor",
-                                                "full", "tc_piecewise"),
+# The variants of bcg/bench/variants.py: plain torch ops unless "+fused", uncompiled unless "+inductor", islands only
+# unless "+full" (breakable+fused+full is the engine's default on CUDA).
+CUDA_DEFAULTS = MachineDefaults("llama-dense", ("eager", "breakable", "breakable+fused", "breakable+fused+full",
+                                                "breakable+inductor", "full", "tc_piecewise"),
                                 (64, 128, 256, 512, 1024, 2048), 2048, 512, None, "inductor")
 # One thread: two threads on two shared cores wait on each other whenever a neighbour is busy, and the timings
 # swing by an order of magnitude; one thread is slower but repeatable. A 256-token chunk keeps the emulated ladder
@@ -69,6 +70,6 @@ class LoadDefaults:
 
 # CUDA: the issue-22 workload (Poisson arrivals, lognormal lengths of median 180 in 16..4000). CPU: a smoke test
 # that takes seconds; its times measure the emulation.
-LOAD_CUDA_DEFAULTS = LoadDefaults(("eager", "breakable+fused", "full+fused", "tc_piecewise"), (100.0, 300.0, 900.0),
-                                  10.0, "lognormal:180", 5.0)
+LOAD_CUDA_DEFAULTS = LoadDefaults(("eager", "breakable+fused+full", "full+fused", "tc_piecewise"),
+                                  (100.0, 300.0, 900.0), 10.0, "lognormal:180", 5.0)
 LOAD_CPU_DEFAULTS = LoadDefaults(("eager", "breakable"), (10.0, 40.0), 1.5, "lognormal:24:4:96", 2.0)

@@ -3,8 +3,10 @@
 A variant name is a backend followed by ``+`` options: ``fused`` (the fused kernels; without it, plain torch ops),
 ``inductor`` (the layer stack compiled by Inductor: ``compile="inductor"``) or ``traced`` (traced by dynamo alone, no
 code generated: ``compile="traced"``); ``breakable`` also takes ``full`` (its buckets up to ``FULL_GRAPH_TOKENS``
-also hold a whole-step graph with the attention inside: ``full_graph_tokens``). ``tc_piecewise`` compiles its pieces
-itself and takes no compile option; its
+also hold a whole-step graph with the attention inside: ``full_graph_tokens``). A name says everything its engine runs,
+whatever the machine: ``breakable`` attends in islands at every bucket, although ``Engine(backend="breakable")`` on one
+GPU adds the whole-step graphs by default (``breakable+full``). ``tc_piecewise`` compiles its pieces itself and takes
+no compile option; its
 compiler is the run's ``tc_compiler`` (``bcg bench --tc-compiler``). The plain ``eager`` variant is the baseline of
 every speedup: the model as a user runs it without bcg.
 """
@@ -13,11 +15,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from bcg.runtime.backend_registry import resolve_backend
+from bcg.runtime.backend_registry import DEFAULT_FULL_GRAPH_TOKENS, resolve_backend
 
 __all__ = ["FULL_GRAPH_TOKENS", "Variant", "parse_variant"]
 
-FULL_GRAPH_TOKENS = 512  # "+full": the buckets that also hold a whole-step graph (where islands' launches weigh most)
+FULL_GRAPH_TOKENS = DEFAULT_FULL_GRAPH_TOKENS  # "+full": the buckets that also hold a whole-step graph
 
 _KERNELS = {"fused": "fused", "torch": "torch"}
 _COMPILERS = {"inductor": "inductor", "traced": "traced"}

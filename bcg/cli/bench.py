@@ -28,7 +28,9 @@ def add_flags(bench: argparse.ArgumentParser) -> None:
                        help="comma list of variants: a backend (eager, breakable, full, tc_piecewise) with "
                        "optional +fused (fused kernels, else plain torch ops) and +inductor or +traced (the layer "
                        "stack compiled by Inductor, or traced by dynamo with no code generated: compile='inductor' "
-                       "or 'traced'), e.g. breakable+fused (default: "
+                       "or 'traced') and, for breakable, +full (its buckets up to 512 tokens also hold a whole-step "
+                       "graph with the attention inside: the engine's default on CUDA; without it every bucket "
+                       "attends in islands), e.g. breakable+fused (default: "
                        f"{both(','.join(G.backends), ','.join(C.backends))}); plain eager is always measured as "
                        "the baseline")
     bench.add_argument("--lengths", type=int_list("lengths"), default=None,

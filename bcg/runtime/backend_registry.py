@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import importlib
 
-__all__ = ["ALIASES", "BACKENDS", "REGISTRY", "backend_class", "resolve_backend"]
+__all__ = ["ALIASES", "BACKENDS", "DEFAULT_FULL_GRAPH_TOKENS", "REGISTRY", "backend_class", "resolve_backend"]
 
 # name -> (module, class)
 REGISTRY = {
@@ -21,6 +21,10 @@ REGISTRY = {
 # SGLang's name for no graphs.
 ALIASES = {"disabled": "eager"}
 BACKENDS = tuple(REGISTRY)
+# Where "breakable" on one GPU also captures whole-step graphs by default (EngineConfig.full_graph_tokens): the
+# buckets where the islands' launches weigh most against the device time (an H200 at 64 tokens: 59 host launches a
+# prefill become 3).
+DEFAULT_FULL_GRAPH_TOKENS = 512
 
 
 def resolve_backend(name: str) -> str:

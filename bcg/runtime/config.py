@@ -13,12 +13,13 @@ import torch
 from bcg.leaks import LEAK_CHECK_MODES
 from bcg.models.impl_names import check_model_impl
 from bcg.ops.attention import ATTENTION_BACKENDS
-from bcg.runtime.backend_registry import BACKENDS, resolve_backend
+from bcg.runtime.backend_registry import BACKENDS, DEFAULT_FULL_GRAPH_TOKENS, resolve_backend
 from bcg.runtime.compile import COMPILERS
 from bcg.runtime.config_checks import bucket_list, check_bool, check_int, check_number, device_name, dtype_name
 from bcg.runtime.schedule_policies import SCHEDULE_POLICIES
 
-__all__ = ["BACKENDS", "SCHEDULE_POLICIES", "EngineConfig", "describe_buckets", "resolve_backend"]
+__all__ = ["BACKENDS", "DEFAULT_FULL_GRAPH_TOKENS", "SCHEDULE_POLICIES", "EngineConfig", "describe_buckets",
+           "resolve_backend"]
 
 
 def describe_buckets(buckets: list[int]) -> str:
@@ -107,7 +108,9 @@ class EngineConfig:
             prepares and launches the next forward while the device runs the current one.
         full_graph_tokens: backend "breakable" only: the buckets up to this many tokens also hold a whole-step graph
             with the attention inside ("static_triton" where it runs, else "static"); a batch within its request
-            slots and key capacity replays that one (no island launched), any other the breakable one. 0: off.
+            slots and key capacity replays that one (no island launched), any other the breakable one. 0: off;
+            None: ``DEFAULT_FULL_GRAPH_TOKENS`` (512) for "breakable" on one CUDA device, else 0 (on the CPU the
+            graphs are emulated and islands cost no launches; pass a size to build them there too).
     """
 
     backend: str = "breakable"
@@ -141,7 +144,7 @@ class EngineConfig:
     prefix_cache: bool | None = None
     schedule_policy: str = "fifo"
     max_inflight_batches: int = 2
-    full_graph_tokens: int = 0
+    full_graph_tokens: int | None = None
 
     def __post_init__(self) -> None:
         self.backend = resolve_backend(self.backend)
@@ -189,10 +192,10 @@ class EngineConfig:
             raise ValueError(f"schedule_policy must be one of {', '.join(SCHEDULE_POLICIES)}, got "
                              f"{self.schedule_policy!r}")
         check_int("max_inflight_batches", self.max_inflight_batches, 1)
-        check_int("full_graph_tokens", self.full_graph_tokens, 0)
+        check_int("full_graph_tokens", self.full_graph_tokens, 0, optional=True)
         if self.full_graph_tokens and (self.backend != "breakable" or self.tp_size > 1):
             raise ValueError(f"full_graph_tokens={self.full_graph_tokens} adds whole-step graphs to backend="
-                             "'breakable' on one process; leave it 0 with backend="
+                             "'breakable' on one process; leave it 0 (or None) with backend="
                              f"{self.backend!r}{' and tp_size > 1' if self.tp_size > 1 else ''}")
         if self.leak_check is not None and self.leak_check not in LEAK_CHECK_MODES:
             raise ValueError(f"leak_check must be one of {', '.join(LEAK_CHECK_MODES)} or None (BCG_LEAK_CHECK), "
@@ -217,7 +220,8 @@ class EngineConfig:
 
     def resolved(self) -> EngineConfig:
         """A copy with every choice left to bcg settled for this machine: ``device``, ``dtype``, ``kernels``,
-        ``attention_backend`` and ``buckets`` (with ``max_tokens``, their largest). Resolving twice changes nothing.
+        ``attention_backend``, ``buckets`` (with ``max_tokens``, their largest) and ``full_graph_tokens``. Resolving
+        twice changes nothing.
 
         Raises:
             ValueError: ``kernels="fused"`` on CUDA without Triton (naming the fix).
@@ -239,8 +243,13 @@ class EngineConfig:
                              "that matches your torch, or pass kernels='torch'")
         attention = self.attention_backend or backend_class(self.backend).default_attention(device, dtype)
         buckets = self.buckets or default_ladder(self.max_tokens or self.chunked_prefill_size)
+        full = self.full_graph_tokens
+        if full is None:
+            full = (DEFAULT_FULL_GRAPH_TOKENS if self.backend == "breakable" and self.tp_size == 1
+                    and device.type == "cuda" else 0)
         return replace(self, device=str(device), dtype=str(dtype).removeprefix("torch."), kernels=kernels,
-                       attention_backend=attention, buckets=sorted(set(buckets)), max_tokens=max(buckets))
+                       attention_backend=attention, buckets=sorted(set(buckets)), max_tokens=max(buckets),
+                       full_graph_tokens=full)
 
     def describe(self) -> str:
         """What an engine of this config runs, in one line (resolved first, so nothing reads "auto").

@@ -79,8 +79,8 @@ def test_bench_help_shows_the_defaults_each_machine_resolves_to() -> None:
             helps[flag] = line
         elif line.startswith("     ") and helps:
             helps[flag] += " " + line.strip()
-    assert "(default: eager,breakable,breakable+fused,breakable+inductor,full,tc_piecewise on CUDA, " \
-        f"{','.join(cpu.backends)} on the CPU)" in helps["--backends"]
+    assert "(default: eager,breakable,breakable+fused,breakable+fused+full,breakable+inductor,full,tc_piecewise " \
+        f"on CUDA, {','.join(cpu.backends)} on the CPU)" in helps["--backends"]
     assert "(default: 64,128,256,512,1024,2048 on CUDA, " \
         f"{','.join(map(str, cpu.lengths))} on the CPU)" in helps["--lengths"]
     assert f"default: llama-dense on CUDA, {cpu.model} on the CPU" in helps["--model"]

@@ -60,7 +60,8 @@ def test_transient_replay_failures_retry_and_a_bucket_recaptures_while_serving()
     from bcg.runtime import Engine
 
     eng = Engine(CONFIGS["tiny-dense"], backend="breakable", device="cuda", dtype="bfloat16", buckets=BUCKETS,
-                 chunked_prefill_size=64, kv_tokens=1024, progress=False, max_replay_failures=2)
+                 chunked_prefill_size=64, kv_tokens=1024, progress=False, max_replay_failures=2,
+                 full_graph_tokens=0)  # the islands fail here, so every batch goes through them
     ref = engine("tiny-dense", "eager")
     step = next(s for s in eng.runner.handles[32].steps if isinstance(s, EagerStep))
     real, fails = step.fn, {"left": 1}
@@ -138,5 +139,5 @@ def test_the_models_islands_leak_nothing_on_cuda(preset: str, monkeypatch: pytes
 
     monkeypatch.setenv("BCG_LEAK_CHECK", "raise")
     eng = Engine(CONFIGS[preset], backend="breakable", device="cuda", dtype="bfloat16", buckets=[16, 32],
-                 kv_tokens=256, progress=False)
+                 kv_tokens=256, progress=False, full_graph_tokens=0)  # every batch through the islands
     assert eng.telemetry.num_captured == 2, eng.telemetry.buckets

@@ -17,6 +17,8 @@ __all__ = ["Bucket", "BucketChoice", "BucketRecord", "BucketTable", "default_lad
 
 logger = logging.getLogger("bcg")
 
+EAGER_FALLBACK = "serving every batch eagerly"  # a refused runner's own fallback (a warning: its graphs are gone)
+
 # (start, stop, step) rungs, in tokens; beyond the last rung the ladder continues in steps of 512.
 _RUNGS = ((4, 32, 4), (48, 256, 16), (288, 512, 32), (576, 1024, 64), (1280, 4096, 256))
 
@@ -115,6 +117,9 @@ class BucketTable:
     max_padding_tokens: int = 0
     max_replay_failures: int = 3
     refused_reason: str | None = None  # the backend cannot capture this model: every batch runs eagerly
+    # What serves the batches once the backend is refused, for its log line: the runner's own eager step, or (the
+    # whole-step graphs of a breakable runner) the breakable graphs, an expected outcome logged at info level.
+    fallback: str = EAGER_FALLBACK
     buckets: dict[int, Bucket] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -180,7 +185,8 @@ class BucketTable:
         self.refused_reason = reason
         for entry in self.buckets.values():
             entry.handle, entry.record.disabled_reason = None, reason
-        logger.warning("bcg: %s; serving every batch eagerly", reason)
+        level = logging.WARNING if self.fallback == EAGER_FALLBACK else logging.INFO
+        logger.log(level, "bcg: %s; %s", reason, self.fallback)
 
     def count_failure(self, bucket: int, error: str) -> bool:
         """Counts a failed replay of ``bucket``; returns True when this failure disabled it (the

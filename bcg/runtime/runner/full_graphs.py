@@ -9,7 +9,9 @@ from bcg.ops.attention import StaticTritonAttention
 from bcg.runtime.config import EngineConfig, describe_buckets
 from bcg.runtime.runner.telemetry import Telemetry
 
-__all__ = ["adopt_full_graphs", "full_graph_config"]
+__all__ = ["FULL_FALLBACK", "adopt_full_graphs", "full_graph_config"]
+
+FULL_FALLBACK = "the breakable graphs serve every batch"  # what a refused whole-step runner leaves in charge
 
 
 def full_graph_config(config: EngineConfig, buckets: list[int]) -> EngineConfig:

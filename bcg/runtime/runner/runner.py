@@ -36,9 +36,9 @@ from bcg.runtime.batch import PrefillBatch
 from bcg.runtime.compile import compile_layers
 from bcg.runtime.config import EngineConfig
 from bcg.runtime.runner.agreement import RankAgreement
-from bcg.runtime.runner.buckets import BucketTable
+from bcg.runtime.runner.buckets import EAGER_FALLBACK, BucketTable
 from bcg.runtime.runner.build import GraphBuilder, frozen_gc
-from bcg.runtime.runner.full_graphs import adopt_full_graphs, full_graph_config
+from bcg.runtime.runner.full_graphs import FULL_FALLBACK, adopt_full_graphs, full_graph_config
 from bcg.runtime.runner.inputs import Loaded, StaticInputs
 from bcg.runtime.runner.replay_tools import ReplayTools
 from bcg.runtime.runner.step import ModelStep
@@ -69,6 +69,8 @@ class Runner(ReplayTools):
         bucket_sizes: the token buckets to capture.
         tp: this process's tensor parallel rank; with more than one rank every decision is agreed across ranks.
         pool: another runner's graph pool to capture into (its stream too); None makes one.
+        fallback: what serves the batches if this backend is refused, for the log line (the whole-step graphs of a
+            breakable runner name the breakable graphs).
 
     Example::
 
@@ -78,12 +80,13 @@ class Runner(ReplayTools):
     """
 
     def __init__(self, model: torch.nn.Module, config: EngineConfig, kv_pool: KVPool, bucket_sizes: list[int],
-                 tp: TensorParallel = SINGLE, pool: GraphPool | None = None) -> None:
+                 tp: TensorParallel = SINGLE, pool: GraphPool | None = None,
+                 fallback: str = EAGER_FALLBACK) -> None:
         self.model, self.config, self.kv_pool = model, config, kv_pool
         self.agreement = RankAgreement(tp) if tp.is_parallel else None  # tensor parallel only
         self.device, self.dtype = config.torch_device, config.torch_dtype
         self.table = BucketTable(list(bucket_sizes), config.max_padding_factor, config.max_padding_tokens,
-                                 config.max_replay_failures)
+                                 config.max_replay_failures, fallback=fallback)
         # Held by one forward at a time (reentrant: the engine holds it around forward and reading its logits).
         self.lock = threading.RLock()
         cls = backend_class(config.backend)
@@ -111,10 +114,11 @@ class Runner(ReplayTools):
                                     config, self.agreement)
         # The small buckets' whole-step graphs (config.full_graph_tokens), tried before the breakable ones: a batch
         # that fits their request slots and key capacity replays one graph and launches no island.
-        small = [b for b in self.table.sizes if b <= config.full_graph_tokens] if cls.uses_graphs else []
+        small = [b for b in self.table.sizes if b <= (config.full_graph_tokens or 0)] if cls.uses_graphs else []
         # They share this runner's graph pool: one forward runs at a time, so their temporaries can share memory.
         self.full = (Runner(model, full_graph_config(config, small), kv_pool, small, tp,
-                            self.resources.pool if self.resources is not None else None) if small else None)
+                            self.resources.pool if self.resources is not None else None, FULL_FALLBACK)
+                     if small else None)
 
     @property
     def static_output(self) -> Tensor | None:
@@ -147,19 +151,31 @@ class Runner(ReplayTools):
                 self.table.disable(bucket, f"disabled on another tensor parallel rank after {what} (see its log)")
 
     def enable_bucket(self, bucket: int) -> None:
-        """Replays bucket ``bucket``'s captured graph again after it was disabled (a transient fault).
+        """Replays bucket ``bucket``'s captured graph again after it was disabled (a transient fault), and its
+        whole-step graph where it has one.
 
         Raises:
             ValueError: no such bucket, or it has no graph (its capture failed): :meth:`recapture` it instead.
         """
         with self.lock:
             self.table.enable(bucket)
+            full = self._full_table(bucket)
+            if full is not None and full.entry(bucket).handle is not None:  # its whole-step graph too
+                full.enable(bucket)
         logger.info("bcg: bucket %d enabled again", bucket)
 
+    def _full_table(self, bucket: int) -> BucketTable | None:
+        """The bucket table of ``bucket``'s whole-step graph, if this runner holds one that was not refused."""
+        full = self.full
+        if full is None or bucket not in full.table.buckets or full.table.refused_reason is not None:
+            return None
+        return full.table
+
     def recapture(self, bucket: int) -> BucketRecord:
-        """Drops bucket ``bucket``'s graph, captures it anew and enables it; returns its record, whose
-        ``disabled_reason`` says why if the new capture failed too. All or nothing: a capture interrupted by any
-        exception (KeyboardInterrupt included) leaves the bucket disabled, with that reason, and re-raises.
+        """Drops bucket ``bucket``'s graph, captures it anew and enables it (its whole-step graph as well, where
+        ``full_graph_tokens`` gave it one); returns its record, whose ``disabled_reason`` says why if the new capture
+        failed too. All or nothing: a capture interrupted by any exception (KeyboardInterrupt included) leaves the
+        bucket disabled, with that reason, and re-raises.
 
         Example::
 
@@ -180,6 +196,8 @@ class Runner(ReplayTools):
                 raise
         if record.disabled_reason is None:
             logger.info("bcg: bucket %d recaptured in %.0f ms", bucket, record.capture_ms)
+        if self._full_table(bucket) is not None:  # its whole-step graph is captured anew as well
+            self.full.recapture(bucket)
         return record
 
     # ---------------------------------------------------------------- forward

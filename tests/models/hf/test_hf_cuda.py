@@ -73,7 +73,8 @@ def _compare_moe(arch: str, res, ref, experts: str | None = None) -> None:
 
 
 def _graph_engine(model, **kw) -> Engine:
-    eng = Engine(model, backend="breakable", verify=True, **{**OPTS, **kw})
+    # islands at every bucket unless asked (the engine's default on CUDA adds whole-step graphs: tested below)
+    eng = Engine(model, backend="breakable", verify=True, **{**OPTS, "full_graph_tokens": 0, **kw})
     assert eng.telemetry.refused_reason is None
     assert all(r.verify_diff == 0.0 for r in eng.telemetry.buckets.values()), eng.telemetry.buckets
     return eng
@@ -88,6 +89,22 @@ def test_breakable_cuda_graphs_match_transformers_in_bf16(arch):
     assert not any("differs from the module as written" in n for n in eng.telemetry.notes), eng.telemetry.notes
     res = eng.prefill(prompts())
     assert all(b.graph_used for b in res.batches)
+    if arch in MOE_ARCHS:
+        _compare_moe(arch, res, ref)
+    else:
+        _compare(res, reference_logits(ref, prompts()))
+
+
+@pytest.mark.parametrize(("arch", "is_refused"), [("llama", False), ("qwen3_moe", False), ("gpt_oss", True)])
+def test_the_default_engine_replays_whole_step_graphs_of_transformers_models(arch, is_refused):
+    """The engine's default on CUDA: small buckets also hold a whole-step graph of the transformers model (refused,
+    with a note, where it has attention the static kernel lacks: gpt_oss's sinks and sliding windows)."""
+    model, ref = _models(arch)
+    eng = Engine(model, backend="breakable", verify=True, max_requests=4, **OPTS)  # 1 by default at a 32-token chunk
+    assert eng.config.full_graph_tokens == 512
+    assert (eng.runner.full.table.refused_reason is not None) == is_refused
+    res = eng.prefill(prompts())
+    assert all(b.graph_used and (b.reason == "graph_full") != is_refused for b in res.batches), res.batches
     if arch in MOE_ARCHS:
         _compare_moe(arch, res, ref)
     else:

@@ -170,3 +170,22 @@ def test_breakable_with_whole_step_graphs_matches_eager_in_bf16(preset: str) -> 
         reasons |= {b.reason for b in res.batches}
         assert_matches(res, ref.prefill(prompts(lengths)))
     assert "graph_full" in reasons and "graph" in reasons
+
+
+@pytest.mark.parametrize("preset", ["tiny-dense", "tiny-moe", "tiny-dsa"])
+def test_a_default_breakable_engine_holds_whole_step_graphs_on_one_gpu(preset: str) -> None:
+    """No full_graph_tokens given: the buckets up to 512 tokens hold whole-step graphs (a DSA model's are refused
+    with a note, its breakable graphs serve), and every answer is eager's."""
+    from bcg.runtime import Engine
+
+    eng = Engine(CONFIGS[preset], buckets=BUCKETS, chunked_prefill_size=64, kv_tokens=1024, dtype="bfloat16",
+                 device="cuda", max_requests=4, progress=False)  # request slots: 1 by default at a 64-token chunk
+    assert eng.config.full_graph_tokens == 512
+    is_refused = preset == "tiny-dsa"
+    assert (eng.runner.full.table.refused_reason is not None) == is_refused
+    assert any(n.startswith("full graphs:") and ("refused" in n) == is_refused for n in eng.telemetry.notes)
+    ref = engine(preset, "eager")
+    for lengths in ([5], [3, 7, 12, 1], [40, 9]):
+        res = eng.prefill(prompts(lengths))
+        assert all(b.graph_used and (b.reason == "graph_full") != is_refused for b in res.batches), res.batches
+        assert_matches(res, ref.prefill(prompts(lengths)))

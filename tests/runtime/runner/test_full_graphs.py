@@ -70,8 +70,8 @@ def test_a_failed_whole_step_replay_falls_back_to_the_breakable_graph(monkeypatc
 
 
 @pytest.mark.parametrize(("options", "match"), [
-    (dict(backend="full"), "leave it 0 with backend='full'"),
-    (dict(backend="eager"), "leave it 0 with backend='eager'"),
+    (dict(backend="full"), r"leave it 0 \(or None\) with backend=.full."),
+    (dict(backend="eager"), r"leave it 0 \(or None\) with backend=.eager."),
     (dict(tp_size=2), "tp_size > 1"),
     (dict(full_graph_tokens=-1), "full_graph_tokens"),
 ])
@@ -104,3 +104,58 @@ def test_a_compiled_stack_serves_both_graphs_of_a_bucket() -> None:
         res = eng.prefill(prompts)
         assert res.batches[0].reason == reason
         assert torch.allclose(res.logits, eager.prefill(prompts).logits, atol=1e-5)
+
+
+@pytest.mark.parametrize(("options", "want"), [
+    (dict(device="cuda"), 512),                            # one GPU: the default
+    (dict(device="cuda", full_graph_tokens=0), 0),         # asked off
+    (dict(device="cuda", full_graph_tokens=64), 64),       # asked smaller
+    (dict(device="cuda", tp_size=2), 0),                   # tensor parallel: the two runners would agree separately
+    (dict(device="cuda", backend="full"), 0),              # not breakable
+    (dict(device="cpu"), 0),                               # emulated graphs: islands launch nothing
+])
+def test_full_graphs_are_the_default_of_breakable_on_one_gpu(options: dict, want: int) -> None:
+    # kernels and attention given, so resolving "cuda" asks nothing of a device this machine may lack
+    cfg = EngineConfig(**{"kernels": "torch", "attention_backend": "varlen", **options}).resolved()
+    assert cfg.full_graph_tokens == want
+    assert cfg.resolved() == cfg
+    assert ("full graphs up to 512 tokens" in cfg.describe()) == (want == 512)
+
+
+def test_a_refused_whole_step_graph_leaves_the_breakable_graphs_serving(caplog: pytest.LogCaptureFixture) -> None:
+    """A model the whole-step graph cannot hold (the DSA indexer reads the live batch): the refusal is a note and an
+    info line naming who serves, not the warning of an engine that serves eagerly; its batches replay breakable."""
+    with caplog.at_level("INFO", logger="bcg"):
+        eng = Engine("tiny-dsa", full_graph_tokens=16, **OPTS)
+    refused = [r for r in caplog.records if "select_topk" in r.getMessage()]
+    assert refused and all(r.levelname == "INFO" for r in refused)
+    assert refused[0].getMessage().endswith("the breakable graphs serve every batch")
+    assert any("refused:" in n for n in eng.telemetry.notes)
+    eager = Engine("tiny-dsa", backend="eager", **OPTS)
+    prompts = random_prompts([5, 7])
+    res = eng.prefill(prompts)
+    assert res.batches[0].reason == "graph"
+    assert torch.allclose(res.logits, eager.prefill(prompts).logits, atol=1e-5)
+
+
+def test_enable_and_recapture_bring_back_the_whole_step_graph_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Replay failures disable a bucket's whole-step graph (the breakable one serves meanwhile); the engine's
+    enable_bucket and recapture, which name a bucket, bring back both of its graphs."""
+    eng = Engine("tiny-dense", full_graph_tokens=16, max_replay_failures=1, **OPTS)
+    prompts = random_prompts([12])  # bucket 16, the largest whole-step graph
+    want = eng.prefill(prompts).logits
+
+    def broken(self: Any, handle: Any, num_tokens: int) -> None:
+        raise RuntimeError("injected")
+
+    full_table = eng.runner.full.table
+    for restore in (lambda: eng.enable_bucket(16), lambda: eng.recapture(16)):
+        with monkeypatch.context() as m:
+            m.setattr(FullBackend, "replay", broken)
+            assert eng.prefill(prompts).batches[0].reason == "graph"
+        assert full_table.buckets[16].record.disabled_reason is not None
+        assert eng.prefill(prompts).batches[0].reason == "graph"  # still disabled: the breakable graph serves
+        restore()
+        assert full_table.buckets[16].record.disabled_reason is None
+        res = eng.prefill(prompts)
+        assert res.batches[0].reason == "graph_full" and torch.allclose(res.logits, want, atol=1e-5)
