@@ -57,8 +57,9 @@ class StaticContext(ForwardContext):
             (it then takes precedence over ``use_varlen``).
         write_slots: int64 ``(num_padded_tokens,)``, KV slot of each row; padded rows hold the scratch slot.
         read_slots: int64 ``(key_capacity,)``, each live request's prefix then new slots, then scratch.
-        query_request, key_request: int64 request id per row / key slot (``PAD_QUERY`` / ``PAD_KEY`` when unused).
-        query_positions, key_positions: int64 position of each row / key.
+        query_request, key_request: int64 request id per row / key slot (``PAD_QUERY`` / ``PAD_KEY`` when unused);
+            None for the slot kernel, which masks by ``cu_seqlens`` alone.
+        query_positions, key_positions: int64 position of each row / key (None for the slot kernel).
         cu_seqlens_q, cu_seqlens_k: int32 ``(R + 1,)`` prefix sums; sentinel slots repeat the total.
         kv_pool: the pool the captured attention reads and writes.
     """
@@ -71,8 +72,9 @@ class StaticContext(ForwardContext):
         self.num_request_slots, self.use_varlen = num_request_slots, use_varlen
         self.use_slot_kernel = use_slot_kernel
         self.write_slots, self.read_slots = views["write_slots"], views["read_slots"]
-        self.query_request, self.key_request = views["query_request"], views["key_request"]
-        self.query_positions, self.key_positions = views["query_positions"], views["key_positions"]
+        # The masks' fields (absent for the slot kernel, which masks by cu_seqlens alone).
+        self.query_request, self.key_request = views.get("query_request"), views.get("key_request")
+        self.query_positions, self.key_positions = views.get("query_positions"), views.get("key_positions")
         cu = views["cu_seqlens"]
         self.cu_seqlens_q, self.cu_seqlens_k = cu[: num_request_slots + 1], cu[num_request_slots + 1 :]
         self.kv_pool = kv_pool
@@ -162,9 +164,12 @@ class StaticAttention(AttentionBackend):
 
     def fields(self, num_rows: int) -> tuple[list[Field], tuple[Field, ...]]:
         keys = self.key_capacity(num_rows)
-        return ([Field("write_slots", num_rows), Field("read_slots", keys), Field("query_request", num_rows),
-                 Field("query_positions", num_rows), Field("key_request", keys), Field("key_positions", keys),
-                 Field("cu_seqlens", 2 * (self.max_requests + 1), "int32")], ())
+        slots = [Field("write_slots", num_rows), Field("read_slots", keys),
+                 Field("cu_seqlens", 2 * (self.max_requests + 1), "int32")]
+        if self.use_slot_kernel:  # it reads keys through read_slots and masks by cu_seqlens: nothing else to stage
+            return slots, ()
+        return slots + [Field("query_request", num_rows), Field("query_positions", num_rows),
+                        Field("key_request", keys), Field("key_positions", keys)], ()
 
     def tail_lengths(self, batch: HostBatch) -> dict[str, int]:
         return {}
@@ -190,7 +195,14 @@ class StaticAttention(AttentionBackend):
         h["write_slots"][:n] = batch.host_write_slots
         h["write_slots"][n:] = self.kv_pool.scratch_slot  # padded rows write the scratch slot
         h["read_slots"][:num_keys] = batch.host_read_slots
-        h["read_slots"][num_keys:] = self.kv_pool.scratch_slot
+        h["read_slots"][num_keys:] = self.kv_pool.scratch_slot  # never attended to, but a valid slot
+        cu = h["cu_seqlens"]  # sentinel slots: zero-length sequences after the live ones
+        cu[: r + 1] = batch.host_cu_seqlens_q
+        cu[r + 1 : slots + 1] = n
+        cu[slots + 1 : slots + r + 2] = cu_k
+        cu[slots + r + 2 :] = num_keys
+        if self.use_slot_kernel:  # it masks by cu_seqlens alone
+            return
         h["query_request"][:n] = np.repeat(np.arange(r), seq_q)
         h["query_request"][n:] = PAD_QUERY
         h["query_positions"][:n] = np.arange(n) - np.repeat(batch.host_cu_seqlens_q[:-1] - (seq_k - seq_q), seq_q)
@@ -199,11 +211,6 @@ class StaticAttention(AttentionBackend):
         h["key_request"][num_keys:] = PAD_KEY
         h["key_positions"][:num_keys] = np.arange(num_keys) - np.repeat(cu_k[:-1], seq_k)
         h["key_positions"][num_keys:] = 0
-        cu = h["cu_seqlens"]  # sentinel slots: zero-length sequences after the live ones
-        cu[: r + 1] = batch.host_cu_seqlens_q
-        cu[r + 1 : slots + 1] = n
-        cu[slots + 1 : slots + r + 2] = cu_k
-        cu[slots + r + 2 :] = num_keys
 
     def context(self, batch: HostBatch, num_rows: int, views: dict[str, Tensor]) -> StaticContext:
         return StaticContext(num_rows, self.key_capacity(num_rows), self.max_requests, self.use_varlen, views,
