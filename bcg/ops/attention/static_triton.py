@@ -7,8 +7,9 @@ hands the pool's layer with ``read_slots`` to :func:`bcg.ops.kernels.attention.v
 ``j`` of request ``r`` at slot ``read_slots[cu_seqlens_k[r] + j]`` and zeroes the rows past the last request itself:
 one kernel per layer. Inside a graph the kernel's Python launch cost is paid once, at capture.
 
-Not the default: the lead picks after measuring (``benchmarks/device_bound.py --backends full
---attention-backend static_triton``). On a CPU it runs the kernel's reference (half precision, as the kernel), so its
+It is what the whole-step graphs of a breakable engine attend with wherever it runs (``full_graph_tokens``, on by
+default on one GPU); backend ``full`` alone asks for it by name. It masks by ``cu_seqlens`` alone, so a batch stages
+only the slots and cumulative lengths. On a CPU it runs the kernel's reference (half precision, as the kernel), so its
 host logic runs in CI.
 """
 
