@@ -168,6 +168,11 @@ class AttentionBackend(ABC):
         self.kv_pool = kv_pool
         self.notes: list[str] = []
 
+    @property
+    def max_batch_requests(self) -> int | None:
+        """The most requests one forward it attends may pack (its request slots), or None for no bound."""
+        return None
+
     @classmethod
     def is_usable(cls, device: torch.device, dtype: torch.dtype) -> str | None:
         """Why this backend cannot run on ``device``/``dtype`` (None if it can)."""

@@ -158,6 +158,10 @@ class StaticAttention(AttentionBackend):
             use_varlen = is_varlen_usable(probe) and varlen_causal_is_bottom_right(probe.device)
         self.use_varlen = use_varlen
 
+    @property
+    def max_batch_requests(self) -> int:
+        return self.max_requests
+
     def key_capacity(self, bucket: int) -> int:
         # Keys of one batch are distinct pool slots, so no batch has more than num_slots of them.
         return min(bucket + self.prefix_capacity, self.kv_pool.num_slots)

@@ -7,8 +7,9 @@ bucket (ids and positions 0, KV writes to the scratch slot, surplus logit rows r
 in one pinned, non-blocking copy; the graphs captured against the layout's views then read the batch. Eager batches
 get a layout of their own size, in fresh device memory.
 
-The LM head runs inside the graph on ``min(bucket, max_logit_rows)`` rows; a batch that ends more requests than
-that gets the other rows' logits from an eager head after the replay (their row indices ride in the same copy).
+The LM head runs inside the graph on ``min(bucket, max_logit_rows)`` rows (no more than the request slots of a
+whole-step graph's attention); a batch that ends more requests than that gets the other rows' logits from an eager
+head after the replay (their row indices ride in the same copy).
 """
 
 from __future__ import annotations
@@ -139,8 +140,11 @@ class StaticInputs:
         self.static_logits = torch.zeros(self.head_rows(max_bucket), vocab_size, device=device, dtype=torch.float32)
 
     def head_rows(self, bucket: int) -> int:
-        """Rows of the LM head inside bucket ``bucket``'s graph."""
-        return min(bucket, self.max_logit_rows)
+        """Rows of the LM head inside bucket ``bucket``'s graph: a batch ends at most one request a row, and at most
+        as many as the attention's request slots (a whole-step graph's: its head then reads and casts a few rows, not
+        ``max_logit_rows`` of the vocabulary)."""
+        slots = self.attention.max_batch_requests
+        return min(bucket, self.max_logit_rows, slots if slots is not None else bucket)
 
     def _fields(self, num_rows: int, num_head_rows: int | None = None,
                 attention: AttentionBackend | None = None) -> tuple[list[Field], tuple[Field, ...]]:

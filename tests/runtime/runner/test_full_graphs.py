@@ -52,6 +52,9 @@ def test_the_whole_step_graphs_are_built_verified_and_described(engines: tuple[E
     assert full.telemetry.attention_backend == kind
     assert any(n.startswith("full graphs: 2 of buckets 8,16") and kind in n for n in eng.telemetry.notes)
     assert "full graphs up to 16 tokens" in eng.config.describe()
+    # A whole-step graph ends at most its request slots' requests: its LM head reads (and casts) that many rows.
+    assert full.inputs.static_logits.shape[0] == OPTS["max_requests"] == full.inputs.head_rows(16)
+    assert eng.runner.inputs.head_rows(16) == 16
 
 
 def test_a_failed_whole_step_replay_falls_back_to_the_breakable_graph(monkeypatch: pytest.MonkeyPatch) -> None:
