@@ -32,6 +32,7 @@ from bcg.ops.kv_cache import KVPool, KVPoolFullError
 from bcg.runtime.batch import PrefillBatch
 from bcg.runtime.kv_slots import SlotReservation, slots_held
 from bcg.runtime.runner.telemetry import BatchRecord
+from bcg.runtime.sampling import greedy_tokens
 from bcg.runtime.serving.policy import FifoQueue
 from bcg.runtime.serving.prefix_cache import PrefixCache
 from bcg.runtime.serving.request import Request
@@ -57,7 +58,7 @@ def finished_logits(plan: Plan, logits: Tensor) -> tuple[Tensor, Tensor] | None:
     if not plan.finishing:
         return None
     rows = logits.clone()
-    return rows, rows.argmax(dim=-1)
+    return rows, greedy_tokens(rows)
 
 
 class Batcher:
