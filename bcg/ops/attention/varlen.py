@@ -70,6 +70,11 @@ logger = logging.getLogger(__name__)
 # place, so llama-dense's prefill took 0.93x the wall time there; but its launch costs the host more (56-86 us a
 # layer in a prefill), and a short prompt's islands are on the critical path (at 64 tokens: 2.2x the wall time).
 TRITON_FROM_TOKENS = 2048
+# Logged once each; constants, so an island's call at every layer formats nothing (the log's cache sees one string).
+_TRITON_BUCKETS_NOTE = (f"bcg varlen attention: buckets of {TRITON_FROM_TOKENS} tokens or more run bcg's Triton "
+                        "varlen kernel (faster there, and in place)")
+_TRITON_FEATURES_NOTE = ("bcg varlen attention: soft-capped layers and layers with sinks run bcg's Triton varlen "
+                         "kernel (torch's FlashAttention has neither)")
 
 
 @register_attention_backend
@@ -111,8 +116,7 @@ class VarlenAttention(AttentionBackend):
 
     def attend(self, ctx: BatchContext, q: Tensor, k: Tensor, v: Tensor, out: Tensor, layer_id: int) -> None:
         if ctx.num_padded_tokens >= TRITON_FROM_TOKENS and runs_triton_varlen(q, v):
-            _log_once(f"bcg varlen attention on {q.device}: buckets of {TRITON_FROM_TOKENS} tokens or more run bcg's "
-                      "Triton varlen kernel (faster there, and in place)", logging.INFO)
+            _log_once(_TRITON_BUCKETS_NOTE, logging.INFO)
             self.attend_rows(ctx, q, k, v, out, layer_id, triton_kernel())
             return
         self.attend_rows(ctx, q, k, v, out, layer_id, flash_kernel)
@@ -122,8 +126,7 @@ class VarlenAttention(AttentionBackend):
         # Soft-caps and sinks: bcg's kernel takes them in its one launch, where FlashAttention has no soft-cap and
         # its sinks cost a log-sum-exp, a gate and a multiply after it (and an exact reference without Triton).
         if (features.softcap is not None or features.sinks is not None) and runs_triton_varlen(q, v):
-            _log_once(f"bcg varlen attention on {q.device}: soft-capped layers and layers with sinks run bcg's Triton "
-                      "varlen kernel (torch's FlashAttention has neither)", logging.INFO)
+            _log_once(_TRITON_FEATURES_NOTE, logging.INFO)
             self.attend_rows(ctx, q, k, v, out, layer_id, triton_kernel(features))
             return
         super().attend_with(ctx, q, k, v, out, layer_id, features)
