@@ -1,9 +1,9 @@
-"""A forward's metadata on its way to the device: named integer fields, one pinned host buffer, one copy.
+"""A forward's metadata on its way to the device: named integer fields, one host buffer, one copy.
 
 Everything between a call to ``prefill`` and the first kernel leaves the GPU idle, and a graph reads its inputs
 from fixed addresses. So every piece of a forward's metadata (the runner's token ids and positions, the attention
 backend's KV slots and cumulative lengths) is a named field of one :class:`Layout`: the host writes the fields
-with numpy into one pinned buffer and :meth:`Staged.upload` moves them in one non-blocking copy. A layout made for
+with numpy into one host buffer and :meth:`Staged.upload` moves them in one non-blocking copy. A layout made for
 a captured bucket (:meth:`MetadataArena.layout`) puts its fields at fixed offsets of the arena's device buffer,
 so the graphs captured against its views read every later batch staged into it; every bucket's layout starts at
 offset 0, because one runner replays one bucket at a time and the copy is ordered on the stream after the work
@@ -11,8 +11,11 @@ that read the previous batch. A layout may end in ``tail`` fields whose sizes ch
 them eagerly, so no graph bakes their size): they follow the fixed fields.
 
 int32 fields (FlashAttention's cumulative lengths) ride in the same buffer as pairs of int32 in int64 words, so no
-cast kernel runs on the device. Pinned buffers come from torch's caching host allocator, which keeps a buffer
-from being reused until the copy that read it has run, so staging the next batch never waits for the GPU.
+cast kernel runs on the device. An arena stages into a :class:`HostRing`: a few pinned buffers taken in turn, each
+with the numpy views of every layout already made and an event that says when the copy that last read it has run.
+Allocating a pinned buffer per forward (torch's caching host allocator) and cutting its views took the largest part
+of a short prompt's host time before its graph launched; an unbound layout (an eager batch of any shape) still gets
+a fresh buffer.
 """
 
 from __future__ import annotations
@@ -23,7 +26,10 @@ import numpy as np
 import torch
 from torch import Tensor
 
-__all__ = ["Field", "Layout", "MetadataArena", "Staged"]
+__all__ = ["Field", "HostRing", "Layout", "MetadataArena", "Staged"]
+
+# The host view of an empty tail field (nothing is ever written to it).
+_EMPTY = {"int64": np.empty(0, dtype=np.int64), "int32": np.empty(0, dtype=np.int32)}
 
 
 @dataclass(frozen=True)
@@ -60,33 +66,130 @@ class Layout:
         if buffer is not None and offset > buffer.numel():
             raise ValueError(f"a layout of {offset} words does not fit the arena of {buffer.numel()}")
         self.views = {f.name: self._view(buffer, f, self.offsets[f.name]) for f in fields} if buffer is not None else {}
+        # The arena's words a batch with empty tails fills, and empty views for empty tails: made once, since a
+        # tensor slice costs microseconds and a batch is staged while the GPU waits.
+        self.words = buffer[:offset] if buffer is not None else None
+        self.empty = {"int64": buffer[:0], "int32": buffer[:0].view(torch.int32)} if buffer is not None else {}
 
     @staticmethod
     def _view(words: Tensor, f: Field, offset: int) -> Tensor:
         view = words[offset : offset + f.words]
         return view if f.dtype == "int64" else view.view(torch.int32)[: f.length]
 
+    def host_views(self, words: np.ndarray, fields: list[Field] | None = None,
+                   offsets: dict[str, int] | None = None) -> dict[str, np.ndarray]:
+        """numpy views of ``fields`` (default: the fixed ones) in the host buffer ``words``."""
+        offsets = offsets or self.offsets
+        views: dict[str, np.ndarray] = {}
+        for f in self.fields.values() if fields is None else fields:
+            view = words[offsets[f.name] : offsets[f.name] + f.words]
+            views[f.name] = view if f.dtype == "int64" else view.view(np.int32)[: f.length]
+        return views
+
+
+class HostRing:
+    """Host buffers that an arena's batches are staged in, taken in turn (pinned on CUDA).
+
+    A buffer is written again only after the copy that last read it has run: :meth:`take` waits for that copy's
+    event, which is a wait only when ``size`` forwards' copies are all still queued behind the GPU's work (the host is
+    then that far ahead, and the wait costs the device nothing). Each buffer keeps the numpy views of the layouts
+    staged in it, so staging a batch cuts none.
+
+    Example:
+        >>> ring = HostRing(torch.device("cpu"), size=2)
+        >>> first, second, third = ring.take(8), ring.take(8), ring.take(8)
+        >>> (first, second, third), ring.buffer(first).numel() >= 8
+        ((0, 1, 0), True)
+    """
+
+    MIN_WORDS = 1 << 12  # a buffer's least size: 32 KiB holds a short prompt's metadata, so it never grows then
+
+    def __init__(self, device: torch.device, size: int = 4) -> None:
+        self.device, self.size = device, size
+        self._pin = device.type == "cuda"
+        self._buffers: list[Tensor | None] = [None] * size
+        self._arrays: list[np.ndarray | None] = [None] * size
+        self._views: list[dict[Layout, tuple[Tensor, dict[str, np.ndarray]]]] = [{} for _ in range(size)]
+        self._events: list[torch.cuda.Event | None] = [None] * size
+        self._next = 0
+
+    def take(self, words: int) -> int:
+        """The index of the next buffer, at least ``words`` long and no longer read by any queued copy."""
+        i = self._next
+        self._next = (i + 1) % self.size
+        event = self._events[i]
+        if event is not None:
+            event.synchronize()  # normally long done: `size` forwards ago
+        buffer = self._buffers[i]
+        if buffer is None or buffer.numel() < words:
+            size = max(words, self.MIN_WORDS, 2 * (buffer.numel() if buffer is not None else 0))
+            buffer = self._buffers[i] = torch.empty(size, dtype=torch.int64, pin_memory=self._pin)
+            self._arrays[i] = buffer.numpy()
+            self._views[i].clear()
+        return i
+
+    def buffer(self, i: int) -> Tensor:
+        """Buffer ``i`` (all of it)."""
+        buffer = self._buffers[i]
+        assert buffer is not None, "take() the buffer first"
+        return buffer
+
+    def views(self, i: int, layout: Layout) -> tuple[Tensor, dict[str, np.ndarray]]:
+        """Buffer ``i``'s words that ``layout``'s fixed fields take, and their numpy views by name (made once)."""
+        views = self._views[i].get(layout)
+        if views is None:
+            views = self._views[i][layout] = (self.buffer(i)[: layout.num_words], layout.host_views(self.array(i)))
+        return views
+
+    def array(self, i: int) -> np.ndarray:
+        """Buffer ``i`` as numpy."""
+        array = self._arrays[i]
+        assert array is not None, "take() the buffer first"
+        return array
+
+    def copied(self, i: int) -> None:
+        """Buffer ``i``'s copy was just queued on the current stream: it may be written again once that has run."""
+        if self._pin:
+            event = self._events[i]
+            if event is None:
+                event = self._events[i] = torch.cuda.Event()
+            event.record()
+
 
 class Staged:
     """One batch's fields on the host (:attr:`host`, numpy views to fill) and, after :meth:`upload`, on the device
-    (:attr:`device`, tensor views)."""
+    (:attr:`device`, tensor views). With ``ring`` (an arena's) the host buffer is one of the ring's, else a fresh
+    one (pinned on CUDA)."""
 
-    def __init__(self, layout: Layout, tail_lengths: dict[str, int], device: torch.device) -> None:
+    def __init__(self, layout: Layout, tail_lengths: dict[str, int], device: torch.device,
+                 ring: HostRing | None = None) -> None:
         self.layout, self.device_type = layout, device
-        self.tail_fields = [Field(f.name, tail_lengths.get(f.name, 0), f.dtype) for f in layout.tail]
-        self.offsets = dict(layout.offsets)
         offset = layout.num_words
-        for f in self.tail_fields:
-            self.offsets[f.name] = offset
-            offset += f.words
+        self.offsets = layout.offsets
+        self.tail_fields: list[Field] = []
+        if layout.tail:
+            self.offsets = dict(layout.offsets)
+            for f in layout.tail:
+                length = tail_lengths.get(f.name, 0)
+                self.tail_fields.append(f if f.length == length else Field(f.name, length, f.dtype))
+                self.offsets[f.name] = offset
+                offset += length if f.dtype == "int64" else (length + 1) // 2
         self.num_words = offset
-        pin = device.type == "cuda"
-        self._host = torch.empty(offset, dtype=torch.int64, pin_memory=pin)
-        words = self._host.numpy()
-        self.host: dict[str, np.ndarray] = {}
-        for f in [*layout.fields.values(), *self.tail_fields]:
-            view = words[self.offsets[f.name] : self.offsets[f.name] + f.words]
-            self.host[f.name] = view if f.dtype == "int64" else view.view(np.int32)[: f.length]
+        if layout.buffer is not None and offset > layout.buffer.numel():
+            raise ValueError(f"a batch of {offset} metadata words does not fit the arena of {layout.buffer.numel()}")
+        self._ring, self._slot = ring, -1
+        if ring is None:
+            self._host = torch.empty(offset, dtype=torch.int64, pin_memory=device.type == "cuda")
+            words = self._host.numpy()
+            self.host = layout.host_views(words, [*layout.fields.values(), *self.tail_fields], self.offsets)
+        else:
+            self._slot = ring.take(offset)
+            fixed, self.host = ring.views(self._slot, layout)
+            self._host = fixed if offset == layout.num_words else ring.buffer(self._slot)[:offset]
+            if self.tail_fields:
+                self.host = {**self.host, **{f.name: _EMPTY[f.dtype] for f in self.tail_fields if not f.length},
+                             **layout.host_views(ring.array(self._slot), [f for f in self.tail_fields if f.length],
+                                                 self.offsets)}
         self.device: dict[str, Tensor] = {}
 
     def upload(self) -> dict[str, Tensor]:
@@ -95,19 +198,24 @@ class Staged:
         layout, device = self.layout, self.device_type
         if layout.buffer is not None:
             words = layout.buffer
-            words[: self.num_words].copy_(self._host, non_blocking=True)
+            (layout.words if self.num_words == layout.num_words else words[: self.num_words]).copy_(
+                self._host, non_blocking=True)
             views = dict(layout.views)
         else:
             words = self._host.to(device, non_blocking=True) if device.type != "cpu" else self._host
             views = {f.name: Layout._view(words, f, self.offsets[f.name]) for f in layout.fields.values()}
+        if self._ring is not None:
+            self._ring.copied(self._slot)
         for f in self.tail_fields:
-            views[f.name] = Layout._view(words, f, self.offsets[f.name])
+            views[f.name] = (layout.empty[f.dtype] if not f.length and layout.empty
+                             else Layout._view(words, f, self.offsets[f.name]))
         self.device = views
         return views
 
 
 class MetadataArena:
-    """The device buffer behind every captured bucket's fields (see the module docstring).
+    """The device buffer behind every captured bucket's fields (see the module docstring), and the host ring its
+    batches are staged in.
 
     Args:
         device: where the fields go.
@@ -128,6 +236,7 @@ class MetadataArena:
     def __init__(self, device: torch.device, capacity: int) -> None:
         self.device = device
         self.buffer = torch.zeros(capacity, dtype=torch.int64, device=device)
+        self.ring = HostRing(device)
 
     def layout(self, fields: list[Field], tail: tuple[Field, ...] = ()) -> Layout:
         """A layout at fixed offsets of this arena (for one captured bucket)."""
@@ -135,8 +244,4 @@ class MetadataArena:
 
     def stage(self, layout: Layout, **tail_lengths: int) -> Staged:
         """A host buffer for one batch in ``layout`` (``tail_lengths``: the size of each tail field)."""
-        staged = Staged(layout, tail_lengths, self.device)
-        if layout.buffer is not None and staged.num_words > layout.buffer.numel():
-            raise ValueError(f"a batch of {staged.num_words} metadata words does not fit the arena of "
-                             f"{layout.buffer.numel()}")
-        return staged
+        return Staged(layout, tail_lengths, self.device, self.ring)

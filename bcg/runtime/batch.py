@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from itertools import accumulate
 
 import numpy as np
 import torch
@@ -142,30 +143,33 @@ class PrefillBatch:
               seq_lens_q: list[int], prefix_lens: list[int], logit_requests: Sequence[int] | None,
               check: bool) -> None:
         self.kv_pool, self.seq_lens_q, self.prefix_lens = kv_pool, seq_lens_q, prefix_lens
-        # Scalars from the Python lists (a builtin over a few ints costs less than a numpy call), arrays in numpy.
+        # Scalars and prefix sums from the Python lists (a builtin over a few ints costs less than a numpy call: this
+        # runs before every forward, while the GPU waits), the per-token arrays in numpy.
         self.num_tokens = total = sum(seq_lens_q)
-        self.has_prefix = any(prefix_lens)
-        seq_q = np.array(seq_lens_q, dtype=np.int64)
-        prefix = np.array(prefix_lens, dtype=np.int64)
+        self.has_prefix = has_prefix = any(prefix_lens)
         if check:
-            _check_arrays(input_ids, write, read, seq_q, prefix, self.has_prefix)
-        seq_k = seq_q + prefix if self.has_prefix else seq_q
-        cu_q = np.zeros(len(seq_q) + 1, dtype=np.int64)
-        cu_k = np.zeros(len(seq_q) + 1, dtype=np.int64)
-        np.cumsum(seq_q, out=cu_q[1:])
-        np.cumsum(seq_k, out=cu_k[1:])
+            _check_arrays(input_ids, write, read, np.array(seq_lens_q, dtype=np.int64),
+                          np.array(prefix_lens, dtype=np.int64), has_prefix)
+        cu_q = np.array([0, *accumulate(seq_lens_q)], dtype=np.int64)
+        self.max_seqlen_q = max(seq_lens_q)
+        if has_prefix:
+            seq_k = [q + p for q, p in zip(seq_lens_q, prefix_lens)]
+            cu_k = np.array([0, *accumulate(seq_k)], dtype=np.int64)
+            self.max_seqlen_k = max(seq_k)
+        else:
+            cu_k, self.max_seqlen_k = cu_q, self.max_seqlen_q
         self.host_cu_seqlens_q, self.host_cu_seqlens_k = cu_q, cu_k
-        self.host_positions = (np.arange(total, dtype=np.int64) + np.repeat(prefix - cu_q[:-1], seq_q)
-                               if self.has_prefix or len(seq_q) > 1 else np.arange(total, dtype=np.int64))
+        positions = np.arange(total, dtype=np.int64)
+        if has_prefix or len(seq_lens_q) > 1:
+            positions += np.repeat(np.array(prefix_lens, dtype=np.int64) - cu_q[:-1], seq_lens_q)
+        self.host_positions = positions
         self.host_input_ids, self.host_write_slots = input_ids, write
-        self.host_read_slots = read if self.has_prefix else write
+        self.host_read_slots = read if has_prefix else write
         if check:
             check_slots(self.host_read_slots, kv_pool.num_slots)
         last_rows = cu_q[1:] - 1
         self.host_logit_rows = last_rows if logit_requests is None else last_rows[np.asarray(logit_requests,
                                                                                              dtype=np.int64)]
-        self.max_seqlen_q = max(seq_lens_q)
-        self.max_seqlen_k = int(seq_k.max()) if self.has_prefix else self.max_seqlen_q
 
     @property
     def num_requests(self) -> int:

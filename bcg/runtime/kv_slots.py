@@ -132,12 +132,16 @@ class SlotReservation:
                  alloc: Callable[[int], Tensor] | None = None) -> None:
         self.pool, self.on_free = pool, on_free
         self._alloc = alloc or pool.alloc
-        held = slots_held(lengths, budget)
-        self.peak = int(held.max())
-        # After forward b the reservation keeps what any later forward holds: the suffix maximum of ``held``.
-        keep = np.zeros_like(held)
-        keep[:-1] = np.maximum.accumulate(held[::-1])[::-1][1:]
-        self._keep = keep.tolist()
+        total = sum(lengths)
+        if total <= budget:  # the common case, without numpy: one forward holds every slot, and nothing after it
+            self.peak, self._keep = total, [0]
+        else:
+            held = slots_held(lengths, budget)
+            self.peak = int(held.max())
+            # After forward b the reservation keeps what any later forward holds: the suffix maximum of ``held``.
+            keep = np.zeros_like(held)
+            keep[:-1] = np.maximum.accumulate(held[::-1])[::-1][1:]
+            self._keep = keep.tolist()
         self._forward = 0
         self._reserved = np.empty(0, dtype=np.int64)
         self._free = self._reserved  # reserved, not lent: a stack whose top is self._top

@@ -192,10 +192,8 @@ class StaticAttention(AttentionBackend):
             raise ValueError(f"a batch of {batch.num_requests} requests and {batch.num_tokens} tokens does not fit "
                              f"bucket {num_rows} ({reason}); check StaticAttention.check first")
         h, n, r, slots = staged.host, batch.num_tokens, batch.num_requests, self.max_requests
-        seq_q = np.asarray(batch.seq_lens_q, dtype=np.int64)
-        seq_k = seq_q + np.asarray(batch.prefix_lens, dtype=np.int64)
-        num_keys = int(seq_k.sum())
         cu_k = batch.host_cu_seqlens_k
+        num_keys = int(cu_k[-1])
         h["write_slots"][:n] = batch.host_write_slots
         h["write_slots"][n:] = self.kv_pool.scratch_slot  # padded rows write the scratch slot
         h["read_slots"][:num_keys] = batch.host_read_slots
@@ -207,6 +205,8 @@ class StaticAttention(AttentionBackend):
         cu[slots + r + 2 :] = num_keys
         if self.use_slot_kernel:  # it masks by cu_seqlens alone
             return
+        seq_q = np.asarray(batch.seq_lens_q, dtype=np.int64)
+        seq_k = np.diff(cu_k)
         h["query_request"][:n] = np.repeat(np.arange(r), seq_q)
         h["query_request"][n:] = PAD_QUERY
         h["query_positions"][:n] = np.arange(n) - np.repeat(batch.host_cu_seqlens_q[:-1] - (seq_k - seq_q), seq_q)

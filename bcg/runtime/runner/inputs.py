@@ -171,7 +171,9 @@ class StaticInputs:
     def _load(self, batch: PrefillBatch, layout: Layout, num_rows: int, num_head_rows: int,
               attn: AttentionBackend) -> Loaded:
         extra = max(batch.num_logit_rows - num_head_rows, 0)
-        staged = Staged(layout, {**attn.tail_lengths(batch), _EXTRA_ROWS.name: extra}, self.device)
+        tails = {**attn.tail_lengths(batch), _EXTRA_ROWS.name: extra}
+        # A bucket's layout stages in the arena's reused host buffers; an eager batch's in a fresh one.
+        staged = self.arena.stage(layout, **tails) if layout.buffer is not None else Staged(layout, tails, self.device)
         self._stage(batch, staged, num_rows, num_head_rows)
         attn.stage(batch, num_rows, staged)
         views = staged.upload()
