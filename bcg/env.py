@@ -16,19 +16,22 @@ Configuration is :class:`~bcg.runtime.config.EngineConfig` and the command's fla
   the fused kernels: ``gate_up`` (the default: :mod:`bcg.ops.kernels.gate_up`, in the gate/up projection's epilogue),
   ``down`` (:mod:`bcg.ops.kernels.down_proj`, in the down projection's prologue; measured 1.4-2.8x slower on the
   H200) or ``none`` (SiLU-and-multiply as a kernel of its own); ``benchmarks/mlp_kernels.py`` measures them.
+* ``BCG_QKV_FUSION=off``: the attention's q/k/v projection and its RoPE kernel run as two launches at short prompts
+  too (by default, with the fused kernels, :mod:`bcg.ops.kernels.qkv_rope` is one kernel up to its rows);
+  ``benchmarks/qkv_kernels.py`` and ``benchmarks/device_bound.py`` measure both.
 * ``BCG_GC_FREEZE=0``: a serving engine leaves the heap to the garbage collector as it is (by default its first
   ``submit`` moves every object alive then out of the collector's sight, ``gc.freeze()``, until it closes).
 
-The first four, ``BCG_PDL`` and ``BCG_MLP_FUSION`` are read once, at import: they are asked on hot paths, where an
-environment lookup per call costs.
+The first four, ``BCG_PDL``, ``BCG_MLP_FUSION`` and ``BCG_QKV_FUSION`` are read once, at import: they are asked on
+hot paths, where an environment lookup per call costs.
 """
 
 from __future__ import annotations
 
 import os
 
-__all__ = ["COMPILE_LOG", "DEBUG", "FLASH_WRAPPER", "MLP_FUSION", "PDL", "TP_ALLREDUCE_ISLAND", "gc_freeze",
-           "hf_fusion", "leak_check_mode"]
+__all__ = ["COMPILE_LOG", "DEBUG", "FLASH_WRAPPER", "MLP_FUSION", "PDL", "QKV_FUSION", "TP_ALLREDUCE_ISLAND",
+           "gc_freeze", "hf_fusion", "leak_check_mode"]
 
 
 def _flag(name: str) -> bool:
@@ -43,6 +46,7 @@ PDL: bool = _flag("BCG_PDL")
 MLP_FUSION: str = os.environ.get("BCG_MLP_FUSION", "").lower() or "gate_up"
 if MLP_FUSION not in ("gate_up", "down", "none"):
     raise ValueError(f"BCG_MLP_FUSION={MLP_FUSION!r}: expected gate_up, down or none (unset: gate_up)")
+QKV_FUSION: bool = os.environ.get("BCG_QKV_FUSION", "").lower() not in ("off", "0")
 
 
 def leak_check_mode() -> str:

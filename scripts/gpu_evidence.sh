@@ -8,7 +8,8 @@
 #   MODELS   presets for the models step (default: llama-dense llama-dense-2k gptoss-moe glm-dsa)
 #   ANALYZE_MODELS  presets that also get `bcg analyze` (default: llama-dense)
 #   LOAD_MODELS / LOAD_RATES / LOAD_BACKENDS  the load step's presets and flags; prefix: the shared-prefix pair
-#   Other steps: prefix, device, device2, device_baseline, host_path, hf_speed, load, soak, attention, retest, capacity,
+#   Other steps: prefix, device, device2 (DEVICE2_ARGS, DEVICE2_ENV: e.g. BCG_QKV_FUSION=off), device_baseline,
+#            host_path, hf_speed, load, soak, attention, qkv (QKV_ROWS, QKV_ARGS), retest, capacity,
 #            validate (VALIDATE_MODELS); a before/after baseline needs the earlier
 #            commit's bcg/ (and benchmarks/device_bound.py with the host_path.py it imports) exported first:
 #            mkdir .baseline && git archive COMMIT bcg benchmarks/device_bound.py benchmarks/host_path.py | tar -x -C .baseline
@@ -99,8 +100,11 @@ case $steps in *" attention "*)  # the Triton varlen kernel against FlashAttenti
 case $steps in *" retest "*)  # chosen CUDA tests again (RETEST: pytest node ids), e.g. those a fix was made for
   step retest "${T_RETEST:-180}" python3 -m pytest -q -m cuda -p no:cacheprovider -rf ${RETEST:-tests} ;; esac
 case $steps in *" device2 "*)  # the device step again with other flags (DEVICE2_ARGS), e.g. another attention backend
-  step device2 "${T_DEVICE:-300}" python3 benchmarks/device_bound.py --models "$device_models" \
+  step device2 "${T_DEVICE:-300}" env ${DEVICE2_ENV:-} python3 benchmarks/device_bound.py --models "$device_models" \
     --out "$work/device2" ${DEVICE2_ARGS:-} ;; esac
+case $steps in *" qkv "*)  # the q/k/v projection: cuBLAS + the RoPE kernel against the one kernel (QKV_ARGS: --sweep)
+  step qkv "${T_QKV:-150}" python3 benchmarks/qkv_kernels.py --rows "${QKV_ROWS:-16,64,128}" \
+    --out "$work/qkv_kernels.json" ${QKV_ARGS:-} ;; esac
 case $steps in *" validate "*)  # `bcg analyze --validate`: every backend predicted, then built and measured
   for model in ${VALIDATE_MODELS:-llama-dense}; do
     step "validate-$model" "${T_VALIDATE:-240}" python3 -m bcg analyze --model "$model" --validate --no-progress \

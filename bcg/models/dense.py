@@ -25,7 +25,8 @@ class QKVProjection(nn.Module):
     """Fused q/k/v projection, optional per-head q/k RMSNorm, then RoPE.
 
     Returns ``q (T, num_heads, head_dim)``, ``k, v (T, num_kv_heads, head_dim)``. With fused kernels the split,
-    the norms, the rotation and the copies into the island's inputs are one kernel after the projection. Tensor
+    the norms, the rotation and the copies into the island's inputs are one kernel after the projection, or (short
+    prompts, one rank) the projection's own epilogue. Tensor
     parallel: column-parallel by heads, each rank its share of the query heads and the KV heads they read
     (``num_heads`` and ``num_kv_heads`` are then this rank's counts).
 
@@ -84,10 +85,14 @@ class QKVProjection(nn.Module):
                    bridge.empty("attn.k", (rows, self.num_kv_heads, dim), **kw),
                    bridge.empty("attn.v", (rows, self.num_kv_heads, dim), **kw))
             has_norm = self.q_norm is not None and self.k_norm is not None
-            return fused.qkv_norm_rope(
-                self.qkv_proj(x), rope.positions, rope.inv_freq, self.num_heads, self.num_kv_heads,
-                q_weight=self.q_norm.weight if has_norm else None, k_weight=self.k_norm.weight if has_norm else None,
-                eps=self.q_norm.eps if has_norm else 1e-6, out=out, impl="fused", cache=cache)
+            norms = {"q_weight": self.q_norm.weight if has_norm else None,
+                     "k_weight": self.k_norm.weight if has_norm else None, "eps": self.q_norm.eps if has_norm else 1e-6}
+            if type(self.qkv_proj) is nn.Linear:  # one rank: at short prompts the projection's epilogue does the rest
+                return fused.qkv_proj_rope(x, self.qkv_proj.weight, self.qkv_proj.bias, rope.positions, rope.inv_freq,
+                                           self.num_heads, self.num_kv_heads, out=out, impl="fused", cache=cache,
+                                           **norms)
+            return fused.qkv_norm_rope(self.qkv_proj(x), rope.positions, rope.inv_freq, self.num_heads,
+                                       self.num_kv_heads, out=out, impl="fused", cache=cache, **norms)
         qk, v = bridge.carry("attn", *self.rotated(x, rope.cos, rope.sin), dtype=x.dtype)
         return (*qk.split([self.num_heads, self.num_kv_heads], dim=1), v)
 

@@ -149,8 +149,8 @@ class FusedAttention(FusedModule):
                                         "position_ids, which bcg's fused RoPE needs")
         x = hidden_states[0]
         rows, heads, kv_heads, dim = x.shape[0], spec.num_heads, spec.num_kv_heads, spec.head_dim
-        qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
-        if spec.qk_norm == "proj":  # olmo2: q and k normed over the whole projection, in place
+        qkv = F.linear(x, self.qkv_weight, self.qkv_bias) if spec.qk_norm == "proj" else None
+        if qkv is not None:  # olmo2: q and k normed over the whole projection, in place
             q_part, k_part = qkv[:, : heads * dim], qkv[:, heads * dim : (heads + kv_heads) * dim]
             fused.rms_norm(q_part, self.q_weight, spec.q_norm.eps, out=q_part, impl=impl)
             fused.rms_norm(k_part, self.k_weight, spec.k_norm.eps, out=k_part, impl=impl)
@@ -162,10 +162,14 @@ class FusedAttention(FusedModule):
         # As in the native models: with the fused kernels the RoPE kernel writes the layer's K/V into the pool too
         # (two launches fewer a layer); a compiled region shares its code between layers, so its island writes them.
         dest = kv_destination(spec.layer_idx) if impl == "fused" and not in_region else None
-        q, k, v = fused.qkv_norm_rope(
-            qkv, position_ids[0], spec.rope.inv_freq, heads, kv_heads, q_weight=self.q_weight if per_head else None,
-            k_weight=self.k_weight if per_head else None, eps=spec.q_norm.eps if per_head else 1e-6, out=out,
-            impl=impl, cache=dest)
+        norms = {"q_weight": self.q_weight if per_head else None, "k_weight": self.k_weight if per_head else None,
+                 "eps": spec.q_norm.eps if per_head else 1e-6}
+        if qkv is None:  # the projection and the rest in one kernel at short prompts (bcg.ops.kernels.qkv_rope)
+            q, k, v = fused.qkv_proj_rope(x, self.qkv_weight, self.qkv_bias, position_ids[0], spec.rope.inv_freq,
+                                          heads, kv_heads, out=out, impl=impl, cache=dest, **norms)
+        else:
+            q, k, v = fused.qkv_norm_rope(qkv, position_ids[0], spec.rope.inv_freq, heads, kv_heads, out=out,
+                                          impl=impl, cache=dest, **norms)
         attn = bridge.empty("hf_attn.out", (rows, heads, dim), **kw)
         if in_region:  # a compiled region shared by layers: the island learns its layer when it runs
             region_attention(q, k, v, attn, self.scale, spec.window, spec.softcap, self.sinks_fp32)

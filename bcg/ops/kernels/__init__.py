@@ -3,7 +3,8 @@
 Inside a CUDA graph each kernel costs about a microsecond of device time even when it is tiny, so the ops between
 matmuls are fused: RMSNorm and in-place residual add + RMSNorm, SiLU-and-multiply and gpt-oss's clamped SwiGLU,
 SiLU-and-multiply inside the gate/up or the down projection at short prompts (measured, chosen by ``BCG_MLP_FUSION``),
-the qkv split with q/k norm and RoPE written straight into the attention island's inputs, the MoE router (softmax
+the qkv split with q/k norm and RoPE written straight into the attention island's inputs (inside the q/k/v
+projection's epilogue at short prompts), the MoE router (softmax
 or sigmoid scores, top-k, the weights), and the token permutation around the experts. Each entry point takes
 ``impl="fused" | "torch"`` (default ``"fused"``; the models pass their own setting); ``"fused"`` runs Triton for
 CUDA tensors and the reference on any other device.
@@ -44,12 +45,13 @@ from bcg.ops.kernels.norm import (
     rms_norm,
     rms_norm_reference,
 )
+from bcg.ops.kernels.qkv_rope import qkv_proj_rope
 from bcg.ops.kernels.rope import qkv_norm_rope, qkv_norm_rope_reference
 
 __all__ = [
     "ExpertOrder", "KernelImpl", "clamped_swiglu", "clamped_swiglu_reference", "expert_order",
     "expert_order_reference", "fused_add_rms_norm", "fused_add_rms_norm_reference", "fused_available", "gate_up_silu",
-    "moe_combine", "moe_combine_reference", "qkv_norm_rope", "qkv_norm_rope_reference", "rms_norm",
+    "moe_combine", "moe_combine_reference", "qkv_norm_rope", "qkv_norm_rope_reference", "qkv_proj_rope", "rms_norm",
     "rms_norm_reference", "router_topk", "router_topk_reference", "silu_and_mul", "silu_and_mul_reference",
     "swiglu_down", "swiglu_down_reference",
 ]

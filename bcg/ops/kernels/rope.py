@@ -135,7 +135,7 @@ def qkv_norm_rope(
         raise ValueError(f"q_out {tuple(q_out.shape)} is not (T, {num_heads}, {dim})")
     _check(qkv, positions, inv_freq, q_weight, k_weight, q_out, k_out, v_out)
     if cache is not None:
-        _check_cache(cache, k_out)
+        check_cache(cache, k_out)
     path = kernel_path(impl, qkv)
     if path == "triton":
         from bcg.ops.kernels import triton_rope
@@ -156,7 +156,7 @@ def qkv_norm_rope(
     return q_out, k_out, v_out
 
 
-def _check_cache(cache: tuple[Tensor, Tensor, Tensor], k_out: Tensor) -> None:
+def check_cache(cache: tuple[Tensor, Tensor, Tensor], k_out: Tensor) -> None:
     k_cache, v_cache, slots = cache
     num_rows, kv_heads, dim = k_out.shape
     problems = []

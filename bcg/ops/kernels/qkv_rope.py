@@ -1,0 +1,98 @@
+"""The attention's q/k/v projection and what follows it, ``qkv_norm_rope(x @ weight.T + bias)``: one kernel at short
+prompts.
+
+At a few dozen rows the projection reads its weight for little work, and its ``(T, (H + 2 KV) D)`` output exists only
+to be read once by :func:`~bcg.ops.kernels.qkv_norm_rope` (split, per-head q/k norm, RoPE, the island's inputs, the
+K/V write). Up to :data:`MAX_FUSED_ROWS` rows of bf16/fp16 on CUDA, :func:`qkv_proj_rope` is one Triton kernel
+(:mod:`bcg.ops.kernels.triton_qkv_rope`) that does all of it in the projection's epilogue, with the two steps'
+roundings; otherwise (larger batches, fp32, other devices, a head size the tiles cannot split, a ``torch.compile``
+trace, or ``BCG_QKV_FUSION=off``) it is the two steps, ``F.linear`` then :func:`~bcg.ops.kernels.qkv_norm_rope`.
+The one kernel differs from them only in the matmul's summation order.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from bcg import env
+from bcg.ops.kernels.dispatch import kernel_path
+from bcg.ops.kernels.rope import check_cache, qkv_norm_rope
+
+__all__ = ["MAX_FUSED_ROWS", "is_fused", "qkv_proj_rope"]
+
+# Rows up to which the one kernel runs (benchmarks/qkv_kernels.py measures it against the two steps per row count).
+MAX_FUSED_ROWS = 64
+_FUSED_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def is_fused(x: Tensor, weight: Tensor, bias: Tensor | None, head_dim: int, has_norm: bool) -> bool:
+    """Whether :func:`qkv_proj_rope` runs its one kernel for these operands (given the fused path on CUDA): a short
+    half-precision batch, and half heads the tiles split (16-column blocks; a whole power-of-two half under a norm)."""
+    half = head_dim // 2
+    return (env.QKV_FUSION and 0 < x.shape[0] <= MAX_FUSED_ROWS and x.dim() == 2 and x.dtype in _FUSED_DTYPES
+            and weight.dtype == x.dtype and x.stride(-1) == 1 and weight.is_contiguous() and head_dim % 2 == 0
+            and (bias is None or (bias.dtype == x.dtype and bias.is_contiguous()))
+            and half % 16 == 0 and (not has_norm or half & (half - 1) == 0))
+
+
+def qkv_proj_rope(
+    x: Tensor, weight: Tensor, bias: Tensor | None, positions: Tensor, inv_freq: Tensor, num_heads: int,
+    num_kv_heads: int, *, q_weight: Tensor | None = None, k_weight: Tensor | None = None, eps: float = 1e-6,
+    out: tuple[Tensor, Tensor, Tensor] | None = None, impl: str = "fused",
+    cache: tuple[Tensor, Tensor, Tensor] | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``q (T, H, D), k, v (T, KV, D)`` from the attention's input ``x (T, hidden)`` and its fused projection
+    ``weight ((H + 2 KV) D, hidden)`` (q rows, then k, then v) and ``bias``: what
+    ``qkv_norm_rope(F.linear(x, weight, bias), ...)`` returns, with the same arguments (per-head q/k norm weights,
+    ``out``, ``cache``); ``impl`` picks the kernels (:mod:`bcg.ops.kernels.dispatch`).
+
+    Example:
+        >>> x, w = torch.randn(5, 16), torch.randn((4 + 2 * 2) * 8, 16)
+        >>> inv_freq = 1.0 / 10000 ** (torch.arange(0, 8, 2) / 8)
+        >>> q, k, v = qkv_proj_rope(x, w, None, torch.arange(5), inv_freq, 4, 2)
+        >>> q.shape, torch.allclose(v.flatten(1), (x @ w.T)[:, 48:])
+        (torch.Size([5, 4, 8]), True)
+    """
+    width, hidden = weight.shape
+    dim = width // (num_heads + 2 * num_kv_heads)
+    has_norm = q_weight is not None and k_weight is not None
+    if kernel_path(impl, x) != "triton" or not is_fused(x, weight, bias, dim, has_norm) or (q_weight is None) != (
+            k_weight is None):  # a lone norm weight: the two steps name the mistake
+        return qkv_norm_rope(F.linear(x, weight, bias), positions, inv_freq, num_heads, num_kv_heads,
+                             q_weight=q_weight, k_weight=k_weight, eps=eps, out=out, impl=impl, cache=cache)
+    rows = x.shape[0]
+    if out is None:
+        out = (x.new_empty(rows, num_heads, dim), x.new_empty(rows, num_kv_heads, dim),
+               x.new_empty(rows, num_kv_heads, dim))
+    q_out, k_out, v_out = out
+    _check(x, weight, bias, positions, inv_freq, num_heads, num_kv_heads, dim, q_out, k_out, v_out)
+    if cache is not None:
+        check_cache(cache, k_out)
+    from bcg.ops.kernels import triton_qkv_rope
+
+    triton_qkv_rope.qkv_rope(x, weight, bias, positions, inv_freq, q_weight, k_weight, eps, q_out, k_out, v_out,
+                             cache, triton_qkv_rope.tiling(rows, dim, has_norm))
+    return q_out, k_out, v_out
+
+
+def _check(x: Tensor, weight: Tensor, bias: Tensor | None, positions: Tensor, inv_freq: Tensor, heads: int,
+           kv_heads: int, dim: int, q_out: Tensor, k_out: Tensor, v_out: Tensor) -> None:
+    rows, hidden = x.shape
+    problems = []
+    if weight.shape != ((heads + 2 * kv_heads) * dim, hidden):
+        problems.append(f"weight {tuple(weight.shape)} is not ((H + 2*KV) * D, hidden) = "
+                        f"({(heads + 2 * kv_heads) * dim}, {hidden})")
+    if bias is not None and (bias.shape != (weight.shape[0],) or bias.dtype != x.dtype):
+        problems.append(f"bias {tuple(bias.shape)} {bias.dtype} is not ({weight.shape[0]},) {x.dtype}")
+    if q_out.shape != (rows, heads, dim) or k_out.shape != (rows, kv_heads, dim) or v_out.shape != k_out.shape:
+        problems.append(f"q_out {tuple(q_out.shape)}, k_out {tuple(k_out.shape)}, v_out {tuple(v_out.shape)} are not "
+                        f"({rows}, {heads}, {dim}) and twice ({rows}, {kv_heads}, {dim})")
+    if positions.shape != (rows,) or inv_freq.shape != (dim // 2,):
+        problems.append(f"positions {tuple(positions.shape)} and inv_freq {tuple(inv_freq.shape)} are not "
+                        f"({rows},) and ({dim // 2},)")
+    if any(t.stride(-1) != 1 for t in (q_out, k_out, v_out)):
+        problems.append("q_out, k_out and v_out need a contiguous last dimension")
+    if problems:
+        raise ValueError("qkv_proj_rope: " + "; ".join(problems))

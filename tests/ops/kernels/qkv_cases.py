@@ -1,0 +1,75 @@
+"""Shared inputs and checks for :func:`bcg.ops.kernels.qkv_proj_rope`, the q/k/v projection with RoPE in its epilogue
+(the interpreter and CUDA tiers)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from kernel_cases import EPS, RTOL, gen, inv_freq, poisoned, randn, row_view
+from torch import Tensor
+
+# (rows, hidden, heads, kv_heads, head_dim): odd sizes, one row, more rows than a 16-row tile, head sizes of 32, 64
+# and 128 (one, two and four 16-pair blocks a half head); the llama shapes too on CUDA.
+SHAPES = [(5, 96, 4, 2, 32), (1, 64, 2, 1, 64), (17, 80, 3, 1, 32), (3, 130, 2, 2, 128), (33, 200, 2, 1, 64)]
+LLAMA_SHAPES = [(64, 1024, 16, 4, 64), (64, 2048, 32, 8, 64), (16, 2048, 16, 4, 128), (64, 1024, 16, 8, 128)]
+
+Launch = Callable[..., None]
+
+
+def direct(tk, **tiles: int) -> Launch:
+    """Calls the launcher of ``tk`` (the imported ``triton_qkv_rope``) on its tiling (``tiles`` override it)."""
+    def launch(x, w, bias, positions, freqs, q_w, k_w, outs, cache) -> None:
+        plan = tk.tiling(x.shape[0], outs[0].shape[2], q_w is not None, **tiles)
+        tk.qkv_rope(x, w, bias, positions, freqs, q_w, k_w, EPS, *outs, cache, plan)
+    return launch
+
+
+def check_qkv_rope(launch: Launch, device: str, dtype: torch.dtype, rows: int, hidden: int, heads: int,
+                   kv_heads: int, dim: int, *, qk_norm: bool = False, bias: bool = False, cache: bool = False,
+                   ulps: float = 1.0) -> None:
+    """The kernel against the two steps: the projection computed in fp64 and rounded to the dtype as ``F.linear``'s
+    output would be, then ``qkv_norm_rope``'s reference; within two units of the scale (the projection's sums run in
+    another order, so an element may round the other way), every output element written and nothing past the
+    outputs (bridge-like strided views of poisoned buffers), the inputs untouched; with ``cache``, k and v as written
+    at their slots and no other cache row touched."""
+    from bcg.ops.kernels import qkv_norm_rope_reference
+
+    width = (heads + 2 * kv_heads) * dim
+    x = row_view(rows, hidden, dtype=dtype, device=device, seed=hidden + rows, pad=8)
+    w = randn(width, hidden, dtype=dtype, device=device, seed=width, scale=hidden**-0.5)
+    b = randn(width, dtype=dtype, device=device, seed=3, scale=0.5) if bias else None
+    positions = torch.randint(0, 8192, (rows,), generator=gen(rows)).to(device)
+    freqs = inv_freq(dim, 500000.0, device)
+    q_w = randn(dim, dtype=dtype, device=device, seed=5, scale=0.3) + 1 if qk_norm else None
+    k_w = randn(dim, dtype=dtype, device=device, seed=6, scale=0.3) + 1 if qk_norm else None
+    inputs = [t.clone() for t in (x, w, positions, freqs)]
+    bufs = [poisoned(rows + 3, n + 1, dim, dtype=dtype, device=device) for n in (heads, kv_heads, kv_heads)]
+    outs = [buf[:rows, :-1] for buf in bufs]
+    num_slots = 2 * rows + 3
+    caches = [poisoned(num_slots, kv_heads, dim, dtype=dtype, device=device) for _ in range(2)] if cache else None
+    slots = torch.randperm(num_slots, generator=gen(rows + 1))[:rows].to(device)
+    launch(x, w, b, positions, freqs, q_w, k_w, outs, (*caches, slots) if caches else None)
+    assert all(torch.equal(t, t0) for t, t0 in zip((x, w, positions, freqs), inputs)), "an input changed"
+    assert all(buf[rows:].isnan().all() and buf[:, -1].isnan().all() for buf in bufs), "wrote outside the outputs"
+    qkv = x.double() @ w.double().T + (b.double() if bias else 0.0)
+    refs = [torch.empty(rows, n, dim, dtype=dtype, device=device) for n in (heads, kv_heads, kv_heads)]
+    qkv_norm_rope_reference(qkv.to(dtype), positions, freqs, q_w, k_w, EPS, *refs)
+    tol = 2 * RTOL[dtype] * ulps
+    for got, ref, name in zip(outs, refs, "qkv"):
+        assert not got.isnan().any(), f"{name}: an element was not written"
+        torch.testing.assert_close(got.double(), ref.double(), rtol=tol, atol=tol * float(ref.abs().max()),
+                                   msg=lambda m, name=name: f"{name}: {m}")
+    if caches:
+        assert torch.equal(caches[0][slots], outs[1]) and torch.equal(caches[1][slots], outs[2]), "cache rows differ"
+        others = torch.ones(num_slots, dtype=torch.bool, device=device)
+        others[slots] = False
+        assert all(c[others].isnan().all() for c in caches), "wrote cache rows other than the slots"
+
+
+def model_inputs(rows: int, hidden: int, heads: int, kv_heads: int, dim: int, device: str,
+                 dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``x, weight, positions, inv_freq`` as a model passes them (contiguous ``x``)."""
+    x = randn(rows, hidden, dtype=dtype, device=device, seed=rows)
+    w = randn((heads + 2 * kv_heads) * dim, hidden, dtype=dtype, device=device, seed=1, scale=hidden**-0.5)
+    return x, w, torch.arange(rows, device=device) + 7, inv_freq(dim, 10000.0, device)

@@ -1,0 +1,69 @@
+"""The q/k/v projection with RoPE in its epilogue on the CPU: its dispatch rules, the two steps it stands for, and its
+kernel under Triton's interpreter (``interpret_qkv_rope.py``, in a fresh process; on CUDA in
+``test_qkv_rope_cuda.py``)."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import qkv_cases as cases
+import torch
+import torch.nn.functional as F
+from interpreter import run_under_interpreter
+
+from bcg import env
+from bcg.ops import kernels
+from bcg.ops.kernels import qkv_rope
+
+HERE = Path(__file__).resolve().parent
+
+
+@pytest.mark.parametrize("qk_norm", [False, True])
+@pytest.mark.parametrize("bias", [False, True])
+def test_off_the_gpu_it_is_the_projection_then_qkv_norm_rope(qk_norm, bias):
+    x, w, positions, freqs = cases.model_inputs(6, 48, 4, 2, 32, "cpu", torch.float32)
+    b = torch.randn(w.shape[0]) if bias else None
+    norms = {"q_weight": torch.rand(32) + 0.5, "k_weight": torch.rand(32) + 0.5} if qk_norm else {}
+    got = kernels.qkv_proj_rope(x, w, b, positions, freqs, 4, 2, eps=1e-5, **norms)
+    expected = kernels.qkv_norm_rope(F.linear(x, w, b), positions, freqs, 4, 2, eps=1e-5, **norms)
+    assert all(torch.equal(g, e) for g, e in zip(got, expected))
+
+
+def test_the_kv_write_and_the_outputs_are_the_two_steps_too():
+    x, w, positions, freqs = cases.model_inputs(5, 48, 4, 2, 32, "cpu", torch.float32)
+    caches = [torch.zeros(9, 2, 32) for _ in range(2)]
+    slots = torch.tensor([8, 0, 3, 5, 1])
+    outs = [torch.empty(5, n, 32) for n in (4, 2, 2)]
+    kernels.qkv_proj_rope(x, w, None, positions, freqs, 4, 2, out=outs, cache=(*caches, slots))
+    q, k, v = kernels.qkv_norm_rope(F.linear(x, w), positions, freqs, 4, 2)
+    assert torch.equal(outs[0], q) and torch.equal(caches[0][slots], k) and torch.equal(caches[1][slots], v)
+
+
+def test_one_kernel_only_for_short_half_precision_batches_of_splittable_heads(monkeypatch):
+    def fused(rows=64, dtype=torch.bfloat16, dim=64, has_norm=False, bias=None):
+        x = torch.zeros(rows, 32, dtype=dtype)
+        return qkv_rope.is_fused(x, torch.zeros(8 * dim, 32, dtype=dtype), bias, dim, has_norm)
+
+    assert fused() and fused(rows=1) and fused(dtype=torch.float16) and fused(dim=128, has_norm=True)
+    assert not fused(rows=qkv_rope.MAX_FUSED_ROWS + 1) and not fused(rows=0)
+    assert not fused(dtype=torch.float32)
+    assert not fused(dim=80)  # a half head of 40: no 16-column blocks
+    assert fused(dim=96) and not fused(dim=96, has_norm=True)  # a norm needs the half head as one power of two
+    assert not fused(bias=torch.zeros(8 * 64))  # an fp32 bias beside bf16 operands
+    monkeypatch.setattr(env, "QKV_FUSION", False)
+    assert not fused()
+
+
+def test_the_kernel_tiles_cover_each_half_head():
+    tk = pytest.importorskip("bcg.ops.kernels.triton_qkv_rope")
+    assert tk.tiling(64, 64, False).half_n == 16 and tk.tiling(8, 64, False).block_m == 16
+    assert tk.tiling(64, 128, True).half_n == 64 and tk.tiling(64, 32, False).half_n == 16
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                    reason="triton is not installed: torch's CPU wheels do not bring it; pip install -e .[test] does")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU the CUDA tests run the compiled kernel")
+def test_the_kernel_under_the_interpreter_in_a_fresh_process():
+    run_under_interpreter(HERE / "interpret_qkv_rope.py", allow_skips=False)
