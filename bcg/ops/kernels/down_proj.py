@@ -23,16 +23,13 @@ from torch import Tensor
 
 from bcg.ops.kernels.activation import silu_and_mul
 from bcg.ops.kernels.dispatch import kernel_path, num_sms
+from bcg.ops.kernels.tile_counters import tile_counters
 
 __all__ = ["MAX_FUSED_ROWS", "swiglu_down", "swiglu_down_reference"]
 
 # Rows up to which the fused kernel runs (benchmarks/mlp_kernels.py measures both paths per row count).
 MAX_FUSED_ROWS = 128
 _FUSED_DTYPES = (torch.bfloat16, torch.float16)
-# One int32 counter per output tile, per device, zero between launches (the kernel resets what it counts). Counters
-# outgrown are kept: a captured graph holds their address.
-_COUNTERS: dict[torch.device, Tensor] = {}
-_OUTGROWN: list[Tensor] = []
 
 
 def swiglu_down_reference(gate_up: Tensor, weight: Tensor) -> Tensor:
@@ -54,7 +51,8 @@ def swiglu_down(gate_up: Tensor, weight: Tensor, *, impl: str = "fused") -> Tens
     ``impl`` picks the kernels (:mod:`bcg.ops.kernels.dispatch`); with ``"fused"`` on CUDA, up to
     :data:`MAX_FUSED_ROWS` rows of bf16/fp16 run as one kernel, everything else as
     :func:`~bcg.ops.kernels.silu_and_mul` and ``F.linear``. The kernel keeps one counter per output tile in a
-    per-device buffer, so launches of it on two streams of one device must not run at the same time.
+    per-device buffer (:mod:`bcg.ops.kernels.tile_counters`), so launches of it on two streams of one device must not
+    run at the same time.
 
     Example:
         >>> x, w = torch.randn(3, 10), torch.randn(4, 5)
@@ -73,22 +71,6 @@ def swiglu_down(gate_up: Tensor, weight: Tensor, *, impl: str = "fused") -> Tens
     out = gate_up.new_empty((*gate_up.shape[:-1], cols))
     # One split writes the output directly; the partials buffer is then never read, so a 1-element one stands in.
     partials = gate_up.new_empty(plan.split_k * rows * cols if plan.split_k > 1 else 1, dtype=torch.float32)
-    triton_down_proj.swiglu_down(gate_up, weight, out, partials, _counters(gate_up.device, plan.tiles), plan)
+    counters = tile_counters(gate_up.device, plan.tiles, "swiglu_down")
+    triton_down_proj.swiglu_down(gate_up, weight, out, partials, counters, plan)
     return out
-
-
-
-def _counters(device: torch.device, tiles: int) -> Tensor:
-    """The device's tile counters, at least ``tiles`` of them (made, or grown, outside a graph capture only: a
-    capture would record the zeroing and replay it)."""
-    counters = _COUNTERS.get(device)
-    if counters is None or counters.numel() < tiles:
-        if torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(
-                f"swiglu_down needs {tiles} tile counters on {device} and has "
-                f"{0 if counters is None else counters.numel()}: they are made on the first eager call, so run the "
-                "forward once outside the capture (a warm-up) with the largest batch the graph will hold")
-        if counters is not None:
-            _OUTGROWN.append(counters)
-        counters = _COUNTERS[device] = torch.zeros(max(4096, tiles), dtype=torch.int32, device=device)
-    return counters

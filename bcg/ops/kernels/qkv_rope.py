@@ -4,10 +4,12 @@ prompts.
 At a few dozen rows the projection reads its weight for little work, and its ``(T, (H + 2 KV) D)`` output exists only
 to be read once by :func:`~bcg.ops.kernels.qkv_norm_rope` (split, per-head q/k norm, RoPE, the island's inputs, the
 K/V write). Up to :data:`MAX_FUSED_ROWS` rows of bf16/fp16 on CUDA, :func:`qkv_proj_rope` is one Triton kernel
-(:mod:`bcg.ops.kernels.triton_qkv_rope`) that does all of it in the projection's epilogue, with the two steps'
-roundings; otherwise (larger batches, fp32, other devices, a head size the tiles cannot split, a ``torch.compile``
-trace, or ``BCG_QKV_FUSION=off``) it is the two steps, ``F.linear`` then :func:`~bcg.ops.kernels.qkv_norm_rope`.
-The one kernel differs from them only in the matmul's summation order.
+(:mod:`bcg.ops.kernels.triton_qkv_rope`, K split over the SMs as the down projection's is) that does all of it in
+the projection's epilogue, with the two steps' roundings; otherwise (larger batches, fp32, other devices, a head size
+the tiles cannot split, a ``torch.compile`` trace, or ``BCG_QKV_FUSION=off``) it is the two steps, ``F.linear`` then
+:func:`~bcg.ops.kernels.qkv_norm_rope`. The one kernel differs from them only in the matmul's summation order. It
+keeps one counter per output tile in the split-K kernels' per-device buffer (:mod:`bcg.ops.kernels.tile_counters`),
+so launches of it on two streams of one device must not run at the same time.
 """
 
 from __future__ import annotations
@@ -17,8 +19,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from bcg import env
-from bcg.ops.kernels.dispatch import kernel_path
+from bcg.ops.kernels.dispatch import kernel_path, num_sms
 from bcg.ops.kernels.rope import check_cache, qkv_norm_rope
+from bcg.ops.kernels.tile_counters import tile_counters
 
 __all__ = ["MAX_FUSED_ROWS", "is_fused", "qkv_proj_rope"]
 
@@ -72,8 +75,11 @@ def qkv_proj_rope(
         check_cache(cache, k_out)
     from bcg.ops.kernels import triton_qkv_rope
 
+    plan = triton_qkv_rope.tiling(rows, hidden, num_heads + 2 * num_kv_heads, dim, has_norm, num_sms(x.device))
+    # One split writes the outputs directly; the partials buffer is then never read, so a 1-element one stands in.
+    partials = x.new_empty(plan.split_k * rows * width if plan.split_k > 1 else 1, dtype=torch.float32)
     triton_qkv_rope.qkv_rope(x, weight, bias, positions, inv_freq, q_weight, k_weight, eps, q_out, k_out, v_out,
-                             cache, triton_qkv_rope.tiling(rows, dim, has_norm))
+                             cache, partials, tile_counters(x.device, plan.tiles, "qkv_proj_rope"), plan)
     return q_out, k_out, v_out
 
 

@@ -41,6 +41,13 @@ def test_per_head_norms_bias_and_the_kv_write(tk, rows, hidden, heads, kv_heads,
                          bias=True, cache=True)
 
 
-@pytest.mark.parametrize("tiles", [{"half_n": 32}, {"block_m": 16, "block_k": 32}, {"block_k": 64}])
-def test_other_tiles(tk, tiles):
+@pytest.mark.parametrize("tiles", [{"half_n": 32}, {"block_m": 16, "block_k": 32}, {"block_k": 128},
+                                   {"split_k": 1}, {"split_k": 5, "block_k": 16}])
+def test_other_tiles_and_splits(tk, tiles):
     cases.check_qkv_rope(cases.direct(tk, **tiles), "cpu", torch.float16, 33, 200, 2, 1, 64, bias=True, cache=True)
+
+
+@pytest.mark.parametrize("num_sms", [1, 8, 132])  # no split, a few, as many as the steps allow
+def test_k_splits_of_every_size(tk, num_sms):
+    cases.check_qkv_rope(cases.direct(tk, num_sms), "cpu", torch.float16, 17, 300, 3, 1, 32, qk_norm=True,
+                         cache=True)

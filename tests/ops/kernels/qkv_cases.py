@@ -17,11 +17,20 @@ LLAMA_SHAPES = [(64, 1024, 16, 4, 64), (64, 2048, 32, 8, 64), (16, 2048, 16, 4, 
 Launch = Callable[..., None]
 
 
-def direct(tk, **tiles: int) -> Launch:
-    """Calls the launcher of ``tk`` (the imported ``triton_qkv_rope``) on its tiling (``tiles`` override it)."""
+def direct(tk, num_sms: int = 132, **tiles: int) -> Launch:
+    """Calls the launcher of ``tk`` (the imported ``triton_qkv_rope``) on its tiling for ``num_sms`` SMs (``tiles``
+    override it) with fresh counters, launching twice: the second launch must find the counters left at zero and
+    give the same bits (the partials are summed in a fixed order)."""
     def launch(x, w, bias, positions, freqs, q_w, k_w, outs, cache) -> None:
-        plan = tk.tiling(x.shape[0], outs[0].shape[2], q_w is not None, **tiles)
-        tk.qkv_rope(x, w, bias, positions, freqs, q_w, k_w, EPS, *outs, cache, plan)
+        heads = w.shape[0] // outs[0].shape[2]
+        plan = tk.tiling(x.shape[0], x.shape[1], heads, outs[0].shape[2], q_w is not None, num_sms, **tiles)
+        partials = torch.full((max(1, plan.split_k * x.shape[0] * w.shape[0]),), float("nan"), device=x.device)
+        counters = torch.zeros(plan.tiles + 3, dtype=torch.int32, device=x.device)
+        tk.qkv_rope(x, w, bias, positions, freqs, q_w, k_w, EPS, *outs, cache, partials, counters, plan)
+        assert int(counters.count_nonzero()) == 0, "a tile counter was left non-zero: the next launch would misread it"
+        first = [o.clone() for o in outs]
+        tk.qkv_rope(x, w, bias, positions, freqs, q_w, k_w, EPS, *outs, cache, partials, counters, plan)
+        assert all(torch.equal(a, b) for a, b in zip(outs, first)), "two launches on the same inputs differ"
     return launch
 
 

@@ -205,30 +205,30 @@ def test_gate_up_kernel_compiles_for_sm90_on_the_tensor_cores(rows, hidden, inte
 
 @pytest.mark.parametrize("rows,hidden,heads,kv_heads,dim,norm", [(16, 1024, 16, 4, 64, False),
                                                                  (64, 2048, 32, 8, 64, False),
-                                                                 (64, 1024, 16, 8, 128, True), (33, 2048, 16, 4, 128,
-                                                                                                 False)])
+                                                                 (64, 1024, 16, 8, 128, True),
+                                                                 (33, 2048, 16, 4, 128, False)])
 def test_qkv_rope_kernel_compiles_for_sm90_on_the_tensor_cores(rows, hidden, heads, kv_heads, dim, norm):
-    """The launcher's own tiles for the llama and Qwen3 q/k/v projections with RoPE and the KV write in the epilogue:
-    no spills, the loads pipelined, wgmma where a tile has 64 rows or more."""
-    import triton
-
+    """The launcher's own tiles on an H200 for the llama and Qwen3 q/k/v projections with RoPE and the KV write in the
+    epilogue: no spills, the loads pipelined, wgmma where a tile has 64 rows or more, and the split-K sum behind an
+    acquire-release atomic."""
     from bcg.ops.kernels import triton_qkv_rope
 
-    plan = triton_qkv_rope.tiling(rows, dim, norm)
+    plan = triton_qkv_rope.tiling(rows, hidden, heads + 2 * kv_heads, dim, norm, 132)
     types = {"x_ptr": "*bf16", "x_stride": "i32", "w_ptr": "*bf16", "w_stride": "i32", "bias_ptr": "*fp32",
              "pos_ptr": "*i64", "inv_freq_ptr": "*fp32", "qw_ptr": "*bf16", "kw_ptr": "*bf16", "eps": "fp32"}
     types |= {f"{t}_{s}": ("*bf16" if s == "ptr" else "i32") for t in ("q", "k", "v")
               for s in ("ptr", "stride0", "stride1")}
     types |= {"slot_ptr": "*i64"} | {f"{t}_{s}": ("*bf16" if s == "ptr" else "i32") for t in ("kc", "vc")
                                      for s in ("ptr", "stride0", "stride1")}
-    types |= {"n_rows": "i32", "hidden": "i32"}
+    types |= {"part_ptr": "*fp32", "count_ptr": "*i32", "n_rows": "i32", "hidden": "i32"}
     constants = dict(HEADS=heads, KV_HEADS=kv_heads, DIM=dim, HALF_N=plan.half_n, HAS_BIAS=False, HAS_NORM=norm,
-                     HAS_CACHE=True, BLOCK_M=plan.block_m, BLOCK_K=plan.block_k,
-                     K_ITERS=triton.cdiv(hidden, plan.block_k))
+                     HAS_CACHE=True, BLOCK_M=plan.block_m, BLOCK_K=plan.block_k, SPLIT_K=plan.split_k,
+                     K_ITERS=plan.k_iters)
     ptx: list[str] = []
     report = compile_sm90(triton_qkv_rope._qkv_rope_kernel, types, constants, num_warps=plan.num_warps,
                           num_stages=plan.num_stages, ptx=ptx,
-                          aligned=("x_ptr", "x_stride", "w_ptr", "w_stride", "hidden"))
+                          aligned=("x_ptr", "x_stride", "w_ptr", "w_stride", "part_ptr", "count_ptr", "hidden"))
     assert "0 bytes spill stores" in report, report
     assert "cp.async" in ptx[0], "the loads are not pipelined"
     assert ("wgmma" in ptx[0]) == (plan.block_m >= 64), "tensor-core instruction"
+    assert ("atom" in ptx[0] and ".acq_rel" in ptx[0]) == (plan.split_k > 1)

@@ -14,7 +14,7 @@ from bcg import env
 from bcg.models.layers import SwiGLUMLP
 from bcg.ops import kernels
 from bcg.ops.kernels import down_proj as module
-from bcg.ops.kernels import gate_up, triton_down_proj, triton_gate_up
+from bcg.ops.kernels import gate_up, tile_counters, triton_down_proj, triton_gate_up
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 DEV = "cuda"
@@ -58,13 +58,13 @@ def test_capture_and_replay_follow_fresh_inputs():
 
 
 def test_counters_are_not_made_in_a_capture(monkeypatch):
-    monkeypatch.setattr(module, "_COUNTERS", {})
+    monkeypatch.setattr(tile_counters, "_COUNTERS", {})
     x, w = cases.inputs(64, 1024, 2816, torch.bfloat16, DEV)
     graph = torch.cuda.CUDAGraph()
     with pytest.raises(RuntimeError, match="warm-up"):
         with torch.cuda.graph(graph):
             kernels.swiglu_down(x, w)
-    monkeypatch.setattr(module, "_COUNTERS", {})
+    monkeypatch.setattr(tile_counters, "_COUNTERS", {})
     assert torch.equal(kernels.swiglu_down(x, w), kernels.swiglu_down(x.clone(), w))  # the device is still usable
 
 

@@ -56,10 +56,19 @@ def test_one_kernel_only_for_short_half_precision_batches_of_splittable_heads(mo
     assert not fused()
 
 
-def test_the_kernel_tiles_cover_each_half_head():
+@pytest.mark.parametrize("rows,hidden,heads,dim,norm,sms", [(64, 2048, 48, 64, False, 132), (64, 1024, 24, 64, False,
+                                                                                              132),
+                                                           (16, 1024, 32, 128, True, 132), (5, 96, 8, 32, False, 4),
+                                                           (64, 200, 3, 64, False, 132)])
+def test_the_kernel_tiles_cover_each_half_head_and_k_once(rows, hidden, heads, dim, norm, sms):
     tk = pytest.importorskip("bcg.ops.kernels.triton_qkv_rope")
-    assert tk.tiling(64, 64, False).half_n == 16 and tk.tiling(8, 64, False).block_m == 16
-    assert tk.tiling(64, 128, True).half_n == 64 and tk.tiling(64, 32, False).half_n == 16
+    plan = tk.tiling(rows, hidden, heads, dim, norm, sms)
+    assert (dim // 2) % plan.half_n == 0 and (plan.half_n == dim // 2 if norm else plan.half_n == min(16, dim // 2))
+    assert plan.block_m == (16 if rows <= 16 else 64)
+    steps = -(-hidden // plan.block_k)
+    assert (plan.split_k - 1) * plan.k_iters < steps <= plan.split_k * plan.k_iters  # every K step once, no empty split
+    assert plan.tiles == -(-rows // plan.block_m) * heads * (dim // 2 // plan.half_n)
+    assert plan.split_k == 1 or plan.split_k * plan.tiles <= 2 * sms + plan.tiles  # about two programs an SM
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None,

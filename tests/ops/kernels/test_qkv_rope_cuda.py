@@ -35,7 +35,8 @@ def test_norms_bias_and_the_kv_write_match_fp64(rows, hidden, heads, kv_heads, d
                          qk_norm=True, bias=True, cache=True)
 
 
-@pytest.mark.parametrize("tiles", [{"half_n": 32}, {"block_m": 16}, {"block_k": 64, "num_warps": 8}])
+@pytest.mark.parametrize("tiles", [{"half_n": 32}, {"block_m": 16}, {"block_k": 128, "num_warps": 8}, {"split_k": 1},
+                                   {"split_k": 16, "block_k": 32}])
 def test_other_tiles_match_fp64(tiles):
     cases.check_qkv_rope(cases.direct(triton_qkv_rope, **tiles), DEV, torch.bfloat16, 64, 2048, 32, 8, 64,
                          cache=True)
