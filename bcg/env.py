@@ -16,9 +16,10 @@ Configuration is :class:`~bcg.runtime.config.EngineConfig` and the command's fla
   the fused kernels: ``gate_up`` (the default: :mod:`bcg.ops.kernels.gate_up`, in the gate/up projection's epilogue),
   ``down`` (:mod:`bcg.ops.kernels.down_proj`, in the down projection's prologue; measured 1.4-2.8x slower on the
   H200) or ``none`` (SiLU-and-multiply as a kernel of its own); ``benchmarks/mlp_kernels.py`` measures them.
-* ``BCG_QKV_FUSION=off``: the attention's q/k/v projection and its RoPE kernel run as two launches at short prompts
-  too (by default, with the fused kernels, :mod:`bcg.ops.kernels.qkv_rope` is one kernel up to its rows);
-  ``benchmarks/qkv_kernels.py`` and ``benchmarks/device_bound.py`` measure both.
+* ``BCG_QKV_FUSION=on``: the attention's q/k/v projection runs with RoPE, the split and the K/V write in its epilogue
+  at short prompts (:mod:`bcg.ops.kernels.qkv_rope`: one kernel instead of cuBLAS's GEMM and bcg's RoPE kernel). Off by
+  default: on the H200 it ran 1.00-1.09x the two launches' device time inside whole forwards at 64 tokens
+  (``benchmarks/device_bound.py``), though 0.7-0.8x on its own at 16 rows (``benchmarks/qkv_kernels.py``).
 * ``BCG_GC_FREEZE=0``: a serving engine leaves the heap to the garbage collector as it is (by default its first
   ``submit`` moves every object alive then out of the collector's sight, ``gc.freeze()``, until it closes).
 
@@ -46,7 +47,10 @@ PDL: bool = _flag("BCG_PDL")
 MLP_FUSION: str = os.environ.get("BCG_MLP_FUSION", "").lower() or "gate_up"
 if MLP_FUSION not in ("gate_up", "down", "none"):
     raise ValueError(f"BCG_MLP_FUSION={MLP_FUSION!r}: expected gate_up, down or none (unset: gate_up)")
-QKV_FUSION: bool = os.environ.get("BCG_QKV_FUSION", "").lower() not in ("off", "0")
+_QKV = os.environ.get("BCG_QKV_FUSION", "").lower()
+if _QKV not in ("", "off", "0", "on", "1"):
+    raise ValueError(f"BCG_QKV_FUSION={_QKV!r}: expected on or off (unset: off)")
+QKV_FUSION: bool = _QKV in ("on", "1")
 
 
 def leak_check_mode() -> str:

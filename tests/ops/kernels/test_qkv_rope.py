@@ -5,6 +5,9 @@ kernel under Triton's interpreter (``interpret_qkv_rope.py``, in a fresh process
 from __future__ import annotations
 
 import importlib.util
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -41,7 +44,9 @@ def test_the_kv_write_and_the_outputs_are_the_two_steps_too():
     assert torch.equal(outs[0], q) and torch.equal(caches[0][slots], k) and torch.equal(caches[1][slots], v)
 
 
-def test_one_kernel_only_for_short_half_precision_batches_of_splittable_heads(monkeypatch):
+def test_one_kernel_only_when_asked_for_short_half_precision_batches_of_splittable_heads(monkeypatch):
+    monkeypatch.setattr(env, "QKV_FUSION", True)
+
     def fused(rows=64, dtype=torch.bfloat16, dim=64, has_norm=False, bias=None):
         x = torch.zeros(rows, 32, dtype=dtype)
         return qkv_rope.is_fused(x, torch.zeros(8 * dim, 32, dtype=dtype), bias, dim, has_norm)
@@ -52,8 +57,20 @@ def test_one_kernel_only_for_short_half_precision_batches_of_splittable_heads(mo
     assert not fused(dim=80)  # a half head of 40: no 16-column blocks
     assert fused(dim=96) and not fused(dim=96, has_norm=True)  # a norm needs the half head as one power of two
     assert not fused(bias=torch.zeros(8 * 64))  # an fp32 bias beside bf16 operands
-    monkeypatch.setattr(env, "QKV_FUSION", False)
+    monkeypatch.setattr(env, "QKV_FUSION", False)  # the default (BCG_QKV_FUSION unset)
     assert not fused()
+
+
+@pytest.mark.parametrize(("value", "expected"), [("", "False"), ("ON", "True"), ("1", "True"), ("off", "False")])
+def test_the_qkv_fusion_switch_is_read_once_and_checked(value, expected):
+    """BCG_QKV_FUSION: unset is off; a value that is neither on nor off stops the import and says so."""
+    code = "from bcg import env; print(env.QKV_FUSION)"
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "BCG_QKV_FUSION": value})
+    assert run.returncode == 0 and run.stdout.strip() == expected, run.stderr
+    bad = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "BCG_QKV_FUSION": "yes"})
+    assert bad.returncode != 0 and "expected on or off" in bad.stderr
 
 
 @pytest.mark.parametrize("rows,hidden,heads,dim,norm,sms", [(64, 2048, 48, 64, False, 132), (64, 1024, 24, 64, False,
@@ -74,5 +91,5 @@ def test_the_kernel_tiles_cover_each_half_head_and_k_once(rows, hidden, heads, d
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None,
                     reason="triton is not installed: torch's CPU wheels do not bring it; pip install -e .[test] does")
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU the CUDA tests run the compiled kernel")
-def test_the_kernel_under_the_interpreter_in_a_fresh_process():
+def test_the_kernel_under_the_interpreter_in_a_fresh_process():  # the launcher, whatever BCG_QKV_FUSION says
     run_under_interpreter(HERE / "interpret_qkv_rope.py", allow_skips=False)

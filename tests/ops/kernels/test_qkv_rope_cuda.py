@@ -1,7 +1,7 @@
 """The q/k/v projection with RoPE in its epilogue on CUDA: the kernel against fp64 at odd sizes and at the llama and
-Qwen3 shapes, with norms, bias and the KV write; its dispatch (one kernel up to its rows, the two steps past them),
-capture and replay; and the attention layers of a native and a Qwen3 model against the torch path. Run with
-``python -m pytest -m cuda tests/ops/kernels``."""
+Qwen3 shapes, with norms, bias and the KV write; its dispatch (with BCG_QKV_FUSION=on, one kernel up to its rows, the
+two steps past them), capture and replay; and the q/k/v layers of native models (plain, Qwen3's per-head norms, a
+bias) against the two steps. Run with ``python -m pytest -m cuda tests/ops/kernels``."""
 
 from __future__ import annotations
 
@@ -43,7 +43,8 @@ def test_other_tiles_match_fp64(tiles):
 
 
 @pytest.mark.parametrize("rows", [1, 33, qkv_rope.MAX_FUSED_ROWS, qkv_rope.MAX_FUSED_ROWS + 1])
-def test_entry_point_runs_one_kernel_up_to_its_rows(rows):
+def test_entry_point_runs_one_kernel_up_to_its_rows_when_asked(rows, monkeypatch):
+    monkeypatch.setattr(env, "QKV_FUSION", True)
     x, w, positions, freqs = cases.model_inputs(rows, 2048, 32, 8, 64, DEV, torch.bfloat16)
     two_steps = kernels.qkv_norm_rope(F.linear(x, w), positions, freqs, 32, 8)
     got = kernels.qkv_proj_rope(x, w, None, positions, freqs, 32, 8)
@@ -59,7 +60,8 @@ def test_entry_point_runs_one_kernel_up_to_its_rows(rows):
     assert names == ["_qkv_rope_kernel"], names
 
 
-def test_capture_and_replay_follow_fresh_inputs():
+def test_capture_and_replay_follow_fresh_inputs(monkeypatch):
+    monkeypatch.setattr(env, "QKV_FUSION", True)
     x, w, positions, freqs = cases.model_inputs(64, 1024, 16, 4, 64, DEV, torch.bfloat16)
     caches = [torch.zeros(300, 4, 64, device=DEV, dtype=torch.bfloat16) for _ in range(2)]
     slots = torch.arange(64, device=DEV) * 3
