@@ -16,10 +16,11 @@ Configuration is :class:`~bcg.runtime.config.EngineConfig` and the command's fla
   the fused kernels: ``gate_up`` (the default: :mod:`bcg.ops.kernels.gate_up`, in the gate/up projection's epilogue),
   ``down`` (:mod:`bcg.ops.kernels.down_proj`, in the down projection's prologue; measured 1.4-2.8x slower on the
   H200) or ``none`` (SiLU-and-multiply as a kernel of its own); ``benchmarks/mlp_kernels.py`` measures them.
-* ``BCG_QKV_FUSION=on``: the attention's q/k/v projection runs with RoPE, the split and the K/V write in its epilogue
-  at short prompts (:mod:`bcg.ops.kernels.qkv_rope`: one kernel instead of cuBLAS's GEMM and bcg's RoPE kernel). Off by
-  default: on the H200 it ran 1.00-1.09x the two launches' device time inside whole forwards at 64 tokens
-  (``benchmarks/device_bound.py``), though 0.7-0.8x on its own at 16 rows (``benchmarks/qkv_kernels.py``).
+* ``BCG_QKV_FUSION=off``: the attention's q/k/v projection and bcg's RoPE kernel stay two launches at every row count.
+  By default, with the fused kernels, up to 16 rows they are one kernel (:mod:`bcg.ops.kernels.qkv_rope`: RoPE, the
+  split and the K/V write in the projection's epilogue), which the H200 measured at 0.95x of llama-dense's device
+  time at 16 tokens and even on the Llama-3.2-1B shape; at 64 rows it ran 1.00-1.09x, so it stops at 16.
+  ``benchmarks/qkv_kernels.py`` and ``benchmarks/device_bound.py`` measure both.
 * ``BCG_GC_FREEZE=0``: a serving engine leaves the heap to the garbage collector as it is (by default its first
   ``submit`` moves every object alive then out of the collector's sight, ``gc.freeze()``, until it closes).
 
@@ -49,8 +50,8 @@ if MLP_FUSION not in ("gate_up", "down", "none"):
     raise ValueError(f"BCG_MLP_FUSION={MLP_FUSION!r}: expected gate_up, down or none (unset: gate_up)")
 _QKV = os.environ.get("BCG_QKV_FUSION", "").lower()
 if _QKV not in ("", "off", "0", "on", "1"):
-    raise ValueError(f"BCG_QKV_FUSION={_QKV!r}: expected on or off (unset: off)")
-QKV_FUSION: bool = _QKV in ("on", "1")
+    raise ValueError(f"BCG_QKV_FUSION={_QKV!r}: expected on or off (unset: on)")
+QKV_FUSION: bool = _QKV not in ("off", "0")
 
 
 def leak_check_mode() -> str:

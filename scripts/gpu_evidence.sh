@@ -8,7 +8,7 @@
 #   MODELS   presets for the models step (default: llama-dense llama-dense-2k gptoss-moe glm-dsa)
 #   ANALYZE_MODELS  presets that also get `bcg analyze` (default: llama-dense)
 #   LOAD_MODELS / LOAD_RATES / LOAD_BACKENDS  the load step's presets and flags; prefix: the shared-prefix pair
-#   Other steps: prefix, device, device2 (DEVICE2_ARGS, DEVICE2_ENV: e.g. BCG_QKV_FUSION=on), device_baseline,
+#   Other steps: prefix, device, device2 (DEVICE2_ARGS, DEVICE2_ENV: e.g. BCG_QKV_FUSION=off), device_baseline,
 #            host_path, hf_speed, load, soak, attention, qkv (QKV_ROWS, QKV_ARGS), retest, capacity,
 #            validate (VALIDATE_MODELS); a before/after baseline needs the earlier
 #            commit's bcg/ (and benchmarks/device_bound.py with the host_path.py it imports) exported first:

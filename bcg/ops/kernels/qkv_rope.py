@@ -6,16 +6,18 @@ to be read once by :func:`~bcg.ops.kernels.qkv_norm_rope` (split, per-head q/k n
 K/V write). Up to :data:`MAX_FUSED_ROWS` rows of bf16/fp16 on CUDA, :func:`qkv_proj_rope` is one Triton kernel
 (:mod:`bcg.ops.kernels.triton_qkv_rope`, K split over the SMs as the down projection's is) that does all of it in
 the projection's epilogue, with the two steps' roundings; otherwise (larger batches, fp32, other devices, a head size
-the tiles cannot split, a ``torch.compile`` trace, or without ``BCG_QKV_FUSION=on``) it is the two steps, ``F.linear``
-then :func:`~bcg.ops.kernels.qkv_norm_rope`. The one kernel differs from them only in the matmul's summation order. It
+the tiles cannot split, a ``torch.compile`` trace, or ``BCG_QKV_FUSION=off``) it is the two steps, ``F.linear`` then
+:func:`~bcg.ops.kernels.qkv_norm_rope`. The one kernel differs from them only in the matmul's summation order. It
 keeps one counter per output tile in the split-K kernels' per-device buffer (:mod:`bcg.ops.kernels.tile_counters`),
 so launches of it on two streams of one device must not run at the same time.
 
-The one kernel is opt-in (``BCG_QKV_FUSION=on``, :mod:`bcg.env`): on the H200, inside whole forwards at 64 tokens,
-it took 7.9 us a layer on llama-dense against the two launches' 7.7, 11.1 against 10.4 on the Llama-3.2-1B shape and
-12.9 against 9.7 on the Qwen3-0.6B shape (whose per-head norms keep a whole head in one program), with K split
-over the SMs or not; alone on cold weights it wins only at 16 rows (``benchmarks/qkv_kernels.py``). cuBLAS's
-Hopper GEMMs (TMA loads, warp-specialised wgmma) are what a Triton GEMM with pointer loads has to match first.
+Why 16 rows (the H200, inside whole forwards, ``benchmarks/device_bound.py``): at 16 tokens the one kernel took 5.4 us
+a layer on llama-dense against the two launches' 7.2 (device time 0.912 -> 0.864 ms) and 9.7 against 9.5 on the
+Llama-3.2-1B shape (1.043 -> 1.039 ms); at 64 tokens 7.9 against 7.7, 11.1 against 10.4 and, on the Qwen3-0.6B shape
+(whose per-head norms keep a whole head in one program), 12.9 against 9.7, with K split over the SMs or not. Alone on
+weights read cold, as a forward reads them, it wins at 16 rows on all four shapes of ``benchmarks/qkv_kernels.py``.
+cuBLAS's Hopper GEMMs (TMA loads, warp-specialised wgmma) are what a Triton GEMM with pointer loads has to match at
+more rows.
 """
 
 from __future__ import annotations
@@ -31,8 +33,9 @@ from bcg.ops.kernels.tile_counters import tile_counters
 
 __all__ = ["MAX_FUSED_ROWS", "is_fused", "qkv_proj_rope"]
 
-# Rows up to which the one kernel runs (benchmarks/qkv_kernels.py measures it against the two steps per row count).
-MAX_FUSED_ROWS = 64
+# Rows up to which the one kernel runs (see the module docstring; benchmarks/qkv_kernels.py measures it against the two
+# steps per row count).
+MAX_FUSED_ROWS = 16
 _FUSED_DTYPES = (torch.bfloat16, torch.float16)
 
 

@@ -1,6 +1,6 @@
 """The q/k/v projection with RoPE in its epilogue on CUDA: the kernel against fp64 at odd sizes and at the llama and
-Qwen3 shapes, with norms, bias and the KV write; its dispatch (with BCG_QKV_FUSION=on, one kernel up to its rows, the
-two steps past them), capture and replay; and the q/k/v layers of native models (plain, Qwen3's per-head norms, a
+Qwen3 shapes, with norms, bias and the KV write; its dispatch (one kernel up to its rows, the two steps past them or
+with BCG_QKV_FUSION=off), capture and replay; and the q/k/v layers of native models (plain, Qwen3's per-head norms, a
 bias) against the two steps. Run with ``python -m pytest -m cuda tests/ops/kernels``."""
 
 from __future__ import annotations
@@ -42,9 +42,8 @@ def test_other_tiles_match_fp64(tiles):
                          cache=True)
 
 
-@pytest.mark.parametrize("rows", [1, 33, qkv_rope.MAX_FUSED_ROWS, qkv_rope.MAX_FUSED_ROWS + 1])
-def test_entry_point_runs_one_kernel_up_to_its_rows_when_asked(rows, monkeypatch):
-    monkeypatch.setattr(env, "QKV_FUSION", True)
+@pytest.mark.parametrize("rows", [1, 9, qkv_rope.MAX_FUSED_ROWS, qkv_rope.MAX_FUSED_ROWS + 1, 64])
+def test_entry_point_runs_one_kernel_up_to_its_rows(rows):
     x, w, positions, freqs = cases.model_inputs(rows, 2048, 32, 8, 64, DEV, torch.bfloat16)
     two_steps = kernels.qkv_norm_rope(F.linear(x, w), positions, freqs, 32, 8)
     got = kernels.qkv_proj_rope(x, w, None, positions, freqs, 32, 8)
@@ -60,12 +59,11 @@ def test_entry_point_runs_one_kernel_up_to_its_rows_when_asked(rows, monkeypatch
     assert names == ["_qkv_rope_kernel"], names
 
 
-def test_capture_and_replay_follow_fresh_inputs(monkeypatch):
-    monkeypatch.setattr(env, "QKV_FUSION", True)
-    x, w, positions, freqs = cases.model_inputs(64, 1024, 16, 4, 64, DEV, torch.bfloat16)
-    caches = [torch.zeros(300, 4, 64, device=DEV, dtype=torch.bfloat16) for _ in range(2)]
-    slots = torch.arange(64, device=DEV) * 3
-    outs = [torch.empty(64, n, 64, device=DEV, dtype=torch.bfloat16) for n in (16, 4, 4)]
+def test_capture_and_replay_follow_fresh_inputs():
+    x, w, positions, freqs = cases.model_inputs(16, 1024, 16, 4, 64, DEV, torch.bfloat16)
+    caches = [torch.zeros(100, 4, 64, device=DEV, dtype=torch.bfloat16) for _ in range(2)]
+    slots = torch.arange(16, device=DEV) * 3
+    outs = [torch.empty(16, n, 64, device=DEV, dtype=torch.bfloat16) for n in (16, 4, 4)]
     kernels.qkv_proj_rope(x, w, None, positions, freqs, 16, 4, out=outs, cache=(*caches, slots))  # compiles
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -84,8 +82,8 @@ def test_capture_and_replay_follow_fresh_inputs(monkeypatch):
 def test_the_models_projection_matches_the_two_steps(preset, changes, monkeypatch):
     cfg = dataclasses.replace(get_preset(preset), **changes)
     proj = QKVProjection(cfg).to(DEV, torch.bfloat16)
-    x = torch.randn(64, cfg.hidden_size, device=DEV, dtype=torch.bfloat16)
-    rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta).to(DEV).rope(torch.arange(64, device=DEV) + 5)
+    x = torch.randn(16, cfg.hidden_size, device=DEV, dtype=torch.bfloat16)
+    rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta).to(DEV).rope(torch.arange(16, device=DEV) + 5)
     results = {}
     for fusion in (True, False):
         monkeypatch.setattr(env, "QKV_FUSION", fusion)
