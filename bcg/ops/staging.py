@@ -66,10 +66,14 @@ class Layout:
         if buffer is not None and offset > buffer.numel():
             raise ValueError(f"a layout of {offset} words does not fit the arena of {buffer.numel()}")
         self.views = {f.name: self._view(buffer, f, self.offsets[f.name]) for f in fields} if buffer is not None else {}
-        # The arena's words a batch with empty tails fills, and empty views for empty tails: made once, since a
-        # tensor slice costs microseconds and a batch is staged while the GPU waits.
+        # What a batch whose tails are all empty (the common case) needs, made once, since a tensor slice costs
+        # microseconds and a batch is staged while the GPU waits: the arena's words it fills, the offsets of its
+        # fields, and every device view (an empty one per tail).
+        self.capacity = buffer.numel() if buffer is not None else 0
         self.words = buffer[:offset] if buffer is not None else None
-        self.empty = {"int64": buffer[:0], "int32": buffer[:0].view(torch.int32)} if buffer is not None else {}
+        self.empty_tail_offsets = {**self.offsets, **{f.name: offset for f in tail}}
+        self.empty_tail_views = {**self.views, **{f.name: self._view(buffer, f, offset) for f in tail}} \
+            if buffer is not None else {}
 
     @staticmethod
     def _view(words: Tensor, f: Field, offset: int) -> Tensor:
@@ -135,10 +139,12 @@ class HostRing:
         return buffer
 
     def views(self, i: int, layout: Layout) -> tuple[Tensor, dict[str, np.ndarray]]:
-        """Buffer ``i``'s words that ``layout``'s fixed fields take, and their numpy views by name (made once)."""
+        """Buffer ``i``'s words that ``layout``'s fixed fields take, and the numpy views by name of those fields and
+        of its tails when empty (made once)."""
         views = self._views[i].get(layout)
         if views is None:
-            views = self._views[i][layout] = (self.buffer(i)[: layout.num_words], layout.host_views(self.array(i)))
+            host = {**layout.host_views(self.array(i)), **{f.name: _EMPTY[f.dtype] for f in layout.tail}}
+            views = self._views[i][layout] = (self.buffer(i)[: layout.num_words], host)
         return views
 
     def array(self, i: int) -> np.ndarray:
@@ -166,30 +172,33 @@ class Staged:
         self.layout, self.device_type = layout, device
         offset = layout.num_words
         self.offsets = layout.offsets
-        self.tail_fields: list[Field] = []
-        if layout.tail:
+        self.tail_fields: list[Field] = []  # the tails with something in them (empty ones have fixed empty views)
+        if any(tail_lengths.get(f.name, 0) for f in layout.tail):
             self.offsets = dict(layout.offsets)
             for f in layout.tail:
                 length = tail_lengths.get(f.name, 0)
                 self.tail_fields.append(f if f.length == length else Field(f.name, length, f.dtype))
                 self.offsets[f.name] = offset
                 offset += length if f.dtype == "int64" else (length + 1) // 2
+        elif layout.tail:
+            self.offsets = layout.empty_tail_offsets
         self.num_words = offset
-        if layout.buffer is not None and offset > layout.buffer.numel():
-            raise ValueError(f"a batch of {offset} metadata words does not fit the arena of {layout.buffer.numel()}")
+        if layout.buffer is not None and offset > layout.capacity:
+            raise ValueError(f"a batch of {offset} metadata words does not fit the arena of {layout.capacity}")
         self._ring, self._slot = ring, -1
         if ring is None:
             self._host = torch.empty(offset, dtype=torch.int64, pin_memory=device.type == "cuda")
-            words = self._host.numpy()
-            self.host = layout.host_views(words, [*layout.fields.values(), *self.tail_fields], self.offsets)
+            fields = [*layout.fields.values(), *self.tail_fields]
+            self.host = layout.host_views(self._host.numpy(), fields, self.offsets)
+            self.host.update({f.name: _EMPTY[f.dtype] for f in layout.tail if f.name not in self.host})
         else:
             self._slot = ring.take(offset)
             fixed, self.host = ring.views(self._slot, layout)
-            self._host = fixed if offset == layout.num_words else ring.buffer(self._slot)[:offset]
             if self.tail_fields:
-                self.host = {**self.host, **{f.name: _EMPTY[f.dtype] for f in self.tail_fields if not f.length},
-                             **layout.host_views(ring.array(self._slot), [f for f in self.tail_fields if f.length],
-                                                 self.offsets)}
+                self._host = ring.buffer(self._slot)[:offset]
+                self.host = {**self.host, **layout.host_views(ring.array(self._slot), self.tail_fields, self.offsets)}
+            else:
+                self._host = fixed
         self.device: dict[str, Tensor] = {}
 
     def upload(self) -> dict[str, Tensor]:
@@ -200,15 +209,15 @@ class Staged:
             words = layout.buffer
             (layout.words if self.num_words == layout.num_words else words[: self.num_words]).copy_(
                 self._host, non_blocking=True)
-            views = dict(layout.views)
+            views = dict(layout.empty_tail_views)
         else:
             words = self._host.to(device, non_blocking=True) if device.type != "cpu" else self._host
-            views = {f.name: Layout._view(words, f, self.offsets[f.name]) for f in layout.fields.values()}
+            views = {f.name: Layout._view(words, f, self.offsets[f.name])
+                     for f in [*layout.fields.values(), *layout.tail]}
         if self._ring is not None:
             self._ring.copied(self._slot)
         for f in self.tail_fields:
-            views[f.name] = (layout.empty[f.dtype] if not f.length and layout.empty
-                             else Layout._view(words, f, self.offsets[f.name]))
+            views[f.name] = Layout._view(words, f, self.offsets[f.name])
         self.device = views
         return views
 

@@ -58,6 +58,8 @@ def _from_sequence(i: int, p: Sequence[Any], vocab: int) -> torch.Tensor:
 
 
 def _one(i: int, p: Any, vocab: int, device: torch.device) -> torch.Tensor:
+    if type(p) is list or type(p) is tuple:  # the common case first: the checks below cost microseconds each
+        return _from_sequence(i, p, vocab)
     if isinstance(p, torch.Tensor):
         return _from_tensor(i, p, device)
     if isinstance(p, np.ndarray):
@@ -91,7 +93,7 @@ def validate_prompts(prompts: Any, vocab_size: int, max_length: int, device: tor
         >>> lengths, ids[1].tolist()
         ([2, 1], [3])
     """
-    if isinstance(prompts, (torch.Tensor, str)) or not isinstance(prompts, Sequence):
+    if type(prompts) is not list and (isinstance(prompts, (torch.Tensor, str)) or not isinstance(prompts, Sequence)):
         raise TypeError("prefill() takes a list of prompts (lists of token ids or 1-D integer tensors), "
                         f"got {type(prompts).__name__}")
     if len(prompts) == 0:
@@ -108,7 +110,7 @@ def validate_prompts(prompts: Any, vocab_size: int, max_length: int, device: tor
         out.append(t)
         lengths.append(n)
     # One range check for the whole batch (numpy: cheaper per call); find the culprit only on error.
-    every = np.concatenate([t.numpy() for t in out])
+    every = out[0].numpy() if len(out) == 1 else np.concatenate([t.numpy() for t in out])
     if every.min() < 0 or every.max() >= vocab_size:
         i = next(i for i, t in enumerate(out) if t.min() < 0 or t.max() >= vocab_size)
         bad = int(out[i].min()) if out[i].min() < 0 else int(out[i].max())

@@ -9,6 +9,8 @@ index.
 
 from __future__ import annotations
 
+import functools
+
 import torch  # noqa: F401  (the example's namespace)
 from torch import Tensor
 
@@ -28,10 +30,17 @@ def greedy_tokens(logits: Tensor) -> Tensor:
         [5, 32767]
     """
     rows, vocab = logits.shape
-    chunks = next((c for c in _CHUNKS if vocab % c == 0 and vocab // c >= _MIN_CHUNK), None)
+    chunks = _chunks(vocab)
     if chunks is None or not logits.is_contiguous():
         return logits.argmax(dim=-1)
     size = vocab // chunks
     best, where = logits.view(rows, chunks, size).max(dim=-1)  # per chunk: the maximum and its first index
     chunk = best.argmax(dim=-1, keepdim=True)  # the first chunk holding the row's maximum
     return (chunk * size + where.gather(1, chunk)).squeeze(1)
+
+
+@functools.cache
+def _chunks(vocab: int) -> int | None:
+    """The most chunks of at least ``_MIN_CHUNK`` logits that ``vocab`` splits into evenly (one model's vocabulary:
+    asked at every prefill, worked out once)."""
+    return next((c for c in _CHUNKS if vocab % c == 0 and vocab // c >= _MIN_CHUNK), None)

@@ -60,6 +60,7 @@ class StaticContext(ForwardContext):
         query_request, key_request: int64 request id per row / key slot (``PAD_QUERY`` / ``PAD_KEY`` when unused);
             None for the slot kernel, which masks by ``cu_seqlens`` alone.
         query_positions, key_positions: int64 position of each row / key (None for the slot kernel).
+        cu_seqlens: int32 ``(2 * (R + 1),)``, the field both are views of.
         cu_seqlens_q, cu_seqlens_k: int32 ``(R + 1,)`` prefix sums; sentinel slots repeat the total.
         kv_pool: the pool the captured attention reads and writes.
     """
@@ -75,7 +76,7 @@ class StaticContext(ForwardContext):
         # The masks' fields (absent for the slot kernel, which masks by cu_seqlens alone).
         self.query_request, self.key_request = views.get("query_request"), views.get("key_request")
         self.query_positions, self.key_positions = views.get("query_positions"), views.get("key_positions")
-        cu = views["cu_seqlens"]
+        self.cu_seqlens = cu = views["cu_seqlens"]
         self.cu_seqlens_q, self.cu_seqlens_k = cu[: num_request_slots + 1], cu[num_request_slots + 1 :]
         self.kv_pool = kv_pool
 
@@ -157,6 +158,7 @@ class StaticAttention(AttentionBackend):
             probe = kv_pool.k[0] if kv_pool.k and kv_pool.k[0] is not None else torch.empty(0)
             use_varlen = is_varlen_usable(probe) and varlen_causal_is_bottom_right(probe.device)
         self.use_varlen = use_varlen
+        self._contexts: dict[int, StaticContext] = {}  # by bucket (see context)
 
     @property
     def max_batch_requests(self) -> int:
@@ -217,8 +219,13 @@ class StaticAttention(AttentionBackend):
         h["key_positions"][num_keys:] = 0
 
     def context(self, batch: HostBatch, num_rows: int, views: dict[str, Tensor]) -> StaticContext:
-        return StaticContext(num_rows, self.key_capacity(num_rows), self.max_requests, self.use_varlen, views,
-                             self.kv_pool, self.use_slot_kernel)
+        # A bucket's context holds nothing of the batch, only the arena's views: made once per bucket (its tensor
+        # slices cost microseconds while the GPU waits), and again for fields staged anywhere else.
+        ctx = self._contexts.get(num_rows)
+        if ctx is None or ctx.cu_seqlens is not views["cu_seqlens"] or ctx.write_slots is not views["write_slots"]:
+            ctx = self._contexts[num_rows] = StaticContext(num_rows, self.key_capacity(num_rows), self.max_requests,
+                                                           self.use_varlen, views, self.kv_pool, self.use_slot_kernel)
+        return ctx
 
     def attend(self, ctx: StaticContext, q: Tensor, k: Tensor, v: Tensor, out: Tensor,  # type: ignore[override]
                layer_id: int) -> None:

@@ -114,3 +114,25 @@ def test_one_kernel_call_over_the_pool_matches_the_gathering_path(monkeypatch, n
     n = sum(n for n, _ in layout)
     assert (outs[1][:n].float() - outs[0][:n].float()).abs().max().item() <= 2e-2
     assert (outs[1][n:] == 0).all() and outs[1].isfinite().all()
+
+
+def test_a_buckets_context_is_made_once_and_never_carries_a_batch(engines):
+    """The context over a bucket's arena views holds nothing of a batch, so the runner's loads of that bucket hand
+    out one object; fields staged anywhere else (an eager batch's own) get a context of their own."""
+    eng, _ = engines
+    inputs = eng.runner.inputs
+    pool = eng.kv_pool
+    batches = [PrefillBatch([PrefillItem(list(range(1, n + 1)), pool.alloc(n))], pool) for n in (3, 6)]
+    try:
+        first, second = (inputs.load(b, 8).context for b in batches)
+        assert first is second and first.cu_seqlens is inputs.layouts[8].views["cu_seqlens"]
+        assert inputs.load(batches[0], 16).context is not first  # another bucket, other views
+        own = {"cu_seqlens": torch.zeros(10, dtype=torch.int32), "write_slots": torch.zeros(8, dtype=torch.int64),
+               "read_slots": torch.zeros(8, dtype=torch.int64)}
+        live = inputs.attention.context(batches[0], 8, own)
+        assert live is not first and live.write_slots is own["write_slots"]
+        again = inputs.load(batches[1], 8).context  # over the arena's views again
+        assert again is not live and again.write_slots is inputs.layouts[8].views["write_slots"]
+    finally:
+        for b in batches:
+            pool.free(torch.from_numpy(b.host_write_slots.copy()))
