@@ -26,9 +26,8 @@ class QKVProjection(nn.Module):
 
     Returns ``q (T, num_heads, head_dim)``, ``k, v (T, num_kv_heads, head_dim)``. With fused kernels the split,
     the norms, the rotation and the copies into the island's inputs are one kernel after the projection, or (short
-    prompts, one rank) the projection's own epilogue. Tensor
-    parallel: column-parallel by heads, each rank its share of the query heads and the KV heads they read
-    (``num_heads`` and ``num_kv_heads`` are then this rank's counts).
+    prompts, one rank) the projection's own epilogue. Tensor parallel: column-parallel by heads, each rank its share
+    of the query heads and the KV heads they read (``num_heads`` and ``num_kv_heads`` are then this rank's counts).
 
     Example:
         >>> from bcg.models.config import get_preset
