@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from bcg.ops.kernels.triton_utils import dot, grid_dependency, launch, rows_2d
+from bcg.ops.kernels.triton_utils import dot, grid_dependency, k_split, launch, rows_2d
 
 
 class Tiling(NamedTuple):
@@ -54,10 +54,8 @@ def tiling(rows: int, cols: int, inner: int, num_sms: int, *, block_m: int | Non
     block_m = block_m or min(128, max(16, triton.next_power_of_2(rows)))
     block_k = block_k or (128 if block_m <= 32 else 64)
     tiles = triton.cdiv(rows, block_m) * triton.cdiv(cols, block_n)
-    steps = triton.cdiv(inner, block_k)
-    split = split_k or max(1, min(triton.cdiv(programs_per_sm * num_sms, tiles), steps // min_k_iters))
-    k_iters = triton.cdiv(steps, min(split, steps))
-    return Tiling(block_m, block_n, block_k, triton.cdiv(steps, k_iters), k_iters, tiles,
+    split, k_iters = k_split(tiles, triton.cdiv(inner, block_k), num_sms, split_k, programs_per_sm, min_k_iters)
+    return Tiling(block_m, block_n, block_k, split, k_iters, tiles,
                   num_warps=num_warps or (8 if block_m >= 128 else 4), num_stages=num_stages)
 
 

@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from bcg.ops.kernels.triton_utils import cos_f32, dot, grid_dependency, launch, sin_f32
+from bcg.ops.kernels.triton_utils import cos_f32, dot, grid_dependency, k_split, launch, sin_f32
 
 
 class Tiling(NamedTuple):
@@ -60,10 +60,8 @@ def tiling(rows: int, hidden: int, heads: int, head_dim: int, has_norm: bool, nu
     block_m = block_m or (16 if rows <= 16 else 64)
     half_n = half if has_norm else (half_n or min(16, half))
     tiles = triton.cdiv(rows, block_m) * heads * (half // half_n)
-    steps = triton.cdiv(hidden, block_k)
-    split = split_k or max(1, min(triton.cdiv(programs_per_sm * num_sms, tiles), steps // min_k_iters))
-    k_iters = triton.cdiv(steps, min(split, steps))
-    return Tiling(block_m, half_n, block_k, triton.cdiv(steps, k_iters), k_iters, tiles,
+    split, k_iters = k_split(tiles, triton.cdiv(hidden, block_k), num_sms, split_k, programs_per_sm, min_k_iters)
+    return Tiling(block_m, half_n, block_k, split, k_iters, tiles,
                   num_warps or (8 if block_m * half_n >= 64 * 64 else 4), num_stages)
 
 

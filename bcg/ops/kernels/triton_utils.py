@@ -73,6 +73,22 @@ def rows_2d(t: Tensor, write: bool = False) -> Tensor:
     return t.view(-1, t.shape[-1]) if write else t.reshape(-1, t.shape[-1])
 
 
+def k_split(tiles: int, steps: int, num_sms: int, split: int | None = None, programs_per_sm: int = 2,
+           min_k_iters: int = 4) -> tuple[int, int]:
+    """``(split_k, k_iters)`` for a split-K launch of ``tiles`` output tiles over ``steps`` K steps: K split until
+    about ``programs_per_sm`` programs run per SM (at few rows the weight read takes the time, and it needs every SM),
+    each split at least ``min_k_iters`` steps long, and no split left empty; ``split`` asks for a count instead.
+
+    Example::
+
+        >>> k_split(tiles=16, steps=44, num_sms=132)
+        (11, 4)
+    """
+    split = split or max(1, min(triton.cdiv(programs_per_sm * num_sms, tiles), steps // min_k_iters))
+    k_iters = triton.cdiv(steps, min(split, steps))
+    return triton.cdiv(steps, k_iters), k_iters
+
+
 def launch_rows(kernel: Any, n_rows: int, *args: Any, **meta: Any) -> None:
     """Launch ``kernel`` with one program per row; nothing is launched for zero rows (an empty grid is an error)."""
     if n_rows > 0:
