@@ -111,7 +111,8 @@ def validate_prompts(prompts: Any, vocab_size: int, max_length: int, device: tor
         lengths.append(n)
     # One range check for the whole batch (numpy: cheaper per call); find the culprit only on error.
     every = out[0].numpy() if len(out) == 1 else np.concatenate([t.numpy() for t in out])
-    if every.min() < 0 or every.max() >= vocab_size:
+    # Read as unsigned, a negative id is above every vocabulary: one reduction finds both kinds of bad id.
+    if every.view(np.uint64).max() >= vocab_size:
         i = next(i for i, t in enumerate(out) if t.min() < 0 or t.max() >= vocab_size)
         bad = int(out[i].min()) if out[i].min() < 0 else int(out[i].max())
         if bad < 0 and not isinstance(prompts[i], (torch.Tensor, np.ndarray)):  # a numpy uint64 beyond int64 wraps

@@ -36,7 +36,8 @@ def greedy_tokens(logits: Tensor) -> Tensor:
     size = vocab // chunks
     best, where = logits.view(rows, chunks, size).max(dim=-1)  # per chunk: the maximum and its first index
     chunk = best.argmax(dim=-1, keepdim=True)  # the first chunk holding the row's maximum
-    return (chunk * size + where.gather(1, chunk)).squeeze(1)
+    # chunk * size + its index in the chunk, in one kernel (a short prompt's result waits for each of these)
+    return where.gather(1, chunk).add_(chunk, alpha=size).squeeze(1)
 
 
 @functools.cache

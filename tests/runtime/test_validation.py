@@ -24,11 +24,12 @@ engine = EngineCache(buckets=[8, 16], chunked_prefill_size=16, kv_tokens=256, de
         ([7], TypeError, r"prompt 0 is an int.*\[\[7\]\]"),
         ([[1], [2**70]], ValueError, f"prompt 1 has token id {2**70} outside the vocabulary"),
         ([[1, -(2**70)]], ValueError, f"token id {-(2**70)} outside the vocabulary"),
+        ([[1], [5, -1]], ValueError, "prompt 1 has token id -1 outside the vocabulary"),
         ([[1, True]], TypeError, "prompt 0 must contain Python ints"),
         ([list(range(200)) * 21], ValueError, "prompt 0 has 4200 tokens.*max_position_embeddings=4096"),
         ((p for p in [[1]]), TypeError, "list of prompts"),
     ],
-    ids=["generator", "set", "none", "int", "huge_id", "huge_negative_id", "bool", "too_long", "generator_list"],
+    ids=["generator", "set", "none", "int", "huge_id", "huge_negative_id", "negative_id", "bool", "too_long", "generator_list"],
 )
 def test_bad_prompts_are_named(bad, error, match) -> None:
     eng = engine("tiny-dense", "breakable")
