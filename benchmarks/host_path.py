@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import importlib
 import io
 import json
 import pstats
@@ -158,6 +159,68 @@ def prefill_times(eng: Engine, prompts: list[torch.Tensor], runs: int) -> dict[s
             "first_replay_ms": statistics.median(launch) if launch else None}
 
 
+# The steps of a prefill's host path, in the order they run: (label, module, attribute path of the function).
+STAGES = [
+    ("validate prompts", "bcg.runtime.engine", "validate_prompts"),
+    ("reserve KV slots", "bcg.runtime.serving.gate", "ActivityGate.reserve"),
+    ("plan the forward", "bcg.runtime.serving.batcher", "Batcher.plan"),
+    ("choose the bucket", "bcg.runtime.runner.runner", "Runner.choose"),
+    ("load the batch", "bcg.runtime.runner.inputs", "StaticInputs.load"),
+    ("  copy it to the device", "bcg.ops.staging", "Staged.upload"),
+    ("breakable graph replay call", "bcg.graph", "BreakableCUDAGraph.replay"),
+    ("whole-step graph replay call", "torch.cuda", "CUDAGraph.replay"),  # CUDA only
+    ("logits and greedy tokens", "bcg.runtime.prefill", "finished_logits"),
+    ("after the launch", "bcg.runtime.serving.batcher", "Batcher.launched"),
+]
+
+
+def stage_times(eng: Engine, prompts: list[torch.Tensor], runs: int) -> list[dict[str, Any]]:
+    """Median start (µs after ``prefill`` was called) and duration of each of :data:`STAGES` over ``runs`` prefills
+    (a step that did not run in a prefill is left out of its medians); the whole call as ``prefill``."""
+    marks: list[tuple[str, int, int]] = []
+    patched: list[tuple[Any, str, Any]] = []
+    labels = ["prefill"]
+    for label, module, path in STAGES:
+        if module == "torch.cuda" and not torch.cuda.is_available():
+            continue
+        owner: Any = importlib.import_module(module)
+        *parents, name = path.split(".")
+        for part in parents:
+            owner = getattr(owner, part)
+        fn = owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)
+
+        def timed(*args: Any, _fn: Any = fn, _label: str = label, **kwargs: Any) -> Any:
+            t0 = time.perf_counter_ns()
+            try:
+                return _fn(*args, **kwargs)
+            finally:
+                marks.append((_label, t0, time.perf_counter_ns()))
+
+        patched.append((owner, name, fn))
+        setattr(owner, name, timed)
+        labels.append(label)
+    starts: dict[str, list[float]] = {label: [] for label in labels}
+    durations: dict[str, list[float]] = {label: [] for label in labels}
+    try:
+        for i in range(runs + 3):
+            sync(eng.device)
+            marks.clear()
+            t0 = time.perf_counter_ns()
+            eng.prefill(prompts)
+            marks.append(("prefill", t0, time.perf_counter_ns()))
+            seen: set[str] = set()
+            for label, start, end in marks if i >= 3 else []:
+                if label not in seen:  # a step run twice in one prefill: its first run
+                    seen.add(label)
+                    starts[label].append((start - t0) / 1e3)
+                    durations[label].append((end - start) / 1e3)
+    finally:
+        for owner, name, fn in reversed(patched):
+            setattr(owner, name, fn)
+    return [{"stage": label, "start_us": statistics.median(starts[label]), "us": statistics.median(durations[label])}
+            for label in labels if starts[label]]
+
+
 def profile_text(eng: Engine, prompts: list[torch.Tensor], calls: int = 500, top: int = 30) -> str:
     prof = cProfile.Profile()
     prof.enable()
@@ -203,6 +266,7 @@ def main(argv: list[str] | None = None) -> int:
             flash.FORCE_WRAPPER = False
         result["prefill"][num_requests] = row
         (args.out / f"profile_{num_requests}req.txt").write_text(profile_text(eng, prompts))
+    result["stages"] = stage_times(eng, make_prompts([args.tokens], vocab, 1), args.runs)
     print(f"{args.model}, bucket {args.tokens}, {name}, torch {torch.__version__}")
     print("\nhost µs per launch")
     for name, us in result["ops_us"].items():
@@ -215,6 +279,9 @@ def main(argv: list[str] | None = None) -> int:
         for path, t in row.items():
             launch = "-" if t["first_replay_ms"] is None else f"{t['first_replay_ms']:.3f}"
             print(f"  {n:>2} request(s), {path:<12} {t['host_ms']:6.2f}  {t['wall_ms']:6.2f}  {launch:>8}")
+    print("\none request's host path (median µs)   start    takes")
+    for st in result["stages"]:
+        print(f"  {st['stage']:<34} {st['start_us']:7.1f}  {st['us']:7.1f}")
     print("\n" + (args.out / "profile_1req.txt").read_text())
     (args.out / "host_path.json").write_text(json.dumps(result, indent=1))
     print(json.dumps(result))

@@ -29,6 +29,12 @@ def test_host_path_smoke(tmp_path: Path) -> None:
     assert set(result["prefill"]) == {"1", "3"}
     assert all(t["wall_ms"] >= t["host_ms"] > 0 for row in result["prefill"].values() for t in row.values())
     assert (out / "host_path.json").exists() and "prefill" in (out / "profile_3req.txt").read_text()
+    stages = {st["stage"]: st for st in result["stages"]}
+    # The steps before the replay start in order, each after the last one ended, and the replay holds the forward.
+    order = ["validate prompts", "reserve KV slots", "plan the forward", "choose the bucket", "load the batch",
+             "breakable graph replay call", "logits and greedy tokens", "after the launch"]
+    assert [stages[name]["start_us"] for name in order] == sorted(stages[name]["start_us"] for name in order)
+    assert stages["prefill"]["us"] >= stages["breakable graph replay call"]["us"] > 0
 
 
 def test_serve_capacity_smoke(tmp_path: Path) -> None:
