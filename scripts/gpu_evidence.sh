@@ -9,6 +9,9 @@
 #   ANALYZE_MODELS  presets that also get `bcg analyze` (default: llama-dense)
 #   LOAD_MODELS / LOAD_RATES / LOAD_BACKENDS  the load step's presets and flags; prefix: the shared-prefix pair
 #   Other steps: prefix, device, device2 (DEVICE2_ARGS, DEVICE2_ENV: e.g. BCG_QKV_FUSION=off), device_baseline,
+#            variants (VARIANTS: space-separated NAME=ENV pairs, ENV's settings joined by commas, e.g.
+#            "base= norm=BCG_NORM_FUSION=on pdl=BCG_PDL=1": the device step once per variant, each its own process,
+#            VARIANT_ARGS its flags, VARIANT_ROUNDS times in turn),
 #            host_path, hf_speed, load, soak, attention, qkv (QKV_ROWS, QKV_ARGS), retest, capacity,
 #            validate (VALIDATE_MODELS); a before/after baseline needs the earlier
 #            commit's bcg/ (and benchmarks/device_bound.py with the host_path.py it imports) exported first:
@@ -102,6 +105,14 @@ case $steps in *" retest "*)  # chosen CUDA tests again (RETEST: pytest node ids
 case $steps in *" device2 "*)  # the device step again with other flags (DEVICE2_ARGS), e.g. another attention backend
   step device2 "${T_DEVICE:-300}" env ${DEVICE2_ENV:-} python3 benchmarks/device_bound.py --models "$device_models" \
     --out "$work/device2" ${DEVICE2_ARGS:-} ;; esac
+case $steps in *" variants "*)  # the device step under each debug switch, in turn, each in a process of its own
+  for round in $(seq "${VARIANT_ROUNDS:-1}"); do
+    for variant in ${VARIANTS:-base=}; do
+      name=${variant%%=*} settings=${variant#*=}
+      step "variant-$name-$round" "${T_VARIANT:-150}" env ${settings//,/ } python3 benchmarks/device_bound.py \
+        --models "$device_models" --out "$work/variant-$name-$round" ${VARIANT_ARGS:-}
+    done
+  done ;; esac
 case $steps in *" qkv "*)  # the q/k/v projection: cuBLAS + the RoPE kernel against the one kernel (QKV_ARGS: --sweep)
   step qkv "${T_QKV:-150}" python3 benchmarks/qkv_kernels.py --rows "${QKV_ROWS:-16,64,128}" \
     --out "$work/qkv_kernels.json" ${QKV_ARGS:-} ;; esac
