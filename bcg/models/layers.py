@@ -148,19 +148,26 @@ class SwiGLUMLP(nn.Module):
         self.gate_up_proj = column_linear(hidden_size, [part, part], bias=False, tp=tp)
         self.down_proj = row_linear(intermediate_size, hidden_size, bias=False, tp=tp)
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, norm_weight: Tensor | None = None, eps: float = 1e-6) -> Tensor:
+        """The MLP of ``x``, or with ``norm_weight`` of ``rms_norm(x, norm_weight, eps)``: the norm before the MLP
+        handed in to fold into the gate/up kernel (``BCG_NORM_FUSION``, :class:`bcg.models.dense.DecoderLayer`)."""
         if self.kernels == "fused":
-            return swiglu_fused(x, self.gate_up_proj.weight, self.gate_up_proj.bias, self.down_proj, "fused")
+            return swiglu_fused(x, self.gate_up_proj.weight, self.gate_up_proj.bias, self.down_proj, "fused",
+                                norm_weight=norm_weight, eps=eps)
+        if norm_weight is not None:
+            x = F.rms_norm(x, norm_weight.shape, norm_weight, eps)
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
 def swiglu_fused(x: Tensor, gate_up_weight: Tensor, gate_up_bias: Tensor | None, down: nn.Module,
-                 impl: str) -> Tensor:
+                 impl: str, *, norm_weight: Tensor | None = None, eps: float = 1e-6) -> Tensor:
     """``down(silu(gate) * up)`` of the joined ``(2I, H)`` gate/up projection on the fused kernels, SiLU-and-multiply
     where ``BCG_MLP_FUSION`` puts it (:mod:`bcg.env`): in the gate/up projection's epilogue (the default), in a plain
     ``nn.Linear`` down projection's prologue, or a kernel of its own. Each fusion runs its one kernel only at short
-    prompts and is the two steps elsewhere.
+    prompts and is the two steps elsewhere. With ``norm_weight`` the MLP's input is ``rms_norm(x, norm_weight,
+    eps)``: folded into the gate/up kernel where that runs (:func:`~bcg.ops.kernels.gate_up_silu`), a kernel of its
+    own otherwise.
 
     Example:
         >>> mlp = SwiGLUMLP(8, 16)
@@ -169,7 +176,9 @@ def swiglu_fused(x: Tensor, gate_up_weight: Tensor, gate_up_bias: Tensor | None,
         True
     """
     if env.MLP_FUSION == "gate_up" and gate_up_bias is None:
-        return down(fused.gate_up_silu(x, gate_up_weight, impl=impl))
+        return down(fused.gate_up_silu(x, gate_up_weight, norm_weight=norm_weight, eps=eps, impl=impl))
+    if norm_weight is not None:
+        x = fused.rms_norm(x, norm_weight, eps, impl=impl)
     gate_up = F.linear(x, gate_up_weight, gate_up_bias)
     if env.MLP_FUSION == "down" and type(down) is nn.Linear and down.bias is None:
         return fused.swiglu_down(gate_up, down.weight, impl=impl)

@@ -296,3 +296,11 @@ def test_gate_up_silu(run, dtype, rows, hidden, inter, num_sms):
     tk = importlib.import_module("bcg.ops.kernels.triton_gate_up")
     mlp_cases.check_gate_up_silu(mlp_cases.direct_gate_up(tk), "cpu", dtype, rows, hidden, inter, num_sms,
                                  ulps=run.ulps.get(dtype, 1.0))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows,hidden,inter,num_sms", mlp_cases.GATE_UP_NORM_SHAPES)
+def test_gate_up_silu_with_the_norm_folded_in(run, dtype, rows, hidden, inter, num_sms):
+    tk = importlib.import_module("bcg.ops.kernels.triton_gate_up")
+    mlp_cases.check_gate_up_silu(mlp_cases.direct_gate_up(tk), "cpu", dtype, rows, hidden, inter, num_sms,
+                                 ulps=run.ulps.get(dtype, 1.0), norm=True)

@@ -62,33 +62,46 @@ def check_swiglu_down(launch: Launch, device: str, dtype: torch.dtype, rows: int
 # CUDA (the interpreter takes seconds a case there).
 GATE_UP_SHAPES = [(5, 96, 200, 132), (1, 64, 64, 132), (33, 70, 130, 4), (16, 256, 640, 132), (100, 200, 300, 16)]
 GATE_UP_LLAMA_SHAPES = [(64, 1024, 2816, 132), (16, 2048, 8192, 132)]
+# The same with the RMSNorm folded in (BCG_NORM_FUSION): one row, 16- and 64-row tiles, hidden sizes that are no
+# multiple of the 128-wide K step; on CUDA the llama MLPs of hidden 2048 and 3072 too.
+GATE_UP_NORM_SHAPES = [(1, 200, 96, 132), (16, 96, 130, 132), (64, 300, 70, 4), (33, 64, 64, 132)]
+GATE_UP_NORM_LLAMA_SHAPES = [(r, h, 8192, 132) for h in (2048, 3072) for r in (16, 64)]
 
-GateUpLaunch = Callable[[Tensor, Tensor, int], Tensor]
+GateUpLaunch = Callable[..., Tensor]
 
 
 def direct_gate_up(tk) -> GateUpLaunch:
-    """Calls the launcher of ``tk`` (the imported ``triton_gate_up``) with ``num_sms`` SMs' tiling."""
-    def launch(x: Tensor, w: Tensor, num_sms: int) -> Tensor:
+    """Calls the launcher of ``tk`` (the imported ``triton_gate_up``) with ``num_sms`` SMs' tiling (and the norm's
+    weight to fold, when given)."""
+    def launch(x: Tensor, w: Tensor, num_sms: int, norm_weight: Tensor | None = None, eps: float = 1e-6) -> Tensor:
         out = torch.full((x.shape[0], w.shape[0] // 2), float("nan"), dtype=x.dtype, device=x.device)
-        tk.gate_up_silu(x, w, out, tk.tiling(x.shape[0], w.shape[0] // 2, num_sms))
+        tk.gate_up_silu(x, w, out, tk.tiling(x.shape[0], w.shape[0] // 2, num_sms), norm_weight, eps)
         return out
     return launch
 
 
 def check_gate_up_silu(launch: GateUpLaunch, device: str, dtype: torch.dtype, rows: int, hidden: int, inter: int,
-                       num_sms: int, ulps: float = 1.0) -> None:
+                       num_sms: int, ulps: float = 1.0, norm: bool = False) -> None:
     """The kernel against the two steps: the projection computed in fp64 and rounded to the dtype as its output
     would be, then SiLU-and-multiply as eager torch rounds it; within two units of the scale (the projection's sums
     run in another order, and a gate that rounds the other way moves its product by a unit), every element written,
-    the input untouched."""
+    the input untouched. With ``norm`` the rows (each of its own scale, so each has its own ``rstd``) are RMSNorm'ed
+    in fp64 before the projection: the kernel's one rounding of ``x * w_norm`` stays within the same bound."""
+    import torch.nn.functional as F
+
     from bcg.ops.kernels import silu_and_mul_reference
 
     x = row_view(rows, hidden, dtype=dtype, device=device, seed=hidden + rows, pad=8)
     w = randn(2 * inter, hidden, dtype=dtype, device=device, seed=inter, scale=hidden**-0.5)
+    kw = {}
+    if norm:
+        x.mul_(torch.linspace(0.25, 6.0, rows, device=device)[:, None].to(dtype))  # in place: the view's row stride
+        kw = {"norm_weight": 1 + randn(hidden, dtype=dtype, device=device, seed=hidden, scale=0.2), "eps": 1e-5}
     x0 = x.clone()
-    out = launch(x, w, num_sms)
+    out = launch(x, w, num_sms, **kw)
     assert torch.equal(x, x0), "gate_up_silu changed its input"
     assert not out.isnan().any(), "an output element was not written"
-    ref = silu_and_mul_reference((x.double() @ w.double().T).to(dtype)).double()
+    rows64 = F.rms_norm(x.double(), (hidden,), kw["norm_weight"].double(), kw["eps"]) if norm else x.double()
+    ref = silu_and_mul_reference((rows64 @ w.double().T).to(dtype)).double()
     tol = 2 * RTOL[dtype] * ulps
     torch.testing.assert_close(out.double(), ref, rtol=tol, atol=tol * float(ref.abs().max()))

@@ -180,27 +180,32 @@ def test_down_projection_kernel_compiles_for_sm90_on_the_tensor_cores(rows, cols
     assert ("atom" in ptx[0] and ".acq_rel" in ptx[0]) == (split > 1)
 
 
-@pytest.mark.parametrize("rows,hidden,inter", [(16, 1024, 2816), (33, 1024, 2816), (64, 2048, 8192), (128, 2048, 8192)])
-def test_gate_up_kernel_compiles_for_sm90_on_the_tensor_cores(rows, hidden, inter):
-    """The launcher's own tiles on an H200 for the llama gate/up projections: no spills, the loads pipelined, wgmma
-    where a tile has 64 rows or more."""
+@pytest.mark.parametrize("norm", [False, True])  # True: the RMSNorm folded in (BCG_NORM_FUSION)
+@pytest.mark.parametrize("rows,hidden,inter", [(16, 1024, 2816), (33, 1024, 2816), (64, 2048, 8192), (128, 2048, 8192),
+                                               (16, 3072, 8192), (64, 3072, 8192)])
+def test_gate_up_kernel_compiles_for_sm90_on_the_tensor_cores(rows, hidden, inter, norm):
+    """The launcher's own tiles on an H200 for the llama gate/up projections, with and without the norm folded in:
+    no spills, the loads pipelined, wgmma where a tile has 64 rows or more, and the norm's reduction only where
+    asked (without it the kernel is the one it was: no rsqrt)."""
     import triton
 
     from bcg.ops.kernels import triton_gate_up
 
     plan = triton_gate_up.tiling(rows, inter, 132)
     types = {"x_ptr": "*bf16", "x_stride": "i32", "w_ptr": "*bf16", "w_up_ptr": "*bf16", "w_stride": "i32",
-             "out_ptr": "*bf16", "out_stride": "i32", "n_rows": "i32", "inter": "i32", "hidden": "i32"}
-    constants = dict(BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_K=plan.block_k,
+             "out_ptr": "*bf16", "out_stride": "i32", "norm_ptr": "*bf16", "eps": "fp32", "n_rows": "i32",
+             "inter": "i32", "hidden": "i32"}
+    constants = dict(NORM=norm, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_K=plan.block_k,
                      K_ITERS=triton.cdiv(hidden, plan.block_k))
     ptx: list[str] = []
     report = compile_sm90(triton_gate_up._gate_up_silu_kernel, types, constants, num_warps=plan.num_warps,
                           num_stages=plan.num_stages, ptx=ptx,
                           aligned=("x_ptr", "x_stride", "w_ptr", "w_up_ptr", "w_stride", "out_ptr", "out_stride",
-                                   "inter", "hidden"))
+                                   "norm_ptr", "inter", "hidden"))
     assert "0 bytes spill stores" in report, report
     assert "cp.async" in ptx[0], "the loads are not pipelined"
     assert ("wgmma" in ptx[0]) == (plan.block_m >= 64), "tensor-core instruction"
+    assert ("rsqrt" in ptx[0]) == norm, "the norm's rstd"
 
 
 @pytest.mark.parametrize("rows,hidden,heads,kv_heads,dim,norm", [(16, 1024, 16, 4, 64, False),

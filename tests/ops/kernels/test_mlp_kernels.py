@@ -63,16 +63,19 @@ def test_tiles_cover_k_once_and_fill_the_sms(rows, cols, inner, sms):
     assert programs >= min(sms, plan.tiles * (steps // 4)) or plan.split_k == 1 and plan.tiles >= 2 * sms
 
 
+@pytest.mark.parametrize("norm", [False, True])
 @pytest.mark.parametrize("fusion", ["none", "gate_up", "down"])
 @pytest.mark.parametrize("kernels_impl", ["fused", "torch"])
-def test_mlp_matches_its_unfused_arithmetic(kernels_impl, fusion, monkeypatch):
-    """Every BCG_MLP_FUSION is the same arithmetic on the CPU (the kernels' references)."""
+def test_mlp_matches_its_unfused_arithmetic(kernels_impl, fusion, norm, monkeypatch):
+    """Every BCG_MLP_FUSION is the same arithmetic on the CPU (the kernels' references), with a norm handed in to
+    fold (BCG_NORM_FUSION) or not."""
     monkeypatch.setattr(env, "MLP_FUSION", fusion)
     mlp = SwiGLUMLP(32, 80).to(torch.bfloat16)
     mlp.kernels = kernels_impl
     x = randn(5, 32, dtype=torch.bfloat16, device="cpu", seed=3)
-    gate, up = mlp.gate_up_proj(x).chunk(2, dim=-1)
-    assert torch.equal(mlp(x), mlp.down_proj(F.silu(gate) * up))
+    weight = 1 + randn(32, dtype=torch.bfloat16, device="cpu", seed=4, scale=0.2) if norm else None
+    gate, up = mlp.gate_up_proj(x if weight is None else F.rms_norm(x, (32,), weight, 1e-5)).chunk(2, dim=-1)
+    assert torch.equal(mlp(x, weight, 1e-5), mlp.down_proj(F.silu(gate) * up))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -88,14 +91,39 @@ def test_gate_up_silu_is_the_projection_then_the_activation(dtype):
         kernels.gate_up_silu(x, w[:, :-1])
 
 
-def test_gate_up_silu_one_kernel_only_for_short_half_precision_batches():
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gate_up_silu_with_a_norm_is_the_norm_then_the_two_steps(dtype):
+    """BCG_NORM_FUSION's entry point off the one kernel: bcg's rms_norm, the projection, SiLU-and-multiply, exactly."""
+    x, w = row_view(7, 48, dtype=dtype, device="cpu", seed=0), randn(2 * 30, 48, dtype=dtype, device="cpu", seed=1)
+    norm = 1 + randn(48, dtype=dtype, device="cpu", seed=2, scale=0.2)
+    expected = kernels.silu_and_mul(F.linear(kernels.rms_norm(x, norm, 1e-5), w))
+    assert torch.equal(kernels.gate_up_silu(x, w, norm_weight=norm, eps=1e-5), expected)
+    assert torch.equal(kernels.gate_up_silu(x, w, norm_weight=norm, eps=1e-5, impl="torch"), expected)
+    assert not torch.equal(kernels.gate_up_silu(x, w, norm_weight=norm, eps=1e-5), kernels.gate_up_silu(x, w))
+    assert kernels.gate_up_silu(x[None], w, norm_weight=norm).shape == (1, 7, 30)
+    with pytest.raises(ValueError, match=r"norm_weight must be \(H,\) = \(48,\)"):
+        kernels.gate_up_silu(x, w, norm_weight=norm[:-1])
+    with pytest.raises(ValueError, match=r"norm_weight must be \(H,\)"):
+        kernels.gate_up_silu(x, w, norm_weight=norm[None])
+    with pytest.raises(ValueError, match=r"weight \(2I, H\)"):
+        kernels.gate_up_silu(x, w[:-1], norm_weight=norm)
+    with pytest.raises(ValueError, match="unknown kernels implementation"):
+        kernels.gate_up_silu(x, w, norm_weight=norm, impl="triton")
+
+
+@pytest.mark.parametrize("norm", [None, torch.ones(8, dtype=torch.bfloat16)])
+def test_gate_up_silu_one_kernel_only_for_short_half_precision_batches(norm):
+    """The same rule with the norm folded in or not; a norm weight that is not one contiguous vector takes the steps."""
     from bcg.ops.kernels import gate_up
 
     w = torch.zeros(16, 8, dtype=torch.bfloat16)
-    assert gate_up.is_fused(torch.zeros(gate_up.MAX_FUSED_ROWS, 8, dtype=torch.bfloat16), w)
-    assert not gate_up.is_fused(torch.zeros(gate_up.MAX_FUSED_ROWS + 1, 8, dtype=torch.bfloat16), w)
-    assert not gate_up.is_fused(torch.zeros(4, 8), w.float())
-    assert not gate_up.is_fused(torch.zeros(4, 8, dtype=torch.bfloat16), w.t().contiguous().t())  # not row-major
+    assert gate_up.is_fused(torch.zeros(gate_up.MAX_FUSED_ROWS, 8, dtype=torch.bfloat16), w, norm)
+    assert not gate_up.is_fused(torch.zeros(gate_up.MAX_FUSED_ROWS + 1, 8, dtype=torch.bfloat16), w, norm)
+    assert not gate_up.is_fused(torch.zeros(0, 8, dtype=torch.bfloat16), w, norm)
+    assert not gate_up.is_fused(torch.zeros(4, 8), w.float(), norm)
+    assert not gate_up.is_fused(torch.zeros(4, 8, dtype=torch.bfloat16), w.t().contiguous().t(), norm)  # not row-major
+    assert gate_up.is_fused(torch.zeros(4, 8, dtype=torch.bfloat16), w, torch.ones(8))  # an fp32 scale is read as is
+    assert not gate_up.is_fused(torch.zeros(4, 8, dtype=torch.bfloat16), w, torch.ones(16)[::2])
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="the tiling is computed with triton.cdiv")

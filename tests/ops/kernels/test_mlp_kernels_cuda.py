@@ -1,7 +1,7 @@
 """The MLP's one-kernel fusions on CUDA: swiglu_down against fp64 at odd sizes and at the llama shapes, forced into
 K splits of every size, its dispatch, capture and replay, and what happens when its counters would be made in a
-capture; gate_up_silu the same way; the MLP under each BCG_MLP_FUSION. Run with ``python -m pytest -m cuda
-tests/ops/kernels``."""
+capture; gate_up_silu the same way, also with the RMSNorm folded in (BCG_NORM_FUSION); the MLP under each
+BCG_MLP_FUSION. Run with ``python -m pytest -m cuda tests/ops/kernels``."""
 
 from __future__ import annotations
 
@@ -103,3 +103,36 @@ def test_gate_up_entry_point_runs_one_kernel_up_to_its_rows(rows):
     x.mul_(0.5)
     graph.replay()
     assert torch.equal(captured, kernels.gate_up_silu(x, w)), "replay differs from the eager kernel"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows,hidden,inter,num_sms", cases.GATE_UP_NORM_SHAPES + cases.GATE_UP_NORM_LLAMA_SHAPES)
+def test_gate_up_kernel_with_the_norm_folded_in_matches_fp64(dtype, rows, hidden, inter, num_sms):
+    cases.check_gate_up_silu(cases.direct_gate_up(triton_gate_up), DEV, dtype, rows, hidden, inter, num_sms, norm=True)
+
+
+@pytest.mark.parametrize("rows", [1, 16, gate_up.MAX_FUSED_ROWS, gate_up.MAX_FUSED_ROWS + 1])
+def test_gate_up_entry_point_folds_the_norm_into_its_one_kernel(rows):
+    """Up to its rows the norm is no kernel of its own (one launch in all, replayed as run eagerly); past them it is
+    bcg's rms_norm kernel and the two steps, exactly."""
+    x = cases.randn(rows, 2048, dtype=torch.bfloat16, device=DEV, seed=rows, scale=4.0)
+    w = cases.randn(2 * 8192, 2048, dtype=torch.bfloat16, device=DEV, seed=1, scale=2048**-0.5)
+    norm = 1 + cases.randn(2048, dtype=torch.bfloat16, device=DEV, seed=2, scale=0.2)
+    steps = kernels.silu_and_mul(F.linear(kernels.rms_norm(x, norm, 1e-5), w))
+    got = kernels.gate_up_silu(x, w, norm_weight=norm, eps=1e-5)
+    if rows > gate_up.MAX_FUSED_ROWS:
+        assert torch.equal(got, steps)
+        return
+    # The fold rounds x * w_norm where the steps round the normed rows: bf16 rounding apart, not bit-exact.
+    torch.testing.assert_close(got.float(), steps.float(), rtol=2**-6, atol=2**-6 * float(steps.abs().max()))
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        kernels.gate_up_silu(x, w, norm_weight=norm, eps=1e-5)
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    assert names == ["_gate_up_silu_kernel"], names
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = kernels.gate_up_silu(x, w, norm_weight=norm, eps=1e-5)
+    x.copy_(cases.randn(rows, 2048, dtype=torch.bfloat16, device=DEV, seed=rows + 1))  # not scaled: the norm undoes it
+    graph.replay()
+    assert torch.equal(captured, kernels.gate_up_silu(x, w, norm_weight=norm, eps=1e-5)), "replay differs from eager"
