@@ -21,19 +21,25 @@ Configuration is :class:`~bcg.runtime.config.EngineConfig` and the command's fla
   split and the K/V write in the projection's epilogue), which the H200 measured at 0.95x of llama-dense's device
   time at 16 tokens and even on the Llama-3.2-1B shape; at 64 rows it ran 1.00-1.09x, so it stops at 16.
   ``benchmarks/qkv_kernels.py`` and ``benchmarks/device_bound.py`` measure both.
+* ``BCG_NORM_FUSION=on``: with the fused kernels, a dense decoder layer's post-attention add + RMSNorm is no kernel of
+  its own: the residual add rides the o projection (cuBLAS ``addmm`` with beta=1) and the norm folds into the gate/up
+  projection's kernel (:mod:`bcg.ops.kernels.gate_up`: the row's ``rstd`` applied in the epilogue), one launch fewer a
+  layer. Only where that is the same arithmetic up to rounding: one rank, an o projection without bias,
+  ``BCG_MLP_FUSION=gate_up`` and no compiled regions (:func:`bcg.models.dense.folds_post_attention_norm`). Off by
+  default until the H200 measures it (``benchmarks/device_bound.py``).
 * ``BCG_GC_FREEZE=0``: a serving engine leaves the heap to the garbage collector as it is (by default its first
   ``submit`` moves every object alive then out of the collector's sight, ``gc.freeze()``, until it closes).
 
-The first four, ``BCG_PDL``, ``BCG_MLP_FUSION`` and ``BCG_QKV_FUSION`` are read once, at import: they are asked on
-hot paths, where an environment lookup per call costs.
+The first four, ``BCG_PDL``, ``BCG_MLP_FUSION``, ``BCG_QKV_FUSION`` and ``BCG_NORM_FUSION`` are read once, at
+import: they are asked on hot paths, where an environment lookup per call costs.
 """
 
 from __future__ import annotations
 
 import os
 
-__all__ = ["COMPILE_LOG", "DEBUG", "FLASH_WRAPPER", "MLP_FUSION", "PDL", "QKV_FUSION", "TP_ALLREDUCE_ISLAND",
-           "gc_freeze", "hf_fusion", "leak_check_mode"]
+__all__ = ["COMPILE_LOG", "DEBUG", "FLASH_WRAPPER", "MLP_FUSION", "NORM_FUSION", "PDL", "QKV_FUSION",
+           "TP_ALLREDUCE_ISLAND", "gc_freeze", "hf_fusion", "leak_check_mode"]
 
 
 def _flag(name: str) -> bool:
@@ -52,6 +58,10 @@ _QKV = os.environ.get("BCG_QKV_FUSION", "").lower()
 if _QKV not in ("", "off", "0", "on", "1"):
     raise ValueError(f"BCG_QKV_FUSION={_QKV!r}: expected on or off (unset: on)")
 QKV_FUSION: bool = _QKV not in ("off", "0")
+_NORM = os.environ.get("BCG_NORM_FUSION", "").lower()
+if _NORM not in ("", "off", "0", "on", "1"):
+    raise ValueError(f"BCG_NORM_FUSION={_NORM!r}: expected on or off (unset: off)")
+NORM_FUSION: bool = _NORM in ("on", "1")
 
 
 def leak_check_mode() -> str:

@@ -10,6 +10,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
+from bcg import env
 from bcg.models.base import CausalLM
 from bcg.models.config import ModelConfig
 from bcg.models.layers import RMSNorm, Rope, SwiGLUMLP, apply_rotary, rotate
@@ -112,6 +113,10 @@ class Attention(nn.Module):
         self.o_proj = row_linear(config.num_heads * config.head_dim, config.hidden_size, config.attention_bias, tp)
 
     def forward(self, x: Tensor, rope: Rope, bcg_region: bool = False) -> Tensor:
+        return self.o_proj(self.heads(x, rope, bcg_region))
+
+    def heads(self, x: Tensor, rope: Rope, bcg_region: bool = False) -> Tensor:
+        """The attention's output before the o projection, ``(T, num_heads * head_dim)``."""
         # With the fused kernels the RoPE kernel writes this layer's K/V into the pool too: two launches fewer.
         dest = kv_destination(self.layer_id) if self.qkv.kernels == "fused" and not bcg_region else None
         q, k, v = self.qkv.carried(x, rope, cache=dest)
@@ -120,7 +125,33 @@ class Attention(nn.Module):
             region_attention(q, k, v, out)
         else:
             attention(q, k, v, out, self.layer_id, kv_stored=dest is not None)
-        return self.o_proj(out.flatten(1))
+        return out.flatten(1)
+
+
+def folds_post_attention_norm(layer: DecoderLayer, bcg_region: bool = False) -> bool:
+    """Whether ``layer`` runs without a post-attention add + RMSNorm kernel (``BCG_NORM_FUSION=on``,
+    :mod:`bcg.env`): the residual add in the o projection's GEMM, the norm folded into the gate/up kernel.
+
+    Only where that is the layer's arithmetic up to rounding and the kernels exist: dense attention whose o
+    projection is one plain bias-free ``nn.Linear`` (one rank: under tensor parallel an all-reduce follows it, and
+    the residual must not be added on every rank before the sum), a :class:`SwiGLUMLP` on the fused kernels with
+    ``BCG_MLP_FUSION=gate_up`` (the kernel the norm folds into), and no compiled region (``bcg_region``: the
+    region's compiled layer stays the one structure every layer shares). On a CPU the gate/up entry point then runs
+    ``rms_norm`` and the two steps, so the CPU tests run the same wiring.
+
+    Example:
+        >>> from bcg.models.config import get_preset
+        >>> cfg = get_preset("tiny-dense")
+        >>> layer = DecoderLayer(cfg, Attention(cfg, 0), SwiGLUMLP(cfg.hidden_size, cfg.intermediate_size))
+        >>> folds_post_attention_norm(layer)  # the torch kernels (and BCG_NORM_FUSION is off by default)
+        False
+    """
+    if not env.NORM_FUSION or bcg_region:  # the switch first: off, the hot path asks nothing more
+        return False
+    attn, mlp = layer.self_attn, layer.mlp
+    return (isinstance(attn, Attention) and type(attn.o_proj) is nn.Linear and attn.o_proj.bias is None
+            and isinstance(mlp, SwiGLUMLP) and mlp.kernels == "fused" and env.MLP_FUSION == "gate_up"
+            and mlp.gate_up_proj.bias is None)
 
 
 class DecoderLayer(nn.Module):
@@ -129,6 +160,8 @@ class DecoderLayer(nn.Module):
     The residual stream is carried beside the sublayer output, so each add and the norm after it are one step
     (one kernel when fused): ``layer(hidden, residual, rope) -> (ffn_out, residual)``, ``residual=None`` in the
     first layer, whose input (a graph's static input) is read and never written. The stack adds the two at the end.
+    Where :func:`folds_post_attention_norm` says so, the post-attention step is no kernel of its own: the o
+    projection adds the residual in its GEMM and the MLP folds the norm into its gate/up kernel.
 
     Example:
         >>> from bcg.models.config import get_preset
@@ -147,6 +180,8 @@ class DecoderLayer(nn.Module):
 
     def forward(self, hidden: Tensor, residual: Tensor | None, rope: Rope,
                 bcg_region: bool = False) -> tuple[Tensor, Tensor]:
+        if folds_post_attention_norm(self, bcg_region):
+            return self.folded(hidden, residual, rope)
         if residual is None:
             attn_out = self.self_attn(self.input_layernorm(hidden), rope, bcg_region)
             normed, residual = self.post_attention_layernorm.add(attn_out, hidden, inplace=False)
@@ -154,6 +189,20 @@ class DecoderLayer(nn.Module):
             normed, residual = self.input_layernorm.add(hidden, residual)
             normed, residual = self.post_attention_layernorm.add(self.self_attn(normed, rope, bcg_region), residual)
         return self.mlp(normed), residual
+
+    def folded(self, hidden: Tensor, residual: Tensor | None, rope: Rope) -> tuple[Tensor, Tensor]:
+        """:meth:`forward` with the post-attention add + RMSNorm folded away (:func:`folds_post_attention_norm`).
+
+        ``residual + o_proj(attn)`` is one cuBLAS GEMM with beta=1, in place on the residual the layer owns (in the
+        first layer out of place on ``hidden``, which must not be written); it rounds the sum once where the unfused
+        layer rounds the projection and then the sum. The MLP gets the residual itself with the norm's weight."""
+        attn, norm = self.self_attn, self.post_attention_layernorm
+        if residual is None:
+            residual = torch.addmm(hidden, attn.heads(self.input_layernorm(hidden), rope), attn.o_proj.weight.t())
+        else:
+            normed, residual = self.input_layernorm.add(hidden, residual)
+            residual.addmm_(attn.heads(normed, rope), attn.o_proj.weight.t())
+        return self.mlp(residual, norm.weight, norm.eps), residual
 
 
 class DenseLM(CausalLM):
