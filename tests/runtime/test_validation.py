@@ -29,7 +29,8 @@ engine = EngineCache(buckets=[8, 16], chunked_prefill_size=16, kv_tokens=256, de
         ([list(range(200)) * 21], ValueError, "prompt 0 has 4200 tokens.*max_position_embeddings=4096"),
         ((p for p in [[1]]), TypeError, "list of prompts"),
     ],
-    ids=["generator", "set", "none", "int", "huge_id", "huge_negative_id", "negative_id", "bool", "too_long", "generator_list"],
+    ids=["generator", "set", "none", "int", "huge_id", "huge_negative_id", "negative_id", "bool", "too_long",
+         "generator_list"],
 )
 def test_bad_prompts_are_named(bad, error, match) -> None:
     eng = engine("tiny-dense", "breakable")
