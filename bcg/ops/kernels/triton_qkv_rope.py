@@ -11,6 +11,10 @@ A projection's few dozen column tiles cannot pull its weight from HBM at full ba
 projection's kernel splits it (:mod:`bcg.ops.kernels.triton_down_proj`): every program writes fp32 partials, and the
 last of a tile's programs (an atomic counter per tile) sums them in split order, resets the counter, and runs the
 epilogue. Tile sizes are fixed functions of the shapes (no autotuning). Importing this module needs Triton.
+
+``_qkv_rope_norm_kernel`` is the same program with the decoder layer's input add + RMSNorm in its prologue
+(:mod:`bcg.ops.kernels.triton_qkv_prologue`). ``_qkv_rope_kernel`` keeps the arguments it had and runs the program with
+the prologue's constexprs off: its sm_90 PTX is the instructions it had before the prologue existed.
 """
 
 from __future__ import annotations
@@ -21,7 +25,10 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from bcg.ops.kernels.triton_qkv_prologue import norm_a_tile, partials_size, scale_by_rstd, store_ssq, sum_ssq
 from bcg.ops.kernels.triton_utils import cos_f32, dot, grid_dependency, k_split, launch, sin_f32
+
+__all__ = ["Tiling", "partials_size", "qkv_rope", "tiling"]  # partials_size: the prologue module's, for the callers
 
 
 class Tiling(NamedTuple):
@@ -65,6 +72,8 @@ def tiling(rows: int, hidden: int, heads: int, head_dim: int, has_norm: bool, nu
                   num_warps or (8 if block_m * half_n >= 64 * 64 else 4), num_stages)
 
 
+# The kernel without the prologue: its arguments as they were before the prologue existed (the benchmarks and the
+# sm_90 compile test name them); the prologue's pointers are stood in for by x's and pruned with NORM=False.
 @triton.jit
 def _qkv_rope_kernel(
     x_ptr, x_stride, w_ptr, w_stride, bias_ptr, pos_ptr, inv_freq_ptr, qw_ptr, kw_ptr, eps,
@@ -76,6 +85,46 @@ def _qkv_rope_kernel(
     SPLIT_K: tl.constexpr, K_ITERS: tl.constexpr,
 ):
     grid_dependency()  # under programmatic dependent launch: the kernel before is done
+    _qkv_rope_program(
+        x_ptr, x_stride, w_ptr, w_stride, bias_ptr, pos_ptr, inv_freq_ptr, qw_ptr, kw_ptr, eps,
+        q_ptr, q_stride0, q_stride1, k_ptr, k_stride0, k_stride1, v_ptr, v_stride0, v_stride1,
+        slot_ptr, kc_ptr, kc_stride0, kc_stride1, vc_ptr, vc_stride0, vc_stride1, part_ptr, count_ptr,
+        n_rows, hidden, x_ptr, x_stride, x_ptr, x_stride, x_ptr, eps,
+        HEADS, KV_HEADS, DIM, HALF_N, HAS_BIAS, HAS_NORM, HAS_CACHE, BLOCK_M, BLOCK_K, SPLIT_K, K_ITERS, False, False)
+
+
+# The kernel with the layer's input RMSNorm in its prologue, and with ADD the residual add before it.
+@triton.jit
+def _qkv_rope_norm_kernel(
+    x_ptr, x_stride, w_ptr, w_stride, bias_ptr, pos_ptr, inv_freq_ptr, qw_ptr, kw_ptr, eps,
+    q_ptr, q_stride0, q_stride1, k_ptr, k_stride0, k_stride1, v_ptr, v_stride0, v_stride1,
+    slot_ptr, kc_ptr, kc_stride0, kc_stride1, vc_ptr, vc_stride0, vc_stride1, part_ptr, count_ptr,
+    n_rows, hidden, res_ptr, res_stride, res_out_ptr, res_out_stride, nw_ptr, norm_eps,
+    HEADS: tl.constexpr, KV_HEADS: tl.constexpr, DIM: tl.constexpr, HALF_N: tl.constexpr, HAS_BIAS: tl.constexpr,
+    HAS_NORM: tl.constexpr, HAS_CACHE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr, K_ITERS: tl.constexpr, ADD: tl.constexpr,
+):
+    grid_dependency()  # under programmatic dependent launch: the kernel before is done
+    _qkv_rope_program(
+        x_ptr, x_stride, w_ptr, w_stride, bias_ptr, pos_ptr, inv_freq_ptr, qw_ptr, kw_ptr, eps,
+        q_ptr, q_stride0, q_stride1, k_ptr, k_stride0, k_stride1, v_ptr, v_stride0, v_stride1,
+        slot_ptr, kc_ptr, kc_stride0, kc_stride1, vc_ptr, vc_stride0, vc_stride1, part_ptr, count_ptr,
+        n_rows, hidden, res_ptr, res_stride, res_out_ptr, res_out_stride, nw_ptr, norm_eps,
+        HEADS, KV_HEADS, DIM, HALF_N, HAS_BIAS, HAS_NORM, HAS_CACHE, BLOCK_M, BLOCK_K, SPLIT_K, K_ITERS, True, ADD)
+
+
+@triton.jit
+def _qkv_rope_program(
+    x_ptr, x_stride, w_ptr, w_stride, bias_ptr, pos_ptr, inv_freq_ptr, qw_ptr, kw_ptr, eps,
+    q_ptr, q_stride0, q_stride1, k_ptr, k_stride0, k_stride1, v_ptr, v_stride0, v_stride1,
+    slot_ptr, kc_ptr, kc_stride0, kc_stride1, vc_ptr, vc_stride0, vc_stride1, part_ptr, count_ptr,
+    n_rows, hidden, res_ptr, res_stride, res_out_ptr, res_out_stride, nw_ptr, norm_eps,
+    HEADS: tl.constexpr, KV_HEADS: tl.constexpr, DIM: tl.constexpr, HALF_N: tl.constexpr, HAS_BIAS: tl.constexpr,
+    HAS_NORM: tl.constexpr, HAS_CACHE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr, K_ITERS: tl.constexpr, NORM: tl.constexpr, ADD: tl.constexpr,
+):
+    """One program of either kernel: the input RMSNorm (``NORM``) and the residual add before it (``ADD``) in the
+    prologue (:mod:`bcg.ops.kernels.triton_qkv_prologue`); ``HAS_NORM`` is the epilogue's per-head q/k norm."""
     HALF: tl.constexpr = DIM // 2
     BLOCKS_PER_HEAD: tl.constexpr = HALF // HALF_N
     pid_n, pid_m, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -90,13 +139,20 @@ def _qkv_rope_kernel(
     w2 = w_ptr + col2.to(tl.int64)[None, :] * w_stride
     acc1 = tl.zeros((BLOCK_M, HALF_N), dtype=tl.float32)
     acc2 = tl.zeros((BLOCK_M, HALF_N), dtype=tl.float32)
+    if NORM:  # the rows' sums of squares over this program's K range (without NORM never defined: no register)
+        ssq = tl.zeros((BLOCK_M,), dtype=tl.float32)
     for i in range(K_ITERS):  # a constexpr trip count: no loop bound read at run time
         ks = (pid_k * K_ITERS + i) * BLOCK_K + tl.arange(0, BLOCK_K)
         k_ok = ks < hidden
         a = tl.load(x_rows + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        if NORM:
+            a, ssq = norm_a_tile(a, ssq, rows, row_ok, ks, k_ok, pid_n, res_ptr, res_stride, res_out_ptr,
+                                 res_out_stride, nw_ptr, ADD)
         acc1 = dot(a, tl.load(w1 + ks[:, None], mask=k_ok[:, None], other=0.0), acc1)
         acc2 = dot(a, tl.load(w2 + ks[:, None], mask=k_ok[:, None], other=0.0), acc2)
     if SPLIT_K == 1:
+        if NORM:
+            acc1, acc2 = scale_by_rstd(acc1, acc2, ssq, hidden, norm_eps)
         _epilogue(acc1, acc2, rows, j, head, x_ptr, bias_ptr, pos_ptr, inv_freq_ptr, qw_ptr, kw_ptr, eps,
                   q_ptr, q_stride0, q_stride1, k_ptr, k_stride0, k_stride1, v_ptr, v_stride0, v_stride1,
                   slot_ptr, kc_ptr, kc_stride0, kc_stride1, vc_ptr, vc_stride0, vc_stride1, n_rows,
@@ -108,6 +164,8 @@ def _qkv_rope_kernel(
         p_mask = (rows < n_rows)[:, None]
         tl.store(part + pid_k * tile_size, acc1, mask=p_mask)
         tl.store(part + pid_k * tile_size + HALF, acc2, mask=p_mask)
+        if NORM:  # after the SPLIT_K accumulator partials (the launcher sizes the buffer for both)
+            store_ssq(part_ptr + SPLIT_K * tile_size, ssq, rows, row_ok, pid_n, pid_k, n_rows)
         tl.debug_barrier()  # every thread's partials are written before the counter releases them
         tile = pid_m * tl.num_programs(0) + pid_n
         done = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
@@ -118,6 +176,9 @@ def _qkv_rope_kernel(
                 # .cg: from L2, where the other programs' stores are; this SM's L1 may hold nothing of them
                 acc1 += tl.load(part + s * tile_size, mask=p_mask, other=0.0, cache_modifier=".cg")
                 acc2 += tl.load(part + s * tile_size + HALF, mask=p_mask, other=0.0, cache_modifier=".cg")
+            if NORM:
+                ssq = sum_ssq(part_ptr + SPLIT_K * tile_size, rows, row_ok, pid_n, n_rows, SPLIT_K, BLOCK_M)
+                acc1, acc2 = scale_by_rstd(acc1, acc2, ssq, hidden, norm_eps)
             tl.atomic_xchg(count_ptr + tile, 0, sem="relaxed", scope="gpu")  # ready for the next launch
             _epilogue(acc1, acc2, rows, j, head, x_ptr, bias_ptr, pos_ptr, inv_freq_ptr, qw_ptr, kw_ptr, eps,
                       q_ptr, q_stride0, q_stride1, k_ptr, k_stride0, k_stride1, v_ptr, v_stride0, v_stride1,
@@ -193,28 +254,41 @@ def _epilogue(acc1, acc2, rows, j, head, x_ptr, bias_ptr, pos_ptr, inv_freq_ptr,
 def qkv_rope(
     x: Tensor, weight: Tensor, bias: Optional[Tensor], positions: Tensor, inv_freq: Tensor,
     q_weight: Optional[Tensor], k_weight: Optional[Tensor], eps: float, q_out: Tensor, k_out: Tensor, v_out: Tensor,
-    cache: Optional[tuple[Tensor, Tensor, Tensor]], partials: Tensor, counters: Tensor, plan: Tiling,
+    cache: Optional[tuple[Tensor, Tensor, Tensor]], partials: Tensor, counters: Tensor, plan: Tiling, *,
+    norm_weight: Optional[Tensor] = None, norm_eps: float = 1e-6, residual: Optional[Tensor] = None,
+    residual_out: Optional[Tensor] = None,
 ) -> Any:
     """Write ``q_out (T, H, D)``, ``k_out``, ``v_out (T, KV, D)`` from ``x (T, hidden) @ weight.T (+ bias)`` with
     ``weight ((H + 2 KV) D, hidden)``, and with ``cache=(k_cache, v_cache, slots)`` k and v at row ``slots[t]`` of
-    the caches, on the tiles of ``plan`` (:func:`tiling`). ``partials`` holds ``plan.split_k * T * (H + 2 KV) D``
-    fp32 values (unused at one split) and ``counters`` at least ``plan.tiles`` int32 zeros, which the kernel leaves
-    zero. Returns Triton's compiled kernel (for benchmarks)."""
+    the caches, on the tiles of ``plan`` (:func:`tiling`). ``partials`` holds :func:`partials_size` fp32 values and
+    ``counters`` at least ``plan.tiles`` int32 zeros, which the kernel leaves zero. With ``norm_weight (hidden,)``
+    the projection's input is ``rms_norm(x, norm_weight, norm_eps)``, and with ``residual (T, hidden)`` too it is
+    ``rms_norm(x + residual)``, the sum written to ``residual_out`` (a buffer of its own: other programs are still
+    reading ``x`` and ``residual``). Returns Triton's compiled kernel (for benchmarks)."""
     n_rows, hidden = x.shape
     heads, dim = q_out.shape[1], q_out.shape[2]
     kv_heads = k_out.shape[1]
     has_norm = q_weight is not None and k_weight is not None
     k_cache, v_cache, slots = cache if cache is not None else (k_out, v_out, positions)  # unread without a cache
     grid = ((heads + 2 * kv_heads) * (dim // 2 // plan.half_n), triton.cdiv(n_rows, plan.block_m), plan.split_k)
-    return launch(
-        _qkv_rope_kernel, grid,
+    args = (
         x, x.stride(0), weight, weight.stride(0), bias if bias is not None else inv_freq, positions, inv_freq,
         q_weight if has_norm else inv_freq, k_weight if has_norm else inv_freq, eps,  # unread without norms
         q_out, q_out.stride(0), q_out.stride(1), k_out, k_out.stride(0), k_out.stride(1),
         v_out, v_out.stride(0), v_out.stride(1),
         slots, k_cache, k_cache.stride(0), k_cache.stride(1), v_cache, v_cache.stride(0), v_cache.stride(1),
         partials, counters, n_rows, hidden,
+    )
+    meta = dict(
         HEADS=heads, KV_HEADS=kv_heads, DIM=dim, HALF_N=plan.half_n, HAS_BIAS=bias is not None, HAS_NORM=has_norm,
         HAS_CACHE=cache is not None, BLOCK_M=plan.block_m, BLOCK_K=plan.block_k, SPLIT_K=plan.split_k,
         K_ITERS=plan.k_iters, num_warps=plan.num_warps, num_stages=plan.num_stages, enable_fp_fusion=False,
     )
+    if norm_weight is None:
+        return launch(_qkv_rope_kernel, grid, *args, **meta)
+    add = residual is not None
+    if add and (residual_out is None or residual_out.data_ptr() in (x.data_ptr(), residual.data_ptr())):
+        raise ValueError("qkv_rope: the residual add needs a residual_out of its own, not x or residual")
+    res, res_out = (residual, residual_out) if add else (x, x)  # unread without the add
+    return launch(_qkv_rope_norm_kernel, grid, *args, res, res.stride(0), res_out, res_out.stride(0), norm_weight,
+                  float(norm_eps), ADD=add, **meta)
