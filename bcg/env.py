@@ -27,10 +27,13 @@ Configuration is :class:`~bcg.runtime.config.EngineConfig` and the command's fla
   layer. Only where that is the same arithmetic up to rounding: one rank, an o projection without bias,
   ``BCG_MLP_FUSION=gate_up`` and no compiled regions (:func:`bcg.models.dense.folds_post_attention_norm`). Off by
   default until the H200 measures it (``benchmarks/device_bound.py``).
+* ``BCG_INPUT_NORM_FUSION=on`` (with ``BCG_NORM_FUSION=on``): the layer's input add + RMSNorm rides the q/k/v
+  projection's kernel too (:func:`bcg.ops.kernels.qkv_proj_rope`'s prologue, up to 16 rows), another launch fewer a
+  layer there. Off by default until measured.
 * ``BCG_GC_FREEZE=0``: a serving engine leaves the heap to the garbage collector as it is (by default its first
   ``submit`` moves every object alive then out of the collector's sight, ``gc.freeze()``, until it closes).
 
-The first four, ``BCG_PDL``, ``BCG_MLP_FUSION``, ``BCG_QKV_FUSION`` and ``BCG_NORM_FUSION`` are read once, at
+The first four, ``BCG_PDL``, ``BCG_MLP_FUSION``, ``BCG_QKV_FUSION`` and the two norm fusions are read once, at
 import: they are asked on hot paths, where an environment lookup per call costs.
 """
 
@@ -38,8 +41,8 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["COMPILE_LOG", "DEBUG", "FLASH_WRAPPER", "MLP_FUSION", "NORM_FUSION", "PDL", "QKV_FUSION",
-           "TP_ALLREDUCE_ISLAND", "gc_freeze", "hf_fusion", "leak_check_mode"]
+__all__ = ["COMPILE_LOG", "DEBUG", "FLASH_WRAPPER", "INPUT_NORM_FUSION", "MLP_FUSION", "NORM_FUSION", "PDL",
+           "QKV_FUSION", "TP_ALLREDUCE_ISLAND", "gc_freeze", "hf_fusion", "leak_check_mode"]
 
 
 def _flag(name: str) -> bool:
@@ -54,14 +57,19 @@ PDL: bool = _flag("BCG_PDL")
 MLP_FUSION: str = os.environ.get("BCG_MLP_FUSION", "").lower() or "gate_up"
 if MLP_FUSION not in ("gate_up", "down", "none"):
     raise ValueError(f"BCG_MLP_FUSION={MLP_FUSION!r}: expected gate_up, down or none (unset: gate_up)")
-_QKV = os.environ.get("BCG_QKV_FUSION", "").lower()
-if _QKV not in ("", "off", "0", "on", "1"):
-    raise ValueError(f"BCG_QKV_FUSION={_QKV!r}: expected on or off (unset: on)")
-QKV_FUSION: bool = _QKV not in ("off", "0")
-_NORM = os.environ.get("BCG_NORM_FUSION", "").lower()
-if _NORM not in ("", "off", "0", "on", "1"):
-    raise ValueError(f"BCG_NORM_FUSION={_NORM!r}: expected on or off (unset: off)")
-NORM_FUSION: bool = _NORM in ("on", "1")
+
+
+def _switch(name: str, default: bool) -> bool:
+    """An on/off switch (on, off, 1, 0; ``default`` when unset); any other value stops the import, naming it."""
+    value = os.environ.get(name, "").lower()
+    if value not in ("", "off", "0", "on", "1"):
+        raise ValueError(f"{name}={value!r}: expected on or off (unset: {'on' if default else 'off'})")
+    return default if not value else value in ("on", "1")
+
+
+QKV_FUSION: bool = _switch("BCG_QKV_FUSION", True)
+NORM_FUSION: bool = _switch("BCG_NORM_FUSION", False)
+INPUT_NORM_FUSION: bool = _switch("BCG_INPUT_NORM_FUSION", False)
 
 
 def leak_check_mode() -> str:

@@ -80,13 +80,7 @@ class QKVProjection(nn.Module):
         ``cache`` (fused kernels only: :func:`bcg.ops.attention.kv_destination`) the kernel also writes k and v into
         the KV pool."""
         if self.kernels == "fused":
-            rows, dim, kw = x.shape[0], self.head_dim, {"dtype": x.dtype, "device": x.device}
-            out = (bridge.empty("attn.q", (rows, self.num_heads, dim), **kw),
-                   bridge.empty("attn.k", (rows, self.num_kv_heads, dim), **kw),
-                   bridge.empty("attn.v", (rows, self.num_kv_heads, dim), **kw))
-            has_norm = self.q_norm is not None and self.k_norm is not None
-            norms = {"q_weight": self.q_norm.weight if has_norm else None,
-                     "k_weight": self.k_norm.weight if has_norm else None, "eps": self.q_norm.eps if has_norm else 1e-6}
+            out, norms = self._fused_args(x)
             if type(self.qkv_proj) is nn.Linear:  # one rank: at short prompts the projection's epilogue does the rest
                 return fused.qkv_proj_rope(x, self.qkv_proj.weight, self.qkv_proj.bias, rope.positions, rope.inv_freq,
                                            self.num_heads, self.num_kv_heads, out=out, impl="fused", cache=cache,
@@ -95,6 +89,33 @@ class QKVProjection(nn.Module):
                                        self.num_kv_heads, out=out, impl="fused", cache=cache, **norms)
         qk, v = bridge.carry("attn", *self.rotated(x, rope.cos, rope.sin), dtype=x.dtype)
         return (*qk.split([self.num_heads, self.num_kv_heads], dim=1), v)
+
+    def carried_normed(self, x: Tensor, residual: Tensor | None, norm: RMSNorm, rope: Rope,
+                       cache: tuple[Tensor, Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """:meth:`carried` of ``norm(x + residual)`` (of ``norm(x)`` when ``residual`` is None), and that sum, the
+        layer's residual stream (``x`` itself without ``residual``: read, never written). The add and the norm run
+        in the q/k/v kernel's prologue where :func:`~bcg.ops.kernels.qkv_proj_rope` runs its one kernel (up to 16
+        rows), else as the add + norm kernel before it. Fused kernels on one rank only."""
+        out, norms = self._fused_args(x)
+        args = (x, self.qkv_proj.weight, self.qkv_proj.bias, rope.positions, rope.inv_freq, self.num_heads,
+                self.num_kv_heads)
+        if residual is None:
+            q, k, v = fused.qkv_proj_rope(*args, out=out, impl="fused", cache=cache, norm_weight=norm.weight,
+                                          norm_eps=norm.eps, **norms)
+            return q, k, v, x
+        return fused.qkv_proj_rope(*args, out=out, impl="fused", cache=cache, residual=residual,
+                                   norm_weight=norm.weight, norm_eps=norm.eps, **norms)
+
+    def _fused_args(self, x: Tensor) -> tuple[tuple[Tensor, Tensor, Tensor], dict]:
+        """The fused kernels' ``out`` (bridge buffers while the runner captures) and per-head norm arguments."""
+        rows, dim, kw = x.shape[0], self.head_dim, {"dtype": x.dtype, "device": x.device}
+        out = (bridge.empty("attn.q", (rows, self.num_heads, dim), **kw),
+               bridge.empty("attn.k", (rows, self.num_kv_heads, dim), **kw),
+               bridge.empty("attn.v", (rows, self.num_kv_heads, dim), **kw))
+        has_norm = self.q_norm is not None and self.k_norm is not None
+        norms = {"q_weight": self.q_norm.weight if has_norm else None,
+                 "k_weight": self.k_norm.weight if has_norm else None, "eps": self.q_norm.eps if has_norm else 1e-6}
+        return out, norms
 
 
 class Attention(nn.Module):
@@ -120,11 +141,20 @@ class Attention(nn.Module):
         # With the fused kernels the RoPE kernel writes this layer's K/V into the pool too: two launches fewer.
         dest = kv_destination(self.layer_id) if self.qkv.kernels == "fused" and not bcg_region else None
         q, k, v = self.qkv.carried(x, rope, cache=dest)
+        return self._attend(q, k, v, dest is not None, bcg_region)
+
+    def heads_normed(self, x: Tensor, residual: Tensor | None, norm: RMSNorm, rope: Rope) -> tuple[Tensor, Tensor]:
+        """:meth:`heads` of ``norm(x + residual)``, with the add and the norm in the q/k/v kernel
+        (:meth:`QKVProjection.carried_normed`; fused kernels on one rank), and the sum: ``(heads, residual)``."""
+        q, k, v, residual = self.qkv.carried_normed(x, residual, norm, rope, cache=kv_destination(self.layer_id))
+        return self._attend(q, k, v, True, False), residual
+
+    def _attend(self, q: Tensor, k: Tensor, v: Tensor, kv_stored: bool, bcg_region: bool) -> Tensor:
         out = bridge.output_like("attn", q)  # a shared bridge buffer while the runner captures, else a fresh tensor
         if bcg_region:  # a compiled region shared by every layer: the island learns its layer when it runs
             region_attention(q, k, v, out)
         else:
-            attention(q, k, v, out, self.layer_id, kv_stored=dest is not None)
+            attention(q, k, v, out, self.layer_id, kv_stored=kv_stored)
         return out.flatten(1)
 
 
@@ -152,6 +182,13 @@ def folds_post_attention_norm(layer: DecoderLayer, bcg_region: bool = False) -> 
     return (isinstance(attn, Attention) and type(attn.o_proj) is nn.Linear and attn.o_proj.bias is None
             and isinstance(mlp, SwiGLUMLP) and mlp.kernels == "fused" and env.MLP_FUSION == "gate_up"
             and mlp.gate_up_proj.bias is None)
+
+
+def folds_input_norm(layer: DecoderLayer) -> bool:
+    """Whether a folded layer (:func:`folds_post_attention_norm`) also runs its input add + RMSNorm in the q/k/v
+    kernel's prologue (``BCG_INPUT_NORM_FUSION=on``): its q/k/v projection is on the fused kernels, one rank."""
+    qkv = layer.self_attn.qkv
+    return env.INPUT_NORM_FUSION and qkv.kernels == "fused" and type(qkv.qkv_proj) is nn.Linear
 
 
 class DecoderLayer(nn.Module):
@@ -195,13 +232,21 @@ class DecoderLayer(nn.Module):
 
         ``residual + o_proj(attn)`` is one cuBLAS GEMM with beta=1, in place on the residual the layer owns (in the
         first layer out of place on ``hidden``, which must not be written); it rounds the sum once where the unfused
-        layer rounds the projection and then the sum. The MLP gets the residual itself with the norm's weight."""
+        layer rounds the projection and then the sum. The MLP gets the residual itself with the norm's weight. Where
+        :func:`folds_input_norm` says so, the input add + norm runs in the q/k/v kernel's prologue as well."""
         attn, norm = self.self_attn, self.post_attention_layernorm
-        if residual is None:
-            residual = torch.addmm(hidden, attn.heads(self.input_layernorm(hidden), rope), attn.o_proj.weight.t())
+        if folds_input_norm(self):  # the input add + norm in the q/k/v kernel: the sum is a new tensor (or hidden)
+            heads, residual = attn.heads_normed(hidden, residual, self.input_layernorm, rope)
+            is_input = residual is hidden
+        elif residual is None:
+            heads, residual, is_input = attn.heads(self.input_layernorm(hidden), rope), hidden, True
         else:
             normed, residual = self.input_layernorm.add(hidden, residual)
-            residual.addmm_(attn.heads(normed, rope), attn.o_proj.weight.t())
+            heads, is_input = attn.heads(normed, rope), False
+        if is_input:  # the first layer's residual is its input, a graph's static input: never written
+            residual = torch.addmm(residual, heads, attn.o_proj.weight.t())
+        else:
+            residual.addmm_(heads, attn.o_proj.weight.t())
         return self.mlp(residual, norm.weight, norm.eps), residual
 
 

@@ -16,7 +16,7 @@ import torch
 
 from bcg import env
 from bcg.models import build_model, get_preset
-from bcg.models.dense import DenseLM, folds_post_attention_norm
+from bcg.models.dense import DenseLM, folds_input_norm, folds_post_attention_norm
 from bcg.ops import kernels
 from bcg.ops.context import forward_context
 from bcg.ops.kv_cache import KVPool
@@ -91,6 +91,66 @@ def test_the_residual_to_the_next_layer_is_the_sum_and_the_first_layers_input_st
     assert _rel(out[True, 1][1], expected) <= TOL[torch.float32]  # h + attn(norm(h)) with h = r + hidden
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_input_fold_hands_the_add_and_norm_to_the_qkv_projection(dtype, prefill, monkeypatch):
+    """BCG_INPUT_NORM_FUSION: the layer's input add + norm go to the q/k/v projection (its prologue on CUDA; here its
+    reference, the add + norm kernel's arithmetic into new buffers), with the same outputs within rounding."""
+    model = _model(dtype)
+    tokens = torch.randint(0, 256, (23,), generator=torch.Generator().manual_seed(0)).tolist()
+    monkeypatch.setattr(env, "NORM_FUSION", True)
+    real, handed = kernels.qkv_proj_rope, []
+    monkeypatch.setattr(kernels, "qkv_proj_rope", lambda *a, **k: handed.append(
+        (k.get("norm_weight") is not None, k.get("residual") is not None)) or real(*a, **k))
+    results = {}
+    for on in (False, True):
+        monkeypatch.setattr(env, "INPUT_NORM_FUSION", on)
+        assert all(folds_input_norm(layer) == on for layer in model.layers)
+        handed.clear()
+        pool = KVPool.for_model(model.config, 64, "cpu", dtype)
+        results[on] = prefill(model, pool, [(None, tokens[:9]), (None, tokens[9:])], num_padded_tokens=32)
+        # Off, the projection gets normed rows; on, the first layer hands it the norm, the second the add too.
+        assert handed == ([(False, False)] * 2 if not on else [(True, False), (True, True)])
+    assert _rel(results[True].hidden, results[False].hidden) <= TOL[dtype]
+    assert _rel(results[True].logits, results[False].logits) <= TOL[dtype]
+
+
+def test_the_input_fold_leaves_the_first_layers_input_and_the_residual_it_was_given(monkeypatch):
+    model = _model()
+    context, rope, h, r = _layer_inputs(model)
+    monkeypatch.setattr(env, "NORM_FUSION", True)
+    out = {}
+    for on in (False, True):
+        monkeypatch.setattr(env, "INPUT_NORM_FUSION", on)
+        first_input, given = h.clone(), r.clone()
+        with torch.no_grad(), forward_context(context):
+            out[on, 0] = model.layers[0](first_input, None, rope)
+            out[on, 1] = [t.clone() for t in model.layers[1](h.clone(), given, rope)]
+        assert torch.equal(first_input, h), "the first layer wrote its input (a graph's static input)"
+        if on:  # the sum went to a new tensor: the residual handed in is only read
+            assert torch.equal(given, r)
+    for layer in (0, 1):
+        for got, want in zip(out[True, layer], out[False, layer]):
+            assert _rel(got, want) <= TOL[torch.float32]
+
+
+def test_the_input_fold_needs_the_folded_layer_and_the_fused_projection(monkeypatch):
+    monkeypatch.setattr(env, "INPUT_NORM_FUSION", True)
+    model = _model(impl="torch")
+    assert not any(folds_input_norm(layer) for layer in model.layers)  # no q/k/v kernel to fold into
+    sharded = DenseLM(get_preset("tiny-dense"), TensorParallel(2, 0))
+    sharded.set_kernels("fused")
+    assert not any(folds_input_norm(layer) for layer in sharded.layers)
+    monkeypatch.setattr(env, "NORM_FUSION", False)  # the layer is not folded: its input norm stays where it is
+    seen: list[bool] = []
+    real = kernels.qkv_proj_rope
+    monkeypatch.setattr(kernels, "qkv_proj_rope", lambda *a, **k: seen.append("norm_weight" in k) or real(*a, **k))
+    fused_model = _model()
+    context, rope, h, r = _layer_inputs(fused_model)
+    with torch.no_grad(), forward_context(context):
+        fused_model.layers[1](h, r, rope)
+    assert seen == [False]
+
+
 @pytest.mark.parametrize(("changes", "fusion", "impl"), [
     ({"attention_bias": True}, "gate_up", "fused"),  # the o projection's bias
     ({}, "down", "fused"), ({}, "none", "fused"),  # no gate/up kernel to fold into
@@ -125,13 +185,14 @@ def test_not_under_tensor_parallel_nor_in_a_compiled_region(monkeypatch):
 
 
 @pytest.mark.parametrize(("value", "expected"), [("", False), ("on", True), ("1", True), ("OFF", False), ("0", False)])
-def test_the_norm_fusion_switch_is_read_once_and_checked(value, expected):
-    """BCG_NORM_FUSION: unset is off (until the H200 measures it); a value that is neither on nor off stops the
-    import and says so."""
-    code = "from bcg import env; print(env.NORM_FUSION)"
+def test_the_norm_fusion_switches_are_read_once_and_checked(value, expected):
+    """BCG_NORM_FUSION and BCG_INPUT_NORM_FUSION: unset is off (until the H200 measures them); a value that is
+    neither on nor off stops the import and says so."""
+    code = "from bcg import env; print(env.NORM_FUSION, env.INPUT_NORM_FUSION)"
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                         env={**os.environ, "BCG_NORM_FUSION": value})
-    assert run.returncode == 0 and run.stdout.strip() == str(expected), run.stderr
-    bad = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                         env={**os.environ, "BCG_NORM_FUSION": "yes"})
-    assert bad.returncode != 0 and "BCG_NORM_FUSION='yes': expected on or off" in bad.stderr
+                         env={**os.environ, "BCG_NORM_FUSION": value, "BCG_INPUT_NORM_FUSION": value})
+    assert run.returncode == 0 and run.stdout.split() == [str(expected)] * 2, run.stderr
+    for name in ("BCG_NORM_FUSION", "BCG_INPUT_NORM_FUSION"):
+        bad = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                             env={**os.environ, name: "yes"})
+        assert bad.returncode != 0 and f"{name}='yes': expected on or off (unset: off)" in bad.stderr
