@@ -64,14 +64,20 @@ def check_qkv_rope(launch: Launch, device: str, dtype: torch.dtype, rows: int, h
     qkv = x.double() @ w.double().T + (b.double() if bias else 0.0)
     refs = [torch.empty(rows, n, dim, dtype=dtype, device=device) for n in (heads, kv_heads, kv_heads)]
     qkv_norm_rope_reference(qkv.to(dtype), positions, freqs, q_w, k_w, EPS, *refs)
-    tol = 2 * RTOL[dtype] * ulps
+    assert_outputs(outs, refs, caches, slots, num_slots, 2 * RTOL[dtype] * ulps)
+
+
+def assert_outputs(outs: list[Tensor], refs: list[Tensor], caches: list[Tensor], slots: Tensor, num_slots: int,
+                   tol: float) -> None:
+    """q, k and v within ``tol`` of their references and every element written; with ``caches``, the K/V rows at
+    ``slots`` are k and v exactly and no other row of the pool was written."""
     for got, ref, name in zip(outs, refs, "qkv"):
         assert not got.isnan().any(), f"{name}: an element was not written"
         torch.testing.assert_close(got.double(), ref.double(), rtol=tol, atol=tol * float(ref.abs().max()),
                                    msg=lambda m, name=name: f"{name}: {m}")
     if caches:
         assert torch.equal(caches[0][slots], outs[1]) and torch.equal(caches[1][slots], outs[2]), "cache rows differ"
-        others = torch.ones(num_slots, dtype=torch.bool, device=device)
+        others = torch.ones(num_slots, dtype=torch.bool, device=slots.device)
         others[slots] = False
         assert all(c[others].isnan().all() for c in caches), "wrote cache rows other than the slots"
 

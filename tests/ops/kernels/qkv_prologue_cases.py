@@ -8,6 +8,7 @@ from collections.abc import Callable
 
 import torch
 from kernel_cases import EPS, RTOL, gen, inv_freq, poisoned, randn, row_view
+from qkv_cases import assert_outputs
 from torch import Tensor
 
 NORM_EPS = 1e-6  # the input norm's eps, apart from the per-head norms' EPS, so that a swap of the two shows
@@ -99,13 +100,4 @@ def check_qkv_rope_norm(launch: LaunchNorm, device: str, dtype: torch.dtype, row
             torch.testing.assert_close(residual_out.double(), h.double(), rtol=RTOL[dtype], atol=0.0)
     else:
         assert res_buf.isnan().all(), "wrote a residual without the add"
-    tol = 2 * RTOL[dtype] * ulps
-    for got, ref, name in zip(outs, refs, "qkv"):
-        assert not got.isnan().any(), f"{name}: an element was not written"
-        torch.testing.assert_close(got.double(), ref.double(), rtol=tol, atol=tol * float(ref.abs().max()),
-                                   msg=lambda m, name=name: f"{name}: {m}")
-    if caches:
-        assert torch.equal(caches[0][slots], outs[1]) and torch.equal(caches[1][slots], outs[2]), "cache rows differ"
-        others = torch.ones(num_slots, dtype=torch.bool, device=device)
-        others[slots] = False
-        assert all(c[others].isnan().all() for c in caches), "wrote cache rows other than the slots"
+    assert_outputs(outs, refs, caches, slots, num_slots, 2 * RTOL[dtype] * ulps)
