@@ -8,9 +8,9 @@ backend, one engine is built and kept; at each length one request of that many t
 * **device**: the GPU's busy time during one prefill (the union of its kernels' intervals, from the profiler);
 * **wall/device**: 1.0 means the host hides entirely behind the GPU;
 * **launch**: median ms from the call until its first graph replay is called (the GPU idles until then);
-* **span**: ms from the prefill's first kernel to its last, in the profiled prefill; ``span - device`` is the time
-  the GPU sat between kernels inside that stretch (about 0.5 µs a kernel inside a graph, more where the host is
-  late), so wall ≈ launch + span + the result's way back;
+* **after launch**: wall minus launch, what the GPU takes once the first graph is launched: the graph's kernels,
+  the gaps between them (the profiler's kernel times leave those out, and stretch them: under CUPTI a graph's
+  kernels sit 3-5 µs apart, not the 0.5 µs they do unprofiled), and the result's way back;
 * **syncs**: whether a prefill runs under ``torch.cuda.set_sync_debug_mode("error")`` (no host synchronisation
   from the call to the result), checked once per model;
 * **kernels** (the per-kernel view, from one more profiled prefill at each length): how many kernels ran, how many
@@ -54,7 +54,7 @@ except ImportError:  # run from a checkout without installing it
 from host_path import prefill_times  # this folder is the script's own
 
 from bcg.bench.timing import gpu_kernel_ms, sync
-from bcg.bench.trace import ISLAND_PREFIX, Kernel, _innermost, _is_launch, kernels_from_events
+from bcg.bench.trace import Kernel, _innermost, _is_launch, kernels_from_events  # the bench's own parsing
 from bcg.bench.variants import FULL_GRAPH_TOKENS
 from bcg.errors import first_line
 from bcg.models.config import ModelConfig
@@ -137,37 +137,7 @@ def profile_kernels(fn: Callable[[], Any], device: torch.device, num_layers: int
         sync(device)
     events = prof.events()
     kernels = kernels_from_events(events, cuda).kernels
-    view = kernel_view(kernels, num_layers, _eager_ops(events) if cuda else dict(Counter(k.name for k in kernels)))
-    if cuda:
-        view.update(device_span(events))
-    return view
-
-
-def device_span(events: Sequence[Any]) -> dict[str, float | None]:
-    """The stretch of one profiled call's kernels (copies and memsets included): ``span_ms`` from the first start to
-    the last end, ``idle_ms`` of it with no kernel running (the gaps between kernels), and ``idle_us_per_kernel``.
-
-    Example::
-
-        >>> from types import SimpleNamespace as E
-        >>> from torch.autograd import DeviceType
-        >>> k = lambda a, b: E(device_type=DeviceType.CUDA, name="k", time_range=E(start=a, end=b))
-        >>> device_span([k(0.0, 10.0), k(12.0, 20.0), k(15.0, 18.0)])   # 20 µs, 2 of them idle, 3 kernels
-        {'span_ms': 0.02, 'idle_ms': 0.002, 'idle_us_per_kernel': 0.6666666666666666}
-    """
-    from torch.autograd import DeviceType
-
-    spans = sorted((float(e.time_range.start), float(e.time_range.end)) for e in events
-                   if e.device_type == DeviceType.CUDA and not e.name.startswith(ISLAND_PREFIX)
-                   and not getattr(e, "is_user_annotation", False) and e.time_range.end > e.time_range.start)
-    if not spans:
-        return {"span_ms": None, "idle_ms": None, "idle_us_per_kernel": None}
-    idle, reach = 0.0, spans[0][1]
-    for start, end in spans[1:]:
-        idle += max(0.0, start - reach)
-        reach = max(reach, end)
-    span = reach - spans[0][0]
-    return {"span_ms": span / 1e3, "idle_ms": idle / 1e3, "idle_us_per_kernel": idle / len(spans)}
+    return kernel_view(kernels, num_layers, _eager_ops(events) if cuda else dict(Counter(k.name for k in kernels)))
 
 
 def measure(name: str, backend: str, lengths: list[int], runs: int, out: Path | None, timeline: bool,
@@ -226,7 +196,7 @@ def print_result(r: dict[str, Any], top: int) -> None:
     """The table of one model and backend, then its costliest ``top`` kernels at each length."""
     print(f"\n{r['model']} / {r['backend']} ({r['attention_backend']} attention): build {r['build_s']:.1f} s, "
           f"graph memory {r['graph_memory_mib']:.0f} MiB, {r['buckets']} buckets, sync-free: {r['sync_free']}")
-    print(f"  {'tokens':>6} {'wall ms':>8} {'host ms':>8} {'launch ms':>9} {'device ms':>9} {'span ms':>8} "
+    print(f"  {'tokens':>6} {'wall ms':>8} {'host ms':>8} {'launch ms':>9} {'after ms':>8} {'device ms':>9} "
           f"{'wall/device':>11} {'kernels':>7} {'eager':>6} {'k/layer':>7} {'eager/layer':>11}")
 
     def ms(x: float | None) -> str:
@@ -235,16 +205,16 @@ def print_result(r: dict[str, Any], top: int) -> None:
     for row in r["rows"]:
         ratio = "-" if row["wall_over_device"] is None else f"{row['wall_over_device']:.2f}"
         k = row["kernel_view"]
-        print(f"  {row['tokens']:>6} {row['wall_ms']:>8.3f} {row['host_ms']:>8.3f} {ms(row.get('launch_ms')):>9} "
-              f"{ms(row['device_ms']):>9} {ms(k.get('span_ms')):>8} {ratio:>11} {k['kernels']:>7} "
+        launch = row.get("launch_ms")
+        after = None if launch is None else row["wall_ms"] - launch
+        print(f"  {row['tokens']:>6} {row['wall_ms']:>8.3f} {row['host_ms']:>8.3f} {ms(launch):>9} {ms(after):>8} "
+              f"{ms(row['device_ms']):>9} {ratio:>11} {k['kernels']:>7} "
               f"{k['eager_kernels']:>6} {k['kernels_per_layer']:>7.1f} {k['eager_per_layer']:>11.1f}")
     for row in r["rows"] if top > 0 else []:
         k = row["kernel_view"]
         eager = ", ".join(f"{e['op']} x{e['count']}" for e in k["eager_by_op"][:top])
         print(f"  {row['tokens']} tokens: {k['eager_kernels']} launched by the host: {eager}")
-        idle = "" if k.get("idle_ms") is None else (
-            f", idle between them {k['idle_ms']:.3f} ms ({k['idle_us_per_kernel']:.2f} us a kernel)")
-        print(f"  {row['tokens']} tokens: {k['kernels']} kernels, {k['kernel_ms']:.3f} ms summed{idle}; costliest:")
+        print(f"  {row['tokens']} tokens: {k['kernels']} kernels, {k['kernel_ms']:.3f} ms summed; costliest:")
         for entry in k["by_name"][:top]:
             share = "-" if entry["share"] is None else f"{100 * entry['share']:.1f}%"
             name = entry["name"] if len(entry["name"]) <= 90 else entry["name"][:87] + "..."

@@ -64,21 +64,3 @@ def test_eager_launches_are_counted_by_the_op_around_them() -> None:
     assert device_bound._eager_ops(events) == {"aten::index": 1, "aten::fill_": 1, "aten::copy_": 1,
                                                "(no aten op)": 1}
 
-
-def test_device_span_counts_only_the_time_no_kernel_runs() -> None:
-    from types import SimpleNamespace
-
-    from torch.autograd import DeviceType
-
-    def event(name: str, start: float, end: float, device: DeviceType = DeviceType.CUDA) -> SimpleNamespace:
-        return SimpleNamespace(name=name, device_type=device, time_range=SimpleNamespace(start=start, end=end))
-
-    events = [event("gemm", 100, 110), event("aten::mm", 0, 500, DeviceType.CPU),  # host events: not the device's
-              event("norm", 111, 115), event("copy", 112, 120),  # overlapping: no gap between them
-              event("bcg.island:attention#0", 120, 140),  # an annotation's device range: not a kernel
-              event("attn", 140, 150), event("empty", 145, 145)]  # a zero-length record adds nothing
-    span = device_bound.device_span(events)
-    assert span["span_ms"] == pytest.approx(50e-3)  # 100 -> 150
-    assert span["idle_ms"] == pytest.approx(21e-3)  # 110-111 and 120-140
-    assert span["idle_us_per_kernel"] == pytest.approx(21 / 4)
-    assert device_bound.device_span([event("aten::mm", 0, 5, DeviceType.CPU)])["span_ms"] is None
