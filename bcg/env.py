@@ -9,9 +9,11 @@ Configuration is :class:`~bcg.runtime.config.EngineConfig` and the command's fla
 * ``BCG_HF_FUSION=off``: transformers models run every module as written (no load-time fusion; read at each load).
 * ``BCG_COMPILE_LOG=1``: torch.compile's own log of bcg's compiles reaches the terminal (by default a failed trace is
   reported in one line by bcg, and dynamo's log of the attempt is kept quiet).
-* ``BCG_PDL=1``: bcg's Triton kernels run under programmatic dependent launch on sm_90+ (each waits for the kernel
-  before it with ``griddepcontrol`` and may start while that one finishes; ``benchmarks/pdl.py`` measures whether
-  CUDA graphs keep it).
+* ``BCG_PDL=0``: bcg's Triton kernels launch without programmatic dependent launch. By default they use it where it
+  runs (compiled kernels on sm_90+): each waits for the kernel before it with ``griddepcontrol`` and may be launched
+  while that one finishes, which the H200 measured at 0.84x the wall of a 64-token llama-dense prefill and even on
+  the Llama-3.2-1B shape (``benchmarks/device_bound.py``; ``benchmarks/pdl.py`` shows CUDA graphs keep it).
+  ``BCG_PDL=1`` asks for it explicitly and warns where the GPU cannot run it.
 * ``BCG_MLP_FUSION=gate_up|down|none``: which one-kernel fusion a SwiGLU MLP's activation rides at short prompts with
   the fused kernels: ``gate_up`` (the default: :mod:`bcg.ops.kernels.gate_up`, in the gate/up projection's epilogue),
   ``down`` (:mod:`bcg.ops.kernels.down_proj`, in the down projection's prologue; measured 1.4-2.8x slower on the
@@ -25,11 +27,12 @@ Configuration is :class:`~bcg.runtime.config.EngineConfig` and the command's fla
   its own: the residual add rides the o projection (cuBLAS ``addmm`` with beta=1) and the norm folds into the gate/up
   projection's kernel (:mod:`bcg.ops.kernels.gate_up`: the row's ``rstd`` applied in the epilogue), one launch fewer a
   layer. Only where that is the same arithmetic up to rounding: one rank, an o projection without bias,
-  ``BCG_MLP_FUSION=gate_up`` and no compiled regions (:func:`bcg.models.dense.folds_post_attention_norm`). Off by
-  default until the H200 measures it (``benchmarks/device_bound.py``).
+  ``BCG_MLP_FUSION=gate_up`` and no compiled regions (:func:`bcg.models.dense.folds_post_attention_norm`). Off: on
+  the H200 the gate/up kernel with the norm ran 2.2x as long and the forward's device time rose 19% at 64 tokens
+  (DESIGN.md says why).
 * ``BCG_INPUT_NORM_FUSION=on`` (with ``BCG_NORM_FUSION=on``): the layer's input add + RMSNorm rides the q/k/v
   projection's kernel too (:func:`bcg.ops.kernels.qkv_proj_rope`'s prologue, up to 16 rows), another launch fewer a
-  layer there. Off by default until measured.
+  layer there. Off: measured slower on the H200 too (0.93 -> 1.04 ms device time at 16 tokens on llama-dense).
 * ``BCG_GC_FREEZE=0``: a serving engine leaves the heap to the garbage collector as it is (by default its first
   ``submit`` moves every object alive then out of the collector's sight, ``gc.freeze()``, until it closes).
 
@@ -53,7 +56,6 @@ DEBUG: bool = _flag("BCG_DEBUG")
 FLASH_WRAPPER: bool = os.environ.get("BCG_FLASH", "").lower() == "wrapper"
 TP_ALLREDUCE_ISLAND: bool = os.environ.get("BCG_TP_ALLREDUCE", "").lower() == "island"
 COMPILE_LOG: bool = _flag("BCG_COMPILE_LOG")
-PDL: bool = _flag("BCG_PDL")
 MLP_FUSION: str = os.environ.get("BCG_MLP_FUSION", "").lower() or "gate_up"
 if MLP_FUSION not in ("gate_up", "down", "none"):
     raise ValueError(f"BCG_MLP_FUSION={MLP_FUSION!r}: expected gate_up, down or none (unset: gate_up)")
@@ -67,6 +69,8 @@ def _switch(name: str, default: bool) -> bool:
     return default if not value else value in ("on", "1")
 
 
+# None when unset: on where the GPU runs it (bcg.ops.kernels.triton_utils decides), without a word where it does not.
+PDL: bool | None = _switch("BCG_PDL", True) if os.environ.get("BCG_PDL") else None
 QKV_FUSION: bool = _switch("BCG_QKV_FUSION", True)
 NORM_FUSION: bool = _switch("BCG_NORM_FUSION", False)
 INPUT_NORM_FUSION: bool = _switch("BCG_INPUT_NORM_FUSION", False)

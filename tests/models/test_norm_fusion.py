@@ -186,7 +186,7 @@ def test_not_under_tensor_parallel_nor_in_a_compiled_region(monkeypatch):
 
 @pytest.mark.parametrize(("value", "expected"), [("", False), ("on", True), ("1", True), ("OFF", False), ("0", False)])
 def test_the_norm_fusion_switches_are_read_once_and_checked(value, expected):
-    """BCG_NORM_FUSION and BCG_INPUT_NORM_FUSION: unset is off (until the H200 measures them); a value that is
+    """BCG_NORM_FUSION and BCG_INPUT_NORM_FUSION: unset is off (the H200 measured both slower); a value that is
     neither on nor off stops the import and says so."""
     code = "from bcg import env; print(env.NORM_FUSION, env.INPUT_NORM_FUSION)"
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,

@@ -26,8 +26,9 @@ too, so at short prompts the layer's first kernel (:func:`~bcg.ops.kernels.fused
 own: ``fused_add_rms_norm`` (or ``rms_norm``) into new buffers, then the two steps above, bit for bit what a caller
 running them one after another gets. The kernel rounds differently from the steps: they round the normed rows
 ``h * rstd * w_norm`` to the operand dtype before the matmul, the kernel rounds ``h * w_norm`` and applies ``rstd`` to
-the fp32 sums, so the two differ at the level of bf16 rounding (the sum ``h`` itself is the same bits). It is opt-in:
-no model passes these arguments until the H200 measures the kernel against the two launches.
+the fp32 sums, so the two differ at the level of bf16 rounding (the sum ``h`` itself is the same bits). Models pass
+these arguments only under ``BCG_INPUT_NORM_FUSION=on`` (:mod:`bcg.env`): in whole forwards on the H200 the kernel
+with the prologue ran slower than the add + norm kernel and the plain kernel together.
 """
 
 from __future__ import annotations

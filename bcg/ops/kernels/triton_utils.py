@@ -25,19 +25,21 @@ _ACCURATE_MATH = tl.constexpr(not INTERPRETING)
 
 
 def _pdl() -> bool:
-    """``BCG_PDL`` asked for programmatic dependent launch and this machine runs it (compiled kernels on sm_90+)."""
-    if not env.PDL or INTERPRETING:
+    """Programmatic dependent launch where this machine runs it (compiled kernels on sm_90+), unless ``BCG_PDL=0``;
+    ``BCG_PDL=1`` on a GPU that cannot run it is said once."""
+    if env.PDL is False or INTERPRETING:
         return False
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9:
-        logging.getLogger(__name__).warning("bcg: BCG_PDL is set but programmatic dependent launch needs an sm_90 "
-                                            "or newer GPU; bcg's kernels launch as usual")
+        if env.PDL:
+            logging.getLogger(__name__).warning("bcg: BCG_PDL is set but programmatic dependent launch needs an sm_90 "
+                                                "or newer GPU; bcg's kernels launch as usual")
         return False
     return True
 
 
-# Programmatic dependent launch (BCG_PDL, off by default until benchmarks/pdl.py and device_bound.py show it pays):
-# each kernel waits at grid_dependency() for the kernel before it, and is launched so that it may start while that
-# one finishes. Read once, at import, like the interpreter switch: the kernels compile with it.
+# Programmatic dependent launch (on by default where it runs; BCG_PDL=0 turns it off): each kernel waits at
+# grid_dependency() for the kernel before it, and is launched so that it may start while that one finishes. Read
+# once, at import, like the interpreter switch: the kernels compile with it.
 PDL: bool = _pdl()
 _PDL = tl.constexpr(PDL)
 LAUNCH_OPTIONS: dict[str, Any] = {"launch_pdl": True} if PDL else {}

@@ -115,7 +115,7 @@ def _rms_norm_pdl() -> tuple[dict, bool, bool]:
     return triton_utils.LAUNCH_OPTIONS, "griddepcontrol.wait" in ptx, "griddepcontrol.launch_dependents" in ptx
 
 
-# A fresh process with BCG_PDL=1 (read at import) that stands in for an sm_90 machine: only the compile is asked.
+# A fresh process (BCG_PDL is read at import) that stands in for an sm_90 machine: only the compile is asked.
 _PDL_PROCESS = f"""
 import sys, torch
 torch.cuda.is_available = lambda: True
@@ -124,17 +124,29 @@ sys.path.insert(0, {str(Path(__file__).parent)!r})
 from test_kernel_aot import _rms_norm_pdl
 print(_rms_norm_pdl())
 """
+_WITH_PDL, _WITHOUT_PDL = "({'launch_pdl': True}, True, True)", "({}, False, False)"
 
 
-def test_bcg_pdl_puts_the_grid_dependency_into_every_kernel_and_launch():
-    """BCG_PDL=1 on an sm_90 machine: bcg's kernels wait for the kernel before them and launch with PDL; unset (this
-    process), their PTX holds no grid-dependency instruction and the launch no option (rms_norm stands for the
-    nine)."""
-    env = {k: v for k, v in os.environ.items() if k != "BCG_PDL"} | {"BCG_PDL": "1"}
+@pytest.mark.parametrize(("value", "expected"), [(None, _WITH_PDL), ("1", _WITH_PDL), ("0", _WITHOUT_PDL)])
+def test_pdl_puts_the_grid_dependency_into_every_kernel_and_launch_on_sm90(value, expected):
+    """On an sm_90 machine bcg's kernels wait for the kernel before them and launch with PDL by default (and with
+    BCG_PDL=1); BCG_PDL=0 leaves both out (rms_norm stands for every kernel)."""
+    env = {k: v for k, v in os.environ.items() if k != "BCG_PDL"} | ({"BCG_PDL": value} if value else {})
     out = subprocess.run([sys.executable, "-c", _PDL_PROCESS], capture_output=True, text=True, env=env, check=True)
-    assert out.stdout.strip().splitlines()[-1] == "({'launch_pdl': True}, True, True)", out.stderr[-2000:]
-    if os.environ.get("BCG_PDL", "") in ("", "0"):
-        assert _rms_norm_pdl() == ({}, False, False)
+    assert out.stdout.strip().splitlines()[-1] == expected, out.stderr[-2000:]
+    assert "BCG_PDL is set" not in out.stderr
+
+
+def test_no_pdl_where_the_gpu_cannot_run_it():
+    """This process: PDL is compiled in and launched exactly where it runs (an sm_90+ GPU, compiled kernels, and
+    BCG_PDL not 0); on a CPU-only machine nothing of it is."""
+    import torch
+
+    from bcg.ops.kernels import triton_utils
+
+    capable = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
+    assert triton_utils.PDL == (capable and not triton_utils.INTERPRETING and os.environ.get("BCG_PDL", "") != "0")
+    assert str(_rms_norm_pdl()) == (_WITH_PDL if triton_utils.PDL else _WITHOUT_PDL)
 
 
 def test_every_bcg_kernel_starts_with_its_grid_dependency():
