@@ -13,13 +13,8 @@ epilogue (and its bias: ``rms_norm(h) @ W.T + b``). Importing this module needs 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import triton
 import triton.language as tl
-
-if TYPE_CHECKING:
-    from bcg.ops.kernels.triton_qkv_rope import Tiling
 
 
 @triton.jit
@@ -69,13 +64,3 @@ def scale_by_rstd(acc1, acc2, ssq, hidden, eps):
     rounding)."""
     rstd = tl.rsqrt(ssq / hidden + eps)[:, None]
     return acc1 * rstd, acc2 * rstd
-
-
-def partials_size(plan: Tiling, rows: int, width: int, norm: bool = False) -> int:
-    """The fp32 values the launcher's ``partials`` must hold for ``rows`` rows of a ``width``-column projection on
-    ``plan``'s tiles: the split accumulators, and with the prologue (``norm``) the split sums of squares after them,
-    one slot per split and column block (at least 1: one split reads no partials)."""
-    if plan.split_k == 1:
-        return 1
-    column_blocks = plan.tiles // triton.cdiv(rows, plan.block_m)
-    return plan.split_k * rows * width + (plan.split_k * column_blocks * rows if norm else 0)

@@ -25,10 +25,10 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from bcg.ops.kernels.triton_qkv_prologue import norm_a_tile, partials_size, scale_by_rstd, store_ssq, sum_ssq
+from bcg.ops.kernels.triton_qkv_prologue import norm_a_tile, scale_by_rstd, store_ssq, sum_ssq
 from bcg.ops.kernels.triton_utils import cos_f32, dot, grid_dependency, k_split, launch, sin_f32
 
-__all__ = ["Tiling", "partials_size", "qkv_rope", "tiling"]  # partials_size: the prologue module's, for the callers
+__all__ = ["Tiling", "partials_size", "qkv_rope", "tiling"]
 
 
 class Tiling(NamedTuple):
@@ -74,6 +74,16 @@ def tiling(rows: int, hidden: int, heads: int, head_dim: int, has_norm: bool, nu
 
 # The kernel without the prologue: its arguments as they were before the prologue existed (the benchmarks and the
 # sm_90 compile test name them); the prologue's pointers are stood in for by x's and pruned with NORM=False.
+def partials_size(plan: Tiling, rows: int, width: int, norm: bool = False) -> int:
+    """The fp32 values the launcher's ``partials`` must hold for ``rows`` rows of a ``width``-column projection on
+    ``plan``'s tiles: the split accumulators, and with the prologue (``norm``) the split sums of squares after them,
+    one slot per split and column block (at least 1: one split reads no partials)."""
+    if plan.split_k == 1:
+        return 1
+    column_blocks = plan.tiles // triton.cdiv(rows, plan.block_m)
+    return plan.split_k * rows * width + (plan.split_k * column_blocks * rows if norm else 0)
+
+
 @triton.jit
 def _qkv_rope_kernel(
     x_ptr, x_stride, w_ptr, w_stride, bias_ptr, pos_ptr, inv_freq_ptr, qw_ptr, kw_ptr, eps,
