@@ -13,7 +13,8 @@ Configuration is :class:`~bcg.runtime.config.EngineConfig` and the command's fla
   runs (compiled kernels on sm_90+): each waits for the kernel before it with ``griddepcontrol`` and may be launched
   while that one finishes. The H200 measured it at 0.84x the wall of a 64-token llama-dense prefill, 1-10% off the
   other models' 16- and 64-token prefills, and 2-4% onto three of four models' at 256 tokens
-  (``benchmarks/device_bound.py``; ``benchmarks/pdl.py`` shows CUDA graphs keep it).
+  (``benchmarks/device_bound.py``; ``benchmarks/pdl.py`` shows CUDA graphs keep it), so the runner launches only
+  forwards of up to 64 tokens with it (:func:`bcg.ops.kernels.dispatch.pdl_for`).
   ``BCG_PDL=1`` asks for it explicitly and warns where the GPU cannot run it.
 * ``BCG_MLP_FUSION=gate_up|down|none``: which one-kernel fusion a SwiGLU MLP's activation rides at short prompts with
   the fused kernels: ``gate_up`` (the default: :mod:`bcg.ops.kernels.gate_up`, in the gate/up projection's epilogue),

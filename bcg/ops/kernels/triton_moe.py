@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from bcg.ops.kernels.triton_utils import LAUNCH_OPTIONS, exp_f32, grid_dependency, launch, launch_rows
+from bcg.ops.kernels.triton_utils import exp_f32, grid_dependency, launch, launch_options, launch_rows
 
 _HIST_ELEMENTS = 4096  # pairs per histogram step
 _RANK_ELEMENTS = 8192  # chunk * padded experts: the one-hot tile a program ranks at once
@@ -163,7 +163,7 @@ def expert_order(ids: Tensor, num_experts: int, token_index: Tensor, slot: Tenso
     _expert_order_kernel[grid](
         ids.reshape(-1), n_pairs, top_k, num_experts, token_index, slot.view(-1), group_end, expert,
         CHUNK=chunk, E_BLOCK=e_block, HIST_BLOCK=max(16, min(4096, _HIST_ELEMENTS)),
-        num_warps=4 if chunk * e_block <= 4096 else 8, **LAUNCH_OPTIONS,
+        num_warps=4 if chunk * e_block <= 4096 else 8, **launch_options(),
     )
 
 

@@ -16,6 +16,7 @@ from torch import Tensor
 from triton.language.extra import libdevice
 
 from bcg import env
+from bcg.ops.kernels.dispatch import pdl_launch
 
 # Triton's interpreter (TRITON_INTERPRET=1, the CPU tests) has no libdevice; compiled kernels use it for the
 # accurate fp32 exp/sin/cos that torch's CUDA kernels use (tl.exp is ex2.approx for fp32). Read when this module
@@ -43,6 +44,12 @@ def _pdl() -> bool:
 PDL: bool = _pdl()
 _PDL = tl.constexpr(PDL)
 LAUNCH_OPTIONS: dict[str, Any] = {"launch_pdl": True} if PDL else {}
+_NO_OPTIONS: dict[str, Any] = {}
+
+
+def launch_options() -> dict[str, Any]:
+    """The options of a launch here: PDL where it is on, unless the forward is too large for it (``pdl_for``)."""
+    return LAUNCH_OPTIONS if pdl_launch() else _NO_OPTIONS
 
 
 @triton.jit
@@ -94,14 +101,14 @@ def k_split(tiles: int, steps: int, num_sms: int, split: int | None = None, prog
 def launch_rows(kernel: Any, n_rows: int, *args: Any, **meta: Any) -> None:
     """Launch ``kernel`` with one program per row; nothing is launched for zero rows (an empty grid is an error)."""
     if n_rows > 0:
-        kernel[(n_rows,)](*args, **meta, **LAUNCH_OPTIONS)
+        kernel[(n_rows,)](*args, **meta, **launch_options())
 
 
 def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **meta: Any) -> Any:
     """Launch ``kernel`` on ``grid`` unless the grid is empty; returns what Triton's launch returns (the compiled
     kernel), or None."""
     if all(g > 0 for g in grid):
-        return kernel[grid](*args, **meta, **LAUNCH_OPTIONS)
+        return kernel[grid](*args, **meta, **launch_options())
     return None
 
 

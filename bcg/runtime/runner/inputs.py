@@ -24,6 +24,7 @@ from torch import Tensor
 
 from bcg.ops.attention import AttentionBackend
 from bcg.ops.context import ForwardContext, forward_context
+from bcg.ops.kernels.dispatch import pdl_for
 from bcg.ops.kv_cache import KVPool
 from bcg.ops.staging import Field, Layout, MetadataArena, Staged
 from bcg.runtime.batch import PrefillBatch, PrefillItem
@@ -197,12 +198,13 @@ class StaticInputs:
     def dummy(self, bucket: int) -> Iterator[Loaded]:
         """A one-request batch of ``bucket`` tokens with real KV slots, loaded into the bucket's fields (or fields of
         its own when no graph has that size) and its forward context installed: what warmup, capture and compilation
-        run on."""
+        run on; bcg's kernels launch with programmatic dependent launch as a forward of ``bucket`` tokens does
+        (:func:`~bcg.ops.kernels.dispatch.pdl_for`), so a graph captured here keeps the bucket's choice."""
         slots = self.kv_pool.alloc(bucket)
         try:
             batch = PrefillBatch([PrefillItem(torch.zeros(bucket, dtype=torch.long), slots)], self.kv_pool)
             loaded = self.load(batch, bucket) if bucket in self.layouts else self.load_live(batch)
-            with forward_context(loaded.context):
+            with forward_context(loaded.context), pdl_for(bucket):
                 yield loaded
         finally:
             self.kv_pool.free(slots)

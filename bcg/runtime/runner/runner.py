@@ -28,6 +28,7 @@ from torch import Tensor
 
 from bcg.errors import first_line
 from bcg.ops.context import forward_context
+from bcg.ops.kernels.dispatch import pdl_for
 from bcg.ops.kv_cache import KVPool
 from bcg.ops.parallel import SINGLE, TensorParallel
 from bcg.runtime.backends import GraphResources, backend_class
@@ -253,7 +254,7 @@ class Runner(ReplayTools):
         error: BaseException | None = None
         try:
             loaded = self.inputs.load(batch, bucket)
-            with forward_context(loaded.context):
+            with forward_context(loaded.context), pdl_for(bucket):  # an island's kernels launch as the graph's did
                 self.backend.replay(self.table.buckets[bucket].handle, bucket)
             logits = self._graph_logits(batch, loaded)
         except Exception as e:  # a failed replay falls back to eager for this batch
@@ -282,7 +283,7 @@ class Runner(ReplayTools):
         out = torch.empty(batch.num_tokens, self.model.config.hidden_size, device=self.device, dtype=self.dtype)
         logits = torch.empty(batch.num_logit_rows, self.model.config.vocab_size, device=self.device,
                              dtype=torch.float32)
-        with forward_context(loaded.context):
+        with forward_context(loaded.context), pdl_for(batch.num_tokens):
             self.step(views["input_ids"], views["positions"], views["logit_rows"], out, logits)
         return logits
 

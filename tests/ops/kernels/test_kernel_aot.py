@@ -249,3 +249,30 @@ def test_qkv_rope_kernel_compiles_for_sm90_on_the_tensor_cores(rows, hidden, hea
     assert "cp.async" in ptx[0], "the loads are not pipelined"
     assert ("wgmma" in ptx[0]) == (plan.block_m >= 64), "tensor-core instruction"
     assert ("atom" in ptx[0] and ".acq_rel" in ptx[0]) == (plan.split_k > 1)
+
+
+def test_launches_ask_for_pdl_only_in_forwards_small_enough(monkeypatch):
+    """Where PDL is on, a launch inside ``pdl_for`` of more than PDL_MAX_TOKENS rows goes without the attribute (its
+    kernel's wait is then a no-op), and every other launch keeps it."""
+    from bcg.ops.kernels import triton_utils
+    from bcg.ops.kernels.dispatch import PDL_MAX_TOKENS, pdl_for
+
+    monkeypatch.setattr(triton_utils, "LAUNCH_OPTIONS", {"launch_pdl": True})
+    launched: list[dict] = []
+
+    class Kernel:  # what Triton's kernel[grid](...) call receives
+        def __getitem__(self, grid):
+            return lambda *args, **options: launched.append(options)
+
+    def both() -> list[bool]:
+        launched.clear()
+        triton_utils.launch(Kernel(), (2, 1), 1, BLOCK=16)
+        triton_utils.launch_rows(Kernel(), 3, 1, BLOCK=16)
+        return [o.get("launch_pdl", False) for o in launched]
+
+    assert both() == [True, True]
+    with pdl_for(PDL_MAX_TOKENS):
+        assert both() == [True, True]
+    with pdl_for(PDL_MAX_TOKENS + 1):
+        assert both() == [False, False]
+    assert all(o["BLOCK"] == 16 for o in launched)
