@@ -84,4 +84,4 @@ def test_up_to_16_rows_the_input_norm_rides_the_qkv_kernel_too(monkeypatch):
     # Only the final norm is a kernel of its own: each layer's input add + norm is in its q/k/v kernel, the
     # post-attention one in its gate/up kernel.
     assert counts.get("_rms_norm_kernel", 0) == 1, counts
-    assert counts["_qkv_rope_norm_kernel"] == counts["_gate_up_silu_kernel"] == layers, counts
+    assert counts["_qkv_rope_kernel"] == counts["_gate_up_silu_kernel"] == layers, counts

@@ -12,9 +12,8 @@ projection's kernel splits it (:mod:`bcg.ops.kernels.triton_down_proj`): every p
 last of a tile's programs (an atomic counter per tile) sums them in split order, resets the counter, and runs the
 epilogue. Tile sizes are fixed functions of the shapes (no autotuning). Importing this module needs Triton.
 
-``_qkv_rope_norm_kernel`` is the same program with the decoder layer's input add + RMSNorm in its prologue
-(:mod:`bcg.ops.kernels.triton_qkv_prologue`). ``_qkv_rope_kernel`` keeps the arguments it had and runs the program with
-the prologue's constexprs off: its sm_90 PTX is the instructions it had before the prologue existed.
+With ``NORM`` the kernel also runs the decoder layer's input add + RMSNorm in its prologue
+(:mod:`bcg.ops.kernels.triton_qkv_prologue`); without it the prologue compiles away.
 """
 
 from __future__ import annotations
@@ -72,8 +71,6 @@ def tiling(rows: int, hidden: int, heads: int, head_dim: int, has_norm: bool, nu
                   num_warps or (8 if block_m * half_n >= 64 * 64 else 4), num_stages)
 
 
-# The kernel without the prologue: its arguments as they were before the prologue existed (the benchmarks and the
-# sm_90 compile test name them); the prologue's pointers are stood in for by x's and pruned with NORM=False.
 def partials_size(plan: Tiling, rows: int, width: int, norm: bool = False) -> int:
     """The fp32 values the launcher's ``partials`` must hold for ``rows`` rows of a ``width``-column projection on
     ``plan``'s tiles: the split accumulators, and with the prologue (``norm``) the split sums of squares after them,
@@ -89,52 +86,14 @@ def _qkv_rope_kernel(
     x_ptr, x_stride, w_ptr, w_stride, bias_ptr, pos_ptr, inv_freq_ptr, qw_ptr, kw_ptr, eps,
     q_ptr, q_stride0, q_stride1, k_ptr, k_stride0, k_stride1, v_ptr, v_stride0, v_stride1,
     slot_ptr, kc_ptr, kc_stride0, kc_stride1, vc_ptr, vc_stride0, vc_stride1, part_ptr, count_ptr,
-    n_rows, hidden,
-    HEADS: tl.constexpr, KV_HEADS: tl.constexpr, DIM: tl.constexpr, HALF_N: tl.constexpr, HAS_BIAS: tl.constexpr,
-    HAS_NORM: tl.constexpr, HAS_CACHE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-    SPLIT_K: tl.constexpr, K_ITERS: tl.constexpr,
-):
-    grid_dependency()  # under programmatic dependent launch: the kernel before is done
-    _qkv_rope_program(
-        x_ptr, x_stride, w_ptr, w_stride, bias_ptr, pos_ptr, inv_freq_ptr, qw_ptr, kw_ptr, eps,
-        q_ptr, q_stride0, q_stride1, k_ptr, k_stride0, k_stride1, v_ptr, v_stride0, v_stride1,
-        slot_ptr, kc_ptr, kc_stride0, kc_stride1, vc_ptr, vc_stride0, vc_stride1, part_ptr, count_ptr,
-        n_rows, hidden, x_ptr, x_stride, x_ptr, x_stride, x_ptr, eps,
-        HEADS, KV_HEADS, DIM, HALF_N, HAS_BIAS, HAS_NORM, HAS_CACHE, BLOCK_M, BLOCK_K, SPLIT_K, K_ITERS, False, False)
-
-
-# The kernel with the layer's input RMSNorm in its prologue, and with ADD the residual add before it.
-@triton.jit
-def _qkv_rope_norm_kernel(
-    x_ptr, x_stride, w_ptr, w_stride, bias_ptr, pos_ptr, inv_freq_ptr, qw_ptr, kw_ptr, eps,
-    q_ptr, q_stride0, q_stride1, k_ptr, k_stride0, k_stride1, v_ptr, v_stride0, v_stride1,
-    slot_ptr, kc_ptr, kc_stride0, kc_stride1, vc_ptr, vc_stride0, vc_stride1, part_ptr, count_ptr,
-    n_rows, hidden, res_ptr, res_stride, res_out_ptr, res_out_stride, nw_ptr, norm_eps,
-    HEADS: tl.constexpr, KV_HEADS: tl.constexpr, DIM: tl.constexpr, HALF_N: tl.constexpr, HAS_BIAS: tl.constexpr,
-    HAS_NORM: tl.constexpr, HAS_CACHE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-    SPLIT_K: tl.constexpr, K_ITERS: tl.constexpr, ADD: tl.constexpr,
-):
-    grid_dependency()  # under programmatic dependent launch: the kernel before is done
-    _qkv_rope_program(
-        x_ptr, x_stride, w_ptr, w_stride, bias_ptr, pos_ptr, inv_freq_ptr, qw_ptr, kw_ptr, eps,
-        q_ptr, q_stride0, q_stride1, k_ptr, k_stride0, k_stride1, v_ptr, v_stride0, v_stride1,
-        slot_ptr, kc_ptr, kc_stride0, kc_stride1, vc_ptr, vc_stride0, vc_stride1, part_ptr, count_ptr,
-        n_rows, hidden, res_ptr, res_stride, res_out_ptr, res_out_stride, nw_ptr, norm_eps,
-        HEADS, KV_HEADS, DIM, HALF_N, HAS_BIAS, HAS_NORM, HAS_CACHE, BLOCK_M, BLOCK_K, SPLIT_K, K_ITERS, True, ADD)
-
-
-@triton.jit
-def _qkv_rope_program(
-    x_ptr, x_stride, w_ptr, w_stride, bias_ptr, pos_ptr, inv_freq_ptr, qw_ptr, kw_ptr, eps,
-    q_ptr, q_stride0, q_stride1, k_ptr, k_stride0, k_stride1, v_ptr, v_stride0, v_stride1,
-    slot_ptr, kc_ptr, kc_stride0, kc_stride1, vc_ptr, vc_stride0, vc_stride1, part_ptr, count_ptr,
     n_rows, hidden, res_ptr, res_stride, res_out_ptr, res_out_stride, nw_ptr, norm_eps,
     HEADS: tl.constexpr, KV_HEADS: tl.constexpr, DIM: tl.constexpr, HALF_N: tl.constexpr, HAS_BIAS: tl.constexpr,
     HAS_NORM: tl.constexpr, HAS_CACHE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr, K_ITERS: tl.constexpr, NORM: tl.constexpr, ADD: tl.constexpr,
 ):
-    """One program of either kernel: the input RMSNorm (``NORM``) and the residual add before it (``ADD``) in the
-    prologue (:mod:`bcg.ops.kernels.triton_qkv_prologue`); ``HAS_NORM`` is the epilogue's per-head q/k norm."""
+    # NORM: the layer's input RMSNorm in the prologue, ADD: the residual add before it (triton_qkv_prologue); off,
+    # the prologue's pointers are x's stand-ins, never read. HAS_NORM is the epilogue's per-head q/k norm.
+    grid_dependency()  # under programmatic dependent launch: the kernel before is done
     HALF: tl.constexpr = DIM // 2
     BLOCKS_PER_HEAD: tl.constexpr = HALF // HALF_N
     pid_n, pid_m, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -289,16 +248,15 @@ def qkv_rope(
         slots, k_cache, k_cache.stride(0), k_cache.stride(1), v_cache, v_cache.stride(0), v_cache.stride(1),
         partials, counters, n_rows, hidden,
     )
-    meta = dict(
-        HEADS=heads, KV_HEADS=kv_heads, DIM=dim, HALF_N=plan.half_n, HAS_BIAS=bias is not None, HAS_NORM=has_norm,
-        HAS_CACHE=cache is not None, BLOCK_M=plan.block_m, BLOCK_K=plan.block_k, SPLIT_K=plan.split_k,
-        K_ITERS=plan.k_iters, num_warps=plan.num_warps, num_stages=plan.num_stages, enable_fp_fusion=False,
-    )
-    if norm_weight is None:
-        return launch(_qkv_rope_kernel, grid, *args, **meta)
-    add = residual is not None
+    norm, add = norm_weight is not None, residual is not None
     if add and (residual_out is None or residual_out.data_ptr() in (x.data_ptr(), residual.data_ptr())):
         raise ValueError("qkv_rope: the residual add needs a residual_out of its own, not x or residual")
     res, res_out = (residual, residual_out) if add else (x, x)  # unread without the add
-    return launch(_qkv_rope_norm_kernel, grid, *args, res, res.stride(0), res_out, res_out.stride(0), norm_weight,
-                  float(norm_eps), ADD=add, **meta)
+    return launch(
+        _qkv_rope_kernel, grid, *args, res, res.stride(0), res_out, res_out.stride(0),
+        norm_weight if norm else x, float(norm_eps),  # unread without the norm
+        HEADS=heads, KV_HEADS=kv_heads, DIM=dim, HALF_N=plan.half_n, HAS_BIAS=bias is not None, HAS_NORM=has_norm,
+        HAS_CACHE=cache is not None, BLOCK_M=plan.block_m, BLOCK_K=plan.block_k, SPLIT_K=plan.split_k,
+        K_ITERS=plan.k_iters, NORM=norm, ADD=add, num_warps=plan.num_warps, num_stages=plan.num_stages,
+        enable_fp_fusion=False,
+    )

@@ -1,6 +1,6 @@
 """Shared inputs and checks for the q/k/v projection kernel with the layer's input add + RMSNorm in its prologue
-(``triton_qkv_rope._qkv_rope_norm_kernel``, :mod:`bcg.ops.kernels.triton_qkv_prologue`): the interpreter and CUDA
-tiers."""
+(``triton_qkv_rope._qkv_rope_kernel`` with ``NORM``, :mod:`bcg.ops.kernels.triton_qkv_prologue`): the interpreter
+and CUDA tiers."""
 
 from __future__ import annotations
 

@@ -146,15 +146,15 @@ def test_the_prologue_kernel_compiles_for_sm90_without_spills(rows, hidden, head
     from bcg.ops.kernels import triton_qkv_rope
 
     plan = triton_qkv_rope.tiling(rows, hidden, heads + 2 * kv_heads, dim, norm, 132)
-    names = triton_qkv_rope._qkv_rope_norm_kernel.arg_names
+    names = triton_qkv_rope._qkv_rope_kernel.arg_names
     constants = dict(HEADS=heads, KV_HEADS=kv_heads, DIM=dim, HALF_N=plan.half_n, HAS_BIAS=False, HAS_NORM=norm,
                      HAS_CACHE=True, BLOCK_M=plan.block_m, BLOCK_K=plan.block_k, SPLIT_K=plan.split_k,
-                     K_ITERS=plan.k_iters, ADD=add)
+                     K_ITERS=plan.k_iters, NORM=True, ADD=add)
     scalars = {"eps": "fp32", "norm_eps": "fp32", "pos_ptr": "*i64", "slot_ptr": "*i64", "inv_freq_ptr": "*fp32",
                "bias_ptr": "*fp32", "part_ptr": "*fp32", "count_ptr": "*i32"}
     types = {n: scalars.get(n, "*bf16" if n.endswith("_ptr") else "i32") for n in names if n not in constants}
     ptx: list[str] = []
-    report = compile_sm90(triton_qkv_rope._qkv_rope_norm_kernel, types, constants, num_warps=plan.num_warps,
+    report = compile_sm90(triton_qkv_rope._qkv_rope_kernel, types, constants, num_warps=plan.num_warps,
                           num_stages=plan.num_stages, ptx=ptx,
                           aligned=("x_ptr", "x_stride", "w_ptr", "w_stride", "part_ptr", "count_ptr", "hidden",
                                    "res_ptr", "res_stride", "res_out_ptr", "res_out_stride", "nw_ptr"))
