@@ -10,7 +10,7 @@ equal causal prompts runs through:
   math is what it replaces, ``feature_path`` times that).
 
 Each variant is captured as one CUDA graph of ``--repeats`` calls (device time per call, median over ``--replays``
-replays, as ``benchmarks/kernels.py``), with TFLOP/s over the visible query-key pairs (4 FLOPs a pair per head
+replays, as ``benchmarks/fused_ops.py``), with TFLOP/s over the visible query-key pairs (4 FLOPs a pair per head
 dim), the host time to enqueue one eager call, and the largest difference from ``flash``. ``--block-m/--block-n/
 --warps/--stages`` override the kernel's block configuration to tune it. The last line is one JSON object.
 
@@ -33,7 +33,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parent.parent))
-from kernels import graph_us, host_us
+from fused_ops import graph_us, host_us
 
 from bcg.bench.results import write_json
 from bcg.ops.flash import copy_reason, flash_varlen

@@ -7,7 +7,7 @@ splits K and adds a reduce kernel); ``gate_up`` is bcg's gate/up kernel with the
 with the activation in its prologue (``bcg/ops/kernels/triton_down_proj.py``). For the MLPs of the llama-dense,
 Llama-3.2-1B and Qwen3-0.6B layers (bf16) at each row count: the kernels one MLP launches, and its device time inside
 a CUDA graph (``--calls`` MLPs captured back to back, the median of ``--replays`` timed replays, divided: what a
-segment's replay pays, the in-graph gaps between kernels included; ``benchmarks/kernels.py``'s ``graph_us``, which
+segment's replay pays, the in-graph gaps between kernels included; ``benchmarks/fused_ops.py``'s ``graph_us``, which
 since 2026-12-03's round 8 replaces this script's own mean over the replays), and each fusion's largest difference
 from ``none``. The fused kernels run through their launchers, past the entry points' row limits too.
 
@@ -35,9 +35,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # this folder's kernels.py
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # this folder's fused_ops.py
 sys.path.insert(1, str(Path(__file__).resolve().parent.parent))  # the checkout's bcg, not an installed one
-from kernels import graph_us
+from fused_ops import graph_us
 
 from bcg.ops.kernels import silu_and_mul
 

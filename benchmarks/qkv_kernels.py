@@ -4,7 +4,7 @@ bcg's one kernel with the RoPE, the split and the K/V write in the projection's 
 
 For the q/k/v layers of the llama-dense, Llama-3.2-1B and Qwen3-0.6B (per-head q/k norms) shapes and of gptoss-moe
 (a bias), bf16, each writing its K/V into a KV pool as the models do, at each row count: the kernels each path
-launches and its device time inside a CUDA graph (``benchmarks/kernels.py``'s ``graph_us``: ``--calls`` back to back
+launches and its device time inside a CUDA graph (``benchmarks/fused_ops.py``'s ``graph_us``: ``--calls`` back to back
 in one graph, the median of ``--replays`` replays, divided), and the one kernel's largest difference from the two
 steps. The one kernel runs through its launcher, past the entry point's row limit too. Consecutive calls read
 different copies of the weight, more of them than the L2 cache holds, as a model's layers do: a kernel timed on one
@@ -32,9 +32,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # this folder's kernels.py and mlp_kernels.py
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # this folder's fused_ops.py and mlp_kernels.py
 sys.path.insert(1, str(Path(__file__).resolve().parent.parent))  # the checkout's bcg, not an installed one
-from kernels import graph_us
+from fused_ops import graph_us
 from mlp_kernels import compiled_facts, kernel_names
 
 from bcg.ops.kernels import qkv_norm_rope

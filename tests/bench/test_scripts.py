@@ -174,3 +174,16 @@ def test_graph_gap_refuses_without_a_gpu() -> None:
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "graph_gap.py")], capture_output=True, text=True,
                           timeout=120, cwd=ROOT)
     assert proc.returncode == 2 and "no CUDA device" in proc.stderr
+
+
+def test_no_script_shadows_an_installed_module() -> None:
+    """Running a script puts benchmarks/ (and scripts/) first on sys.path, so a script named like an installed package
+    replaces it for every import made there; transformers 5.25 imports the ``kernels`` package at model creation and
+    found a ``benchmarks/kernels.py`` instead."""
+    from importlib.machinery import PathFinder
+
+    folders = {os.fspath(ROOT / "benchmarks"), os.fspath(ROOT / "scripts"), os.fspath(ROOT / "tests"), os.fspath(ROOT)}
+    elsewhere = [p for p in sys.path if p and os.path.abspath(p) not in folders]
+    stems = {f.stem for folder in ("benchmarks", "scripts") for f in (ROOT / folder).glob("*.py")}
+    shadowed = sorted(s for s in stems if s in sys.stdlib_module_names or PathFinder.find_spec(s, elsewhere))
+    assert not shadowed, f"rename these scripts: an installed or standard module has their name: {shadowed}"

@@ -7,7 +7,7 @@ is copied), it is bottom-right aligned by construction (no probe), and windows, 
 switches of the one kernel, so every layer with equal head dims attends in one launch. On a CPU it runs the
 kernel's reference (in half precision, as the kernel), so the island's host logic runs in CI.
 
-Not the default: which kernel is faster at which length is measured on the GPU (``benchmarks/kernels.py
+Not the default: which kernel is faster at which length is measured on the GPU (``benchmarks/fused_ops.py
 --attention``). The varlen backend already sends soft-capped layers here on CUDA.
 """
 

@@ -11,7 +11,7 @@ writes it to a file too.
 
 Usage::
 
-    python benchmarks/kernels.py --tokens 64,512,2048 --out kernels.json
+    python benchmarks/fused_ops.py --tokens 64,512,2048 --out kernels.json
 
 CUDA only: on a machine without a GPU it says so and exits with status 2.
 """
@@ -258,10 +258,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=None, help="also write the JSON here")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
-        print("benchmarks/kernels.py needs a CUDA GPU (the fused kernels are Triton on CUDA); none found.")
+        print("benchmarks/fused_ops.py needs a CUDA GPU (the fused kernels are Triton on CUDA); none found.")
         return 2
     if not kernels.fused_available("cuda"):
-        print("benchmarks/kernels.py needs triton importable next to torch; it is not.")
+        print("benchmarks/fused_ops.py needs triton importable next to torch; it is not.")
         return 2
     import triton
 
