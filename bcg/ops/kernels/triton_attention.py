@@ -43,9 +43,9 @@ _DOT_F32 = tl.constexpr(INTERPRETING)
 class BlockConfig:
     """One launch configuration: query rows and keys a program works on per step, warps and pipeline stages.
 
-    The defaults are starting points for an H200 (tune with ``benchmarks/attention_kernels.py --block-m``): 128 query rows
-    fill a warp group's MMA for long prompts, 64 rows waste less on short ones; 64 keys a step keep the fp32 score
-    block in registers at head dim 128.
+    The defaults are starting points for an H200 (tune with ``benchmarks/attention_kernels.py --block-m``): 128
+    query rows fill a warp group's MMA for long prompts, 64 rows waste less on short ones; 64 keys a step keep the
+    fp32 score block in registers at head dim 128.
     """
 
     def __init__(self, block_m: int, block_n: int, num_warps: int, num_stages: int) -> None:
