@@ -51,7 +51,7 @@ try:
 except ImportError:  # run from a checkout without installing it
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from host_path import prefill_times  # this folder is the script's own
+from host_path import prefill_times, stage_times  # this folder is the script's own
 
 from bcg.bench.timing import gpu_kernel_ms, sync
 from bcg.bench.trace import Kernel, _innermost, _is_launch, kernels_from_events  # the bench's own parsing
@@ -163,6 +163,9 @@ def measure(name: str, backend: str, lengths: list[int], runs: int, out: Path | 
         rows.append({"tokens": n, "wall_ms": wall, "host_ms": host, "launch_ms": timed["first_replay_ms"],
                      "bucket": bucket.bucket, "graph_used": bucket.graph_used})
     prompts = [torch.randint(0, vocab, (lengths[0],), generator=gen)]
+    # Where the launch goes, step by step, at the shortest length (host_path.py's stage view): the host time before
+    # the first replay differs between models on one machine, and only its steps say which one is slower.
+    stages = stage_times(eng, prompts, runs)
     is_sync_free = sync_free(eng, prompts)
     # Profiled only after every timed run: once loaded, the profiler slows later host work (bcg.bench.timing).
     for row, p in zip(rows, inputs):
@@ -173,7 +176,7 @@ def measure(name: str, backend: str, lengths: list[int], runs: int, out: Path | 
               "attention_backend": getattr(tele, "attention_backend", "?"),  # (older engines do not say)
               "build_s": build_s, "capture_ms": tele.capture_ms, "num_layers": num_layers,
               "compile_ms": tele.compile_ms, "graph_memory_mib": tele.graph_memory_bytes / 2**20,
-              "buckets": tele.num_captured, "sync_free": is_sync_free, "rows": rows}
+              "buckets": tele.num_captured, "sync_free": is_sync_free, "rows": rows, "launch_stages": stages}
     if timeline and out is not None and eng.device.type == "cuda":
         from torch.profiler import ProfilerActivity, profile
 
@@ -210,6 +213,10 @@ def print_result(r: dict[str, Any], top: int) -> None:
         print(f"  {row['tokens']:>6} {row['wall_ms']:>8.3f} {row['host_ms']:>8.3f} {ms(launch):>9} {ms(after):>8} "
               f"{ms(row['device_ms']):>9} {ratio:>11} {k['kernels']:>7} "
               f"{k['eager_kernels']:>6} {k['kernels_per_layer']:>7.1f} {k['eager_per_layer']:>11.1f}")
+    stages = r.get("launch_stages") or []
+    if stages:  # µs after prefill was called at which each step started, and what it took
+        print(f"  {r['rows'][0]['tokens']} tokens, host steps (start+took µs): " + " | ".join(
+            f"{st['stage'].strip()} {st['start_us']:.0f}+{st['us']:.0f}" for st in stages if st["stage"] != "prefill"))
     for row in r["rows"] if top > 0 else []:
         k = row["kernel_view"]
         eager = ", ".join(f"{e['op']} x{e['count']}" for e in k["eager_by_op"][:top])

@@ -42,9 +42,15 @@ def test_device_bound_reports_the_kernel_view_on_a_cpu(capsys: pytest.CaptureFix
         assert any(e["name"] == "aten::mm" for e in view["by_name"])  # the projections are there by op name
     # A one-request prefill of a dense model runs the same ops at every length (the bucket changes shapes only).
     assert result["rows"][0]["kernel_view"]["kernels"] == result["rows"][1]["kernel_view"]["kernels"]
+    # The launch's host steps at the shortest length, in the order they ran, the load inside the prefill.
+    stages = {st["stage"].strip(): st for st in result["launch_stages"]}
+    order = ["validate prompts", "reserve KV slots", "plan the forward", "load the batch"]
+    assert [stages[s]["start_us"] for s in order] == sorted(stages[s]["start_us"] for s in order)
+    assert stages["prefill"]["us"] > stages["load the batch"]["us"] > 0
     device_bound.print_result(result, top=3)
     printed = capsys.readouterr().out
     assert "k/layer" in printed and printed.count("costliest:") == 2 and "aten::mm x" in printed
+    assert "8 tokens, host steps (start+took µs): validate prompts " in printed
 
 
 def test_eager_launches_are_counted_by_the_op_around_them() -> None:
