@@ -12,7 +12,7 @@
 #            variants (VARIANTS: space-separated NAME=ENV pairs, ENV's settings joined by commas, e.g.
 #            "base= norm=BCG_NORM_FUSION=on pdl=BCG_PDL=1": the device step once per variant, each its own process,
 #            VARIANT_ARGS its flags, VARIANT_ROUNDS times in turn),
-#            host_path, hf_speed, load, soak, attention, qkv (QKV_ROWS, QKV_ARGS), retest, capacity,
+#            host_path, prefill_host, hf_speed, load, soak, attention, qkv (QKV_ROWS, QKV_ARGS), retest, capacity,
 #            validate (VALIDATE_MODELS); a before/after baseline needs the earlier
 #            commit's bcg/ (and benchmarks/device_bound.py with the host_path.py it imports) exported first:
 #            mkdir .baseline && git archive COMMIT bcg benchmarks/device_bound.py benchmarks/host_path.py | tar -x -C .baseline
@@ -78,6 +78,8 @@ case $steps in *" hf_speed "*)  # transformers models against native and their o
   step hf_speed "${T_HF_SPEED:-270}" python3 benchmarks/hf_speed.py --out "$work/hf_speed.json" ${HF_SPEED_ARGS:-} ;; esac
 case $steps in *" host_path "*)
   step host_path 120 python3 benchmarks/host_path.py --model llama-dense --tokens 64 --out "$work/host_path" ;; esac
+case $steps in *" prefill_host "*)  # this host's CPU alone: the engine's Python, and the launch warm and cold
+  step prefill_host "${T_PREFILL_HOST:-90}" python3 benchmarks/prefill_host.py --runs 300 --device cuda ;; esac
 case $steps in *" kernel_tests "*)
   step kernel_tests "${T_KERNELS:-150}" python3 -m pytest -q -m cuda -p no:cacheprovider -rf tests/ops/kernels ;; esac
 case $steps in *" load "*)  # serving under an open-loop load: every request answered, TTFT per backend and rate

@@ -187,3 +187,12 @@ def test_no_script_shadows_an_installed_module() -> None:
     stems = {f.stem for folder in ("benchmarks", "scripts") for f in (ROOT / folder).glob("*.py")}
     shadowed = sorted(s for s in stems if s in sys.stdlib_module_names or PathFinder.find_spec(s, elsewhere))
     assert not shadowed, f"rename these scripts: an installed or standard module has their name: {shadowed}"
+
+
+def test_prefill_host_smoke() -> None:
+    result = run_script("prefill_host.py", "--runs", "3")
+    assert [row["forwards"] for row in result["rows"]] == [1, 1, 1, 4]
+    launch = {(row["mode"], row["prompts"]): row for row in result["launch"]}
+    assert set(launch) == {(mode, n) for mode in ("warm", "cold") for n in (1, 4)}
+    # Every case replayed its bucket's whole-step graph, and the replay was called before prefill returned.
+    assert all(row["ran"] == "graph_full" and 0 < row["us_to_replay"] < row["us_per_call"] for row in launch.values())
