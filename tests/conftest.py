@@ -1,5 +1,6 @@
 """Shared test helpers: an eager prefill driver standing in for the runner; the machine's cached costs kept in a
-folder of the test session; no served engine freezes the heap (BCG_GC_FREEZE=0) unless a test asks."""
+folder of the test session; no served engine freezes the heap (BCG_GC_FREEZE=0) unless a test asks; the Triton
+interpreter's runs started at collection."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from interpreter import start_in_background
 from torch import Tensor
 
 from bcg.models.base import CausalLM
@@ -74,3 +76,15 @@ def _machine_cache_in_the_test_session(machine_cache_dir: Path, monkeypatch: pyt
     # One process builds hundreds of engines here, and a served engine left open would keep the heap frozen for every
     # later test; tests/runtime/runner/test_gc_freeze.py turns the freeze on where it is the subject.
     monkeypatch.setenv("BCG_GC_FREEZE", "0")
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Starts the Triton interpreter runs of the selected tests that will not be skipped (tests/interpreter.py)."""
+    if session.config.option.collectonly:
+        return
+    paths = []
+    for item in session.items:
+        marker = item.get_closest_marker("interpreter")
+        if marker is not None and not any(m.args and m.args[0] for m in item.iter_markers("skipif")):
+            paths.append(marker.args[0])
+    start_in_background(paths)

@@ -22,5 +22,6 @@ HERE = Path(__file__).resolve().parent
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None,
                     reason="triton is not installed: torch's CPU wheels do not bring it; pip install -e .[test] does")
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU the CUDA tests run the compiled kernels")
+@pytest.mark.interpreter(HERE / "interpret_kernels.py")  # started when the session is collected
 def test_kernels_under_the_interpreter_in_a_fresh_process():
     run_under_interpreter(HERE / "interpret_kernels.py")

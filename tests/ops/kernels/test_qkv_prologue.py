@@ -129,6 +129,7 @@ def test_the_kernel_runs_with_the_prologue_only_for_operands_it_reads():
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None,
                     reason="triton is not installed: torch's CPU wheels do not bring it; pip install -e .[test] does")
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU the CUDA tests run the compiled kernel")
+@pytest.mark.interpreter(HERE / "interpret_qkv_prologue.py")  # started when the session is collected
 def test_the_kernel_under_the_interpreter_in_a_fresh_process():
     run_under_interpreter(HERE / "interpret_qkv_prologue.py", allow_skips=False)
 

@@ -89,5 +89,6 @@ def test_the_kernel_tiles_cover_each_half_head_and_k_once(rows, hidden, heads, d
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None,
                     reason="triton is not installed: torch's CPU wheels do not bring it; pip install -e .[test] does")
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU the CUDA tests run the compiled kernel")
+@pytest.mark.interpreter(HERE / "interpret_qkv_rope.py")  # started when the session is collected
 def test_the_kernel_under_the_interpreter_in_a_fresh_process():  # the launcher, whatever BCG_QKV_FUSION says
     run_under_interpreter(HERE / "interpret_qkv_rope.py", allow_skips=False)

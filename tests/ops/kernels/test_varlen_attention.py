@@ -109,5 +109,6 @@ def test_compiled_code_calls_the_op():
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None,
                     reason="the Triton kernel under the interpreter needs triton importable (pip install triton)")
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU the CUDA tests run the compiled kernel")
+@pytest.mark.interpreter(HERE / "interpret_attention.py")  # started when the session is collected
 def test_the_triton_kernel_under_the_interpreter_in_a_fresh_process():
     run_under_interpreter(HERE / "interpret_attention.py", allow_skips=False)
