@@ -177,16 +177,18 @@ def test_graph_gap_refuses_without_a_gpu() -> None:
 
 
 def test_no_script_shadows_an_installed_module() -> None:
-    """Running a script puts benchmarks/ (and scripts/) first on sys.path, so a script named like an installed package
-    replaces it for every import made there; transformers 5.25 imports the ``kernels`` package at model creation and
-    found a ``benchmarks/kernels.py`` instead."""
+    """Running a script puts its folder first on sys.path, and pytest puts every test folder there (they are no
+    packages), so a module there named like an installed package replaces it for every import made after:
+    transformers 5.25 imports the ``kernels`` package when it makes a model and found a ``benchmarks/kernels.py``."""
     from importlib.machinery import PathFinder
 
-    folders = {os.fspath(ROOT / "benchmarks"), os.fspath(ROOT / "scripts"), os.fspath(ROOT / "tests"), os.fspath(ROOT)}
-    elsewhere = [p for p in sys.path if p and os.path.abspath(p) not in folders]
-    stems = {f.stem for folder in ("benchmarks", "scripts") for f in (ROOT / folder).glob("*.py")}
+    folders = {ROOT / "benchmarks", ROOT / "scripts", ROOT} | {f.parent for f in (ROOT / "tests").rglob("*.py")}
+    ours = {os.fspath(f) for f in folders}
+    elsewhere = [p for p in sys.path if p and os.path.abspath(p) not in ours]
+    stems = {f.stem for folder in folders for f in folder.glob("*.py")} - {"conftest"}
+    assert "fused_ops" in stems and "interpreter" in stems  # the scripts and the test helpers are looked at
     shadowed = sorted(s for s in stems if s in sys.stdlib_module_names or PathFinder.find_spec(s, elsewhere))
-    assert not shadowed, f"rename these scripts: an installed or standard module has their name: {shadowed}"
+    assert not shadowed, f"rename these modules: an installed or standard module has their name: {shadowed}"
 
 
 def test_prefill_host_smoke() -> None:
