@@ -15,6 +15,7 @@ import pytest
 import qkv_cases
 import qkv_prologue_cases as cases
 import torch
+from kernel_cases import gen
 
 pytestmark = [
     pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1 from the start"),
@@ -72,8 +73,8 @@ def test_the_entry_point_runs_the_kernel_and_returns_the_new_residual(tk, monkey
     counters = torch.zeros(4096, dtype=torch.int32)  # the CPU build of torch cannot ask about a CUDA capture
     monkeypatch.setattr(qkv_rope, "tile_counters", lambda device, tiles, kernel: counters)
     x, w, positions, freqs = qkv_cases.model_inputs(9, 512, 4, 2, 64, "cpu", torch.float16)
-    residual = torch.randn(9, 512, generator=cases.gen(1)).to(torch.float16)
-    norm_weight = torch.rand(512, generator=cases.gen(2)).to(torch.float16) + 0.5
+    residual = torch.randn(9, 512, generator=gen(1)).to(torch.float16)
+    norm_weight = torch.rand(512, generator=gen(2)).to(torch.float16) + 0.5
     x0, residual0 = x.clone(), residual.clone()
     q, k, v, new_residual = kernels.qkv_proj_rope(x, w, None, positions, freqs, 4, 2, residual=residual,
                                                   norm_weight=norm_weight, norm_eps=cases.NORM_EPS)

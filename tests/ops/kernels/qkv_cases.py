@@ -44,27 +44,52 @@ def check_qkv_rope(launch: Launch, device: str, dtype: torch.dtype, rows: int, h
     at their slots and no other cache row touched."""
     from bcg.ops.kernels import qkv_norm_rope_reference
 
-    width = (heads + 2 * kv_heads) * dim
-    x = row_view(rows, hidden, dtype=dtype, device=device, seed=hidden + rows, pad=8)
-    w = randn(width, hidden, dtype=dtype, device=device, seed=width, scale=hidden**-0.5)
-    b = randn(width, dtype=dtype, device=device, seed=3, scale=0.5) if bias else None
-    positions = torch.randint(0, 8192, (rows,), generator=gen(rows)).to(device)
-    freqs = inv_freq(dim, 500000.0, device)
-    q_w = randn(dim, dtype=dtype, device=device, seed=5, scale=0.3) + 1 if qk_norm else None
-    k_w = randn(dim, dtype=dtype, device=device, seed=6, scale=0.3) + 1 if qk_norm else None
-    inputs = [t.clone() for t in (x, w, positions, freqs)]
-    bufs = [poisoned(rows + 3, n + 1, dim, dtype=dtype, device=device) for n in (heads, kv_heads, kv_heads)]
-    outs = [buf[:rows, :-1] for buf in bufs]
-    num_slots = 2 * rows + 3
-    caches = [poisoned(num_slots, kv_heads, dim, dtype=dtype, device=device) for _ in range(2)] if cache else None
-    slots = torch.randperm(num_slots, generator=gen(rows + 1))[:rows].to(device)
-    launch(x, w, b, positions, freqs, q_w, k_w, outs, (*caches, slots) if caches else None)
-    assert all(torch.equal(t, t0) for t, t0 in zip((x, w, positions, freqs), inputs)), "an input changed"
-    assert all(buf[rows:].isnan().all() and buf[:, -1].isnan().all() for buf in bufs), "wrote outside the outputs"
+    c = Case(device, dtype, rows, hidden, heads, kv_heads, dim, qk_norm=qk_norm, bias=bias, cache=cache)
+    x, w, b = c.x, c.w, c.b
+    inputs = [t.clone() for t in (x, w, c.positions, c.freqs)]
+    launch(x, w, b, c.positions, c.freqs, c.q_w, c.k_w, c.outs, c.cache_args)
+    assert all(torch.equal(t, t0) for t, t0 in zip((x, w, c.positions, c.freqs), inputs)), "an input changed"
+    c.assert_nothing_around_the_outputs()
     qkv = x.double() @ w.double().T + (b.double() if bias else 0.0)
     refs = [torch.empty(rows, n, dim, dtype=dtype, device=device) for n in (heads, kv_heads, kv_heads)]
-    qkv_norm_rope_reference(qkv.to(dtype), positions, freqs, q_w, k_w, EPS, *refs)
-    assert_outputs(outs, refs, caches, slots, num_slots, 2 * RTOL[dtype] * ulps)
+    qkv_norm_rope_reference(qkv.to(dtype), c.positions, c.freqs, c.q_w, c.k_w, EPS, *refs)
+    c.assert_outputs(refs, 2 * RTOL[dtype] * ulps)
+
+
+class Case:
+    """One q/k/v kernel case's inputs (a strided row view of ``x``, the weight, bias, positions, frequencies, per-head
+    norm weights), its outputs (row views of NaN-poisoned buffers) and, with ``cache``, a poisoned K/V pool and the
+    slots to write: what the kernel's checks with and without the input-norm prologue share."""
+
+    def __init__(self, device: str, dtype: torch.dtype, rows: int, hidden: int, heads: int, kv_heads: int, dim: int,
+                 *, qk_norm: bool, bias: bool, cache: bool) -> None:
+        width = (heads + 2 * kv_heads) * dim
+        self.rows, self.heads, self.kv_heads = rows, heads, kv_heads
+        self.x = row_view(rows, hidden, dtype=dtype, device=device, seed=hidden + rows, pad=8)
+        self.w = randn(width, hidden, dtype=dtype, device=device, seed=width, scale=hidden**-0.5)
+        self.b = randn(width, dtype=dtype, device=device, seed=3, scale=0.5) if bias else None
+        self.positions = torch.randint(0, 8192, (rows,), generator=gen(rows)).to(device)
+        self.freqs = inv_freq(dim, 500000.0, device)
+        self.q_w = randn(dim, dtype=dtype, device=device, seed=5, scale=0.3) + 1 if qk_norm else None
+        self.k_w = randn(dim, dtype=dtype, device=device, seed=6, scale=0.3) + 1 if qk_norm else None
+        self.bufs = [poisoned(rows + 3, n + 1, dim, dtype=dtype, device=device) for n in (heads, kv_heads, kv_heads)]
+        self.outs = [buf[:rows, :-1] for buf in self.bufs]
+        self.num_slots = 2 * rows + 3
+        self.caches = [poisoned(self.num_slots, kv_heads, dim, dtype=dtype, device=device)
+                       for _ in range(2)] if cache else None
+        self.slots = torch.randperm(self.num_slots, generator=gen(rows + 1))[:rows].to(device)
+
+    @property
+    def cache_args(self) -> tuple[Tensor, Tensor, Tensor] | None:
+        """The launcher's ``cache`` argument: ``(k_cache, v_cache, slots)`` or None."""
+        return (*self.caches, self.slots) if self.caches else None
+
+    def assert_nothing_around_the_outputs(self) -> None:
+        assert all(buf[self.rows:].isnan().all() and buf[:, -1].isnan().all() for buf in self.bufs), \
+            "wrote outside the outputs"
+
+    def assert_outputs(self, refs: list[Tensor], tol: float) -> None:
+        assert_outputs(self.outs, refs, self.caches, self.slots, self.num_slots, tol)
 
 
 def assert_outputs(outs: list[Tensor], refs: list[Tensor], caches: list[Tensor], slots: Tensor, num_slots: int,

@@ -7,8 +7,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-from kernel_cases import EPS, RTOL, gen, inv_freq, poisoned, randn, row_view
-from qkv_cases import assert_outputs
+from kernel_cases import EPS, RTOL, poisoned, randn, row_view
+from qkv_cases import Case
 from torch import Tensor
 
 NORM_EPS = 1e-6  # the input norm's eps, apart from the per-head norms' EPS, so that a swap of the two shows
@@ -62,33 +62,21 @@ def check_qkv_rope_norm(launch: LaunchNorm, device: str, dtype: torch.dtype, row
     fused_add_rms_norm rounds it (``exact_residual``; else within a unit), every element of it written once and
     nothing around it (a row view of a poisoned buffer); x, residual and the weights untouched; with ``cache``, k and
     v at their slots and no other cache row touched."""
-    width = (heads + 2 * kv_heads) * dim
-    x = row_view(rows, hidden, dtype=dtype, device=device, seed=hidden + rows, pad=8)
+    c = Case(device, dtype, rows, hidden, heads, kv_heads, dim, qk_norm=qk_norm, bias=bias, cache=cache)
+    x, w, b = c.x, c.w, c.b
     residual = row_view(rows, hidden, dtype=dtype, device=device, seed=rows + 7, pad=4).mul_(4) if add else None
     x[0].mul_(2**-10)  # a quiet row (mean square ~1e-5): its rstd shows which eps the input norm used
     if add:
         residual[0].mul_(2**-10)
     norm_weight = randn(hidden, dtype=dtype, device=device, seed=11, scale=0.3) + 1
-    w = randn(width, hidden, dtype=dtype, device=device, seed=width, scale=hidden**-0.5)
-    b = randn(width, dtype=dtype, device=device, seed=3, scale=0.5) if bias else None
-    positions = torch.randint(0, 8192, (rows,), generator=gen(rows)).to(device)
-    freqs = inv_freq(dim, 500000.0, device)
-    q_w = randn(dim, dtype=dtype, device=device, seed=5, scale=0.3) + 1 if qk_norm else None
-    k_w = randn(dim, dtype=dtype, device=device, seed=6, scale=0.3) + 1 if qk_norm else None
-    inputs = [t for t in (x, residual, norm_weight, w, positions, freqs) if t is not None]
+    inputs = [t for t in (x, residual, norm_weight, w, c.positions, c.freqs) if t is not None]
     saved = [t.clone() for t in inputs]
-    bufs = [poisoned(rows + 3, n + 1, dim, dtype=dtype, device=device) for n in (heads, kv_heads, kv_heads)]
-    outs = [buf[:rows, :-1] for buf in bufs]
     res_buf = poisoned(rows + 2, hidden + 5, dtype=dtype, device=device)
     residual_out = res_buf[:rows, 3:3 + hidden]
-    num_slots = 2 * rows + 3
-    caches = [poisoned(num_slots, kv_heads, dim, dtype=dtype, device=device) for _ in range(2)] if cache else None
-    slots = torch.randperm(num_slots, generator=gen(rows + 1))[:rows].to(device)
-    launch(x, w, b, positions, freqs, q_w, k_w, outs, (*caches, slots) if caches else None, norm_weight, residual,
-           residual_out)
+    launch(x, w, b, c.positions, c.freqs, c.q_w, c.k_w, c.outs, c.cache_args, norm_weight, residual, residual_out)
     assert all(torch.equal(t, t0) for t, t0 in zip(inputs, saved)), "an input changed"
-    assert all(buf[rows:].isnan().all() and buf[:, -1].isnan().all() for buf in bufs), "wrote outside the outputs"
-    h, refs = reference(x, residual, norm_weight, w, b, positions, freqs, q_w, k_w, heads, kv_heads)
+    c.assert_nothing_around_the_outputs()
+    h, refs = reference(x, residual, norm_weight, w, b, c.positions, c.freqs, c.q_w, c.k_w, heads, kv_heads)
     if add:
         assert not residual_out.isnan().any(), "an element of the new residual was not written"
         around = res_buf.clone()
@@ -100,4 +88,4 @@ def check_qkv_rope_norm(launch: LaunchNorm, device: str, dtype: torch.dtype, row
             torch.testing.assert_close(residual_out.double(), h.double(), rtol=RTOL[dtype], atol=0.0)
     else:
         assert res_buf.isnan().all(), "wrote a residual without the add"
-    assert_outputs(outs, refs, caches, slots, num_slots, 2 * RTOL[dtype] * ulps)
+    c.assert_outputs(refs, 2 * RTOL[dtype] * ulps)
