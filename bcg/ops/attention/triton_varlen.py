@@ -7,8 +7,8 @@ is copied), it is bottom-right aligned by construction (no probe), and windows, 
 switches of the one kernel, so every layer with equal head dims attends in one launch. On a CPU it runs the
 kernel's reference (in half precision, as the kernel), so the island's host logic runs in CI.
 
-Not the default: which kernel is faster at which length is measured on the GPU (``benchmarks/fused_ops.py
---attention``). The varlen backend already sends soft-capped layers here on CUDA.
+Not the default backend: the varlen backend already sends its buckets of ``TRITON_FROM_TOKENS`` tokens or more and
+soft-capped layers to the same kernel on CUDA; ``benchmarks/attention_kernels.py`` measures it against FlashAttention.
 """
 
 from __future__ import annotations
