@@ -14,9 +14,16 @@ replays, as ``benchmarks/fused_ops.py``), with TFLOP/s over the visible query-ke
 dim), the host time to enqueue one eager call, and the largest difference from ``flash``. ``--block-m/--block-n/
 --warps/--stages`` override the kernel's block configuration to tune it. The last line is one JSON object.
 
+``--sweep`` times bcg's kernel alone under many block configurations per shape and token count instead, each the
+way the engine runs it: up to 512 tokens (the whole-step graphs) reading keys through a pool's slots with the
+padded tail zeroed and four request slots, above that (the island) directly. Beside them ``default`` (what
+``block_config`` picks now) and ``before`` (the blocks of the query length alone, every key block masked: the
+kernel of round 12), and per shape and length the fastest.
+
 Usage::
 
     python benchmarks/attention_kernels.py --tokens 64,256,2048 --out attention.json
+    python benchmarks/attention_kernels.py --sweep --out sweep.json
 
 CUDA only: on a machine without a GPU it says so and exits with status 2.
 """
@@ -24,6 +31,7 @@ CUDA only: on a machine without a GPU it says so and exits with status 2.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import traceback
@@ -42,7 +50,9 @@ from bcg.ops.kernels.dispatch import fused_available
 
 DTYPE = torch.bfloat16
 # name -> (query heads, kv heads, head dim)
-SHAPES = {"llama-dense": (16, 4, 64), "llama-3.2-1b": (32, 8, 64), "llama-dense-2k": (16, 4, 128)}
+SHAPES = {"llama-dense": (16, 4, 64), "llama-3.2-1b": (32, 8, 64), "llama-dense-2k": (16, 4, 128),
+          "qwen3-0.6b": (16, 8, 128)}
+SLOT_MODE_TOKENS = 512  # up to here the engine runs attention inside its whole-step graphs, through the pool's slots
 
 
 def variants(heads: int, kv_heads: int, dim: int, tokens: int, requests: int, config: object) -> dict:
@@ -110,6 +120,76 @@ def run(shapes: list[str], tokens: list[int], requests: int, repeats: int, repla
     return rows
 
 
+def sweep_configs(dim: int, tokens: int, heads: int) -> dict[str, object]:
+    """``name -> BlockConfig``: ``default``, ``before`` and a grid around them sized to the token count."""
+    from bcg.ops.kernels.dispatch import num_sms
+    from bcg.ops.kernels.triton_attention import BlockConfig, block_config
+
+    old = block_config(dim, tokens)
+    configs = {"default": block_config(dim, tokens, heads, num_sms(torch.device("cuda"))),
+               "before": BlockConfig(old.block_m, old.block_n, old.num_warps, old.num_stages, split_mask=False)}
+    if tokens <= 64:
+        grid = [(m, n, 4, st) for m in (16, 32, 64) for n in (32, 64) for st in (2, 3)]
+    elif tokens <= SLOT_MODE_TOKENS:
+        grid = [(m, n, 4, 3) for m in (16, 32, 64, 128) for n in (32, 64)] + [(128, 64, 8, 3), (64, 64, 8, 3)]
+    else:
+        grid = [(m, n, w, st) for m in (64, 128) for n in (32, 64, 128) for w in (4, 8) for st in (2, 3)]
+    for m, n, w, st in grid:
+        if dim > 128 and n > 64:
+            continue
+        configs[f"m{m}n{n}w{w}s{st}"] = BlockConfig(m, n, w, st)
+    return configs
+
+
+def sweep(shapes: list[str], tokens: list[int], repeats: int, replays: int) -> list:
+    """Every configuration of :func:`sweep_configs` per shape and length, the engine's way (see the docstring)."""
+    from bcg.ops.kernels import triton_attention
+
+    rows = []
+    for shape in shapes:
+        heads, kv_heads, dim = SHAPES[shape]
+        for t in tokens:
+            gen = torch.Generator().manual_seed(0)
+            q = torch.randn(t, heads, dim, generator=gen).to("cuda", DTYPE)
+            k, v = (torch.randn(t, kv_heads, dim, generator=gen).to("cuda", DTYPE) for _ in range(2))
+            cu = torch.tensor([0, t], dtype=torch.int32, device="cuda")
+            want = flash_varlen(q, k, v, cu, cu, t, t, is_causal=True).float()
+            slots = t <= SLOT_MODE_TOKENS
+            if slots:  # the pool: the keys at shuffled rows, four request slots (three sentinels), the tail zeroed
+                perm = torch.randperm(t + 64, generator=gen)[:t].to("cuda")
+                pool_k, pool_v = (torch.zeros(t + 64, kv_heads, dim, device="cuda", dtype=DTYPE) for _ in range(2))
+                pool_k[perm], pool_v[perm] = k, v
+                cu_r = torch.tensor([0, t, t, t, t], dtype=torch.int32, device="cuda")
+                args, extra = (q, pool_k, pool_v, cu_r, cu_r, t, t), dict(kv_slots=perm, zero_tail=True)
+            else:
+                args, extra = (q, k, v, cu, cu, t, t), {}
+            out = torch.empty_like(q)
+            flops = 4.0 * t * (t + 1) / 2 * heads * dim
+            results = []
+            for name, cfg in sweep_configs(dim, t, heads).items():
+                row = {"shape": shape, "tokens": t, "mode": "slots" if slots else "direct", "config": name,
+                       "block": repr(cfg)}
+                fn = functools.partial(triton_attention.varlen_attention, *args, out, config=cfg, **extra)
+                try:
+                    us = graph_us(fn, repeats, replays)
+                    fn()
+                    row.update(device_us=us, tflops=flops / us / 1e6, max_diff_vs_flash=(out.float() - want).abs()
+                               .max().item())
+                    results.append(row)
+                except Exception as exc:  # a configuration that does not compile (registers, shared memory)
+                    row["error"] = repr(exc)[:200]
+                rows.append(row)
+                print(f"{shape:<15} {t:>5} {row['mode']:<6} {name:<14} " + (
+                    f"{row['device_us']:>9.2f} {row['tflops']:>7.1f} {row['max_diff_vs_flash']:>8.3g}"
+                    if "error" not in row else f"ERROR {row['error'][:80]}"), flush=True)
+            if results:
+                best = min(results, key=lambda r: r["device_us"])
+                by = {r["config"]: r["device_us"] for r in results}
+                print(f"  best {best['config']} {best['device_us']:.2f} us; default {by.get('default', 0):.2f}; "
+                      f"before {by.get('before', 0):.2f}", flush=True)
+    return rows
+
+
 def format_row(row: dict) -> str:
     head = f"{row['shape']:<15} {row['tokens']:>5} {row['requests']:>3} {row['variant']:<15}"
     if "error" in row:
@@ -129,6 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--block-n", type=int, default=64)
     parser.add_argument("--warps", type=int, default=4)
     parser.add_argument("--stages", type=int, default=3)
+    parser.add_argument("--sweep", action="store_true", help="time the kernel under many block configurations")
     parser.add_argument("--out", type=Path, default=None, help="also write the JSON here")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available() or not fused_available("cuda"):
@@ -143,6 +224,15 @@ def main(argv: list[str] | None = None) -> int:
             "dtype": str(DTYPE), "repeats": args.repeats, "replays": args.replays, "config": repr(config),
             "flash_copy_reason": copy_reason(torch.device("cuda"))}
     print(json.dumps(meta))
+    if args.sweep:
+        shapes = args.shapes.split(",") if args.shapes != ",".join(SHAPES) else ["llama-dense", "llama-3.2-1b",
+                                                                                "qwen3-0.6b"]
+        rows = sweep(shapes, [int(t) for t in args.tokens.split(",")], args.repeats, args.replays)
+        result = {"meta": {**meta, "sweep": True}, "results": rows}
+        if args.out:
+            write_json(args.out, result)
+        print(json.dumps(result))
+        return 0
     print(f"{'shape':<15} {'T':>5} {'req':>3} {'variant':<15} {'device_us':>9} {'TFLOP/s':>8} {'host_us':>8} "
           f"{'maxdiff':>8}")
     rows = run(args.shapes.split(","), [int(t) for t in args.tokens.split(",")], args.requests, args.repeats,

@@ -19,7 +19,8 @@
 #   DEVICE_MODELS / DEVICE_ARGS / BASELINE_ARGS  models and flags of the device steps (benchmarks/device_bound.py: wall against
 #            device time per length, whether a prefill ever synchronises, one timeline); device_baseline runs the
 #            same on the code in .baseline/ (an export of an earlier commit's bcg/) for a before/after
-#   BENCH_ARGS / ANALYZE_ARGS / TEST_ARGS / HF_ARGS  extra flags; T_* the per-step time limits in seconds.
+#   BENCH_ARGS / ANALYZE_ARGS / TEST_ARGS / HF_ARGS / ATTENTION_ARGS (--sweep: block configurations)  extra flags;
+#            T_* the per-step time limits in seconds.
 set -uo pipefail
 source "$(dirname "$0")/steps.sh"
 setup gpu.tgz out/gpu "$@"
@@ -101,7 +102,7 @@ case $steps in *" soak "*)  # the serving soak on the GPU, every attention backe
     --presets tiny-dense,tiny-moe ${SOAK_ARGS:-} ;; esac
 case $steps in *" attention "*)  # the Triton varlen kernel against FlashAttention (with and without the island's copy)
   step attention "${T_ATTENTION:-150}" python3 benchmarks/attention_kernels.py --tokens 64,256,2048 \
-    --out "$work/attention_kernels.json" ;; esac
+    --out "$work/attention_kernels.json" ${ATTENTION_ARGS:-} ;; esac
 case $steps in *" retest "*)  # chosen CUDA tests again (RETEST: pytest node ids), e.g. those a fix was made for
   step retest "${T_RETEST:-180}" python3 -m pytest -q -m cuda -p no:cacheprovider -rf ${RETEST:-tests} ;; esac
 case $steps in *" device2 "*)  # the device step again with other flags (DEVICE2_ARGS), e.g. another attention backend

@@ -14,22 +14,29 @@ layer, with no gather of each request's keys first. Only slots of keys inside a 
 
 Masks, per sequence with ``Lq`` queries and ``Lk`` keys, bottom-right aligned (queries are the last ``Lq`` of the
 keys' positions, as with a cached prefix): query ``i`` sees key ``j`` iff ``j <= i + Lk - Lq`` and, with a left window
-``w >= 0``, ``j >= i + Lk - Lq - w``. Key blocks entirely outside that band are skipped, not masked. Soft-capping
+``w >= 0``, ``j >= i + Lk - Lq - w``. Key blocks entirely outside that band are skipped, not masked, and those
+every row of the program sees in full (below the first row's diagonal, inside the last row's window) run in a loop
+of their own with no mask at all (FlashAttention's split of the causal loop): only the blocks on the band's edges
+pay for the comparisons. Soft-capping
 (``cap * tanh(s / cap)`` of the scaled score ``s``) and per-head sink logits (one more softmax column with no value,
 gpt-oss's) are compile-time switches. A row that sees no key gets 0.
 
-Block sizes are fixed per head dim and query length (:func:`block_config`; no autotuning, which benchmarks and so
-syncs the host: it cannot run inside a graph capture). Triton compiles each configuration at its first call: warm up
-before capturing. Importing this module needs Triton.
+Block sizes are fixed per head dim, query length and head count (:func:`block_config`; no autotuning, which
+benchmarks and so syncs the host: it cannot run inside a graph capture). Triton compiles each configuration at its
+first call: warm up before capturing. Importing this module needs Triton.
 """
 
 from __future__ import annotations
 
+import functools
+
+import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 from triton.language.extra import libdevice
 
+from bcg.ops.kernels.dispatch import num_sms
 from bcg.ops.kernels.triton_utils import INTERPRETING, grid_dependency, launch
 
 __all__ = ["BlockConfig", "block_config", "varlen_attention"]
@@ -43,39 +50,47 @@ _DOT_F32 = tl.constexpr(INTERPRETING)
 class BlockConfig:
     """One launch configuration: query rows and keys a program works on per step, warps and pipeline stages.
 
-    The defaults are starting points for an H200 (tune with ``benchmarks/attention_kernels.py --block-m``): 128
-    query rows fill a warp group's MMA for long prompts, 64 rows waste less on short ones; 64 keys a step keep the
-    fp32 score block in registers at head dim 128.
+    The defaults (:func:`block_config`) are starting points for an H200 (``benchmarks/attention_kernels.py --sweep``
+    times the alternatives): 128 query rows fill a warp group's MMA for long prompts, fewer rows waste less on short
+    ones and run more programs where one sequence's would not fill the SMs.
     """
 
-    def __init__(self, block_m: int, block_n: int, num_warps: int, num_stages: int) -> None:
+    def __init__(self, block_m: int, block_n: int, num_warps: int, num_stages: int, split_mask: bool = True) -> None:
         self.block_m, self.block_n, self.num_warps, self.num_stages = block_m, block_n, num_warps, num_stages
+        self.split_mask = split_mask  # key blocks seen in full skip the masks (False: every block masked)
 
     def __repr__(self) -> str:
         return (f"BlockConfig(block_m={self.block_m}, block_n={self.block_n}, num_warps={self.num_warps}, "
-                f"num_stages={self.num_stages})")
+                f"num_stages={self.num_stages}, split_mask={self.split_mask})")
 
 
-# (largest head dim, short-query config, long-query config); a query run of at most SHORT_QUERY rows is "short".
+# A query run of at most SHORT_QUERY rows is "short": 64-row blocks (less padding) where longer runs take 128.
 SHORT_QUERY = 64
-CONFIGS: list[tuple[int, BlockConfig, BlockConfig]] = [
-    (64, BlockConfig(64, 64, 4, 3), BlockConfig(128, 64, 4, 3)),
-    (128, BlockConfig(64, 64, 4, 3), BlockConfig(128, 64, 8, 3)),
-    (256, BlockConfig(64, 32, 4, 2), BlockConfig(64, 64, 8, 2)),
-]
+MIN_BLOCK_M = 16  # the tensor cores' smallest M
 
 
-def block_config(head_dim: int, max_seqlen_q: int) -> BlockConfig:
-    """The launch configuration for ``head_dim`` (at most 256) and a query-length bound of ``max_seqlen_q``.
+def block_config(head_dim: int, max_seqlen_q: int, num_heads: int = 1, num_sms: int = 0) -> BlockConfig:
+    """The launch configuration for ``head_dim`` (at most 256), a query-length bound of ``max_seqlen_q`` and, given
+    ``num_sms``, enough programs to fill the GPU: the query block halves (down to :data:`MIN_BLOCK_M` rows) while one
+    sequence of ``max_seqlen_q`` rows over ``num_heads`` heads would run fewer programs than there are SMs (a
+    256-token prompt of 16 heads in 128-row blocks is 32 programs on 132 SMs, each walking up to every key).
+    ``num_sms=0`` keeps the blocks of the query length alone.
 
     Example::
 
-        block_config(128, 2048)    # BlockConfig(block_m=128, block_n=64, num_warps=8, num_stages=3)
+        block_config(128, 2048)    # BlockConfig(block_m=128, block_n=64, num_warps=8, num_stages=3, split_mask=True)
+        block_config(64, 256, num_heads=16, num_sms=132)    # block_m=16: 256 programs instead of 32
     """
-    for max_dim, short, long in CONFIGS:
-        if head_dim <= max_dim:
-            return short if max_seqlen_q <= SHORT_QUERY else long
-    raise ValueError(f"head_dim {head_dim} is above the 256 this kernel supports")
+    if head_dim > 256:
+        raise ValueError(f"head_dim {head_dim} is above the 256 this kernel supports")
+    short = max_seqlen_q <= SHORT_QUERY
+    block_m = 64 if short or head_dim > 128 else 128
+    while block_m > MIN_BLOCK_M and triton.cdiv(max_seqlen_q, block_m) * num_heads < num_sms:
+        block_m //= 2
+    if head_dim <= 128:  # 64 keys a step keep the fp32 score block in registers at head dim 128
+        return BlockConfig(block_m, 64, 8 if block_m == 128 and head_dim > 64 else 4, 3)
+    block_n = 32 if short or block_m < 64 else 64
+    return BlockConfig(block_m, block_n, 8 if block_n == 64 else 4, 2)
 
 
 @triton.jit
@@ -89,35 +104,52 @@ def _tanh(x):
 @triton.jit
 def _key_block(q, acc, m_i, l_i, k_base, v_base, kv_slots, k_start, len_k, start_n, in_band, diag, stride_kt,
                stride_vt, score_scale, softcap, window_left, offs_n, offs_d, d_ok, HAS_SOFTCAP: tl.constexpr,
-               HAS_WINDOW: tl.constexpr, HAS_KV_SLOTS: tl.constexpr):
+               HAS_WINDOW: tl.constexpr, HAS_KV_SLOTS: tl.constexpr, MASKED: tl.constexpr, EVEN_D: tl.constexpr):
     """One step of the online softmax: the scores of ``BLOCK_N`` keys from ``start_n``, masked, folded into the
-    running max ``m_i``, denominator ``l_i`` and output ``acc`` (all fp32, the max in log2 units)."""
+    running max ``m_i``, denominator ``l_i`` and output ``acc`` (all fp32, the max in log2 units). ``MASKED=False``:
+    a block every row of the program sees in full (inside the sequence, the causal band and the window), loaded and
+    scored with no mask at all."""
     cols = start_n + offs_n
-    col_ok = (cols < len_k) & in_band
+    if MASKED:
+        col_ok = (cols < len_k) & in_band
     if HAS_KV_SLOTS:  # the pool rows of these keys; keys outside the sequence read no slot (it may be anything)
-        kv_rows = tl.load(kv_slots + k_start + cols, mask=col_ok, other=0).to(tl.int64)
+        if MASKED:
+            kv_rows = tl.load(kv_slots + k_start + cols, mask=col_ok, other=0).to(tl.int64)
+        else:
+            kv_rows = tl.load(kv_slots + k_start + cols).to(tl.int64)
     else:
         kv_rows = (k_start + cols).to(tl.int64)
-    k = tl.load(k_base + kv_rows[None, :] * stride_kt + offs_d[:, None], mask=col_ok[None, :] & d_ok[:, None],
-                other=0.0)
+    k_ptrs = k_base + kv_rows[None, :] * stride_kt + offs_d[:, None]
+    if MASKED:
+        k = tl.load(k_ptrs, mask=col_ok[None, :] & d_ok[:, None], other=0.0)
+    elif EVEN_D:
+        k = tl.load(k_ptrs)
+    else:
+        k = tl.load(k_ptrs, mask=d_ok[:, None], other=0.0)
     if _DOT_F32:
         s = tl.dot(q.to(tl.float32), k.to(tl.float32)) * score_scale
     else:
         s = tl.dot(q, k) * score_scale
     if HAS_SOFTCAP:
         s = _tanh(s) * (softcap * 1.4426950408889634)
-    visible = col_ok[None, :] & (cols[None, :] <= diag[:, None])
-    if HAS_WINDOW:
-        visible = visible & (cols[None, :] >= diag[:, None] - window_left)
-    s = tl.where(visible, s, float("-inf"))
+    if MASKED:
+        visible = col_ok[None, :] & (cols[None, :] <= diag[:, None])
+        if HAS_WINDOW:
+            visible = visible & (cols[None, :] >= diag[:, None] - window_left)
+        s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     # A row that has seen nothing yet keeps a max of -inf: subtract 0 instead, so exp2 gives 0, not NaN.
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     p = tl.math.exp2(s - m_safe[:, None])
     alpha = tl.math.exp2(m_i - m_safe)
     l_i = l_i * alpha + tl.sum(p, 1)
-    v = tl.load(v_base + kv_rows[:, None] * stride_vt + offs_d[None, :], mask=col_ok[:, None] & d_ok[None, :],
-                other=0.0)
+    v_ptrs = v_base + kv_rows[:, None] * stride_vt + offs_d[None, :]
+    if MASKED:
+        v = tl.load(v_ptrs, mask=col_ok[:, None] & d_ok[None, :], other=0.0)
+    elif EVEN_D:
+        v = tl.load(v_ptrs)
+    else:
+        v = tl.load(v_ptrs, mask=d_ok[None, :], other=0.0)
     if _DOT_F32:
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32))
     else:
@@ -132,7 +164,8 @@ def _varlen_fwd(
     sm_scale, softcap, window_left,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr,
-    STATIC_BLOCKS_N: tl.constexpr, HAS_KV_SLOTS: tl.constexpr, ZERO_TAIL: tl.constexpr,
+    STATIC_BLOCKS_N: tl.constexpr, HAS_KV_SLOTS: tl.constexpr, ZERO_TAIL: tl.constexpr, SPLIT_MASK: tl.constexpr,
+    EVEN_D: tl.constexpr,
 ):
     grid_dependency()  # under programmatic dependent launch: the kernel before is done
     pid_m = tl.program_id(0)
@@ -179,20 +212,53 @@ def _varlen_fwd(
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     k_base = K + kv_head * stride_kh
     v_base = V + kv_head * stride_vh
+    # The blocks every row of this program sees in full, [lo_full, hi_full): up to the first row's diagonal and,
+    # with a window, from the last row's window start. They run without masks; the blocks around them (the
+    # diagonal's, the window's edge) with them. SPLIT_MASK=False masks every block (the benchmark's comparison).
+    if SPLIT_MASK:
+        diag_first = pid_m * BLOCK_M + len_k - len_q
+        hi_full = tl.maximum(0, (diag_first + 1) // BLOCK_N * BLOCK_N)
+        if HAS_WINDOW:
+            diag_last = tl.minimum((pid_m + 1) * BLOCK_M, len_q) - 1 + len_k - len_q
+            lo_full = tl.cdiv(tl.maximum(0, diag_last - window_left), BLOCK_N) * BLOCK_N
+        else:
+            lo_full = lo
+        no_full = lo_full >= hi_full
+        lo_full = tl.where(no_full, lo, lo_full)
+        hi_full = tl.where(no_full, lo, hi_full)
+    else:
+        lo_full = lo
+        hi_full = lo
     if STATIC_BLOCKS_N == 0:
-        for start_n in range(lo, hi, BLOCK_N):
+        if HAS_WINDOW:
+            for start_n in range(lo, lo_full, BLOCK_N):
+                acc, m_i, l_i = _key_block(q, acc, m_i, l_i, k_base, v_base, KV_SLOTS, k_start, len_k, start_n,
+                                           True, diag, stride_kt, stride_vt, score_scale, softcap, window_left,
+                                           offs_n, offs_d, d_ok, HAS_SOFTCAP, HAS_WINDOW, HAS_KV_SLOTS, True, EVEN_D)
+        for start_n in range(lo_full, hi_full, BLOCK_N):
             acc, m_i, l_i = _key_block(q, acc, m_i, l_i, k_base, v_base, KV_SLOTS, k_start, len_k, start_n, True,
                                        diag, stride_kt, stride_vt, score_scale, softcap, window_left, offs_n, offs_d,
-                                       d_ok, HAS_SOFTCAP, HAS_WINDOW, HAS_KV_SLOTS)
+                                       d_ok, HAS_SOFTCAP, HAS_WINDOW, HAS_KV_SLOTS, False, EVEN_D)
+        for start_n in range(hi_full, hi, BLOCK_N):
+            acc, m_i, l_i = _key_block(q, acc, m_i, l_i, k_base, v_base, KV_SLOTS, k_start, len_k, start_n, True,
+                                       diag, stride_kt, stride_vt, score_scale, softcap, window_left, offs_n, offs_d,
+                                       d_ok, HAS_SOFTCAP, HAS_WINDOW, HAS_KV_SLOTS, True, EVEN_D)
     else:
-        # The interpreter's loops: a fixed count, with the blocks outside [lo, hi) masked out as a whole (the
-        # compiled loop's range has runtime bounds, which Triton 3.6's interpreter cannot take under numpy >= 2.4).
+        # The interpreter's loops: a fixed count, each block taking the compiled loops' path for its place (blocks
+        # outside [lo, hi) masked out as a whole): the compiled loops' ranges have runtime bounds, which Triton
+        # 3.6's interpreter cannot take under numpy >= 2.4.
         for block in range(STATIC_BLOCKS_N):
             start_n = block * BLOCK_N
-            acc, m_i, l_i = _key_block(q, acc, m_i, l_i, k_base, v_base, KV_SLOTS, k_start, len_k, start_n,
-                                       (start_n >= lo) & (start_n < hi), diag, stride_kt, stride_vt, score_scale,
-                                       softcap, window_left, offs_n, offs_d, d_ok, HAS_SOFTCAP, HAS_WINDOW,
-                                       HAS_KV_SLOTS)
+            if (start_n >= lo_full) & (start_n < hi_full):
+                acc, m_i, l_i = _key_block(q, acc, m_i, l_i, k_base, v_base, KV_SLOTS, k_start, len_k, start_n,
+                                           True, diag, stride_kt, stride_vt, score_scale, softcap, window_left,
+                                           offs_n, offs_d, d_ok, HAS_SOFTCAP, HAS_WINDOW, HAS_KV_SLOTS, False,
+                                           EVEN_D)
+            else:
+                acc, m_i, l_i = _key_block(q, acc, m_i, l_i, k_base, v_base, KV_SLOTS, k_start, len_k, start_n,
+                                           (start_n >= lo) & (start_n < hi), diag, stride_kt, stride_vt,
+                                           score_scale, softcap, window_left, offs_n, offs_d, d_ok, HAS_SOFTCAP,
+                                           HAS_WINDOW, HAS_KV_SLOTS, True, EVEN_D)
 
     if HAS_SINKS:
         # One more softmax column per head with no value: it only grows the denominator.
@@ -205,6 +271,12 @@ def _varlen_fwd(
     o = acc / l_safe[:, None]
     o_ptrs = OUT + (q_start + offs_m)[:, None].to(tl.int64) * stride_ot + head * stride_oh + offs_d[None, :]
     tl.store(o_ptrs, o.to(OUT.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    """The device's SMs (an H200's 132 where Triton's interpreter runs on the CPU, so the blocks are the GPU's)."""
+    return num_sms(device) if device.type == "cuda" else 132
 
 
 def varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int,
@@ -221,18 +293,19 @@ def varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_s
     """
     num_seqs = cu_seqlens_q.numel() - 1
     total_q, num_heads, head_dim = q.shape
-    cfg = config or block_config(head_dim, max_seqlen_q)
+    cfg = config or block_config(head_dim, max_seqlen_q, num_heads, _num_sms(q.device))
     # The tail has at most total_q rows: with zero_tail the grid covers them too (the bucket is max_seqlen_q anyway).
     rows = max(max_seqlen_q, total_q) if zero_tail else max_seqlen_q
     grid = (triton.cdiv(rows, cfg.block_m), num_seqs, num_heads)
+    block_d = max(16, triton.next_power_of_2(head_dim))
     launch(_varlen_fwd, grid, q, k, v, out, cu_seqlens_q, cu_seqlens_k, sinks if sinks is not None else q,
            kv_slots if kv_slots is not None else cu_seqlens_k, total_q,
            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
            scale if scale is not None else head_dim ** -0.5, softcap or 1.0,
            window_left if window_left is not None and window_left >= 0 else 0,
-           HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)), GROUP=num_heads // k.shape[1],
+           HEAD_DIM=head_dim, BLOCK_D=block_d, GROUP=num_heads // k.shape[1],
            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HAS_SOFTCAP=bool(softcap),
            HAS_WINDOW=window_left is not None and window_left >= 0, HAS_SINKS=sinks is not None,
            STATIC_BLOCKS_N=triton.cdiv(max_seqlen_k, cfg.block_n) if INTERPRETING else 0,
-           HAS_KV_SLOTS=kv_slots is not None, ZERO_TAIL=zero_tail,
-           num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+           HAS_KV_SLOTS=kv_slots is not None, ZERO_TAIL=zero_tail, SPLIT_MASK=cfg.split_mask,
+           EVEN_D=block_d == head_dim, num_warps=cfg.num_warps, num_stages=cfg.num_stages)

@@ -57,6 +57,23 @@ def test_head_dims_and_block_configs(ta, dim):
         assert (got.double() - want).abs().max().item() <= TOL[torch.float16], cfg
 
 
+@pytest.mark.parametrize("window_left", [None, 20, 45])
+def test_blocks_seen_in_full_skip_the_masks(ta, window_left):
+    """Small blocks over long sequences: most key blocks lie wholly inside a program's causal band (and window) and
+    take the unmasked loop, the diagonal's and the window edge's the masked one. Against the oracle, and the same
+    bits as the kernel with every block masked (a full block has nothing to mask)."""
+    lens_q, lens_k = [70, 33], [150, 33]
+    q, k, v, cu_q, cu_k, features = packed(lens_q, lens_k, heads=2, kv_heads=1, dtype=torch.float16,
+                                           window_left=window_left)
+    want = oracle(q, k, v, lens_q, lens_k, **features)
+    split, masked = torch.empty_like(q), torch.empty_like(q)
+    for out, split_mask in ((split, True), (masked, False)):
+        ta.varlen_attention(q, k, v, cu_q, cu_k, 70, 150, out, config=ta.BlockConfig(16, 16, 4, 1, split_mask),
+                            **features)
+    assert (split.double() - want).abs().max().item() <= TOL[torch.float16]
+    assert torch.equal(split, masked)
+
+
 @pytest.mark.parametrize("slot_dtype", [torch.int32, torch.int64])
 @pytest.mark.parametrize("name", ["prefixes", "empty-sequences", "long", "everything"])
 def test_slot_mode_reads_the_pool_in_place(ta, name, slot_dtype):

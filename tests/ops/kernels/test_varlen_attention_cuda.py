@@ -42,7 +42,7 @@ def test_matches_flash_attention(shape, batch):
     assert _max_err(out, want) <= 1.6e-2  # a couple of bf16 units at |o| <= ~1
 
 
-@pytest.mark.parametrize("window_left", [0, 7, 127])
+@pytest.mark.parametrize("window_left", [0, 7, 127, 511])
 def test_window_matches_flash_attention(window_left):
     lens_q, lens_k = [300, 5], [700, 5]
     q, k, v, cu_q, cu_k, _ = packed(lens_q, lens_k, 32, 8, 128, dtype=BF16, device="cuda")
@@ -53,6 +53,24 @@ def test_window_matches_flash_attention(window_left):
     got = torch.empty_like(q)
     varlen_attention(q, k, v, cu_q, cu_k, 300, 700, got, window_left=window_left)
     assert _max_err(got, want) <= 1.6e-2
+
+
+@pytest.mark.parametrize("window_left", [None, 200])
+def test_unmasked_key_blocks_match_every_block_masked(window_left):
+    """The loop over key blocks seen in full (no masks) against the kernel with every block masked, compiled."""
+    from bcg.ops.kernels.triton_attention import BlockConfig, block_config
+    from bcg.ops.kernels.triton_attention import varlen_attention as launch
+
+    lens_q, lens_k = [1000, 48], [1500, 48]
+    q, k, v, cu_q, cu_k, _ = packed(lens_q, lens_k, 32, 8, 128, dtype=BF16, device="cuda")
+    base = block_config(128, 1000)
+    split, masked = torch.empty_like(q), torch.empty_like(q)
+    for out, split_mask in ((split, True), (masked, False)):
+        cfg = BlockConfig(base.block_m, base.block_n, base.num_warps, base.num_stages, split_mask)
+        launch(q, k, v, cu_q, cu_k, 1000, 1500, out, window_left=window_left, config=cfg)
+    assert _max_err(split, masked) <= 1.6e-2
+    want = oracle(q, k, v, lens_q, lens_k, window_left=window_left)
+    assert (split.double().cpu() - want).abs().max() <= 1.6e-2
 
 
 @pytest.mark.parametrize("name", list(CASES))
