@@ -23,7 +23,7 @@ kernel of round 12), and per shape and length the fastest.
 Usage::
 
     python benchmarks/attention_kernels.py --tokens 64,256,2048 --out attention.json
-    python benchmarks/attention_kernels.py --sweep --out sweep.json
+    python benchmarks/attention_kernels.py --sweep --tokens 64,256,1024,2048 --out sweep.json
 
 CUDA only: on a machine without a GPU it says so and exits with status 2.
 """
@@ -120,25 +120,37 @@ def run(shapes: list[str], tokens: list[int], requests: int, repeats: int, repla
     return rows
 
 
-def sweep_configs(dim: int, tokens: int, heads: int) -> dict[str, object]:
-    """``name -> BlockConfig``: ``default``, ``before`` and a grid around them sized to the token count."""
-    from bcg.ops.kernels.dispatch import num_sms
+def sweep_configs(dim: int, tokens: int) -> dict[str, object]:
+    """``name -> BlockConfig``: ``default``, ``before`` and a grid around them sized to the token count (``-masked``:
+    every key block masked, no split loop)."""
     from bcg.ops.kernels.triton_attention import BlockConfig, block_config
 
-    old = block_config(dim, tokens)
-    configs = {"default": block_config(dim, tokens, heads, num_sms(torch.device("cuda"))),
-               "before": BlockConfig(old.block_m, old.block_n, old.num_warps, old.num_stages, split_mask=False)}
+    configs = {"default": block_config(dim, tokens), "before": before_config(dim, tokens)}
     if tokens <= 64:
-        grid = [(m, n, 4, st) for m in (16, 32, 64) for n in (32, 64) for st in (2, 3)]
+        grid = [(m, n, 4, st, False) for m in (16, 32, 64) for n in (32, 64) for st in (2, 3)] + [(64, 64, 4, 3, True)]
     elif tokens <= SLOT_MODE_TOKENS:
-        grid = [(m, n, 4, 3) for m in (16, 32, 64, 128) for n in (32, 64)] + [(128, 64, 8, 3), (64, 64, 8, 3)]
+        grid = [(m, n, w, 3, split) for m in (32, 64, 128) for n in (32, 64) for w in (4, 8)
+                for split in (True, False) if w == 4 or n == 64]
     else:
-        grid = [(m, n, w, st) for m in (64, 128) for n in (32, 64, 128) for w in (4, 8) for st in (2, 3)]
-    for m, n, w, st in grid:
+        grid = [(m, n, w, st, True) for m in (64, 128) for n in (32, 64, 128) for w in (4, 8) for st in (2, 3)]
+        grid += [(64, 64, 4, 3, False), (128, 64, 8, 3, False), (64, 128, 4, 3, False)]
+    for m, n, w, st, split in grid:
         if dim > 128 and n > 64:
             continue
-        configs[f"m{m}n{n}w{w}s{st}"] = BlockConfig(m, n, w, st)
+        configs[f"m{m}n{n}w{w}s{st}" + ("" if split else "-masked")] = BlockConfig(m, n, w, st, split)
     return configs
+
+
+def before_config(dim: int, tokens: int) -> object:
+    """The configuration of round 12 (before the split loop): 64-row blocks up to 64 query rows, else 128 (64 at
+    head dim 256), every key block masked."""
+    from bcg.ops.kernels.triton_attention import BlockConfig
+
+    if dim > 128:
+        return BlockConfig(64, 32, 4, 2, False) if tokens <= 64 else BlockConfig(64, 64, 8, 2, False)
+    if tokens <= 64:
+        return BlockConfig(64, 64, 4, 3, False)
+    return BlockConfig(128, 64, 8 if dim > 64 else 4, 3, False)
 
 
 def sweep(shapes: list[str], tokens: list[int], repeats: int, replays: int) -> list:
@@ -166,7 +178,7 @@ def sweep(shapes: list[str], tokens: list[int], repeats: int, replays: int) -> l
             out = torch.empty_like(q)
             flops = 4.0 * t * (t + 1) / 2 * heads * dim
             results = []
-            for name, cfg in sweep_configs(dim, t, heads).items():
+            for name, cfg in sweep_configs(dim, t).items():
                 row = {"shape": shape, "tokens": t, "mode": "slots" if slots else "direct", "config": name,
                        "block": repr(cfg)}
                 fn = functools.partial(triton_attention.varlen_attention, *args, out, config=cfg, **extra)

@@ -21,22 +21,18 @@ pay for the comparisons. Soft-capping
 (``cap * tanh(s / cap)`` of the scaled score ``s``) and per-head sink logits (one more softmax column with no value,
 gpt-oss's) are compile-time switches. A row that sees no key gets 0.
 
-Block sizes are fixed per head dim, query length and head count (:func:`block_config`; no autotuning, which
+Block sizes are fixed per head dim and query length (:func:`block_config`; no autotuning, which
 benchmarks and so syncs the host: it cannot run inside a graph capture). Triton compiles each configuration at its
 first call: warm up before capturing. Importing this module needs Triton.
 """
 
 from __future__ import annotations
 
-import functools
-
-import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 from triton.language.extra import libdevice
 
-from bcg.ops.kernels.dispatch import num_sms
 from bcg.ops.kernels.triton_utils import INTERPRETING, grid_dependency, launch
 
 __all__ = ["BlockConfig", "block_config", "varlen_attention"]
@@ -50,9 +46,8 @@ _DOT_F32 = tl.constexpr(INTERPRETING)
 class BlockConfig:
     """One launch configuration: query rows and keys a program works on per step, warps and pipeline stages.
 
-    The defaults (:func:`block_config`) are starting points for an H200 (``benchmarks/attention_kernels.py --sweep``
-    times the alternatives): 128 query rows fill a warp group's MMA for long prompts, fewer rows waste less on short
-    ones and run more programs where one sequence's would not fill the SMs.
+    The defaults (:func:`block_config`) are the fastest measured on an H200 (``benchmarks/attention_kernels.py
+    --sweep`` times the alternatives).
     """
 
     def __init__(self, block_m: int, block_n: int, num_warps: int, num_stages: int, split_mask: bool = True) -> None:
@@ -64,33 +59,36 @@ class BlockConfig:
                 f"num_stages={self.num_stages}, split_mask={self.split_mask})")
 
 
-# A query run of at most SHORT_QUERY rows is "short": 64-row blocks (less padding) where longer runs take 128.
+# A query run of at most SHORT_QUERY rows is "short"; up to SPLIT_FROM_QUERY rows head dim 128 keeps 128-row blocks
+# with every key block masked. From benchmarks/attention_kernels.py --sweep on the H200 (round 13, device µs in a
+# graph, the engine's way): 64 tokens, every shape: 64-row blocks with every key block masked are the fastest (3.2 us
+# at head dim 64; unmasked blocks cannot occur there and the split loops cost 0.5 us); 256 tokens: 64-row blocks with
+# the split 7.9 us against 9.2 (128-row blocks masked, the rule before) at head dim 64, but at head dim 128 128-row
+# blocks masked stay the fastest (11.2 against 12.5-12.9); 2048 tokens: 64-row blocks, 4 warps, with the split
+# 42.8 / 67.1 / 69.1 us against 55.3 / 92.0 / 85.9 before (llama-dense, the 1B and Qwen3-0.6B shapes), 0.75-0.80x.
+# Query blocks of 16-32 rows (more programs on the SMs) were slower at every length.
 SHORT_QUERY = 64
-MIN_BLOCK_M = 16  # the tensor cores' smallest M
+SPLIT_FROM_QUERY = 512
 
 
-def block_config(head_dim: int, max_seqlen_q: int, num_heads: int = 1, num_sms: int = 0) -> BlockConfig:
-    """The launch configuration for ``head_dim`` (at most 256), a query-length bound of ``max_seqlen_q`` and, given
-    ``num_sms``, enough programs to fill the GPU: the query block halves (down to :data:`MIN_BLOCK_M` rows) while one
-    sequence of ``max_seqlen_q`` rows over ``num_heads`` heads would run fewer programs than there are SMs (a
-    256-token prompt of 16 heads in 128-row blocks is 32 programs on 132 SMs, each walking up to every key).
-    ``num_sms=0`` keeps the blocks of the query length alone.
+def block_config(head_dim: int, max_seqlen_q: int) -> BlockConfig:
+    """The launch configuration for ``head_dim`` (at most 256) and a query-length bound of ``max_seqlen_q``: the
+    fastest measured on an H200 (see the table above this function's source).
 
     Example::
 
-        block_config(128, 2048)    # BlockConfig(block_m=128, block_n=64, num_warps=8, num_stages=3, split_mask=True)
-        block_config(64, 256, num_heads=16, num_sms=132)    # block_m=16: 256 programs instead of 32
+        block_config(64, 2048)    # BlockConfig(block_m=64, block_n=64, num_warps=4, num_stages=3, split_mask=True)
     """
     if head_dim > 256:
         raise ValueError(f"head_dim {head_dim} is above the 256 this kernel supports")
     short = max_seqlen_q <= SHORT_QUERY
-    block_m = 64 if short or head_dim > 128 else 128
-    while block_m > MIN_BLOCK_M and triton.cdiv(max_seqlen_q, block_m) * num_heads < num_sms:
-        block_m //= 2
-    if head_dim <= 128:  # 64 keys a step keep the fp32 score block in registers at head dim 128
-        return BlockConfig(block_m, 64, 8 if block_m == 128 and head_dim > 64 else 4, 3)
-    block_n = 32 if short or block_m < 64 else 64
-    return BlockConfig(block_m, block_n, 8 if block_n == 64 else 4, 2)
+    if head_dim > 128:  # not measured with the split: the blocks before it, every key block masked
+        return BlockConfig(64, 32, 4, 2, split_mask=False) if short else BlockConfig(64, 64, 8, 2, split_mask=False)
+    if short:
+        return BlockConfig(64, 64, 4, 3, split_mask=False)
+    if head_dim > 64 and max_seqlen_q <= SPLIT_FROM_QUERY:
+        return BlockConfig(128, 64, 8, 3, split_mask=False)
+    return BlockConfig(64, 64, 4, 3)
 
 
 @triton.jit
@@ -273,12 +271,6 @@ def _varlen_fwd(
     tl.store(o_ptrs, o.to(OUT.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
-@functools.cache
-def _num_sms(device: torch.device) -> int:
-    """The device's SMs (an H200's 132 where Triton's interpreter runs on the CPU, so the blocks are the GPU's)."""
-    return num_sms(device) if device.type == "cuda" else 132
-
-
 def varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int,
                      max_seqlen_k: int, out: Tensor, scale: float | None = None, softcap: float | None = None,
                      window_left: int | None = None, sinks: Tensor | None = None,
@@ -293,7 +285,7 @@ def varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_s
     """
     num_seqs = cu_seqlens_q.numel() - 1
     total_q, num_heads, head_dim = q.shape
-    cfg = config or block_config(head_dim, max_seqlen_q, num_heads, _num_sms(q.device))
+    cfg = config or block_config(head_dim, max_seqlen_q)
     # The tail has at most total_q rows: with zero_tail the grid covers them too (the bucket is max_seqlen_q anyway).
     rows = max(max_seqlen_q, total_q) if zero_tail else max_seqlen_q
     grid = (triton.cdiv(rows, cfg.block_m), num_seqs, num_heads)

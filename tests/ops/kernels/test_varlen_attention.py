@@ -113,22 +113,3 @@ def test_compiled_code_calls_the_op():
 def test_the_triton_kernel_under_the_interpreter_in_a_fresh_process():
     run_under_interpreter(HERE / "interpret_attention.py", allow_skips=False)
 
-
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="the block choice lives beside the kernel")
-@pytest.mark.parametrize(("head_dim", "tokens", "heads", "block_m"), [
-    (64, 2048, 16, 128),   # 256 programs already fill 132 SMs
-    (64, 256, 16, 16),     # 128-row blocks would be 32 programs
-    (64, 256, 32, 32),     # twice the heads: twice the rows a block
-    (128, 64, 16, 16),     # a short prompt starts from 64 rows and halves to the floor
-    (256, 4096, 8, 64),    # head dim 256 keeps 64-row blocks
-])
-def test_query_blocks_shrink_until_one_sequence_fills_the_sms(head_dim, tokens, heads, block_m):
-    from bcg.ops.kernels.triton_attention import MIN_BLOCK_M, block_config
-
-    cfg = block_config(head_dim, tokens, heads, num_sms=132)
-    assert cfg.block_m == block_m
-    programs = -(-tokens // cfg.block_m) * heads
-    assert programs >= 132 or cfg.block_m == MIN_BLOCK_M  # halving stops once they fill the SMs
-    assert cfg.block_m == 128 or -(-tokens // (2 * cfg.block_m)) * heads < 132 or head_dim > 128
-    unsized = block_config(head_dim, tokens, heads)  # no SM count: the query length alone decides
-    assert unsized.block_m == (64 if tokens <= 64 or head_dim > 128 else 128)
