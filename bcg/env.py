@@ -35,11 +35,14 @@ Configuration is :class:`~bcg.runtime.config.EngineConfig` and the command's fla
 * ``BCG_INPUT_NORM_FUSION=on`` (with ``BCG_NORM_FUSION=on``): the layer's input add + RMSNorm rides the q/k/v
   projection's kernel too (:func:`bcg.ops.kernels.qkv_proj_rope`'s prologue, up to 16 rows), another launch fewer a
   layer there. Off: measured slower on the H200 too (0.93 -> 1.04 ms device time at 16 tokens on llama-dense).
+* ``BCG_TRITON_VARLEN_FROM=<tokens>``: the varlen island runs bcg's Triton kernel from buckets of this many tokens
+  (default 2048, :data:`bcg.ops.attention.varlen.TRITON_FROM_TOKENS`), FlashAttention below; for measuring where the
+  kernel's cheaper device time outweighs its dearer launch (``benchmarks/device_bound.py`` under each value).
 * ``BCG_GC_FREEZE=0``: a serving engine leaves the heap to the garbage collector as it is (by default its first
   ``submit`` moves every object alive then out of the collector's sight, ``gc.freeze()``, until it closes).
 
-The first four, ``BCG_PDL``, ``BCG_MLP_FUSION``, ``BCG_QKV_FUSION`` and the two norm fusions are read once, at
-import: they are asked on hot paths, where an environment lookup per call costs.
+``BCG_PDL``, ``BCG_MLP_FUSION``, ``BCG_QKV_FUSION``, the two norm fusions and ``BCG_TRITON_VARLEN_FROM`` are read
+once, at import: they are asked on hot paths, where an environment lookup per call costs.
 """
 
 from __future__ import annotations
@@ -47,7 +50,7 @@ from __future__ import annotations
 import os
 
 __all__ = ["COMPILE_LOG", "DEBUG", "FLASH_WRAPPER", "INPUT_NORM_FUSION", "MLP_FUSION", "NORM_FUSION", "PDL",
-           "QKV_FUSION", "TP_ALLREDUCE_ISLAND", "gc_freeze", "hf_fusion", "leak_check_mode"]
+           "QKV_FUSION", "TP_ALLREDUCE_ISLAND", "TRITON_VARLEN_FROM", "gc_freeze", "hf_fusion", "leak_check_mode"]
 
 
 def _flag(name: str) -> bool:
@@ -76,6 +79,19 @@ PDL: bool | None = _switch("BCG_PDL", True) if os.environ.get("BCG_PDL") else No
 QKV_FUSION: bool = _switch("BCG_QKV_FUSION", True)
 NORM_FUSION: bool = _switch("BCG_NORM_FUSION", False)
 INPUT_NORM_FUSION: bool = _switch("BCG_INPUT_NORM_FUSION", False)
+
+
+def _tokens(name: str, default: int) -> int:
+    """A positive token count (``default`` when unset); anything else stops the import, naming it."""
+    value = os.environ.get(name, "")
+    if not value:
+        return default
+    if not value.isdigit() or int(value) <= 0:
+        raise ValueError(f"{name}={value!r}: expected a positive number of tokens (unset: {default})")
+    return int(value)
+
+
+TRITON_VARLEN_FROM: int = _tokens("BCG_TRITON_VARLEN_FROM", 2048)
 
 
 def leak_check_mode() -> str:

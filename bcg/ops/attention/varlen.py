@@ -28,6 +28,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from bcg import env
 from bcg.ops.attention.base import AttentionBackend, BatchContext, register_attention_backend
 from bcg.ops.attention.sdpa import sdpa_attention
 from bcg.ops.context import AttentionFeatures
@@ -69,7 +70,7 @@ logger = logging.getLogger(__name__)
 # (round 8) the Triton kernel's device time at 2048 tokens is 0.87x FlashAttention's with its copy, and it writes in
 # place, so llama-dense's prefill took 0.93x the wall time there; but its launch costs the host more (56-86 us a
 # layer in a prefill), and a short prompt's islands are on the critical path (at 64 tokens: 2.2x the wall time).
-TRITON_FROM_TOKENS = 2048
+TRITON_FROM_TOKENS = env.TRITON_VARLEN_FROM  # 2048 unless BCG_TRITON_VARLEN_FROM says otherwise (a debug switch)
 # Logged once each; constants, so an island's call at every layer formats nothing (the log's cache sees one string).
 _TRITON_BUCKETS_NOTE = (f"bcg varlen attention: buckets of {TRITON_FROM_TOKENS} tokens or more run bcg's Triton "
                         "varlen kernel (faster there, and in place)")

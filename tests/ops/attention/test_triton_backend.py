@@ -125,3 +125,19 @@ def test_varlen_runs_the_triton_kernel_from_its_bucket_on(monkeypatch, kernel_ca
     want = torch.empty_like(q)
     TritonAttention(pool).attend(ctx, q, k, v, want, 0)
     assert (out.float() - want.float()).abs().max() <= 2e-2
+
+
+@pytest.mark.parametrize(("value", "want"), [("", "2048"), ("512", "512"), ("0", "BCG_TRITON_VARLEN_FROM='0'"),
+                                             ("1k", "BCG_TRITON_VARLEN_FROM='1k'")])
+def test_the_island_threshold_is_a_debug_switch(value, want):
+    """BCG_TRITON_VARLEN_FROM moves where the island switches to bcg's kernel; a value that is no positive count
+    stops the import and names the variable."""
+    import os
+    import subprocess
+    import sys
+
+    code = "from bcg.ops.attention import varlen; print(varlen.TRITON_FROM_TOKENS)"
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "BCG_TRITON_VARLEN_FROM": value})
+    assert want in (run.stdout if run.returncode == 0 else run.stderr)
+    assert (run.returncode == 0) == want.isdigit()
