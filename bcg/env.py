@@ -36,8 +36,9 @@ Configuration is :class:`~bcg.runtime.config.EngineConfig` and the command's fla
   projection's kernel too (:func:`bcg.ops.kernels.qkv_proj_rope`'s prologue, up to 16 rows), another launch fewer a
   layer there. Off: measured slower on the H200 too (0.93 -> 1.04 ms device time at 16 tokens on llama-dense).
 * ``BCG_TRITON_VARLEN_FROM=<tokens>``: the varlen island runs bcg's Triton kernel from buckets of this many tokens
-  (default 2048, :data:`bcg.ops.attention.varlen.TRITON_FROM_TOKENS`), FlashAttention below; for measuring where the
-  kernel's cheaper device time outweighs its dearer launch (``benchmarks/device_bound.py`` under each value).
+  at every attention width, FlashAttention below (by default from 2048 tokens, 1024 for attention 2048 wide:
+  :func:`bcg.ops.attention.varlen.triton_from_tokens`); for measuring where the kernel's cheaper device time
+  outweighs its dearer launch (``benchmarks/device_bound.py`` under each value).
 * ``BCG_GC_FREEZE=0``: a serving engine leaves the heap to the garbage collector as it is (by default its first
   ``submit`` moves every object alive then out of the collector's sight, ``gc.freeze()``, until it closes).
 
@@ -81,17 +82,17 @@ NORM_FUSION: bool = _switch("BCG_NORM_FUSION", False)
 INPUT_NORM_FUSION: bool = _switch("BCG_INPUT_NORM_FUSION", False)
 
 
-def _tokens(name: str, default: int) -> int:
-    """A positive token count (``default`` when unset); anything else stops the import, naming it."""
+def _tokens(name: str) -> int | None:
+    """A positive token count (None when unset); anything else stops the import, naming it."""
     value = os.environ.get(name, "")
     if not value:
-        return default
+        return None
     if not value.isdigit() or int(value) <= 0:
-        raise ValueError(f"{name}={value!r}: expected a positive number of tokens (unset: {default})")
+        raise ValueError(f"{name}={value!r}: expected a positive number of tokens (unset: bcg's thresholds)")
     return int(value)
 
 
-TRITON_VARLEN_FROM: int = _tokens("BCG_TRITON_VARLEN_FROM", 2048)
+TRITON_VARLEN_FROM: int | None = _tokens("BCG_TRITON_VARLEN_FROM")
 
 
 def leak_check_mode() -> str:

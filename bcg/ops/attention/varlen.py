@@ -11,8 +11,9 @@ with a prefix gathers its key ranges from the pool first. The causal mask must b
 request has a prefix (query ``i`` sees keys ``0..prefix+i``): that is probed once per device, and a top-left kernel
 sends those batches to the reference.
 
-Buckets of :data:`TRITON_FROM_TOKENS` tokens or more run bcg's Triton varlen kernel on CUDA (faster there on the H200,
-and in place; its launch costs more host time, which short prompts pay). Soft-capped layers (gemma2) and layers with
+Buckets of :data:`TRITON_FROM_TOKENS` tokens or more (:data:`TRITON_FROM_TOKENS_WIDE` for wide attention,
+:func:`triton_from_tokens`) run bcg's Triton varlen kernel on CUDA (faster there on the H200, and in place; its
+launch costs more host time, which short prompts pay). Soft-capped layers (gemma2) and layers with
 sinks (gpt-oss) run it too
 (:mod:`bcg.ops.kernels.attention`: torch's FlashAttention has no soft-cap, and its sinks take three more launches),
 over the same metadata; without Triton, and on a CPU, they take the feature path's
@@ -60,19 +61,33 @@ def triton_kernel(features: AttentionFeatures | None = None) -> VarlenKernel:
                              window_left=window_left, sinks=features.sinks)
 
 
+def triton_from_tokens(q: Tensor) -> int:
+    """The bucket from which the island runs bcg's Triton kernel for queries ``q (tokens, heads, head_dim)``:
+    :data:`TRITON_FROM_TOKENS_WIDE` for attention at least :data:`WIDE_ATTENTION` wide, else
+    :data:`TRITON_FROM_TOKENS`."""
+    return TRITON_FROM_TOKENS_WIDE if q.shape[-2] * q.shape[-1] >= WIDE_ATTENTION else TRITON_FROM_TOKENS
+
+
 def runs_triton_varlen(q: Tensor, v: Tensor) -> bool:
     """Whether the Triton varlen kernel takes these layers on their device: CUDA with Triton, equal head dims."""
     return q.is_cuda and v.shape[-1] == q.shape[-1] and fused_available(q.device)
 
 logger = logging.getLogger(__name__)
 
-# Buckets from which the island runs bcg's Triton varlen kernel where it can, FlashAttention below. On the H200
-# (round 8) the Triton kernel's device time at 2048 tokens is 0.87x FlashAttention's with its copy, and it writes in
-# place, so llama-dense's prefill took 0.93x the wall time there; but its launch costs the host more (56-86 us a
-# layer in a prefill), and a short prompt's islands are on the critical path (at 64 tokens: 2.2x the wall time).
-TRITON_FROM_TOKENS = env.TRITON_VARLEN_FROM  # 2048 unless BCG_TRITON_VARLEN_FROM says otherwise (a debug switch)
+# Buckets from which the island runs bcg's Triton varlen kernel where it can, FlashAttention below. Its launch costs
+# the host more than FlashAttention's (56-86 us a layer in a prefill, round 8), and a short prompt's islands are on
+# the critical path (at 64 tokens: 2.2x the wall time), so it waits for buckets where it saves more device time than
+# that. On the H200 (round 13, benchmarks/device_bound.py, the island from 512 tokens against from 2048, 1024-token
+# prompts): attention 2048 wide (q heads x head dim) gained most, the Qwen3-0.6B shape 0.72x the wall (FlashAttention
+# takes 65 us a layer at head dim 128, bcg's kernel 24) and the Llama-3.2-1B shape 0.93x; llama-dense (1024 wide,
+# 28 thin layers) lost, 1.13x, its host the bottleneck. So wide attention takes the kernel from 1024 tokens, narrow
+# from 2048. BCG_TRITON_VARLEN_FROM sets one threshold for every width (a debug switch, for measuring).
+TRITON_FROM_TOKENS = env.TRITON_VARLEN_FROM or 2048
+TRITON_FROM_TOKENS_WIDE = env.TRITON_VARLEN_FROM or 1024
+WIDE_ATTENTION = 2048  # q heads x head dim from which attention counts as wide
 # Logged once each; constants, so an island's call at every layer formats nothing (the log's cache sees one string).
-_TRITON_BUCKETS_NOTE = (f"bcg varlen attention: buckets of {TRITON_FROM_TOKENS} tokens or more run bcg's Triton "
+_TRITON_BUCKETS_NOTE = (f"bcg varlen attention: buckets of {TRITON_FROM_TOKENS} tokens or more "
+                        f"({TRITON_FROM_TOKENS_WIDE} where q heads x head dim >= {WIDE_ATTENTION}) run bcg's Triton "
                         "varlen kernel (faster there, and in place)")
 _TRITON_FEATURES_NOTE = ("bcg varlen attention: soft-capped layers and layers with sinks run bcg's Triton varlen "
                          "kernel (torch's FlashAttention has neither)")
@@ -116,7 +131,7 @@ class VarlenAttention(AttentionBackend):
         return None
 
     def attend(self, ctx: BatchContext, q: Tensor, k: Tensor, v: Tensor, out: Tensor, layer_id: int) -> None:
-        if ctx.num_padded_tokens >= TRITON_FROM_TOKENS and runs_triton_varlen(q, v):
+        if ctx.num_padded_tokens >= triton_from_tokens(q) and runs_triton_varlen(q, v):
             _log_once(_TRITON_BUCKETS_NOTE, logging.INFO)
             self.attend_rows(ctx, q, k, v, out, layer_id, triton_kernel())
             return

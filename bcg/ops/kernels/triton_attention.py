@@ -59,14 +59,15 @@ class BlockConfig:
                 f"num_stages={self.num_stages}, split_mask={self.split_mask})")
 
 
-# A query run of at most SHORT_QUERY rows is "short"; up to SPLIT_FROM_QUERY rows head dim 128 keeps 128-row blocks
-# with every key block masked. From benchmarks/attention_kernels.py --sweep on the H200 (round 13, device µs in a
-# graph, the engine's way): 64 tokens, every shape: 64-row blocks with every key block masked are the fastest (3.2 us
-# at head dim 64; unmasked blocks cannot occur there and the split loops cost 0.5 us); 256 tokens: 64-row blocks with
-# the split 7.9 us against 9.2 (128-row blocks masked, the rule before) at head dim 64, but at head dim 128 128-row
-# blocks masked stay the fastest (11.2 against 12.5-12.9); 2048 tokens: 64-row blocks, 4 warps, with the split
-# 42.8 / 67.1 / 69.1 us against 55.3 / 92.0 / 85.9 before (llama-dense, the 1B and Qwen3-0.6B shapes), 0.75-0.80x.
-# Query blocks of 16-32 rows (more programs on the SMs) were slower at every length.
+# Query runs of more than SPLIT_FROM_QUERY rows take 64-row blocks and the split key loop; shorter ones (where a
+# program has few key blocks seen in full, and the split's three loops cost more than the masks they save) mask every
+# block. From benchmarks/attention_kernels.py --sweep on the H200 (round 13, device us in a graph, the engine's way):
+# 64 tokens: 64-row blocks masked, 3.2 us at head dim 64, the fastest on every shape; 256 tokens: 64-row blocks masked
+# 7.6 / 8.9 us (llama-dense, the 1B shape) against 8.0 / 9.6 with the split and 10.5 / 11.6 for the 128-row blocks of
+# before, and at head dim 128 128-row blocks masked within 4% of the best; 1024 and 2048 tokens: 64-row blocks, 4
+# warps, with the split, 15.1 / 24.7 / 23.9 us at 1024 (llama-dense, 1B, Qwen3-0.6B) against 23.1 / 30.7 / 26.9
+# before, 42.8 / 67.1 / 69.1 at 2048 against 55.3 / 92.0 / 85.9. Query blocks of 16-32 rows (more programs on the SMs)
+# were slower at every length.
 SHORT_QUERY = 64
 SPLIT_FROM_QUERY = 512
 
@@ -81,14 +82,15 @@ def block_config(head_dim: int, max_seqlen_q: int) -> BlockConfig:
     """
     if head_dim > 256:
         raise ValueError(f"head_dim {head_dim} is above the 256 this kernel supports")
-    short = max_seqlen_q <= SHORT_QUERY
     if head_dim > 128:  # not measured with the split: the blocks before it, every key block masked
-        return BlockConfig(64, 32, 4, 2, split_mask=False) if short else BlockConfig(64, 64, 8, 2, split_mask=False)
-    if short:
-        return BlockConfig(64, 64, 4, 3, split_mask=False)
-    if head_dim > 64 and max_seqlen_q <= SPLIT_FROM_QUERY:
+        if max_seqlen_q <= SHORT_QUERY:
+            return BlockConfig(64, 32, 4, 2, split_mask=False)
+        return BlockConfig(64, 64, 8, 2, split_mask=False)
+    if max_seqlen_q > SPLIT_FROM_QUERY:
+        return BlockConfig(64, 64, 4, 3)
+    if head_dim > 64 and max_seqlen_q > SHORT_QUERY:
         return BlockConfig(128, 64, 8, 3, split_mask=False)
-    return BlockConfig(64, 64, 4, 3)
+    return BlockConfig(64, 64, 4, 3, split_mask=False)
 
 
 @triton.jit

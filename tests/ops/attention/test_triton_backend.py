@@ -114,6 +114,7 @@ def test_varlen_runs_the_triton_kernel_from_its_bucket_on(monkeypatch, kernel_ca
     FlashAttention; the numbers are the same either way."""
     monkeypatch.setattr(varlen_module, "runs_triton_varlen", lambda q, v: runs_triton)
     monkeypatch.setattr(varlen_module, "TRITON_FROM_TOKENS", 6)
+    monkeypatch.setattr(varlen_module, "TRITON_FROM_TOKENS_WIDE", 6)
     pool, ctx, q, k, v = _island_inputs(num_tokens=6)
     backend = VarlenAttention(pool)
     out, small = torch.empty_like(q), torch.empty_like(q[:4])
@@ -127,7 +128,7 @@ def test_varlen_runs_the_triton_kernel_from_its_bucket_on(monkeypatch, kernel_ca
     assert (out.float() - want.float()).abs().max() <= 2e-2
 
 
-@pytest.mark.parametrize(("value", "want"), [("", "2048"), ("512", "512"), ("0", "BCG_TRITON_VARLEN_FROM='0'"),
+@pytest.mark.parametrize(("value", "want"), [("", "2048 1024"), ("512", "512 512"), ("0", "BCG_TRITON_VARLEN_FROM='0'"),
                                              ("1k", "BCG_TRITON_VARLEN_FROM='1k'")])
 def test_the_island_threshold_is_a_debug_switch(value, want):
     """BCG_TRITON_VARLEN_FROM moves where the island switches to bcg's kernel; a value that is no positive count
@@ -136,8 +137,16 @@ def test_the_island_threshold_is_a_debug_switch(value, want):
     import subprocess
     import sys
 
-    code = "from bcg.ops.attention import varlen; print(varlen.TRITON_FROM_TOKENS)"
+    code = "from bcg.ops.attention import varlen; print(varlen.TRITON_FROM_TOKENS, varlen.TRITON_FROM_TOKENS_WIDE)"
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                          env={**os.environ, "BCG_TRITON_VARLEN_FROM": value})
     assert want in (run.stdout if run.returncode == 0 else run.stderr)
-    assert (run.returncode == 0) == want.isdigit()
+    assert (run.returncode == 0) == want[0].isdigit()
+
+
+def test_wide_attention_takes_the_kernel_from_a_smaller_bucket():
+    """q heads x head dim of WIDE_ATTENTION or more: TRITON_FROM_TOKENS_WIDE; narrower: TRITON_FROM_TOKENS."""
+    wide = torch.empty(1, 16, varlen_module.WIDE_ATTENTION // 16)
+    narrow = torch.empty(1, 16, varlen_module.WIDE_ATTENTION // 32)
+    assert varlen_module.triton_from_tokens(wide) == varlen_module.TRITON_FROM_TOKENS_WIDE
+    assert varlen_module.triton_from_tokens(narrow) == varlen_module.TRITON_FROM_TOKENS

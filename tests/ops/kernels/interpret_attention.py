@@ -82,10 +82,15 @@ def test_slot_mode_reads_the_pool_in_place(ta, name, slot_dtype):
     lens_q, lens_k, features = CASES[name]
     q, k, v, cu_q, cu_k, features = packed(lens_q, lens_k, extra_q=5, **features)
     pool_k, pool_v, slots = pooled(k, v, slot_dtype=slot_dtype)
-    direct, got, ref = (torch.full_like(q, 7.0) for _ in range(3))
+    direct, got, ref, split = (torch.full_like(q, 7.0) for _ in range(4))
     ta.varlen_attention(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), direct, **features)
     ta.varlen_attention(q, pool_k, pool_v, cu_q, cu_k, max(lens_q), max(lens_k), got, kv_slots=slots,
                         zero_tail=True, **features)
+    # Small blocks with the split loop: the unmasked blocks read their slots with no mask either.
+    ta.varlen_attention(q, pool_k, pool_v, cu_q, cu_k, max(lens_q), max(lens_k), split, kv_slots=slots,
+                        zero_tail=True, config=ta.BlockConfig(16, 16, 4, 1, split_mask=True), **features)
+    assert (split.float() - got.float()).abs().max().item() <= TOL[torch.bfloat16]
+    assert torch.equal(split[sum(lens_q):], torch.zeros_like(split[sum(lens_q):]))
     varlen_attention_reference(q, pool_k, pool_v, cu_q, cu_k, max(lens_q), max(lens_k), ref, kv_slots=slots,
                                zero_tail=True, **features)
     n = sum(lens_q)
