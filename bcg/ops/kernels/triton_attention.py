@@ -21,9 +21,9 @@ pay for the comparisons. Soft-capping
 (``cap * tanh(s / cap)`` of the scaled score ``s``) and per-head sink logits (one more softmax column with no value,
 gpt-oss's) are compile-time switches. A row that sees no key gets 0.
 
-Block sizes are fixed per head dim and query length (:func:`block_config`; no autotuning, which
-benchmarks and so syncs the host: it cannot run inside a graph capture). Triton compiles each configuration at its
-first call: warm up before capturing. Importing this module needs Triton.
+Block sizes are fixed per head dim and query length (:func:`block_config`; no autotuning, which benchmarks and so
+syncs the host: it cannot run inside a graph capture). Triton compiles each configuration at its first call: warm up
+before capturing. Importing this module needs Triton.
 """
 
 from __future__ import annotations

@@ -112,4 +112,3 @@ def test_compiled_code_calls_the_op():
 @pytest.mark.interpreter(HERE / "interpret_attention.py")  # started when the session is collected
 def test_the_triton_kernel_under_the_interpreter_in_a_fresh_process():
     run_under_interpreter(HERE / "interpret_attention.py", allow_skips=False)
-
