@@ -7,8 +7,9 @@ is copied), it is bottom-right aligned by construction (no probe), and windows, 
 switches of the one kernel, so every layer with equal head dims attends in one launch. On a CPU it runs the
 kernel's reference (in half precision, as the kernel), so the island's host logic runs in CI.
 
-Not the default backend: the varlen backend already sends its buckets of ``TRITON_FROM_TOKENS`` tokens or more and
-soft-capped layers to the same kernel on CUDA; ``benchmarks/attention_kernels.py`` measures it against FlashAttention.
+Not the default backend: the varlen backend already sends its large buckets (2048 tokens or more, 1024 where
+attention is 2048 wide: :func:`~bcg.ops.attention.varlen.triton_from_tokens`) and soft-capped layers to the same
+kernel on CUDA; ``benchmarks/attention_kernels.py`` measures it against FlashAttention.
 """
 
 from __future__ import annotations
