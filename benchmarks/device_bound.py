@@ -141,13 +141,13 @@ def profile_kernels(fn: Callable[[], Any], device: torch.device, num_layers: int
 
 
 def measure(name: str, backend: str, lengths: list[int], runs: int, out: Path | None, timeline: bool,
-            engine_args: dict[str, Any]) -> dict[str, Any]:
+            engine_args: dict[str, Any], full_graph_tokens: int = FULL_GRAPH_TOKENS) -> dict[str, Any]:
     model: Any = SHAPES.get(name, name)
     t0 = time.perf_counter()
     # "breakable+full": the small buckets also hold a whole-step graph (EngineConfig.full_graph_tokens, the engine's
     # default on CUDA); "breakable" attends in islands at every bucket, as bcg bench names them.
     base, _, option = backend.partition("+")
-    full = {"full_graph_tokens": FULL_GRAPH_TOKENS if option == "full" else 0} if base == "breakable" else {}
+    full = {"full_graph_tokens": full_graph_tokens if option == "full" else 0} if base == "breakable" else {}
     eng = Engine(model, backend=base, progress=False, **engine_args, **full)
     build_s = time.perf_counter() - t0
     tele = eng.telemetry
@@ -161,7 +161,7 @@ def measure(name: str, backend: str, lengths: list[int], runs: int, out: Path | 
         bucket = eng.prefill(prompts).batches[0]
         inputs.append(prompts)
         rows.append({"tokens": n, "wall_ms": wall, "host_ms": host, "launch_ms": timed["first_replay_ms"],
-                     "bucket": bucket.bucket, "graph_used": bucket.graph_used})
+                     "bucket": bucket.bucket, "graph_used": bucket.graph_used, "ran": bucket.reason})
     prompts = [torch.randint(0, vocab, (lengths[0],), generator=gen)]
     # Where the launch goes, step by step, at the shortest length (host_path.py's stage view): the host time before
     # the first replay differs between models on one machine, and only its steps say which one is slower.
@@ -242,6 +242,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kernels", default=None, help="fused or torch (default: the engine's)")
     p.add_argument("--attention-backend", default=None)
     p.add_argument("--chunked-prefill-size", type=int, default=2048 if cuda else 256)
+    p.add_argument("--full-graph-tokens", type=int, default=FULL_GRAPH_TOKENS,
+                   help="breakable+full: the buckets up to this many tokens hold a whole-step graph (default: the "
+                        "engine's on CUDA)")
     p.add_argument("--timeline", action="store_true", help="write one prefill per model as a Chrome trace")
     p.add_argument("--top-kernels", type=int, default=12,
                    help="costliest kernel names printed per model and length (0: none; the JSON has them all)")
@@ -259,7 +262,8 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.models.split(","):
         for backend in args.backends.split(","):
             try:
-                results.append(measure(name, backend, lengths, args.runs, args.out, args.timeline, engine_args))
+                results.append(measure(name, backend, lengths, args.runs, args.out, args.timeline, engine_args,
+                                       args.full_graph_tokens))
             except Exception as e:  # one model failing must not lose the others
                 results.append({"model": name, "backend": backend, "error": first_line(e)})
                 print(f"{name} {backend}: {first_line(e)}", flush=True)

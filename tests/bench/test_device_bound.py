@@ -53,6 +53,13 @@ def test_device_bound_reports_the_kernel_view_on_a_cpu(capsys: pytest.CaptureFix
     assert "8 tokens, host steps (start+took µs): validate prompts " in printed
 
 
+def test_full_graph_tokens_sets_which_buckets_run_the_whole_step_graph() -> None:
+    result = device_bound.measure("tiny-dense", "breakable+full", [8, 24], runs=1, out=None, timeline=False,
+                                  engine_args={"chunked_prefill_size": 256}, full_graph_tokens=16)
+    assert [row["ran"] for row in result["rows"]][0] == "graph_full"  # 8 tokens: a bucket of at most 16
+    assert result["rows"][1]["ran"] != "graph_full"  # 24 tokens: past the limit, the breakable graphs
+
+
 def test_eager_launches_are_counted_by_the_op_around_them() -> None:
     from types import SimpleNamespace
 
