@@ -212,7 +212,9 @@ def format_row(row: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--shapes", default=",".join(SHAPES))
+    parser.add_argument("--shapes", default=None,
+                        help=f"comma list of {', '.join(SHAPES)} (default: all; with --sweep, the three engine "
+                             "presets' shapes, llama-dense-2k aside)")
     parser.add_argument("--tokens", default="64,256,2048")
     parser.add_argument("--requests", type=int, default=1, help="equal prompts the tokens are split into")
     parser.add_argument("--repeats", type=int, default=20, help="calls per captured graph")
@@ -236,19 +238,16 @@ def main(argv: list[str] | None = None) -> int:
             "dtype": str(DTYPE), "repeats": args.repeats, "replays": args.replays, "config": repr(config),
             "flash_copy_reason": copy_reason(torch.device("cuda"))}
     print(json.dumps(meta))
+    tokens = [int(t) for t in args.tokens.split(",")]
     if args.sweep:
-        shapes = args.shapes.split(",") if args.shapes != ",".join(SHAPES) else ["llama-dense", "llama-3.2-1b",
-                                                                                "qwen3-0.6b"]
-        rows = sweep(shapes, [int(t) for t in args.tokens.split(",")], args.repeats, args.replays)
-        result = {"meta": {**meta, "sweep": True}, "results": rows}
-        if args.out:
-            write_json(args.out, result)
-        print(json.dumps(result))
-        return 0
-    print(f"{'shape':<15} {'T':>5} {'req':>3} {'variant':<15} {'device_us':>9} {'TFLOP/s':>8} {'host_us':>8} "
-          f"{'maxdiff':>8}")
-    rows = run(args.shapes.split(","), [int(t) for t in args.tokens.split(",")], args.requests, args.repeats,
-               args.replays, config)
+        shapes = args.shapes.split(",") if args.shapes else ["llama-dense", "llama-3.2-1b", "qwen3-0.6b"]
+        meta["sweep"] = True
+        rows = sweep(shapes, tokens, args.repeats, args.replays)
+    else:
+        print(f"{'shape':<15} {'T':>5} {'req':>3} {'variant':<15} {'device_us':>9} {'TFLOP/s':>8} {'host_us':>8} "
+              f"{'maxdiff':>8}")
+        rows = run(args.shapes.split(",") if args.shapes else list(SHAPES), tokens, args.requests, args.repeats,
+                   args.replays, config)
     result = {"meta": meta, "results": rows}
     if args.out:
         write_json(args.out, result)

@@ -59,15 +59,10 @@ class BlockConfig:
                 f"num_stages={self.num_stages}, split_mask={self.split_mask})")
 
 
-# Query runs of more than SPLIT_FROM_QUERY rows take 64-row blocks and the split key loop; shorter ones (where a
-# program has few key blocks seen in full, and the split's three loops cost more than the masks they save) mask every
-# block. From benchmarks/attention_kernels.py --sweep on the H200 (round 13, device us in a graph, the engine's way):
-# 64 tokens: 64-row blocks masked, 3.2 us at head dim 64, the fastest on every shape; 256 tokens: 64-row blocks masked
-# 7.6 / 8.9 us (llama-dense, the 1B shape) against 8.0 / 9.6 with the split and 10.5 / 11.6 for the 128-row blocks of
-# before, and at head dim 128 128-row blocks masked within 4% of the best; 1024 and 2048 tokens: 64-row blocks, 4
-# warps, with the split, 15.1 / 24.7 / 23.9 us at 1024 (llama-dense, 1B, Qwen3-0.6B) against 23.1 / 30.7 / 26.9
-# before, 42.8 / 67.1 / 69.1 at 2048 against 55.3 / 92.0 / 85.9. Query blocks of 16-32 rows (more programs on the SMs)
-# were slower at every length.
+# Query runs of more than SPLIT_FROM_QUERY rows take 64-row blocks and the split key loop; shorter ones (few blocks
+# seen in full: the split's extra loops cost more than the masks they save) mask every block. The fastest measured
+# on the H200 (round 13, benchmarks/attention_kernels.py --sweep, table in BENCHMARKS.md): 0.65-0.80x round 12's
+# time from 256 tokens at head dim 64 and from 1024 at 128; 16-32-row blocks were slower at every length.
 SHORT_QUERY = 64
 SPLIT_FROM_QUERY = 512
 
