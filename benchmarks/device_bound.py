@@ -11,6 +11,9 @@ backend, one engine is built and kept; at each length one request of that many t
 * **after launch**: wall minus launch, what the GPU takes once the first graph is launched: the graph's kernels,
   the gaps between them (the profiler's kernel times leave those out, and stretch them: under CUPTI a graph's
   kernels sit 3-5 µs apart, not the 0.5 µs they do unprofiled), and the result's way back;
+* **span**: median device ms from the first graph replay to the end of the prefill's work, from CUDA events in
+  unprofiled prefills: after launch without the host's wake-up from the sync; against **device** (the kernels' own
+  time in one profiled prefill) it is what the device side adds: gaps, waits for an island's launch, the clock;
 * **syncs**: whether a prefill runs under ``torch.cuda.set_sync_debug_mode("error")`` (no host synchronisation
   from the call to the result), checked once per model;
 * **kernels** (the per-kernel view, from one more profiled prefill at each length): how many kernels ran, how many
@@ -53,7 +56,7 @@ except ImportError:  # run from a checkout without installing it
 
 from host_path import prefill_times, stage_times  # this folder is the script's own
 
-from bcg.bench.timing import gpu_kernel_ms, sync
+from bcg.bench.timing import gpu_kernel_ms, replay_span_ms, sync
 from bcg.bench.trace import Kernel, _innermost, _is_launch, kernels_from_events  # the bench's own parsing
 from bcg.bench.variants import FULL_GRAPH_TOKENS
 from bcg.errors import first_line
@@ -161,6 +164,7 @@ def measure(name: str, backend: str, lengths: list[int], runs: int, out: Path | 
         bucket = eng.prefill(prompts).batches[0]
         inputs.append(prompts)
         rows.append({"tokens": n, "wall_ms": wall, "host_ms": host, "launch_ms": timed["first_replay_ms"],
+                     "span_ms": replay_span_ms(lambda p=prompts, e=eng: e.prefill(p), eng.device, runs),
                      "bucket": bucket.bucket, "graph_used": bucket.graph_used, "ran": bucket.reason})
     prompts = [torch.randint(0, vocab, (lengths[0],), generator=gen)]
     # Where the launch goes, step by step, at the shortest length (host_path.py's stage view): the host time before
@@ -199,8 +203,8 @@ def print_result(r: dict[str, Any], top: int) -> None:
     """The table of one model and backend, then its costliest ``top`` kernels at each length."""
     print(f"\n{r['model']} / {r['backend']} ({r['attention_backend']} attention): build {r['build_s']:.1f} s, "
           f"graph memory {r['graph_memory_mib']:.0f} MiB, {r['buckets']} buckets, sync-free: {r['sync_free']}")
-    print(f"  {'tokens':>6} {'wall ms':>8} {'host ms':>8} {'launch ms':>9} {'after ms':>8} {'device ms':>9} "
-          f"{'wall/device':>11} {'kernels':>7} {'eager':>6} {'k/layer':>7} {'eager/layer':>11}")
+    print(f"  {'tokens':>6} {'wall ms':>8} {'host ms':>8} {'launch ms':>9} {'after ms':>8} {'span ms':>8} "
+          f"{'device ms':>9} {'wall/device':>11} {'kernels':>7} {'eager':>6} {'k/layer':>7} {'eager/layer':>11}")
 
     def ms(x: float | None) -> str:
         return "-" if x is None else f"{x:.3f}"
@@ -211,7 +215,7 @@ def print_result(r: dict[str, Any], top: int) -> None:
         launch = row.get("launch_ms")
         after = None if launch is None else row["wall_ms"] - launch
         print(f"  {row['tokens']:>6} {row['wall_ms']:>8.3f} {row['host_ms']:>8.3f} {ms(launch):>9} {ms(after):>8} "
-              f"{ms(row['device_ms']):>9} {ratio:>11} {k['kernels']:>7} "
+              f"{ms(row.get('span_ms')):>8} {ms(row['device_ms']):>9} {ratio:>11} {k['kernels']:>7} "
               f"{k['eager_kernels']:>6} {k['kernels_per_layer']:>7.1f} {k['eager_per_layer']:>11.1f}")
     stages = r.get("launch_stages") or []
     if stages:  # µs after prefill was called at which each step started, and what it took

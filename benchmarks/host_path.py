@@ -45,7 +45,7 @@ except ImportError:  # run from a checkout without installing it
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bcg.bench.engines import make_prompts, one_batch, split_tokens
-from bcg.bench.timing import Marks, sync
+from bcg.bench.timing import FirstReplay, Marks, sync
 from bcg.ops import flash
 from bcg.runtime import Engine
 
@@ -126,22 +126,14 @@ def replay_split(eng: Engine, tokens: int, runs: int) -> dict[str, float]:
 
 def prefill_times(eng: Engine, prompts: list[torch.Tensor], runs: int) -> dict[str, float]:
     """Median host ms until ``prefill`` returns, until its first graph replay is called (what the GPU waits for
-    first: validation, planning, staging), and median wall ms until the device is done."""
+    first: validation, planning, staging; a whole-step graph's or a breakable graph's first segment), and median
+    wall ms until the device is done."""
     host, wall, launch = [], [], []
-    first: list[float] = []
-    replay = torch.cuda.CUDAGraph.replay if torch.cuda.is_available() else None
-
-    def timed_replay(graph: Any) -> None:
-        if not first:
-            first.append(time.perf_counter())
-        replay(graph)
-
-    if replay is not None:
-        torch.cuda.CUDAGraph.replay = timed_replay  # type: ignore[method-assign]
-    try:
+    marks: list[float] = []
+    with FirstReplay(lambda: marks.append(time.perf_counter())) as first:
         for i in range(runs + 3):
             sync(eng.device)
-            first.clear()
+            first.arm()
             t0 = time.perf_counter()
             eng.prefill(prompts)
             t1 = time.perf_counter()
@@ -150,11 +142,8 @@ def prefill_times(eng: Engine, prompts: list[torch.Tensor], runs: int) -> dict[s
             if i >= 3:
                 host.append((t1 - t0) * 1e3)
                 wall.append((t2 - t0) * 1e3)
-                if first:
-                    launch.append((first[0] - t0) * 1e3)
-    finally:
-        if replay is not None:
-            torch.cuda.CUDAGraph.replay = replay  # type: ignore[method-assign]
+                if first.fired:
+                    launch.append((marks[-1] - t0) * 1e3)
     return {"host_ms": statistics.median(host), "wall_ms": statistics.median(wall),
             "first_replay_ms": statistics.median(launch) if launch else None}
 

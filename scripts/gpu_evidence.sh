@@ -20,10 +20,12 @@
 #            device time per length, whether a prefill ever synchronises, one timeline); device_baseline runs the
 #            same on the code in .baseline/ (an export of an earlier commit's bcg/) for a before/after
 #   BENCH_ARGS / ANALYZE_ARGS / TEST_ARGS / HF_ARGS / ATTENTION_ARGS (--sweep: block configurations)  extra flags;
-#            T_* the per-step time limits in seconds.
+#            T_* the per-step time limits in seconds; CLOCKS=0: no clocks.csv (the GPU's clock and power every
+#            250 ms, to read a step's timings against).
 set -uo pipefail
 source "$(dirname "$0")/steps.sh"
 setup gpu.tgz out/gpu "$@"
+[ "${CLOCKS:-1}" = 0 ] || sample_clocks
 python3 -c "import torch, transformers, triton; print('torch', torch.__version__, 'transformers', \
 transformers.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())" | tee "$work/summary.log"
 git_rev=$(cat .commit 2>/dev/null || echo unknown); echo "commit $git_rev" | tee -a "$work/summary.log"

@@ -17,7 +17,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["GcPauses", "Marks", "Stats", "gc_pauses", "gpu_kernel_ms", "sync", "time_fn"]
+__all__ = ["FirstReplay", "GcPauses", "Marks", "Stats", "gc_pauses", "gpu_kernel_ms", "replay_span_ms", "sync",
+           "time_fn"]
 
 
 def sync(device: torch.device | str) -> None:
@@ -180,6 +181,78 @@ def gpu_kernel_ms(fn: Callable[[], Any], device: torch.device | str, warmup: int
     intervals = [(e.time_range.start, e.time_range.end) for e in events
                  if e.device_type == DeviceType.CUDA and e.time_range.end > e.time_range.start]
     return _union_ms(intervals) if intervals else None
+
+
+class FirstReplay:
+    """While entered, calls ``callback`` once per :meth:`arm`, just before the first graph replay after it: a whole
+    CUDA graph's (``torch.cuda.CUDAGraph.replay``) or a breakable graph's (its first segment's launch). A breakable
+    graph's segments replay through methods bound at capture, so one replay fires once.
+
+    Example::
+
+        with FirstReplay(lambda: marks.append(time.perf_counter())) as first:
+            first.arm()
+            engine.prefill(prompts)   # marks[-1]: when the GPU got its first graph
+    """
+
+    def __init__(self, callback: Callable[[], Any]) -> None:
+        self._callback = callback
+        self._armed = False
+        self.fired = False
+        self._saved: list[tuple[Any, Any]] = []
+
+    def arm(self) -> None:
+        self._armed, self.fired = True, False
+
+    def _wrap(self, replay: Callable[[Any], None]) -> Callable[[Any], None]:
+        def replay_first(graph: Any) -> None:
+            if self._armed:
+                self._armed, self.fired = False, True
+                self._callback()
+            replay(graph)
+        return replay_first
+
+    def __enter__(self) -> FirstReplay:
+        from bcg.graph import BreakableCUDAGraph
+
+        owners: list[Any] = [BreakableCUDAGraph] + ([torch.cuda.CUDAGraph] if torch.cuda.is_available() else [])
+        for owner in owners:
+            self._saved.append((owner, owner.replay))
+            owner.replay = self._wrap(owner.replay)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for owner, replay in reversed(self._saved):
+            owner.replay = replay
+        self._saved.clear()
+
+
+def replay_span_ms(fn: Callable[[], Any], device: torch.device | str, runs: int = 10) -> float | None:
+    """Median device ms of ``fn``'s calls from their first graph replay to the end of the work they queued (CUDA
+    events on the current stream): what the GPU took once it had a graph, the gaps between its kernels, any wait
+    for an island's launch and the clock it ran at included; the host's work before the first replay left out.
+    Compared with :func:`gpu_kernel_ms` (the kernels' own busy time in one profiled call) it says how much of a
+    wall the device side adds beyond its kernels. ``None`` on a CPU, or when ``fn`` replays no graph.
+
+    Example::
+
+        span = replay_span_ms(lambda: engine.prefill([prompt]), "cuda")   # e.g. 1.02 (ms)
+    """
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    spans = []
+    with FirstReplay(start.record) as first:
+        for _ in range(runs):
+            sync(device)
+            first.arm()
+            fn()
+            end.record()
+            end.synchronize()
+            if first.fired:
+                spans.append(start.elapsed_time(end))
+    return statistics.median(spans) if spans else None
 
 
 @dataclass

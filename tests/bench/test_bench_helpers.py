@@ -218,3 +218,26 @@ def test_variants_parse_to_canonical_names_and_reject_what_cannot_be_built() -> 
                        ("flash", "unknown backend"), ("full+full", "full takes no \\+full")):
         with pytest.raises(ValueError, match=match):
             parse_variant(bad)
+
+
+def test_first_replay_fires_once_per_arm_before_the_graph_runs_and_restores_replay() -> None:
+    import torch
+
+    import bcg
+    from tests.graph_helpers import capture_simple
+
+    g, x = bcg.BreakableCUDAGraph(emulate=True), torch.ones(4)
+    out = capture_simple(g, x)
+    original = bcg.BreakableCUDAGraph.replay
+    seen: list[float] = []
+    with timing.FirstReplay(lambda: seen.append(out.sum().item())) as first:
+        x.fill_(2.0)
+        g.replay()
+        assert not first.fired and seen == []  # not armed: nothing
+        first.arm()
+        x.fill_(5.0)
+        g.replay()
+        g.replay()
+        assert first.fired and seen == [60.0]  # once, before the replay: out still holds 4 x (2 * 2 + 1) * 3
+    assert bcg.BreakableCUDAGraph.replay is original
+    assert timing.replay_span_ms(g.replay, "cpu") is None  # a device span needs CUDA events

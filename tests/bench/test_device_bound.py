@@ -40,6 +40,8 @@ def test_device_bound_reports_the_kernel_view_on_a_cpu(capsys: pytest.CaptureFix
         assert sum(e["share"] for e in view["by_name"]) == pytest.approx(1.0)
         assert [e["us"] for e in view["by_name"]] == sorted((e["us"] for e in view["by_name"]), reverse=True)
         assert any(e["name"] == "aten::mm" for e in view["by_name"])  # the projections are there by op name
+        # The first graph replay is found through the breakable graph too; the device span needs CUDA.
+        assert 0 < row["launch_ms"] < row["wall_ms"] and row["span_ms"] is None
     # A one-request prefill of a dense model runs the same ops at every length (the bucket changes shapes only).
     assert result["rows"][0]["kernel_view"]["kernels"] == result["rows"][1]["kernel_view"]["kernels"]
     # The launch's host steps at the shortest length, in the order they ran, the load inside the prefill.
