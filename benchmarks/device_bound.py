@@ -58,7 +58,6 @@ from host_path import prefill_times, stage_times  # this folder is the script's 
 
 from bcg.bench.timing import gpu_kernel_ms, replay_span_ms, sync
 from bcg.bench.trace import Kernel, _innermost, _is_launch, kernels_from_events  # the bench's own parsing
-from bcg.bench.variants import FULL_GRAPH_TOKENS
 from bcg.errors import first_line
 from bcg.models.config import ModelConfig
 from bcg.runtime import Engine
@@ -144,13 +143,14 @@ def profile_kernels(fn: Callable[[], Any], device: torch.device, num_layers: int
 
 
 def measure(name: str, backend: str, lengths: list[int], runs: int, out: Path | None, timeline: bool,
-            engine_args: dict[str, Any], full_graph_tokens: int = FULL_GRAPH_TOKENS) -> dict[str, Any]:
+            engine_args: dict[str, Any], full_graph_tokens: int | None = None) -> dict[str, Any]:
     model: Any = SHAPES.get(name, name)
     t0 = time.perf_counter()
     # "breakable+full": the small buckets also hold a whole-step graph (EngineConfig.full_graph_tokens, the engine's
     # default on CUDA); "breakable" attends in islands at every bucket, as bcg bench names them.
     base, _, option = backend.partition("+")
-    full = {"full_graph_tokens": full_graph_tokens if option == "full" else 0} if base == "breakable" else {}
+    full = {} if base != "breakable" or (option == "full" and full_graph_tokens is None) else {
+        "full_graph_tokens": full_graph_tokens if option == "full" else 0}  # (None: the engine's default)
     eng = Engine(model, backend=base, progress=False, **engine_args, **full)
     build_s = time.perf_counter() - t0
     tele = eng.telemetry
@@ -246,9 +246,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kernels", default=None, help="fused or torch (default: the engine's)")
     p.add_argument("--attention-backend", default=None)
     p.add_argument("--chunked-prefill-size", type=int, default=2048 if cuda else 256)
-    p.add_argument("--full-graph-tokens", type=int, default=FULL_GRAPH_TOKENS,
+    p.add_argument("--full-graph-tokens", type=int, default=None,
                    help="breakable+full: the buckets up to this many tokens hold a whole-step graph (default: the "
-                        "engine's on CUDA)")
+                        "engine's, by the model's attention width, on CUDA)")
     p.add_argument("--timeline", action="store_true", help="write one prefill per model as a Chrome trace")
     p.add_argument("--top-kernels", type=int, default=12,
                    help="costliest kernel names printed per model and length (0: none; the JSON has them all)")

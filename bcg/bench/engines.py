@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from bcg.errors import first_line
+from bcg.runtime.backend_registry import DEFAULT_FULL_GRAPH_TOKENS
 
 if TYPE_CHECKING:
     from bcg.runtime.config import EngineConfig
@@ -106,8 +107,11 @@ class EngineSpec:
         from bcg.bench.variants import parse_variant
 
         v = parse_variant(variant)
+        full = v.full_graph_tokens
+        if full is None and self.config.torch_device.type != "cuda":  # "+full" where the engine makes none itself
+            full = DEFAULT_FULL_GRAPH_TOKENS
         return dataclasses.replace(self.config, backend=v.backend, kernels=v.kernels, compile=v.compile,
-                                   full_graph_tokens=v.full_graph_tokens)
+                                   full_graph_tokens=full)
 
     def describe(self, variants: list[str]) -> str:
         """What each variant's engine will run, resolved for this machine as the engine resolves it (kernels,

@@ -166,7 +166,7 @@ def availability(variant: Variant, islands: Sequence[str], full_error: str | Non
         "backend 'tc_piecewise' cannot capture this model: the island"
     """
     name = variant.backend
-    if variant.full_graph_tokens:
+    if variant.full_graph_tokens != 0:
         return ("+full is not predicted: which of a bucket's two graphs a batch replays depends on its request mix; "
                 "measure it with bcg bench --backends breakable+fused,breakable+fused+full")
     if name in ("eager", "breakable") and variant.compile is None:

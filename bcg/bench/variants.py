@@ -2,12 +2,12 @@
 
 A variant name is a backend followed by ``+`` options: ``fused`` (the fused kernels; without it, plain torch ops),
 ``inductor`` (the layer stack compiled by Inductor: ``compile="inductor"``) or ``traced`` (traced by dynamo alone, no
-code generated: ``compile="traced"``); ``breakable`` also takes ``full`` (its buckets up to ``FULL_GRAPH_TOKENS``
-also hold a whole-step graph with the attention inside: ``full_graph_tokens``). A name says everything its engine runs,
-whatever the machine: ``breakable`` attends in islands at every bucket, although ``Engine(backend="breakable")`` on one
-GPU adds the whole-step graphs by default (``breakable+full``). ``tc_piecewise`` compiles its pieces itself and takes
-no compile option; its
-compiler is the run's ``tc_compiler`` (``bcg bench --tc-compiler``). The plain ``eager`` variant is the baseline of
+code generated: ``compile="traced"``); ``breakable`` also takes ``full`` (its small buckets also hold a whole-step
+graph with the attention inside, up to the engine's own ``full_graph_tokens`` for the model; on a CPU, which makes
+none by default, up to 512 tokens). A name says everything its engine runs, whatever the machine: ``breakable``
+attends in islands at every bucket, although ``Engine(backend="breakable")`` on one GPU adds the whole-step graphs by
+default (``breakable+full``). ``tc_piecewise`` compiles its pieces itself and takes no compile option; its compiler
+is the run's ``tc_compiler`` (``bcg bench --tc-compiler``). The plain ``eager`` variant is the baseline of
 every speedup: the model as a user runs it without bcg.
 """
 
@@ -15,11 +15,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from bcg.runtime.backend_registry import DEFAULT_FULL_GRAPH_TOKENS, resolve_backend
+from bcg.runtime.backend_registry import resolve_backend
 
-__all__ = ["FULL_GRAPH_TOKENS", "Variant", "parse_variant"]
-
-FULL_GRAPH_TOKENS = DEFAULT_FULL_GRAPH_TOKENS  # "+full": the buckets that also hold a whole-step graph
+__all__ = ["Variant", "parse_variant"]
 
 _KERNELS = {"fused": "fused", "torch": "torch"}
 _COMPILERS = {"inductor": "inductor", "traced": "traced"}
@@ -40,18 +38,18 @@ class Variant:
     kernels: str = "torch"
     compile: str | None = None
     tc_compiler: str = "inductor"  # what compiles tc_piecewise's pieces (no other backend reads it)
-    full_graph_tokens: int = 0
+    full_graph_tokens: int | None = 0  # 0: no whole-step graphs; None ("+full"): the engine's own default
 
     @property
     def name(self) -> str:
         parts = [self.backend] + (["fused"] if self.kernels == "fused" else [])
         parts += [self._compile_token] if self.compile else []
-        return "+".join(parts + (["full"] if self.full_graph_tokens else []))
+        return "+".join(parts + (["full"] if self.full_graph_tokens != 0 else []))
 
     @property
     def backend_label(self) -> str:
         """The backend column of tables: the backend, with ``+full`` where its small buckets hold two graphs."""
-        return self.backend + ("+full" if self.full_graph_tokens else "")
+        return self.backend + ("+full" if self.full_graph_tokens != 0 else "")
 
     @property
     def _compile_token(self) -> str:
@@ -75,13 +73,14 @@ def parse_variant(text: str, tc_compiler: str = "inductor") -> Variant:
     """
     backend, *options = [t.strip() for t in text.split("+")]
     backend = resolve_backend(backend)
-    kernels, compile_, full = "torch", None, 0
+    kernels, compile_ = "torch", None
+    full: int | None = 0
     for option in options:
         if option == "full":
             if backend != "breakable":
                 raise ValueError(f"{text!r}: +full adds whole-step graphs to breakable's small buckets; "
                                  f"{backend} takes no +full")
-            full = FULL_GRAPH_TOKENS
+            full = None
         elif option in _KERNELS:
             kernels = _KERNELS[option]
         elif option in _COMPILERS:

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import importlib
 
-__all__ = ["ALIASES", "BACKENDS", "DEFAULT_FULL_GRAPH_TOKENS", "REGISTRY", "backend_class", "resolve_backend"]
+__all__ = ["ALIASES", "BACKENDS", "DEFAULT_FULL_GRAPH_TOKENS", "NARROW_FULL_GRAPH_TOKENS", "REGISTRY", "backend_class",
+           "resolve_backend"]
 
 # name -> (module, class)
 REGISTRY = {
@@ -23,8 +24,13 @@ ALIASES = {"disabled": "eager"}
 BACKENDS = tuple(REGISTRY)
 # Where "breakable" on one GPU also captures whole-step graphs by default (EngineConfig.full_graph_tokens): the
 # buckets where the islands' launches weigh most against the device time (an H200 at 64 tokens: 59 host launches a
-# prefill become 3).
+# prefill become 3), up to where the island's attention turns to bcg's Triton kernel (triton_from_tokens in
+# bcg.ops.attention.varlen): below that the island runs FlashAttention and a copy, the whole-step graph bcg's slot
+# kernel. On the H200 (round 14, benchmarks/device_bound.py, whole-step graphs to 2048 against the default):
+# llama-dense (attention 1024 wide) took 0.82x the wall at 1024 tokens with them and 1.02x at 2048; the 2048-wide
+# shapes, whose islands run the Triton kernel from 1024, 1.00x (Llama-3.2-1B) and 1.12x (Qwen3-0.6B) at 1024.
 DEFAULT_FULL_GRAPH_TOKENS = 512
+NARROW_FULL_GRAPH_TOKENS = 1024  # attention narrower than varlen.WIDE_ATTENTION (EngineConfig.resolved)
 
 
 def resolve_backend(name: str) -> str:

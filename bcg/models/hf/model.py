@@ -60,6 +60,8 @@ class HFModelConfig:
     hidden_size: int
     num_layers: int
     max_position_embeddings: int
+    num_heads: int = 0  # the attention's q heads and their width (0 where the config does not say)
+    head_dim: int = 0
 
 
 class HFCausalLM(nn.Module):
@@ -111,8 +113,11 @@ class HFCausalLM(nn.Module):
         if embed.weight.shape[0] != vocab:
             raise UnsupportedModelError(f"{name}: the input embedding has {embed.weight.shape[0]} rows but the LM head "
                                         f"{vocab} outputs; bcg needs one vocabulary")
+        heads = getattr(cfg, "num_attention_heads", 0) or 0
+        head_dim = getattr(cfg, "head_dim", 0) or (cfg.hidden_size // heads if heads else 0)
         self._config = HFModelConfig(f"transformers:{cfg.model_type}", cfg.model_type, vocab, cfg.hidden_size,
-                                     cfg.num_hidden_layers, getattr(cfg, "max_position_embeddings", 0) or 0)
+                                     cfg.num_hidden_layers, getattr(cfg, "max_position_embeddings", 0) or 0, heads,
+                                     head_dim)
         self.tail = LogitTail.from_config(cfg)
         self._probing = False  # set by the layer probe: the DSA islands record what they cache
         shared = Adaptation.of(hf_model, body, auto_islands, fuse)

@@ -11,6 +11,7 @@ from engine_cache import random_prompts
 
 from bcg.runtime import Engine, EngineConfig
 from bcg.runtime.backends.full import FullBackend
+from bcg.runtime.config import default_full_graph_tokens
 
 OPTS = dict(device="cpu", buckets=[8, 16, 32, 64], chunked_prefill_size=64, kv_tokens=512, max_requests=2,
             progress=False)
@@ -123,6 +124,32 @@ def test_full_graphs_are_the_default_of_breakable_on_one_gpu(options: dict, want
     assert cfg.full_graph_tokens == want
     assert cfg.resolved() == cfg
     assert ("full graphs up to 512 tokens" in cfg.describe()) == (want == 512)
+
+
+@pytest.mark.parametrize(("width", "want"), [(64, 1024), (2047, 1024), (2048, 512), (4096, 512), (None, 512)])
+def test_the_default_follows_the_attention_width_the_engine_gives(width: int | None, want: int) -> None:
+    """Narrow attention keeps whole-step graphs to 1024 tokens (its island runs FlashAttention below 2048), wide
+    attention to 512 (its island runs bcg's Triton kernel from 1024); a size asked for is kept whatever the width."""
+    cfg = EngineConfig(device="cuda", kernels="torch", attention_backend="varlen").resolved(attention_width=width)
+    assert cfg.full_graph_tokens == want == default_full_graph_tokens(width)
+    assert cfg.resolved() == cfg  # resolved once, by the engine that knows the model
+    asked = EngineConfig(device="cuda", kernels="torch", attention_backend="varlen", full_graph_tokens=64)
+    assert asked.resolved(attention_width=width).full_graph_tokens == 64
+
+
+def test_an_engine_resolves_its_config_with_its_models_attention_width(monkeypatch: pytest.MonkeyPatch) -> None:
+    widths: list[int | None] = []
+    resolved = EngineConfig.resolved
+
+    def spy(self: EngineConfig, attention_width: int | None = None) -> EngineConfig:
+        widths.append(attention_width)
+        return resolved(self, attention_width)
+
+    monkeypatch.setattr(EngineConfig, "resolved", spy)
+    eng = Engine("tiny-dense", **OPTS)
+    cfg = eng.model.config
+    assert widths == [cfg.num_heads * cfg.head_dim] == [64]
+    assert eng.config.full_graph_tokens == 0  # a CPU makes none by default, whatever the width
 
 
 def test_a_refused_whole_step_graph_leaves_the_breakable_graphs_serving(caplog: pytest.LogCaptureFixture) -> None:
