@@ -17,6 +17,7 @@ step() {
   started=$(date +%T)
   timeout "$secs" "$@" >"$work/$name.log" 2>&1
   local rc=$?
+  [ -z "$(tail -c 1 "$work/$name.log")" ] || echo >>"$work/$name.log"  # a log cut mid-line still ends its line
   echo "== $name rc=$rc $((SECONDS - t0))s (from $started)" | tee -a "$work/summary.log"
   tail -n "${TAIL:-25}" "$work/$name.log" | tee -a "$work/summary.log"
   tar czf "$dest/$bundle" -C "$work" . && cp "$work/summary.log" "$dest/summary.log"
