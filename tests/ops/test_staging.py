@@ -133,3 +133,39 @@ def test_the_ring_waits_for_queued_copies_before_it_rewrites_a_pinned_buffer() -
     torch.cuda.synchronize()
     for views, wrote in zip(snapshots, expected):
         _check(views, wrote)
+
+
+def test_tails_of_lengths_seen_before_reuse_their_offsets_views_and_host_views() -> None:
+    # A breakable replay's batch has tails (its cumulative lengths); a request count seen before must cut nothing
+    # again: the same device views, the same host views of each ring buffer, and still every value arrives.
+    arena, layouts = _arena(torch.device("cpu"))
+    arena.ring = HostRing(torch.device("cpu"), size=2)
+    layout, rng = layouts[1], np.random.default_rng(3)
+    device_views: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
+    host_views: dict[tuple[int, int, int], np.ndarray] = {}
+    reused = 0
+    for step in range(12):
+        tails = {"cu": 7 if step % 3 else 10, "keys": 0 if step % 2 else 5}
+        staged = arena.stage(layout, **tails)
+        wrote = _fill(staged, rng)
+        views = staged.upload()
+        _check(views, wrote)
+        key = (tails["cu"], tails["keys"])
+        before = device_views.setdefault(key, views)
+        assert all(views[n] is before[n] for n in views)  # the plan's device views, not new slices
+        host = host_views.setdefault((*key, staged._slot), staged.host["cu"])
+        reused += host is staged.host["cu"] and before is not views
+    assert reused == 12 - len(host_views) and len(host_views) < 12
+    assert len(layout._tail_plans) == len(device_views) == 4
+
+
+def test_tail_plans_and_ring_views_stay_bounded() -> None:
+    from bcg.ops import staging
+
+    arena, layouts = _arena(torch.device("cpu"))
+    for keys in range(1, 4 * staging._MAX_TAIL_PLANS):
+        staged = arena.stage(layouts[0], cu=3, keys=keys)
+        staged.host["keys"][:] = np.arange(keys)
+        assert staged.upload()["keys"].tolist() == list(range(keys))
+    assert len(layouts[0]._tail_plans) <= staging._MAX_TAIL_PLANS
+    assert all(len(v) <= 4 * staging._MAX_TAIL_PLANS for v in arena.ring._views)
