@@ -20,6 +20,7 @@
 #            device time per length, whether a prefill ever synchronises, one timeline); device_baseline runs the
 #            same on the code in .baseline/ (an export of an earlier commit's bcg/) for a before/after
 #   BENCH_ARGS / ANALYZE_ARGS / TEST_ARGS / HF_ARGS / ATTENTION_ARGS (--sweep: block configurations)  extra flags;
+#            TEST_SHARDS / KERNEL_SHARDS  pytest processes at once for the tests / kernel_tests steps (1 / 4);
 #            T_* the per-step time limits in seconds; CLOCKS=0: no clocks.csv (the GPU's clock and power every
 #            250 ms, to read a step's timings against).
 set -uo pipefail
@@ -37,8 +38,11 @@ bench() {  # bench NAME MODEL [FLAGS...]
     $bench_args "$@"
 }
 case $steps in *" tests "*)  # the fused kernels' own 583 cases are the kernel_tests step
-  step cuda_tests "${T_TESTS:-300}" python3 -m pytest -q -m cuda -p no:cacheprovider -rf --durations=15 \
-    --ignore=tests/ops/kernels ${TEST_ARGS:-} tests ;; esac
+  # TEST_SHARDS>1 runs that many pytest processes at once (scripts/pytest_shards.py; logs in cuda_tests/): engines
+  # that size their KV pool by the free memory then see each other's, so it is asked for, not the default
+  step cuda_tests "${T_TESTS:-300}" python3 scripts/pytest_shards.py --shards "${TEST_SHARDS:-1}" \
+    --logs "$work/cuda_tests" -- -q -m cuda -p no:cacheprovider -rf --durations=15 --ignore=tests/ops/kernels \
+    ${TEST_ARGS:-} tests ;; esac
 case $steps in *" models "*)
   for model in ${MODELS:-llama-dense llama-dense-2k gptoss-moe glm-dsa}; do
     bench "$model" "$model"
@@ -84,7 +88,9 @@ case $steps in *" host_path "*)
 case $steps in *" prefill_host "*)  # this host's CPU alone: the engine's Python, and the launch warm and cold
   step prefill_host "${T_PREFILL_HOST:-90}" python3 benchmarks/prefill_host.py --runs 300 --device cuda ;; esac
 case $steps in *" kernel_tests "*)
-  step kernel_tests "${T_KERNELS:-150}" python3 -m pytest -q -m cuda -p no:cacheprovider -rf tests/ops/kernels ;; esac
+  # KERNEL_SHARDS pytest processes at once (default 4: the cases compile Triton kernels on the CPU, small tensors)
+  step kernel_tests "${T_KERNELS:-150}" python3 scripts/pytest_shards.py --shards "${KERNEL_SHARDS:-4}" \
+    --logs "$work/kernel_tests" -- -q -m cuda -p no:cacheprovider -rf tests/ops/kernels ;; esac
 case $steps in *" load "*)  # serving under an open-loop load: every request answered, TTFT per backend and rate
   for model in ${LOAD_MODELS:-llama-dense}; do
     step "load-$model" "${T_LOAD:-300}" python3 -m bcg load --model "$model" \

@@ -198,3 +198,25 @@ def test_prefill_host_smoke() -> None:
     assert set(launch) == {(mode, n) for mode in ("warm", "cold") for n in (1, 4)}
     # Every case replayed its bucket's whole-step graph, and the replay was called before prefill returned.
     assert all(row["ran"] == "graph_full" and 0 < row["us_to_replay"] < row["us_per_call"] for row in launch.values())
+
+
+def test_pytest_shards_runs_every_selected_test_once_and_reports_failures(tmp_path: Path) -> None:
+    suite = tmp_path / "suite"
+    suite.mkdir()
+    (suite / "test_a.py").write_text("import pytest\n\n@pytest.mark.parametrize('i', range(4))\n"
+                                     "def test_a(i):\n    print('ran a', i)\n")
+    (suite / "test_b.py").write_text("def test_b_fails():\n    assert 1 == 2\n\ndef test_b_ok():\n    pass\n")
+    (suite / "test_c.py").write_text("import pytest\n\n@pytest.mark.skip\ndef test_c():\n    pass\n")
+    logs = tmp_path / "logs"
+    cmd = [sys.executable, str(ROOT / "scripts" / "pytest_shards.py"), "--shards", "2", "--logs", str(logs), "--",
+           "-q", "-rf", "-p", "no:cacheprovider", "suite"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 1, proc.stdout + proc.stderr  # the failing test's status, not the passing shard's
+    # Seven tests in two runs of consecutive ones: test_a.py's four, then test_b.py's two and test_c.py's one.
+    assert "shard 0 (4 tests) rc=0: 4 passed in" in proc.stdout
+    assert "shard 1 (3 tests) rc=1: 1 failed, 1 passed, 1 skipped in" in proc.stdout
+    assert "  FAILED suite/test_b.py::test_b_fails" in proc.stdout
+    assert sorted(p.name for p in logs.iterdir()) == ["shard-0.log", "shard-1.log"]
+    assert "test_b" not in (logs / "shard-0.log").read_text()  # each test in one shard only
+    one = subprocess.run([*cmd[:3], "1", *cmd[4:]], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert one.returncode == 1 and "shard 0 (7 tests) rc=1: 1 failed, 5 passed, 1 skipped in" in one.stdout
