@@ -47,7 +47,7 @@ class Field:
         return self.length if self.dtype == "int64" else (self.length + 1) // 2
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # compared and hashed by identity: a ring's cache key, made once per lengths
 class TailPlan:
     """A layout's non-empty tails at given lengths: their fields, every field's offset, the words in all, and for
     a layout bound to an arena its device views by name and the arena's words the copy fills."""
@@ -184,7 +184,7 @@ class HostRing:
     def tail_views(self, i: int, layout: Layout, plan: TailPlan) -> tuple[Tensor, dict[str, np.ndarray]]:
         """:meth:`views` for a batch with the non-empty tails of ``plan``: buffer ``i``'s words it takes, and the
         numpy views of every field (made once per buffer, layout and plan)."""
-        key = (layout, plan.num_words, plan.fields)
+        key = plan  # one layout's (the key holds it: no later plan can take its identity)
         views = self._views[i].get(key)
         if views is None:
             if len(self._views[i]) >= 4 * _MAX_TAIL_PLANS:  # as the layouts' plans: keep the recent ones
