@@ -39,11 +39,15 @@ Configuration is :class:`~bcg.runtime.config.EngineConfig` and the command's fla
   at every attention width, FlashAttention below (by default from 2048 tokens, 1024 for attention 2048 wide:
   :func:`bcg.ops.attention.varlen.triton_from_tokens`); for measuring where the kernel's cheaper device time
   outweighs its dearer launch (``benchmarks/device_bound.py`` under each value).
+* ``BCG_SLOT_BASE=on``: the whole-step graphs' attention (``static_triton``) also stages, per request, the first of
+  its KV slots when they run up by one, and the kernel reads such a request's keys by address instead of through
+  its slots (:mod:`bcg.ops.kernels.attention`'s ``kv_base``). Off until measured on a GPU: through the slots it
+  took 1.18-1.59x the direct kernel's time at 1024-2048 tokens on the H200 (round 14).
 * ``BCG_GC_FREEZE=0``: a serving engine leaves the heap to the garbage collector as it is (by default its first
   ``submit`` moves every object alive then out of the collector's sight, ``gc.freeze()``, until it closes).
 
-``BCG_PDL``, ``BCG_MLP_FUSION``, ``BCG_QKV_FUSION``, the two norm fusions and ``BCG_TRITON_VARLEN_FROM`` are read
-once, at import: they are asked on hot paths, where an environment lookup per call costs.
+``BCG_PDL``, ``BCG_MLP_FUSION``, ``BCG_QKV_FUSION``, the two norm fusions, ``BCG_TRITON_VARLEN_FROM`` and
+``BCG_SLOT_BASE`` are read once, at import: they are asked on hot paths, where an environment lookup per call costs.
 """
 
 from __future__ import annotations
@@ -51,7 +55,8 @@ from __future__ import annotations
 import os
 
 __all__ = ["COMPILE_LOG", "DEBUG", "FLASH_WRAPPER", "INPUT_NORM_FUSION", "MLP_FUSION", "NORM_FUSION", "PDL",
-           "QKV_FUSION", "TP_ALLREDUCE_ISLAND", "TRITON_VARLEN_FROM", "gc_freeze", "hf_fusion", "leak_check_mode"]
+           "QKV_FUSION", "SLOT_BASE", "TP_ALLREDUCE_ISLAND", "TRITON_VARLEN_FROM", "gc_freeze", "hf_fusion",
+           "leak_check_mode"]
 
 
 def _flag(name: str) -> bool:
@@ -93,6 +98,7 @@ def _tokens(name: str) -> int | None:
 
 
 TRITON_VARLEN_FROM: int | None = _tokens("BCG_TRITON_VARLEN_FROM")
+SLOT_BASE: bool = _switch("BCG_SLOT_BASE", False)
 
 
 def leak_check_mode() -> str:

@@ -76,6 +76,7 @@ class StaticContext(ForwardContext):
         # The masks' fields (absent for the slot kernel, which masks by cu_seqlens alone).
         self.query_request, self.key_request = views.get("query_request"), views.get("key_request")
         self.query_positions, self.key_positions = views.get("query_positions"), views.get("key_positions")
+        self.kv_base = views.get("kv_base")  # the slot kernel's runs of slots (BCG_SLOT_BASE), else None
         self.cu_seqlens = cu = views["cu_seqlens"]
         self.cu_seqlens_q, self.cu_seqlens_k = cu[: num_request_slots + 1], cu[num_request_slots + 1 :]
         self.kv_pool = kv_pool
@@ -98,7 +99,7 @@ class StaticContext(ForwardContext):
             # sentinel slots being empty) written 0 by the kernel itself.
             varlen_attention(q, pool.k[layer_id], pool.v[layer_id], self.cu_seqlens_q, self.cu_seqlens_k,
                              self.num_padded_tokens, self.key_capacity, out, kv_slots=self.read_slots,
-                             zero_tail=True)
+                             zero_tail=True, kv_base=self.kv_base)
             return
         keys = pool.k[layer_id].index_select(0, self.read_slots)
         values = pool.v[layer_id].index_select(0, self.read_slots)
@@ -149,6 +150,7 @@ class StaticAttention(AttentionBackend):
     name = "static"
     is_island = False
     use_slot_kernel: ClassVar[bool] = False  # bcg's varlen kernel over the pool's slots (``static_triton``)
+    stages_kv_base = False  # with it, each request's first slot where its slots run up by one (BCG_SLOT_BASE)
 
     def __init__(self, kv_pool: KVPool, max_requests: int = 4, prefix_capacity: int = 0,
                  use_varlen: bool | None = None) -> None:
@@ -173,7 +175,7 @@ class StaticAttention(AttentionBackend):
         slots = [Field("write_slots", num_rows), Field("read_slots", keys),
                  Field("cu_seqlens", 2 * (self.max_requests + 1), "int32")]
         if self.use_slot_kernel:  # it reads keys through read_slots and masks by cu_seqlens: nothing else to stage
-            return slots, ()
+            return slots + ([Field("kv_base", self.max_requests)] if self.stages_kv_base else []), ()
         return slots + [Field("query_request", num_rows), Field("query_positions", num_rows),
                         Field("key_request", keys), Field("key_positions", keys)], ()
 
@@ -206,6 +208,9 @@ class StaticAttention(AttentionBackend):
         cu[slots + 1 : slots + r + 2] = cu_k
         cu[slots + r + 2 :] = num_keys
         if self.use_slot_kernel:  # it masks by cu_seqlens alone
+            if self.stages_kv_base:
+                h["kv_base"][:] = -1
+                h["kv_base"][:r] = run_starts(batch.host_read_slots, cu_k)
             return
         seq_q = np.asarray(batch.seq_lens_q, dtype=np.int64)
         seq_k = np.diff(cu_k)
@@ -230,3 +235,22 @@ class StaticAttention(AttentionBackend):
     def attend(self, ctx: StaticContext, q: Tensor, k: Tensor, v: Tensor, out: Tensor,  # type: ignore[override]
                layer_id: int) -> None:
         ctx.attend(q, k, v, out, layer_id)  # the context attends itself, over its fixed-size fields
+
+
+def run_starts(slots: np.ndarray, cu: np.ndarray) -> np.ndarray:
+    """Per sequence ``s`` (keys ``slots[cu[s]:cu[s + 1]]``): its first slot where its slots run up by one, else -1
+    (also for an empty sequence). A few numpy calls whatever the batch.
+
+    Example:
+        >>> run_starts(np.array([7, 8, 9, 3, 5, 5, 6]), np.array([0, 3, 5, 7, 7])).tolist()
+        [7, -1, 5, -1]
+    """
+    starts, lens = cu[:-1], np.diff(cu)
+    out = np.full(len(lens), -1, dtype=np.int64)
+    live = np.flatnonzero(lens > 0)
+    if len(live):
+        breaks = np.concatenate(([0], np.cumsum(np.diff(slots) != 1)))  # steps other than +1 before each key
+        first, last = starts[live], starts[live] + lens[live] - 1
+        runs = live[breaks[last] == breaks[first]]
+        out[runs] = slots[starts[runs]]
+    return out

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from bcg import env
 from bcg.ops.attention.base import register_attention_backend
 from bcg.ops.attention.static import StaticAttention
 from bcg.ops.kernels.dispatch import fused_available
@@ -36,6 +37,8 @@ class StaticTritonAttention(StaticAttention):
         kv_pool: the pool.
         max_requests: ``R``, the most requests one batch may pack.
         prefix_capacity: cached-prefix keys (summed over requests) a bucket attends to on top of its own rows.
+        stages_kv_base: also stage each request's first slot where its slots run up by one, so the kernel reads
+            those keys by address (None: ``BCG_SLOT_BASE``, :mod:`bcg.env`).
 
     Example::
 
@@ -46,9 +49,13 @@ class StaticTritonAttention(StaticAttention):
     name = "static_triton"
     use_slot_kernel = True
 
-    def __init__(self, kv_pool: KVPool, max_requests: int = 4, prefix_capacity: int = 0) -> None:
+    def __init__(self, kv_pool: KVPool, max_requests: int = 4, prefix_capacity: int = 0,
+                 stages_kv_base: bool | None = None) -> None:
         # use_varlen=False: no FlashAttention probe (this kernel is bottom-right by construction and never calls it).
         super().__init__(kv_pool, max_requests, prefix_capacity, use_varlen=False)
+        # Each request's first slot where its slots run up by one, for the kernel to read those keys by address
+        # (None: the BCG_SLOT_BASE switch, off until measured on a GPU).
+        self.stages_kv_base = env.SLOT_BASE if stages_kv_base is None else stages_kv_base
 
     @classmethod
     def is_usable(cls, device: torch.device, dtype: torch.dtype) -> str | None:

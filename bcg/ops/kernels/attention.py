@@ -21,6 +21,9 @@ The contract (both implementations):
 * ``kv_slots`` (int32/int64, contiguous): key ``j`` of sequence ``s`` is row ``kv_slots[cu_seqlens_k[s] + j]`` of
   k/v, which are then a KV pool's layer (any number of rows): attention straight from the pool, no gather. Slots
   outside every sequence are never read.
+* ``kv_base`` (int64 ``(num_seqs,)``, with ``kv_slots``): a promise per sequence that its slots run up by one from
+  ``kv_base[s]`` (``-1``: no promise). The kernel then reads that sequence's keys by address, without loading its
+  slots; the reference reads through the slots either way, so a broken promise shows as a difference between them.
 
 Registered as ``torch.ops.bcg.varlen_attention_`` (mutating ``out``): the reference on every device, the Triton
 kernel on CUDA, a fake kernel for tracing; :func:`varlen_attention` calls it while torch.compile traces and the two
@@ -42,8 +45,9 @@ def varlen_attention_reference(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Te
                                max_seqlen_q: int, max_seqlen_k: int, out: Tensor, scale: Optional[float] = None,
                                softcap: Optional[float] = None, window_left: Optional[int] = None,
                                sinks: Optional[Tensor] = None, kv_slots: Optional[Tensor] = None,
-                               zero_tail: bool = False) -> None:
-    """The plain-torch implementation of :func:`varlen_attention` (any device; O(total_q * total_k) memory)."""
+                               zero_tail: bool = False, kv_base: Optional[Tensor] = None) -> None:
+    """The plain-torch implementation of :func:`varlen_attention` (any device; O(total_q * total_k) memory); it
+    reads every key through ``kv_slots`` and needs no ``kv_base``."""
     # FlashAttention's contract differs in two corners this op does not have: a bound of one query takes its
     # one-query GQA reshape (2 is the same upper bound for causal rows), and a key bound of 0 zeroes every row.
     reference_flash_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max(max_seqlen_q, 2), max(max_seqlen_k, 1),
@@ -56,7 +60,7 @@ def varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_s
                      max_seqlen_q: int, max_seqlen_k: int, out: Tensor, *, scale: Optional[float] = None,
                      softcap: Optional[float] = None, window_left: Optional[int] = None,
                      sinks: Optional[Tensor] = None, kv_slots: Optional[Tensor] = None, zero_tail: bool = False,
-                     impl: str = "fused") -> Tensor:
+                     kv_base: Optional[Tensor] = None, impl: str = "fused") -> Tensor:
     """Causal varlen attention written into ``out`` (returned); the contract is the module's.
 
     Args:
@@ -69,6 +73,8 @@ def varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_s
         sinks: ``(num_heads,)`` fp32 sink logits (None: none).
         kv_slots: int32/int64 slot of each packed key in k/v (None: key ``i`` is row ``i``); k/v then a pool layer.
         zero_tail: write 0 into the rows past the last sequence (else they keep ``out``'s values).
+        kv_base: int64 ``(num_seqs,)`` with ``kv_slots``: each sequence's first slot where its slots run up by one,
+            else -1 (the module's contract).
         impl: ``"fused"`` (Triton on CUDA, the reference elsewhere) or ``"torch"`` (the reference).
 
     Example:
@@ -87,26 +93,40 @@ def varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_s
     fused = use_fused(impl, q)
     if fused:  # the reference checks the same itself
         check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, out, softcap, sinks, kv_slots)
+    if kv_base is not None:
+        _check_kv_base(kv_base, kv_slots, cu_seqlens_q)
     if torch.compiler.is_compiling():
         torch.ops.bcg.varlen_attention_(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, out, scale,
-                                        softcap, window_left, sinks, kv_slots, zero_tail)
+                                        softcap, window_left, sinks, kv_slots, zero_tail, kv_base)
     elif fused:
         _triton(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, out, scale, softcap, window_left,
-                sinks, kv_slots, zero_tail)
+                sinks, kv_slots, zero_tail, kv_base)
     else:
         varlen_attention_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, out, scale,
                                    softcap, window_left, sinks, kv_slots, zero_tail)
     return out
 
 
+def _check_kv_base(kv_base: Tensor, kv_slots: Optional[Tensor], cu_seqlens_q: Tensor) -> None:
+    """Shapes only (its values are the device's: no read back, so a capture may hold the call)."""
+    if kv_slots is None:
+        raise ValueError("kv_base promises runs of kv_slots; pass kv_slots with it (or neither)")
+    num_seqs = cu_seqlens_q.numel() - 1
+    if kv_base.dtype != torch.int64 or kv_base.dim() != 1 or kv_base.numel() != num_seqs \
+            or not kv_base.is_contiguous() or kv_base.device != kv_slots.device:
+        raise ValueError(f"kv_base must be a contiguous 1-D int64 tensor of one entry per sequence ({num_seqs}) on "
+                         f"kv_slots' device; got {kv_base.dtype}, shape {tuple(kv_base.shape)} on {kv_base.device}")
+
+
 def _triton(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int,
             max_seqlen_k: int, out: Tensor, scale: Optional[float], softcap: Optional[float],
             window_left: Optional[int], sinks: Optional[Tensor], kv_slots: Optional[Tensor] = None,
-            zero_tail: bool = False) -> None:
+            zero_tail: bool = False, kv_base: Optional[Tensor] = None) -> None:
     from bcg.ops.kernels import triton_attention
 
     triton_attention.varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, out, scale,
-                                      softcap, window_left, sinks, kv_slots=kv_slots, zero_tail=zero_tail)
+                                      softcap, window_left, sinks, kv_slots=kv_slots, zero_tail=zero_tail,
+                                      kv_base=kv_base)
 
 
 # --- torch.library op: what torch.compile traces (opaque; writes ``out``). ---
@@ -114,7 +134,8 @@ def _triton(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k:
 def _varlen_attention_op(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
                          max_seqlen_q: int, max_seqlen_k: int, out: Tensor, scale: Optional[float],
                          softcap: Optional[float], window_left: Optional[int], sinks: Optional[Tensor],
-                         kv_slots: Optional[Tensor] = None, zero_tail: bool = False) -> None:
+                         kv_slots: Optional[Tensor] = None, zero_tail: bool = False,
+                         kv_base: Optional[Tensor] = None) -> None:
     varlen_attention_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, out, scale, softcap,
                                window_left, sinks, kv_slots, zero_tail)
 
@@ -126,5 +147,6 @@ _varlen_attention_op.register_kernel("cuda")(_triton)
 def _varlen_attention_fake(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
                            max_seqlen_q: int, max_seqlen_k: int, out: Tensor, scale: Optional[float],
                            softcap: Optional[float], window_left: Optional[int], sinks: Optional[Tensor],
-                           kv_slots: Optional[Tensor] = None, zero_tail: bool = False) -> None:
+                           kv_slots: Optional[Tensor] = None, zero_tail: bool = False,
+                           kv_base: Optional[Tensor] = None) -> None:
     return None

@@ -33,6 +33,7 @@ import triton.language as tl
 from torch import Tensor
 from triton.language.extra import libdevice
 
+from bcg.ops.kernels.attention_blocks import BlockConfig, block_config
 from bcg.ops.kernels.triton_utils import INTERPRETING, grid_dependency, launch
 
 __all__ = ["BlockConfig", "block_config", "varlen_attention"]
@@ -41,51 +42,6 @@ _ACCURATE_TANH = tl.constexpr(not INTERPRETING)  # the interpreter has no libdev
 # The interpreter keeps bf16 as raw uint16 and its tl.dot multiplies those integers: it gets fp32 operands instead
 # (exact: bf16 -> fp32 is lossless, and the compiled dot accumulates in fp32 too).
 _DOT_F32 = tl.constexpr(INTERPRETING)
-
-
-class BlockConfig:
-    """One launch configuration: query rows and keys a program works on per step, warps and pipeline stages.
-
-    The defaults (:func:`block_config`) are the fastest measured on an H200 (``benchmarks/attention_kernels.py
-    --sweep`` times the alternatives).
-    """
-
-    def __init__(self, block_m: int, block_n: int, num_warps: int, num_stages: int, split_mask: bool = True) -> None:
-        self.block_m, self.block_n, self.num_warps, self.num_stages = block_m, block_n, num_warps, num_stages
-        self.split_mask = split_mask  # key blocks seen in full skip the masks (False: every block masked)
-
-    def __repr__(self) -> str:
-        return (f"BlockConfig(block_m={self.block_m}, block_n={self.block_n}, num_warps={self.num_warps}, "
-                f"num_stages={self.num_stages}, split_mask={self.split_mask})")
-
-
-# Query runs of more than SPLIT_FROM_QUERY rows take 64-row blocks and the split key loop; shorter ones (few blocks
-# seen in full: the split's extra loops cost more than the masks they save) mask every block. The fastest measured
-# on the H200 (round 13, benchmarks/attention_kernels.py --sweep, table in BENCHMARKS.md): 0.65-0.80x round 12's
-# time from 256 tokens at head dim 64 and from 1024 at 128; 16-32-row blocks were slower at every length.
-SHORT_QUERY = 64
-SPLIT_FROM_QUERY = 512
-
-
-def block_config(head_dim: int, max_seqlen_q: int) -> BlockConfig:
-    """The launch configuration for ``head_dim`` (at most 256) and a query-length bound of ``max_seqlen_q``: the
-    fastest measured on an H200 (see the table above this function's source).
-
-    Example::
-
-        block_config(64, 2048)    # BlockConfig(block_m=64, block_n=64, num_warps=4, num_stages=3, split_mask=True)
-    """
-    if head_dim > 256:
-        raise ValueError(f"head_dim {head_dim} is above the 256 this kernel supports")
-    if head_dim > 128:  # not measured with the split: the blocks before it, every key block masked
-        if max_seqlen_q <= SHORT_QUERY:
-            return BlockConfig(64, 32, 4, 2, split_mask=False)
-        return BlockConfig(64, 64, 8, 2, split_mask=False)
-    if max_seqlen_q > SPLIT_FROM_QUERY:
-        return BlockConfig(64, 64, 4, 3)
-    if head_dim > 64 and max_seqlen_q > SHORT_QUERY:
-        return BlockConfig(128, 64, 8, 3, split_mask=False)
-    return BlockConfig(64, 64, 4, 3, split_mask=False)
 
 
 @triton.jit
@@ -153,14 +109,53 @@ def _key_block(q, acc, m_i, l_i, k_base, v_base, kv_slots, k_start, len_k, start
 
 
 @triton.jit
+def _attend_keys(q, acc, m_i, l_i, k_base, v_base, KV_SLOTS, k_start, len_k, lo, lo_full, hi_full, hi, diag,
+                 stride_kt, stride_vt, score_scale, softcap, window_left, offs_n, offs_d, d_ok,
+                 HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_KV_SLOTS: tl.constexpr,
+                 EVEN_D: tl.constexpr, STATIC_BLOCKS_N: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The program's key blocks in ``[lo, hi)``: masked before ``lo_full`` and from ``hi_full``, unmasked between."""
+    if STATIC_BLOCKS_N == 0:
+        if HAS_WINDOW:
+            for start_n in range(lo, lo_full, BLOCK_N):
+                acc, m_i, l_i = _key_block(q, acc, m_i, l_i, k_base, v_base, KV_SLOTS, k_start, len_k, start_n,
+                                           True, diag, stride_kt, stride_vt, score_scale, softcap, window_left,
+                                           offs_n, offs_d, d_ok, HAS_SOFTCAP, HAS_WINDOW, HAS_KV_SLOTS, True, EVEN_D)
+        for start_n in range(lo_full, hi_full, BLOCK_N):
+            acc, m_i, l_i = _key_block(q, acc, m_i, l_i, k_base, v_base, KV_SLOTS, k_start, len_k, start_n, True,
+                                       diag, stride_kt, stride_vt, score_scale, softcap, window_left, offs_n, offs_d,
+                                       d_ok, HAS_SOFTCAP, HAS_WINDOW, HAS_KV_SLOTS, False, EVEN_D)
+        for start_n in range(hi_full, hi, BLOCK_N):
+            acc, m_i, l_i = _key_block(q, acc, m_i, l_i, k_base, v_base, KV_SLOTS, k_start, len_k, start_n, True,
+                                       diag, stride_kt, stride_vt, score_scale, softcap, window_left, offs_n, offs_d,
+                                       d_ok, HAS_SOFTCAP, HAS_WINDOW, HAS_KV_SLOTS, True, EVEN_D)
+    else:
+        # The interpreter's loops: a fixed count, each block taking the compiled loops' path for its place (blocks
+        # outside [lo, hi) masked out as a whole): the compiled loops' ranges have runtime bounds, which Triton
+        # 3.6's interpreter cannot take under numpy >= 2.4.
+        for block in range(STATIC_BLOCKS_N):
+            start_n = block * BLOCK_N
+            if (start_n >= lo_full) & (start_n < hi_full):
+                acc, m_i, l_i = _key_block(q, acc, m_i, l_i, k_base, v_base, KV_SLOTS, k_start, len_k, start_n,
+                                           True, diag, stride_kt, stride_vt, score_scale, softcap, window_left,
+                                           offs_n, offs_d, d_ok, HAS_SOFTCAP, HAS_WINDOW, HAS_KV_SLOTS, False,
+                                           EVEN_D)
+            else:
+                acc, m_i, l_i = _key_block(q, acc, m_i, l_i, k_base, v_base, KV_SLOTS, k_start, len_k, start_n,
+                                           (start_n >= lo) & (start_n < hi), diag, stride_kt, stride_vt,
+                                           score_scale, softcap, window_left, offs_n, offs_d, d_ok, HAS_SOFTCAP,
+                                           HAS_WINDOW, HAS_KV_SLOTS, True, EVEN_D)
+    return acc, m_i, l_i
+
+
+@triton.jit
 def _varlen_fwd(
-    Q, K, V, OUT, CU_Q, CU_K, SINKS, KV_SLOTS, total_q,
+    Q, K, V, OUT, CU_Q, CU_K, SINKS, KV_SLOTS, KV_BASE, total_q,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
     sm_scale, softcap, window_left,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr,
     STATIC_BLOCKS_N: tl.constexpr, HAS_KV_SLOTS: tl.constexpr, ZERO_TAIL: tl.constexpr, SPLIT_MASK: tl.constexpr,
-    EVEN_D: tl.constexpr,
+    EVEN_D: tl.constexpr, HAS_KV_BASE: tl.constexpr,
 ):
     grid_dependency()  # under programmatic dependent launch: the kernel before is done
     pid_m = tl.program_id(0)
@@ -224,36 +219,23 @@ def _varlen_fwd(
     else:
         lo_full = lo
         hi_full = lo
-    if STATIC_BLOCKS_N == 0:
-        if HAS_WINDOW:
-            for start_n in range(lo, lo_full, BLOCK_N):
-                acc, m_i, l_i = _key_block(q, acc, m_i, l_i, k_base, v_base, KV_SLOTS, k_start, len_k, start_n,
-                                           True, diag, stride_kt, stride_vt, score_scale, softcap, window_left,
-                                           offs_n, offs_d, d_ok, HAS_SOFTCAP, HAS_WINDOW, HAS_KV_SLOTS, True, EVEN_D)
-        for start_n in range(lo_full, hi_full, BLOCK_N):
-            acc, m_i, l_i = _key_block(q, acc, m_i, l_i, k_base, v_base, KV_SLOTS, k_start, len_k, start_n, True,
-                                       diag, stride_kt, stride_vt, score_scale, softcap, window_left, offs_n, offs_d,
-                                       d_ok, HAS_SOFTCAP, HAS_WINDOW, HAS_KV_SLOTS, False, EVEN_D)
-        for start_n in range(hi_full, hi, BLOCK_N):
-            acc, m_i, l_i = _key_block(q, acc, m_i, l_i, k_base, v_base, KV_SLOTS, k_start, len_k, start_n, True,
-                                       diag, stride_kt, stride_vt, score_scale, softcap, window_left, offs_n, offs_d,
-                                       d_ok, HAS_SOFTCAP, HAS_WINDOW, HAS_KV_SLOTS, True, EVEN_D)
+    if HAS_KV_BASE:
+        # A request whose slots are one ascending run (KV_BASE[seq] >= 0: its first key's pool row) reads its keys
+        # by address, as the direct mode does: no slot load for the K/V loads to wait on.
+        base = tl.load(KV_BASE + seq)
+        if base >= 0:
+            acc, m_i, l_i = _attend_keys(q, acc, m_i, l_i, k_base, v_base, KV_SLOTS, base, len_k, lo, lo_full, hi_full,
+                                         hi, diag, stride_kt, stride_vt, score_scale, softcap, window_left, offs_n,
+                                         offs_d, d_ok, HAS_SOFTCAP, HAS_WINDOW, False, EVEN_D, STATIC_BLOCKS_N, BLOCK_N)
+        else:
+            acc, m_i, l_i = _attend_keys(q, acc, m_i, l_i, k_base, v_base, KV_SLOTS, k_start, len_k, lo, lo_full,
+                                         hi_full, hi, diag, stride_kt, stride_vt, score_scale, softcap, window_left,
+                                         offs_n, offs_d, d_ok, HAS_SOFTCAP, HAS_WINDOW, True, EVEN_D, STATIC_BLOCKS_N,
+                                         BLOCK_N)
     else:
-        # The interpreter's loops: a fixed count, each block taking the compiled loops' path for its place (blocks
-        # outside [lo, hi) masked out as a whole): the compiled loops' ranges have runtime bounds, which Triton
-        # 3.6's interpreter cannot take under numpy >= 2.4.
-        for block in range(STATIC_BLOCKS_N):
-            start_n = block * BLOCK_N
-            if (start_n >= lo_full) & (start_n < hi_full):
-                acc, m_i, l_i = _key_block(q, acc, m_i, l_i, k_base, v_base, KV_SLOTS, k_start, len_k, start_n,
-                                           True, diag, stride_kt, stride_vt, score_scale, softcap, window_left,
-                                           offs_n, offs_d, d_ok, HAS_SOFTCAP, HAS_WINDOW, HAS_KV_SLOTS, False,
-                                           EVEN_D)
-            else:
-                acc, m_i, l_i = _key_block(q, acc, m_i, l_i, k_base, v_base, KV_SLOTS, k_start, len_k, start_n,
-                                           (start_n >= lo) & (start_n < hi), diag, stride_kt, stride_vt,
-                                           score_scale, softcap, window_left, offs_n, offs_d, d_ok, HAS_SOFTCAP,
-                                           HAS_WINDOW, HAS_KV_SLOTS, True, EVEN_D)
+        acc, m_i, l_i = _attend_keys(q, acc, m_i, l_i, k_base, v_base, KV_SLOTS, k_start, len_k, lo, lo_full, hi_full,
+                                     hi, diag, stride_kt, stride_vt, score_scale, softcap, window_left, offs_n, offs_d,
+                                     d_ok, HAS_SOFTCAP, HAS_WINDOW, HAS_KV_SLOTS, EVEN_D, STATIC_BLOCKS_N, BLOCK_N)
 
     if HAS_SINKS:
         # One more softmax column per head with no value: it only grows the denominator.
@@ -272,13 +254,14 @@ def varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_s
                      max_seqlen_k: int, out: Tensor, scale: float | None = None, softcap: float | None = None,
                      window_left: int | None = None, sinks: Tensor | None = None,
                      config: BlockConfig | None = None, kv_slots: Tensor | None = None,
-                     zero_tail: bool = False) -> None:
+                     zero_tail: bool = False, kv_base: Tensor | None = None) -> None:
     """Launches the kernel: causal attention of ``q`` over ``k``/``v`` per sequence, written into ``out``.
 
     Shapes and checks are the caller's (:func:`bcg.ops.kernels.attention.varlen_attention`): q/out
     ``(total_q, H, D)``, k/v ``(total_k, H_kv, D)`` (with ``kv_slots``: any number of rows, the pool's), last dims
-    contiguous, int32 cumulative lengths of one length, ``kv_slots`` int32/int64 contiguous. ``zero_tail`` zeroes
-    the rows past the last sequence. ``config`` overrides :func:`block_config` (benchmarks tune with it).
+    contiguous, int32 cumulative lengths of one length, ``kv_slots`` int32/int64 contiguous; ``kv_base`` (with
+    ``kv_slots``) int64, one per sequence: its first key's slot where its slots run up by one, else -1. ``zero_tail``
+    zeroes the rows past the last sequence. ``config`` overrides :func:`block_config` (benchmarks tune with it).
     """
     num_seqs = cu_seqlens_q.numel() - 1
     total_q, num_heads, head_dim = q.shape
@@ -288,7 +271,8 @@ def varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_s
     grid = (triton.cdiv(rows, cfg.block_m), num_seqs, num_heads)
     block_d = max(16, triton.next_power_of_2(head_dim))
     launch(_varlen_fwd, grid, q, k, v, out, cu_seqlens_q, cu_seqlens_k, sinks if sinks is not None else q,
-           kv_slots if kv_slots is not None else cu_seqlens_k, total_q,
+           kv_slots if kv_slots is not None else cu_seqlens_k,
+           kv_base if kv_base is not None else cu_seqlens_k, total_q,
            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
            scale if scale is not None else head_dim ** -0.5, softcap or 1.0,
            window_left if window_left is not None and window_left >= 0 else 0,
@@ -297,4 +281,5 @@ def varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_s
            HAS_WINDOW=window_left is not None and window_left >= 0, HAS_SINKS=sinks is not None,
            STATIC_BLOCKS_N=triton.cdiv(max_seqlen_k, cfg.block_n) if INTERPRETING else 0,
            HAS_KV_SLOTS=kv_slots is not None, ZERO_TAIL=zero_tail, SPLIT_MASK=cfg.split_mask,
-           EVEN_D=block_d == head_dim, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+           EVEN_D=block_d == head_dim, HAS_KV_BASE=kv_base is not None, num_warps=cfg.num_warps,
+           num_stages=cfg.num_stages)

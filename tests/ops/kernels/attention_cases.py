@@ -77,3 +77,20 @@ def pooled(k, v, unused=3, seed=0, slot_dtype=torch.int64):
     pool_k[perm], pool_v[perm] = k, v
     slots = torch.cat([perm, torch.full((unused,), rows - 1, device=k.device)]).to(slot_dtype)
     return pool_k, pool_v, slots
+
+
+def runs_pooled(k, v, lens_k, seed=0):
+    """``(pool_k, pool_v, kv_slots)`` as :func:`pooled`, but the keys of every other sequence (the first, third, ...)
+    in one ascending run of pool rows (a gap of NaN rows before each run), the others' shuffled: a whole-step
+    graph's batch of fresh prompts beside ones whose slots the pool handed out in pieces."""
+    gen = torch.Generator().manual_seed(seed)
+    rows, slots, k0 = 0, [], 0
+    for i, n in enumerate(lens_k):
+        block = torch.arange(rows + 2, rows + 2 + n)
+        slots.append(block if i % 2 == 0 else block[torch.randperm(n, generator=gen)])
+        rows, k0 = rows + 2 + n, k0 + n
+    slots_t = torch.cat(slots).to(k.device)
+    pool_k = torch.full((rows + 1, *k.shape[1:]), math.nan, dtype=k.dtype, device=k.device)
+    pool_v = torch.full((rows + 1, *v.shape[1:]), math.nan, dtype=v.dtype, device=v.device)
+    pool_k[slots_t], pool_v[slots_t] = k, v
+    return pool_k, pool_v, slots_t

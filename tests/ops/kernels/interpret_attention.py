@@ -11,7 +11,7 @@ import os
 
 import pytest
 import torch
-from attention_cases import CASES, oracle, packed, pooled
+from attention_cases import CASES, oracle, packed, pooled, runs_pooled
 
 from bcg.ops.kernels.attention import varlen_attention_reference
 
@@ -108,3 +108,29 @@ def test_zero_tail_covers_a_tail_longer_than_the_longest_sequence(ta):
     want = oracle(q, k, v, [3, 0, 0], [5, 0, 0])
     assert (got[:3].double() - want[:3]).abs().max().item() <= TOL[torch.bfloat16]
     assert torch.equal(got[3:], torch.zeros_like(got[3:]))
+
+
+@pytest.mark.parametrize("name", ["self", "prefixes", "empty-sequences", "long", "everything"])
+def test_runs_of_slots_read_by_address_give_the_slot_modes_bits(ta, name):
+    """``kv_base``: a sequence whose slots run up by one is read by address, the others through their slots; the
+    same bits as the slot mode alone (the same keys in the same order), and a broken promise reads other rows."""
+    from bcg.ops.attention.static import run_starts
+
+    lens_q, lens_k, features = CASES[name]
+    q, k, v, cu_q, cu_k, features = packed(lens_q, lens_k, extra_q=5, **features)
+    pool_k, pool_v, slots = runs_pooled(k, v, lens_k)
+    base = torch.from_numpy(run_starts(slots.numpy(), cu_k.numpy()))
+    assert base.tolist() == [int(slots[s]) if n and (i % 2 == 0 or n == 1) else -1  # one key is a run too
+                             for i, (s, n) in enumerate(zip(cu_k[:-1].tolist(), lens_k))]
+    args = (q, pool_k, pool_v, cu_q, cu_k, max(lens_q), max(lens_k))
+    through, by_address, split = (torch.full_like(q, 7.0) for _ in range(3))
+    ta.varlen_attention(*args, through, kv_slots=slots, zero_tail=True, **features)
+    ta.varlen_attention(*args, by_address, kv_slots=slots, zero_tail=True, kv_base=base, **features)
+    ta.varlen_attention(*args, split, kv_slots=slots, zero_tail=True, kv_base=base,
+                        config=ta.BlockConfig(16, 16, 4, 1, split_mask=True), **features)
+    assert torch.equal(by_address, through) and through[: sum(lens_q)].abs().sum() > 0
+    assert (split.float() - through.float()).abs().max().item() <= TOL[torch.bfloat16]
+    if (base >= 0).any():
+        wrong, shifted = torch.full_like(q, 7.0), torch.where(base >= 0, base - 2, base)
+        ta.varlen_attention(*args, wrong, kv_slots=slots, zero_tail=True, kv_base=shifted, **features)
+        assert wrong.isnan().any()  # the rows before a run are the pool's NaN gap

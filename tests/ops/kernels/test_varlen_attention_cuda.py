@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from attention_cases import CASES, oracle, packed, pooled
+from attention_cases import CASES, oracle, packed, pooled, runs_pooled
 
 from bcg.ops.flash import flash_varlen, flash_varlen_lse
 from bcg.ops.kernels.attention import varlen_attention
@@ -114,6 +114,23 @@ def test_slot_mode_equals_the_direct_mode_and_zeroes_the_tail(batch, slot_dtype)
     varlen_attention(q, pool_k, pool_v, cu_q, cu_k, max(lens_q), max(lens_k), got, kv_slots=slots, zero_tail=True)
     n = sum(lens_q)
     assert torch.equal(got[:n], direct[:n]) and torch.equal(got[n:], torch.zeros_like(got[n:]))
+
+
+@pytest.mark.parametrize("batch", ["packed-with-prefixes", "2048"])
+def test_runs_of_slots_read_by_address_give_the_slot_modes_bits(batch):
+    """``kv_base`` (BCG_SLOT_BASE): the compiled kernel's address path for runs of slots, beside the slot path for
+    the rest, against the slot mode alone: the same keys in the same order, the same bits."""
+    from bcg.ops.attention.static import run_starts
+
+    lens_q, lens_k = BATCHES[batch]
+    q, k, v, cu_q, cu_k, _ = packed(lens_q, lens_k, 32, 8, 128, extra_q=70, dtype=BF16, device="cuda")
+    pool_k, pool_v, slots = runs_pooled(k, v, lens_k)
+    base = torch.from_numpy(run_starts(slots.cpu().numpy(), cu_k.cpu().numpy())).to("cuda")
+    through, by_address = torch.full_like(q, 7.0), torch.full_like(q, 7.0)
+    args = (q, pool_k, pool_v, cu_q, cu_k, max(lens_q), max(lens_k))
+    varlen_attention(*args, through, kv_slots=slots, zero_tail=True)
+    varlen_attention(*args, by_address, kv_slots=slots, zero_tail=True, kv_base=base)
+    assert (base >= 0).any() and torch.equal(by_address, through) and not through.isnan().any()
 
 
 def test_slot_mode_captured_in_a_cuda_graph_as_the_full_backend_runs_it():

@@ -111,6 +111,7 @@ def test_one_kernel_call_over_the_pool_matches_the_gathering_path(monkeypatch, n
     (args, kwargs), = calls  # only the slot path called the kernel, once
     assert args[1] is pools[1].k[0] and args[2] is pools[1].v[0] and args[5:7] == (bucket, bucket + 16)
     assert kwargs["kv_slots"] is ctx.read_slots and kwargs["zero_tail"] is True
+    assert kwargs["kv_base"] is None  # BCG_SLOT_BASE off: every key through its slot
     n = sum(n for n, _ in layout)
     assert (outs[1][:n].float() - outs[0][:n].float()).abs().max().item() <= 2e-2
     assert (outs[1][n:] == 0).all() and outs[1].isfinite().all()
@@ -136,3 +137,30 @@ def test_a_buckets_context_is_made_once_and_never_carries_a_batch(engines):
     finally:
         for b in batches:
             pool.free(torch.from_numpy(b.host_write_slots.copy()))
+
+
+def test_runs_of_slots_staged_under_the_switch_answer_as_eager(monkeypatch: pytest.MonkeyPatch) -> None:
+    """BCG_SLOT_BASE: each request's first slot where its slots run up by one rides in the bucket's fields and
+    reaches the kernel (its reference here reads every key through the slots, so the answer is eager's either way;
+    the interpreter and CUDA tests check the kernel's address path against its slot path)."""
+    from bcg import env
+
+    monkeypatch.setattr(env, "SLOT_BASE", True)
+    eng = Engine("tiny-dense", backend="full", attention_backend="static_triton", prefix_cache=False,
+                 max_requests=4, **COMMON)
+    ref = Engine("tiny-dense", backend="eager", attention_backend="sdpa", prefix_cache=False, **COMMON)
+    try:
+        attn = eng.runner.inputs.attention
+        assert attn.stages_kv_base and "kv_base" in eng.runner.inputs.layouts[16].views
+        gen = torch.Generator().manual_seed(1)
+        prompts = [torch.randint(1, 200, (n,), generator=gen) for n in (5, 3, 6)]
+        res = eng.prefill(prompts)
+        same_answer(res, ref.prefill(prompts), TOL)
+        assert res.batches[0].graph_used and res.batches[0].bucket == 16
+        # The bucket's field holds what the batch staged: a fresh pool hands each prompt one run of slots, and the
+        # sentinel request slot has none.
+        bases = eng.runner.inputs.layouts[16].views["kv_base"].tolist()
+        assert all(b >= 0 for b in bases[:3]) and bases[3] == -1 and len(set(bases[:3])) == 3
+    finally:
+        eng.close()
+        ref.close()
