@@ -65,7 +65,10 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     pytest_args = [a for a in args.pytest_args if a != "--"]
     options = [a for a in pytest_args if not is_path(a)]
-    groups = chunk(collect(pytest_args), args.shards)
+    if args.shards <= 1:  # one process: pytest as asked, no collection pass first
+        options, groups = [], [[a for a in pytest_args]]
+    else:
+        groups = chunk(collect(pytest_args), args.shards)
     if not groups:
         print("pytest_shards: no tests selected")
         return 5
@@ -90,7 +93,8 @@ def main(argv: list[str] | None = None) -> int:
         lines = log.read_text(errors="replace").splitlines()
         failed = [ln for ln in lines if ln.startswith(("FAILED", "ERROR"))]
         summary = next((ln for ln in reversed(lines) if SUMMARY.search(ln)), "(no summary)")
-        print(f"shard {k} ({len(groups[k])} tests) rc={code}: {summary.strip('= ')}")
+        size = "" if args.shards <= 1 else f" ({len(groups[k])} tests)"
+        print(f"shard {k}{size} rc={code}: {summary.strip('= ')}")
         for ln in failed:
             print(f"  {ln}")
     return next((c for c in codes if c != 0), 0)

@@ -219,4 +219,4 @@ def test_pytest_shards_runs_every_selected_test_once_and_reports_failures(tmp_pa
     assert sorted(p.name for p in logs.iterdir()) == ["shard-0.log", "shard-1.log"]
     assert "test_b" not in (logs / "shard-0.log").read_text()  # each test in one shard only
     one = subprocess.run([*cmd[:3], "1", *cmd[4:]], capture_output=True, text=True, timeout=300, cwd=tmp_path)
-    assert one.returncode == 1 and "shard 0 (7 tests) rc=1: 1 failed, 5 passed, 1 skipped in" in one.stdout
+    assert one.returncode == 1 and "shard 0 rc=1: 1 failed, 5 passed, 1 skipped in" in one.stdout  # plain pytest
