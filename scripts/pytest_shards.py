@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     pytest_args = [a for a in args.pytest_args if a != "--"]
     options = [a for a in pytest_args if not is_path(a)]
     if args.shards <= 1:  # one process: pytest as asked, no collection pass first
-        options, groups = [], [[a for a in pytest_args]]
+        options, groups = [], [list(pytest_args)]
     else:
         groups = chunk(collect(pytest_args), args.shards)
     if not groups:
