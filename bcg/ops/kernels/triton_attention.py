@@ -219,19 +219,16 @@ def _varlen_fwd(
     else:
         lo_full = lo
         hi_full = lo
+    by_address, base = False, k_start
     if HAS_KV_BASE:
         # A request whose slots are one ascending run (KV_BASE[seq] >= 0: its first key's pool row) reads its keys
         # by address, as the direct mode does: no slot load for the K/V loads to wait on.
         base = tl.load(KV_BASE + seq)
-        if base >= 0:
-            acc, m_i, l_i = _attend_keys(q, acc, m_i, l_i, k_base, v_base, KV_SLOTS, base, len_k, lo, lo_full, hi_full,
-                                         hi, diag, stride_kt, stride_vt, score_scale, softcap, window_left, offs_n,
-                                         offs_d, d_ok, HAS_SOFTCAP, HAS_WINDOW, False, EVEN_D, STATIC_BLOCKS_N, BLOCK_N)
-        else:
-            acc, m_i, l_i = _attend_keys(q, acc, m_i, l_i, k_base, v_base, KV_SLOTS, k_start, len_k, lo, lo_full,
-                                         hi_full, hi, diag, stride_kt, stride_vt, score_scale, softcap, window_left,
-                                         offs_n, offs_d, d_ok, HAS_SOFTCAP, HAS_WINDOW, True, EVEN_D, STATIC_BLOCKS_N,
-                                         BLOCK_N)
+        by_address = base >= 0
+    if by_address:
+        acc, m_i, l_i = _attend_keys(q, acc, m_i, l_i, k_base, v_base, KV_SLOTS, base, len_k, lo, lo_full, hi_full,
+                                     hi, diag, stride_kt, stride_vt, score_scale, softcap, window_left, offs_n, offs_d,
+                                     d_ok, HAS_SOFTCAP, HAS_WINDOW, False, EVEN_D, STATIC_BLOCKS_N, BLOCK_N)
     else:
         acc, m_i, l_i = _attend_keys(q, acc, m_i, l_i, k_base, v_base, KV_SLOTS, k_start, len_k, lo, lo_full, hi_full,
                                      hi, diag, stride_kt, stride_vt, score_scale, softcap, window_left, offs_n, offs_d,
