@@ -39,23 +39,26 @@ Configuration is :class:`~bcg.runtime.config.EngineConfig` and the command's fla
   at every attention width, FlashAttention below (by default from 2048 tokens, 1024 for attention 2048 wide:
   :func:`bcg.ops.attention.varlen.triton_from_tokens`); for measuring where the kernel's cheaper device time
   outweighs its dearer launch (``benchmarks/device_bound.py`` under each value).
-* ``BCG_SLOT_BASE=on``: the whole-step graphs' attention (``static_triton``) also stages, per request, the first of
-  its KV slots when they run up by one, and the kernel reads such a request's keys by address instead of through
-  its slots (:mod:`bcg.ops.kernels.attention`'s ``kv_base``). Off until measured on a GPU: through the slots it
-  took 1.18-1.59x the direct kernel's time at 1024-2048 tokens on the H200 (round 14).
+* ``BCG_KV_READS=slots|runs|runs_only``: how the whole-step graphs' attention (``static_triton``) reads a request's
+  keys from the KV pool. ``runs`` (the default): each request whose slots run up by one (a fresh pool hands out runs)
+  by address, as the islands' kernel reads packed keys, the others through their slots, chosen per program by the
+  kernel (two key loops in one kernel); on the H200 its device time was 0.90-1.00x ``slots``' at 256-2048 tokens on
+  three models (round 15). ``slots``: every key through its slot (rounds 13-14). ``runs_only``: one key loop, by
+  address only; a batch with a request whose slots do not run up by one replays the islanded graph instead (reason
+  ``slots_not_in_runs``).
 * ``BCG_GC_FREEZE=0``: a serving engine leaves the heap to the garbage collector as it is (by default its first
   ``submit`` moves every object alive then out of the collector's sight, ``gc.freeze()``, until it closes).
 
 ``BCG_PDL``, ``BCG_MLP_FUSION``, ``BCG_QKV_FUSION``, the two norm fusions, ``BCG_TRITON_VARLEN_FROM`` and
-``BCG_SLOT_BASE`` are read once, at import: they are asked on hot paths, where an environment lookup per call costs.
+``BCG_KV_READS`` are read once, at import: they are asked on hot paths, where an environment lookup per call costs.
 """
 
 from __future__ import annotations
 
 import os
 
-__all__ = ["COMPILE_LOG", "DEBUG", "FLASH_WRAPPER", "INPUT_NORM_FUSION", "MLP_FUSION", "NORM_FUSION", "PDL",
-           "QKV_FUSION", "SLOT_BASE", "TP_ALLREDUCE_ISLAND", "TRITON_VARLEN_FROM", "gc_freeze", "hf_fusion",
+__all__ = ["COMPILE_LOG", "DEBUG", "FLASH_WRAPPER", "INPUT_NORM_FUSION", "KV_READS", "MLP_FUSION", "NORM_FUSION",
+           "PDL", "QKV_FUSION", "TP_ALLREDUCE_ISLAND", "TRITON_VARLEN_FROM", "gc_freeze", "hf_fusion",
            "leak_check_mode"]
 
 
@@ -98,7 +101,9 @@ def _tokens(name: str) -> int | None:
 
 
 TRITON_VARLEN_FROM: int | None = _tokens("BCG_TRITON_VARLEN_FROM")
-SLOT_BASE: bool = _switch("BCG_SLOT_BASE", False)
+KV_READS: str = os.environ.get("BCG_KV_READS", "").lower() or "runs"
+if KV_READS not in ("slots", "runs", "runs_only"):
+    raise ValueError(f"BCG_KV_READS={KV_READS!r}: expected slots, runs or runs_only (unset: runs)")
 
 
 def leak_check_mode() -> str:

@@ -20,6 +20,7 @@ _REASONS = {
     "padding_over_limit": "padding over max_padding_factor",
     "too_many_requests": "more requests than the graph's request slots",
     "too_many_keys": "more cached keys than prefix_capacity",
+    "slots_not_in_runs": "a request's KV slots are not one run (BCG_KV_READS=runs_only)",
     "replay_failed": "replay failed",
 }
 

@@ -3,12 +3,14 @@
 Every token of every request owns one slot, the same slot index in every layer. Slot
 ``num_slots`` (the last row) is a scratch slot owned by nobody: a backend that cannot mask the
 KV write of padded rows (a whole-graph capture) can point them there. The bcg islands never write
-padded rows at all.
+padded rows at all. :func:`run_starts` tells which requests' slots are one ascending run (a kernel can then read
+their keys by address).
 """
 
 from __future__ import annotations
 
 import threading
+from bisect import bisect_left
 from collections.abc import Mapping, Sequence
 from typing import Protocol
 
@@ -194,3 +196,26 @@ class KVPool:
             end = self._num_free + idx.size
             self._free_stack[self._num_free : end] = idx[::-1]
             self._num_free = end
+
+
+def run_starts(slots: np.ndarray, cu: np.ndarray) -> np.ndarray:
+    """Per sequence ``s`` (keys ``slots[cu[s]:cu[s + 1]]``): its first slot where its slots run up by one, else -1
+    (also for an empty sequence).
+
+    Staged before every whole-step replay, while the GPU waits: one numpy pass finds the steps other than +1 (none
+    for a fresh pool's batch), then a loop over the few sequences asks whether one falls inside each.
+
+    Example:
+        >>> run_starts(np.array([7, 8, 9, 3, 5, 5, 6]), np.array([0, 3, 5, 7, 7])).tolist()
+        [7, -1, 5, -1]
+    """
+    bounds = cu.tolist()
+    num_keys = bounds[-1]
+    # Index i is a break when slots[i + 1] != slots[i] + 1; a sequence [a, b) is a run iff no break in [a, b - 1).
+    steps = slots[1:num_keys] - slots[: max(num_keys - 1, 0)]
+    breaks = np.flatnonzero(steps != 1).tolist()
+    out = [-1] * (len(bounds) - 1)
+    for seq, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
+        if end > start and bisect_left(breaks, start) == bisect_left(breaks, end - 1):
+            out[seq] = int(slots[start])
+    return np.array(out, dtype=np.int64)

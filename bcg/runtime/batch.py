@@ -13,7 +13,7 @@ from torch import Tensor
 
 from bcg.ops.attention import AttentionBackend, attention_backend, default_attention_backend
 from bcg.ops.context import ForwardContext
-from bcg.ops.kv_cache import KVPool
+from bcg.ops.kv_cache import KVPool, run_starts
 from bcg.ops.staging import Layout, Staged
 
 
@@ -85,7 +85,7 @@ class PrefillBatch:
         num_tokens, num_requests, seq_lens_q, prefix_lens, has_prefix, max_seqlen_q, max_seqlen_k: host values.
         host_input_ids, host_positions (``prefix_len + arange(n)`` per request), host_write_slots, host_read_slots
         (each request's prefix slots then its new slots), host_cu_seqlens_q, host_cu_seqlens_k, host_logit_rows
-        (the row of each wanted request's last token): numpy int64 arrays.
+        (the row of each wanted request's last token), host_run_starts (made on first use): numpy int64 arrays.
 
     Example:
         >>> pool = KVPool(num_slots=16, num_layers=1, num_kv_heads=1, head_dim=4, dtype=torch.float32)
@@ -175,6 +175,12 @@ class PrefillBatch:
     def num_requests(self) -> int:
         """Number of requests in the batch."""
         return len(self.seq_lens_q)
+
+    @functools.cached_property
+    def host_run_starts(self) -> np.ndarray:
+        """Per request, its first key slot where its key slots (``host_read_slots``) run up by one, else -1
+        (:func:`~bcg.ops.kv_cache.run_starts`); made on first use, by the whole-step graphs' attention."""
+        return run_starts(self.host_read_slots, self.host_cu_seqlens_k)
 
     @property
     def num_logit_rows(self) -> int:

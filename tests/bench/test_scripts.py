@@ -170,6 +170,26 @@ def test_graph_gaps_chains_write_only_their_own_buffers_and_run_on_a_cpu() -> No
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the script measures (the H200 run)")
+def test_attention_reads_modes_read_the_same_keys() -> None:
+    """Every way of reading keys the benchmark times attends over the same keys (its CPU run: the reference), so
+    their times compare one kernel's paths; without a GPU the script itself exits 2."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import attention_reads
+
+    fns, out = attention_reads.calls(4, 2, 16, 40, device="cpu")
+    assert set(fns) == set(attention_reads.MODES)
+    fns["direct"]()
+    want = out.clone()
+    for fn in fns.values():
+        out.fill_(float("nan"))
+        fn()
+        assert torch.equal(out, want)
+    if not torch.cuda.is_available():
+        proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "attention_reads.py")], capture_output=True,
+                              text=True)
+        assert proc.returncode == 2 and "needs a CUDA GPU" in proc.stdout
+
+
 def test_graph_gap_refuses_without_a_gpu() -> None:
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "graph_gap.py")], capture_output=True, text=True,
                           timeout=120, cwd=ROOT)

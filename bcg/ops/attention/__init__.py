@@ -66,7 +66,8 @@ def single_request_context(num_tokens: int, kv_pool: KVPool, dtype: torch.dtype)
     slots = np.arange(num_tokens, dtype=np.int64)
     batch = SimpleNamespace(num_tokens=num_tokens, num_requests=1, seq_lens_q=[num_tokens], prefix_lens=[0],
                             has_prefix=False, max_seqlen_q=num_tokens, max_seqlen_k=num_tokens, host_cu_seqlens_q=cu,
-                            host_cu_seqlens_k=cu, host_write_slots=slots, host_read_slots=slots)
+                            host_cu_seqlens_k=cu, host_write_slots=slots, host_read_slots=slots,
+                            host_run_starts=cu[:1])
     staged = Staged(Layout(*backend.fields(num_tokens)), backend.tail_lengths(batch), kv_pool.device)
     backend.stage(batch, num_tokens, staged)
     return backend.context(batch, num_tokens, staged.upload())

@@ -42,7 +42,8 @@ class HostBatch(Protocol):
     """A packed batch's metadata on the host (:class:`bcg.runtime.batch.PrefillBatch` has it).
 
     ``seq_lens_q``/``prefix_lens`` are per request; ``cu_seqlens_q``/``cu_seqlens_k`` their prefix sums (R + 1);
-    ``write_slots`` the pool slot of each new token; ``read_slots`` each request's prefix slots then its new slots.
+    ``write_slots`` the pool slot of each new token; ``read_slots`` each request's prefix slots then its new slots;
+    ``run_starts`` per request its first read slot where its read slots run up by one, else -1.
     """
 
     num_tokens: int
@@ -56,6 +57,7 @@ class HostBatch(Protocol):
     host_cu_seqlens_k: np.ndarray
     host_write_slots: np.ndarray
     host_read_slots: np.ndarray
+    host_run_starts: np.ndarray
 
 
 class BatchContext(ForwardContext):

@@ -57,6 +57,9 @@ class StaticContext(ForwardContext):
             (it then takes precedence over ``use_varlen``).
         write_slots: int64 ``(num_padded_tokens,)``, KV slot of each row; padded rows hold the scratch slot.
         read_slots: int64 ``(key_capacity,)``, each live request's prefix then new slots, then scratch.
+        kv_base: the slot kernel's int64 ``(R,)`` first slot of each request whose slots run up by one, else -1
+            (None under ``kv_reads="slots"``); kv_slots: what that kernel reads keys through (``read_slots``, or
+            None under ``"runs_only"``: every request by address).
         query_request, key_request: int64 request id per row / key slot (``PAD_QUERY`` / ``PAD_KEY`` when unused);
             None for the slot kernel, which masks by ``cu_seqlens`` alone.
         query_positions, key_positions: int64 position of each row / key (None for the slot kernel).
@@ -68,7 +71,8 @@ class StaticContext(ForwardContext):
     attends_in_graph = True
 
     def __init__(self, num_padded_tokens: int, key_capacity: int, num_request_slots: int, use_varlen: bool,
-                 views: dict[str, Tensor], kv_pool: KVPool, use_slot_kernel: bool = False) -> None:
+                 views: dict[str, Tensor], kv_pool: KVPool, use_slot_kernel: bool = False,
+                 runs_only: bool = False) -> None:
         self.num_padded_tokens, self.key_capacity = num_padded_tokens, key_capacity
         self.num_request_slots, self.use_varlen = num_request_slots, use_varlen
         self.use_slot_kernel = use_slot_kernel
@@ -76,7 +80,8 @@ class StaticContext(ForwardContext):
         # The masks' fields (absent for the slot kernel, which masks by cu_seqlens alone).
         self.query_request, self.key_request = views.get("query_request"), views.get("key_request")
         self.query_positions, self.key_positions = views.get("query_positions"), views.get("key_positions")
-        self.kv_base = views.get("kv_base")  # the slot kernel's runs of slots (BCG_SLOT_BASE), else None
+        self.kv_base = views.get("kv_base")  # the slot kernel's runs of slots (BCG_KV_READS), else None
+        self.kv_slots = None if runs_only else self.read_slots  # runs_only: every key by address from kv_base
         self.cu_seqlens = cu = views["cu_seqlens"]
         self.cu_seqlens_q, self.cu_seqlens_k = cu[: num_request_slots + 1], cu[num_request_slots + 1 :]
         self.kv_pool = kv_pool
@@ -98,7 +103,7 @@ class StaticContext(ForwardContext):
             # One launch: keys and values read in place through the slots, padded rows (past the last sequence,
             # sentinel slots being empty) written 0 by the kernel itself.
             varlen_attention(q, pool.k[layer_id], pool.v[layer_id], self.cu_seqlens_q, self.cu_seqlens_k,
-                             self.num_padded_tokens, self.key_capacity, out, kv_slots=self.read_slots,
+                             self.num_padded_tokens, self.key_capacity, out, kv_slots=self.kv_slots,
                              zero_tail=True, kv_base=self.kv_base)
             return
         keys = pool.k[layer_id].index_select(0, self.read_slots)
@@ -150,7 +155,7 @@ class StaticAttention(AttentionBackend):
     name = "static"
     is_island = False
     use_slot_kernel: ClassVar[bool] = False  # bcg's varlen kernel over the pool's slots (``static_triton``)
-    stages_kv_base = False  # with it, each request's first slot where its slots run up by one (BCG_SLOT_BASE)
+    kv_reads = "slots"  # how that kernel reads keys: "slots", "runs" or "runs_only" (BCG_KV_READS)
 
     def __init__(self, kv_pool: KVPool, max_requests: int = 4, prefix_capacity: int = 0,
                  use_varlen: bool | None = None) -> None:
@@ -175,7 +180,7 @@ class StaticAttention(AttentionBackend):
         slots = [Field("write_slots", num_rows), Field("read_slots", keys),
                  Field("cu_seqlens", 2 * (self.max_requests + 1), "int32")]
         if self.use_slot_kernel:  # it reads keys through read_slots and masks by cu_seqlens: nothing else to stage
-            return slots + ([Field("kv_base", self.max_requests)] if self.stages_kv_base else []), ()
+            return slots + ([Field("kv_base", self.max_requests)] if self.kv_reads != "slots" else []), ()
         return slots + [Field("query_request", num_rows), Field("query_positions", num_rows),
                         Field("key_request", keys), Field("key_positions", keys)], ()
 
@@ -188,6 +193,8 @@ class StaticAttention(AttentionBackend):
             return "too_many_requests"
         if batch.num_tokens + sum(batch.prefix_lens) > self.key_capacity(bucket):
             return "too_many_keys"
+        if self.kv_reads == "runs_only" and min(batch.host_run_starts) < 0:
+            return "slots_not_in_runs"
         return None
 
     def stage(self, batch: HostBatch, num_rows: int, staged: Staged) -> None:
@@ -208,9 +215,9 @@ class StaticAttention(AttentionBackend):
         cu[slots + 1 : slots + r + 2] = cu_k
         cu[slots + r + 2 :] = num_keys
         if self.use_slot_kernel:  # it masks by cu_seqlens alone
-            if self.stages_kv_base:
-                h["kv_base"][:] = -1
-                h["kv_base"][:r] = run_starts(batch.host_read_slots, cu_k)
+            if self.kv_reads != "slots":
+                h["kv_base"][:r] = batch.host_run_starts
+                h["kv_base"][r:] = -1  # sentinel request slots: empty, never read
             return
         seq_q = np.asarray(batch.seq_lens_q, dtype=np.int64)
         seq_k = np.diff(cu_k)
@@ -229,28 +236,11 @@ class StaticAttention(AttentionBackend):
         ctx = self._contexts.get(num_rows)
         if ctx is None or ctx.cu_seqlens is not views["cu_seqlens"] or ctx.write_slots is not views["write_slots"]:
             ctx = self._contexts[num_rows] = StaticContext(num_rows, self.key_capacity(num_rows), self.max_requests,
-                                                           self.use_varlen, views, self.kv_pool, self.use_slot_kernel)
+                                                           self.use_varlen, views, self.kv_pool, self.use_slot_kernel,
+                                                           self.kv_reads == "runs_only")
         return ctx
 
     def attend(self, ctx: StaticContext, q: Tensor, k: Tensor, v: Tensor, out: Tensor,  # type: ignore[override]
                layer_id: int) -> None:
         ctx.attend(q, k, v, out, layer_id)  # the context attends itself, over its fixed-size fields
 
-
-def run_starts(slots: np.ndarray, cu: np.ndarray) -> np.ndarray:
-    """Per sequence ``s`` (keys ``slots[cu[s]:cu[s + 1]]``): its first slot where its slots run up by one, else -1
-    (also for an empty sequence). A few numpy calls whatever the batch.
-
-    Example:
-        >>> run_starts(np.array([7, 8, 9, 3, 5, 5, 6]), np.array([0, 3, 5, 7, 7])).tolist()
-        [7, -1, 5, -1]
-    """
-    starts, lens = cu[:-1], np.diff(cu)
-    out = np.full(len(lens), -1, dtype=np.int64)
-    live = np.flatnonzero(lens > 0)
-    if len(live):
-        breaks = np.concatenate(([0], np.cumsum(np.diff(slots) != 1)))  # steps other than +1 before each key
-        first, last = starts[live], starts[live] + lens[live] - 1
-        runs = live[breaks[last] == breaks[first]]
-        out[runs] = slots[starts[runs]]
-    return out

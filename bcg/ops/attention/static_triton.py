@@ -7,6 +7,11 @@ hands the pool's layer with ``read_slots`` to :func:`bcg.ops.kernels.attention.v
 ``j`` of request ``r`` at slot ``read_slots[cu_seqlens_k[r] + j]`` and zeroes the rows past the last request itself:
 one kernel per layer. Inside a graph the kernel's Python launch cost is paid once, at capture.
 
+A request whose slots run up by one (what a fresh pool hands out) is read by address instead, from its first slot
+(``kv_base``, staged per request): the islands' loop, with no slot load for the key loads to wait on. Under the
+default ``kv_reads="runs"`` the kernel picks per request; ``"runs_only"`` compiles the address loop alone and
+sends batches with a request in pieces to the islanded graphs.
+
 It is what the whole-step graphs of a breakable engine attend with wherever it runs (``full_graph_tokens``, on by
 default on one GPU); backend ``full`` alone asks for it by name. It masks by ``cu_seqlens`` alone, so a batch stages
 only the slots and cumulative lengths. On a CPU it runs the kernel's reference (half precision, as the kernel), so its
@@ -37,8 +42,10 @@ class StaticTritonAttention(StaticAttention):
         kv_pool: the pool.
         max_requests: ``R``, the most requests one batch may pack.
         prefix_capacity: cached-prefix keys (summed over requests) a bucket attends to on top of its own rows.
-        stages_kv_base: also stage each request's first slot where its slots run up by one, so the kernel reads
-            those keys by address (None: ``BCG_SLOT_BASE``, :mod:`bcg.env`).
+        kv_reads: how the kernel reads a request's keys: ``"runs"`` by address where its slots run up by one, else
+            through them; ``"slots"`` every key through its slot; ``"runs_only"`` by address only (a batch with a
+            request whose slots do not run up by one does not fit: reason ``slots_not_in_runs``). None:
+            ``BCG_KV_READS`` (:mod:`bcg.env`), ``"runs"`` when unset.
 
     Example::
 
@@ -50,12 +57,13 @@ class StaticTritonAttention(StaticAttention):
     use_slot_kernel = True
 
     def __init__(self, kv_pool: KVPool, max_requests: int = 4, prefix_capacity: int = 0,
-                 stages_kv_base: bool | None = None) -> None:
+                 kv_reads: str | None = None) -> None:
         # use_varlen=False: no FlashAttention probe (this kernel is bottom-right by construction and never calls it).
         super().__init__(kv_pool, max_requests, prefix_capacity, use_varlen=False)
-        # Each request's first slot where its slots run up by one, for the kernel to read those keys by address
-        # (None: the BCG_SLOT_BASE switch, off until measured on a GPU).
-        self.stages_kv_base = env.SLOT_BASE if stages_kv_base is None else stages_kv_base
+        kv_reads = env.KV_READS if kv_reads is None else kv_reads
+        if kv_reads not in ("slots", "runs", "runs_only"):
+            raise ValueError(f"kv_reads={kv_reads!r}: expected 'slots', 'runs' or 'runs_only'")
+        self.kv_reads = kv_reads
 
     @classmethod
     def is_usable(cls, device: torch.device, dtype: torch.dtype) -> str | None:

@@ -21,9 +21,11 @@ The contract (both implementations):
 * ``kv_slots`` (int32/int64, contiguous): key ``j`` of sequence ``s`` is row ``kv_slots[cu_seqlens_k[s] + j]`` of
   k/v, which are then a KV pool's layer (any number of rows): attention straight from the pool, no gather. Slots
   outside every sequence are never read.
-* ``kv_base`` (int64 ``(num_seqs,)``, with ``kv_slots``): a promise per sequence that its slots run up by one from
+* ``kv_base`` (int64 ``(num_seqs,)``), with ``kv_slots``: a promise per sequence that its slots run up by one from
   ``kv_base[s]`` (``-1``: no promise). The kernel then reads that sequence's keys by address, without loading its
   slots; the reference reads through the slots either way, so a broken promise shows as a difference between them.
+  Alone: key ``j`` of sequence ``s`` is row ``kv_base[s] + j`` of k/v (a pool's layer), for every non-empty sequence
+  (a whole-step graph whose batch's requests each hold one run of slots): the kernel's one key loop, no slot loads.
 
 Registered as ``torch.ops.bcg.varlen_attention_`` (mutating ``out``): the reference on every device, the Triton
 kernel on CUDA, a fake kernel for tracing; :func:`varlen_attention` calls it while torch.compile traces and the two
@@ -47,7 +49,10 @@ def varlen_attention_reference(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Te
                                sinks: Optional[Tensor] = None, kv_slots: Optional[Tensor] = None,
                                zero_tail: bool = False, kv_base: Optional[Tensor] = None) -> None:
     """The plain-torch implementation of :func:`varlen_attention` (any device; O(total_q * total_k) memory); it
-    reads every key through ``kv_slots`` and needs no ``kv_base``."""
+    reads every key through ``kv_slots`` (``kv_base`` alone: through the slots it names, up to ``max_seqlen_k`` a
+    sequence)."""
+    if kv_base is not None and kv_slots is None:
+        kv_slots = _base_slots(kv_base, cu_seqlens_k, max_seqlen_k)
     # FlashAttention's contract differs in two corners this op does not have: a bound of one query takes its
     # one-query GQA reshape (2 is the same upper bound for causal rows), and a key bound of 0 zeroes every row.
     reference_flash_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max(max_seqlen_q, 2), max(max_seqlen_k, 1),
@@ -73,8 +78,8 @@ def varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_s
         sinks: ``(num_heads,)`` fp32 sink logits (None: none).
         kv_slots: int32/int64 slot of each packed key in k/v (None: key ``i`` is row ``i``); k/v then a pool layer.
         zero_tail: write 0 into the rows past the last sequence (else they keep ``out``'s values).
-        kv_base: int64 ``(num_seqs,)`` with ``kv_slots``: each sequence's first slot where its slots run up by one,
-            else -1 (the module's contract).
+        kv_base: int64 ``(num_seqs,)``: with ``kv_slots``, each sequence's first slot where its slots run up by one,
+            else -1; alone, the row each sequence's keys run up from (the module's contract).
         impl: ``"fused"`` (Triton on CUDA, the reference elsewhere) or ``"torch"`` (the reference).
 
     Example:
@@ -103,19 +108,29 @@ def varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_s
                 sinks, kv_slots, zero_tail, kv_base)
     else:
         varlen_attention_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, out, scale,
-                                   softcap, window_left, sinks, kv_slots, zero_tail)
+                                   softcap, window_left, sinks, kv_slots, zero_tail, kv_base)
     return out
 
 
 def _check_kv_base(kv_base: Tensor, kv_slots: Optional[Tensor], cu_seqlens_q: Tensor) -> None:
     """Shapes only (its values are the device's: no read back, so a capture may hold the call)."""
-    if kv_slots is None:
-        raise ValueError("kv_base promises runs of kv_slots; pass kv_slots with it (or neither)")
     num_seqs = cu_seqlens_q.numel() - 1
     if kv_base.dtype != torch.int64 or kv_base.dim() != 1 or kv_base.numel() != num_seqs \
-            or not kv_base.is_contiguous() or kv_base.device != kv_slots.device:
+            or not kv_base.is_contiguous() or kv_base.device != cu_seqlens_q.device:
         raise ValueError(f"kv_base must be a contiguous 1-D int64 tensor of one entry per sequence ({num_seqs}) on "
-                         f"kv_slots' device; got {kv_base.dtype}, shape {tuple(kv_base.shape)} on {kv_base.device}")
+                         f"the cumulative lengths' device; got {kv_base.dtype}, shape {tuple(kv_base.shape)} on "
+                         f"{kv_base.device}")
+
+
+def _base_slots(kv_base: Tensor, cu_seqlens_k: Tensor, max_seqlen_k: int) -> Tensor:
+    """The slots ``kv_base`` alone stands for, for the reference: key ``j`` of sequence ``s`` at ``kv_base[s] + j``,
+    over ``num_seqs * max_seqlen_k`` packed keys (a bound known on the host: nothing read back); keys past the last
+    sequence get slot 0, which the reference never reads."""
+    num_seqs = kv_base.numel()
+    cu = cu_seqlens_k.long()
+    keys = torch.arange(num_seqs * max(max_seqlen_k, 1), device=cu.device)
+    seq = torch.searchsorted(cu[1:], keys, right=True).clamp(max=num_seqs - 1)
+    return torch.where(keys < cu[-1], kv_base[seq] + keys - cu[seq], 0)
 
 
 def _triton(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int,
@@ -137,7 +152,7 @@ def _varlen_attention_op(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, 
                          kv_slots: Optional[Tensor] = None, zero_tail: bool = False,
                          kv_base: Optional[Tensor] = None) -> None:
     varlen_attention_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, out, scale, softcap,
-                               window_left, sinks, kv_slots, zero_tail)
+                               window_left, sinks, kv_slots, zero_tail, kv_base)
 
 
 _varlen_attention_op.register_kernel("cuda")(_triton)

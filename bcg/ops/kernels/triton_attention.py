@@ -10,7 +10,10 @@ kernel, no fill before it).
 
 Keys and values are read directly (key ``j`` of sequence ``s`` is row ``cu_k[s] + j`` of ``k``/``v``) or, with
 ``kv_slots``, through a slot index (row ``kv_slots[cu_k[s] + j]``): the kernel then attends straight from a KV pool's
-layer, with no gather of each request's keys first. Only slots of keys inside a sequence are read.
+layer, with no gather of each request's keys first. Only slots of keys inside a sequence are read. ``kv_base``
+gives per sequence the pool row its keys run up from: with ``kv_slots``, a sequence with a base (``>= 0``) reads by
+address and the others through their slots (two key loops in one kernel); alone, every sequence reads by address
+(one loop: the direct mode's code from another start).
 
 Masks, per sequence with ``Lq`` queries and ``Lk`` keys, bottom-right aligned (queries are the last ``Lq`` of the
 keys' positions, as with a cached prefix): query ``i`` sees key ``j`` iff ``j <= i + Lk - Lq`` and, with a left window
@@ -219,17 +222,23 @@ def _varlen_fwd(
     else:
         lo_full = lo
         hi_full = lo
-    by_address, base = False, k_start
-    if HAS_KV_BASE:
+    if HAS_KV_BASE and HAS_KV_SLOTS:
         # A request whose slots are one ascending run (KV_BASE[seq] >= 0: its first key's pool row) reads its keys
-        # by address, as the direct mode does: no slot load for the K/V loads to wait on.
+        # by address, as the direct mode does: no slot load for the K/V loads to wait on; the others through them.
         base = tl.load(KV_BASE + seq)
-        by_address = base >= 0
-    if by_address:
-        acc, m_i, l_i = _attend_keys(q, acc, m_i, l_i, k_base, v_base, KV_SLOTS, base, len_k, lo, lo_full, hi_full,
-                                     hi, diag, stride_kt, stride_vt, score_scale, softcap, window_left, offs_n, offs_d,
-                                     d_ok, HAS_SOFTCAP, HAS_WINDOW, False, EVEN_D, STATIC_BLOCKS_N, BLOCK_N)
+        if base >= 0:
+            acc, m_i, l_i = _attend_keys(q, acc, m_i, l_i, k_base, v_base, KV_SLOTS, base, len_k, lo, lo_full,
+                                         hi_full, hi, diag, stride_kt, stride_vt, score_scale, softcap, window_left,
+                                         offs_n, offs_d, d_ok, HAS_SOFTCAP, HAS_WINDOW, False, EVEN_D,
+                                         STATIC_BLOCKS_N, BLOCK_N)
+        else:
+            acc, m_i, l_i = _attend_keys(q, acc, m_i, l_i, k_base, v_base, KV_SLOTS, k_start, len_k, lo, lo_full,
+                                         hi_full, hi, diag, stride_kt, stride_vt, score_scale, softcap, window_left,
+                                         offs_n, offs_d, d_ok, HAS_SOFTCAP, HAS_WINDOW, True, EVEN_D,
+                                         STATIC_BLOCKS_N, BLOCK_N)
     else:
+        if HAS_KV_BASE:  # every request a run (the caller's promise): one key loop, by address from its first row
+            k_start = tl.load(KV_BASE + seq)
         acc, m_i, l_i = _attend_keys(q, acc, m_i, l_i, k_base, v_base, KV_SLOTS, k_start, len_k, lo, lo_full, hi_full,
                                      hi, diag, stride_kt, stride_vt, score_scale, softcap, window_left, offs_n, offs_d,
                                      d_ok, HAS_SOFTCAP, HAS_WINDOW, HAS_KV_SLOTS, EVEN_D, STATIC_BLOCKS_N, BLOCK_N)
@@ -255,9 +264,10 @@ def varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_s
     """Launches the kernel: causal attention of ``q`` over ``k``/``v`` per sequence, written into ``out``.
 
     Shapes and checks are the caller's (:func:`bcg.ops.kernels.attention.varlen_attention`): q/out
-    ``(total_q, H, D)``, k/v ``(total_k, H_kv, D)`` (with ``kv_slots``: any number of rows, the pool's), last dims
-    contiguous, int32 cumulative lengths of one length, ``kv_slots`` int32/int64 contiguous; ``kv_base`` (with
-    ``kv_slots``) int64, one per sequence: its first key's slot where its slots run up by one, else -1. ``zero_tail``
+    ``(total_q, H, D)``, k/v ``(total_k, H_kv, D)`` (with ``kv_slots`` or ``kv_base``: any number of rows, the
+    pool's), last dims contiguous, int32 cumulative lengths of one length, ``kv_slots`` int32/int64 contiguous;
+    ``kv_base`` int64, one per sequence: its first key's row where its keys run up by one, else -1 (alone: every
+    non-empty sequence has one). ``zero_tail``
     zeroes the rows past the last sequence. ``config`` overrides :func:`block_config` (benchmarks tune with it).
     """
     num_seqs = cu_seqlens_q.numel() - 1

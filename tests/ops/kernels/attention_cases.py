@@ -79,15 +79,15 @@ def pooled(k, v, unused=3, seed=0, slot_dtype=torch.int64):
     return pool_k, pool_v, slots
 
 
-def runs_pooled(k, v, lens_k, seed=0):
-    """``(pool_k, pool_v, kv_slots)`` as :func:`pooled`, but the keys of every other sequence (the first, third, ...)
-    in one ascending run of pool rows (a gap of NaN rows before each run), the others' shuffled: a whole-step
-    graph's batch of fresh prompts beside ones whose slots the pool handed out in pieces."""
+def runs_pooled(k, v, lens_k, seed=0, every=2):
+    """``(pool_k, pool_v, kv_slots)`` as :func:`pooled`, but the keys of every ``every``-th sequence (with 2: the
+    first, third, ...; with 1: all) in one ascending run of pool rows (a gap of NaN rows before each run), the others'
+    shuffled: a whole-step graph's batch of fresh prompts beside ones whose slots the pool handed out in pieces."""
     gen = torch.Generator().manual_seed(seed)
     rows, slots, k0 = 0, [], 0
     for i, n in enumerate(lens_k):
         block = torch.arange(rows + 2, rows + 2 + n)
-        slots.append(block if i % 2 == 0 else block[torch.randperm(n, generator=gen)])
+        slots.append(block if i % every == 0 else block[torch.randperm(n, generator=gen)])
         rows, k0 = rows + 2 + n, k0 + n
     slots_t = torch.cat(slots).to(k.device)
     pool_k = torch.full((rows + 1, *k.shape[1:]), math.nan, dtype=k.dtype, device=k.device)

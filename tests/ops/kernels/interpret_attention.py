@@ -114,7 +114,7 @@ def test_zero_tail_covers_a_tail_longer_than_the_longest_sequence(ta):
 def test_runs_of_slots_read_by_address_give_the_slot_modes_bits(ta, name):
     """``kv_base``: a sequence whose slots run up by one is read by address, the others through their slots; the
     same bits as the slot mode alone (the same keys in the same order), and a broken promise reads other rows."""
-    from bcg.ops.attention.static import run_starts
+    from bcg.ops.kv_cache import run_starts
 
     lens_q, lens_k, features = CASES[name]
     q, k, v, cu_q, cu_k, features = packed(lens_q, lens_k, extra_q=5, **features)
@@ -134,3 +134,24 @@ def test_runs_of_slots_read_by_address_give_the_slot_modes_bits(ta, name):
         wrong, shifted = torch.full_like(q, 7.0), torch.where(base >= 0, base - 2, base)
         ta.varlen_attention(*args, wrong, kv_slots=slots, zero_tail=True, kv_base=shifted, **features)
         assert wrong.isnan().any()  # the rows before a run are the pool's NaN gap
+
+
+@pytest.mark.parametrize("name", ["self", "prefixes", "empty-sequences", "long", "everything"])
+def test_kv_base_alone_reads_every_sequence_by_address(ta, name):
+    """``kv_base`` without ``kv_slots`` (a whole-step graph whose requests each hold one run): key ``j`` of sequence
+    ``s`` at pool row ``kv_base[s] + j``; the slot mode's bits on the same pool, the reference's within tolerance."""
+    from bcg.ops.kernels.attention import varlen_attention_reference
+    from bcg.ops.kv_cache import run_starts
+
+    lens_q, lens_k, features = CASES[name]
+    q, k, v, cu_q, cu_k, features = packed(lens_q, lens_k, extra_q=5, **features)
+    pool_k, pool_v, slots = runs_pooled(k, v, lens_k, every=1)
+    base = torch.from_numpy(run_starts(slots.numpy(), cu_k.numpy()))
+    assert all((b >= 0) == (n > 0) for b, n in zip(base.tolist(), lens_k))
+    args = (q, pool_k, pool_v, cu_q, cu_k, max(lens_q), max(lens_k))
+    through, by_address, ref = (torch.full_like(q, 7.0) for _ in range(3))
+    ta.varlen_attention(*args, through, kv_slots=slots, zero_tail=True, **features)
+    ta.varlen_attention(*args, by_address, zero_tail=True, kv_base=base, **features)
+    varlen_attention_reference(*args, ref, zero_tail=True, kv_base=base, **features)
+    assert torch.equal(by_address, through) and through[: sum(lens_q)].abs().sum() > 0
+    assert (ref.float() - through.float()).abs().max().item() <= TOL[torch.bfloat16]

@@ -118,10 +118,10 @@ def test_slot_mode_equals_the_direct_mode_and_zeroes_the_tail(batch, slot_dtype)
 
 @pytest.mark.parametrize("batch", ["packed-with-prefixes", "2048"])
 def test_runs_of_slots_read_by_address_give_the_slot_modes_bits(batch):
-    """``kv_base`` (BCG_SLOT_BASE): the compiled kernel's address path for runs of slots, beside the slot path for
+    """``kv_base`` (BCG_KV_READS=runs): the compiled kernel's address path for runs of slots, beside the slot path for
     the rest, against the slot mode alone: the same keys in the same order (the interpreter gives the same bits; the
     compiled loops may schedule differently, so within the file's tolerance here)."""
-    from bcg.ops.attention.static import run_starts
+    from bcg.ops.kv_cache import run_starts
 
     lens_q, lens_k = BATCHES[batch]
     q, k, v, cu_q, cu_k, _ = packed(lens_q, lens_k, 32, 8, 128, extra_q=70, dtype=BF16, device="cuda")
@@ -132,6 +132,24 @@ def test_runs_of_slots_read_by_address_give_the_slot_modes_bits(batch):
     varlen_attention(*args, through, kv_slots=slots, zero_tail=True)
     varlen_attention(*args, by_address, kv_slots=slots, zero_tail=True, kv_base=base)
     assert (base >= 0).any() and not by_address.isnan().any()
+    assert _max_err(by_address, through) <= 1.6e-2
+
+
+@pytest.mark.parametrize("batch", ["packed-with-prefixes", "2048"])
+def test_kv_base_alone_reads_every_sequence_by_address(batch):
+    """``kv_base`` without ``kv_slots`` (every request one run of slots: the whole-step graphs' ``runs_only``
+    reads): the compiled kernel's single key loop from each sequence's base, against the slot mode."""
+    from bcg.ops.kv_cache import run_starts
+
+    lens_q, lens_k = BATCHES[batch]
+    q, k, v, cu_q, cu_k, _ = packed(lens_q, lens_k, 32, 8, 128, extra_q=70, dtype=BF16, device="cuda")
+    pool_k, pool_v, slots = runs_pooled(k, v, lens_k, every=1)
+    base = torch.from_numpy(run_starts(slots.cpu().numpy(), cu_k.cpu().numpy())).to("cuda")
+    through, by_address = torch.full_like(q, 7.0), torch.full_like(q, 7.0)
+    args = (q, pool_k, pool_v, cu_q, cu_k, max(lens_q), max(lens_k))
+    varlen_attention(*args, through, kv_slots=slots, zero_tail=True)
+    varlen_attention(*args, by_address, zero_tail=True, kv_base=base)
+    assert not by_address.isnan().any()
     assert _max_err(by_address, through) <= 1.6e-2
 
 

@@ -102,7 +102,7 @@ def test_one_kernel_call_over_the_pool_matches_the_gathering_path(monkeypatch, n
     monkeypatch.setattr(static_module, "varlen_attention", spy)
     outs = []
     for pool, backend in zip(pools, (StaticAttention(pools[0], 6, 16, use_varlen=False),
-                                     StaticTritonAttention(pools[1], 6, 16))):
+                                     StaticTritonAttention(pools[1], 6, 16, kv_reads="slots"))):
         out = torch.full_like(q, float("nan"))
         with forward_context(PrefillBatch(items, pool).to_context(bucket, backend)) as ctx:
             assert isinstance(ctx, StaticContext)
@@ -111,7 +111,7 @@ def test_one_kernel_call_over_the_pool_matches_the_gathering_path(monkeypatch, n
     (args, kwargs), = calls  # only the slot path called the kernel, once
     assert args[1] is pools[1].k[0] and args[2] is pools[1].v[0] and args[5:7] == (bucket, bucket + 16)
     assert kwargs["kv_slots"] is ctx.read_slots and kwargs["zero_tail"] is True
-    assert kwargs["kv_base"] is None  # BCG_SLOT_BASE off: every key through its slot
+    assert kwargs["kv_base"] is None  # kv_reads="slots": every key through its slot
     n = sum(n for n, _ in layout)
     assert (outs[1][:n].float() - outs[0][:n].float()).abs().max().item() <= 2e-2
     assert (outs[1][n:] == 0).all() and outs[1].isfinite().all()
@@ -139,19 +139,35 @@ def test_a_buckets_context_is_made_once_and_never_carries_a_batch(engines):
             pool.free(torch.from_numpy(b.host_write_slots.copy()))
 
 
-def test_runs_of_slots_staged_under_the_switch_answer_as_eager(monkeypatch: pytest.MonkeyPatch) -> None:
-    """BCG_SLOT_BASE: each request's first slot where its slots run up by one rides in the bucket's fields and
-    reaches the kernel (its reference here reads every key through the slots, so the answer is eager's either way;
-    the interpreter and CUDA tests check the kernel's address path against its slot path)."""
+def _prefill_through(eng, ref, tokens, slot_order):
+    """One request of ``tokens`` whose new slots the pool hands out in ``slot_order`` (``"run"``: as allocated;
+    ``"pieces"``: reversed), through ``eng``'s runner: its record and its logits beside eager SDPA's."""
+    pool = eng.kv_pool
+    slots = pool.alloc(len(tokens))
+    try:
+        batch = PrefillBatch([PrefillItem(tokens, slots if slot_order == "run" else slots.flip(0))], pool)
+        out = eng.runner.forward(batch)
+        want = ref.prefill([tokens]).logits.float()
+        assert (out.logits.float() - want).abs().max().item() <= TOL
+        return out.record, batch
+    finally:
+        pool.free(slots)
+
+
+@pytest.mark.parametrize("kv_reads", ["runs", "runs_only"])
+def test_runs_of_slots_read_by_address_answer_as_eager(kv_reads: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """BCG_KV_READS: each request's first slot where its slots run up by one rides in the bucket's fields and
+    reaches the kernel (its reference reads by the same rows); a request in pieces is read through its slots
+    (``runs``) or does not fit the graph (``runs_only``: reason ``slots_not_in_runs``, eager's answer either way)."""
     from bcg import env
 
-    monkeypatch.setattr(env, "SLOT_BASE", True)
+    monkeypatch.setattr(env, "KV_READS", kv_reads)  # the switch, read once at import
     eng = Engine("tiny-dense", backend="full", attention_backend="static_triton", prefix_cache=False,
                  max_requests=4, **COMMON)
+    assert eng.runner.inputs.attention.kv_reads == kv_reads
     ref = Engine("tiny-dense", backend="eager", attention_backend="sdpa", prefix_cache=False, **COMMON)
     try:
-        attn = eng.runner.inputs.attention
-        assert attn.stages_kv_base and "kv_base" in eng.runner.inputs.layouts[16].views
+        assert "kv_base" in eng.runner.inputs.layouts[16].views
         gen = torch.Generator().manual_seed(1)
         prompts = [torch.randint(1, 200, (n,), generator=gen) for n in (5, 3, 6)]
         res = eng.prefill(prompts)
@@ -161,6 +177,22 @@ def test_runs_of_slots_staged_under_the_switch_answer_as_eager(monkeypatch: pyte
         # sentinel request slot has none.
         bases = eng.runner.inputs.layouts[16].views["kv_base"].tolist()
         assert all(b >= 0 for b in bases[:3]) and bases[3] == -1 and len(set(bases[:3])) == 3
+        tokens = torch.randint(1, 200, (7,), generator=gen).tolist()
+        record, _ = _prefill_through(eng, ref, tokens, "run")
+        assert record.graph_used
+        record, batch = _prefill_through(eng, ref, tokens, "pieces")
+        assert batch.host_run_starts.tolist() == [-1]
+        assert record.graph_used == (kv_reads == "runs")
+        assert record.reason == ("slots_not_in_runs" if kv_reads == "runs_only" else "graph")
+        ctx = eng.runner.inputs.attention.context(batch, 8, eng.runner.inputs.layouts[8].views)
+        assert (ctx.kv_slots is None) == (kv_reads == "runs_only")  # what the captured kernel call was given
     finally:
         eng.close()
         ref.close()
+
+
+def test_kv_reads_takes_three_values() -> None:
+    pool = KVPool(16, 1, 1, 8, torch.bfloat16)
+    assert StaticTritonAttention(pool).kv_reads == "runs"  # BCG_KV_READS unset
+    with pytest.raises(ValueError, match="kv_reads='pages'"):
+        StaticTritonAttention(pool, kv_reads="pages")

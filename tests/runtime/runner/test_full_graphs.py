@@ -73,6 +73,29 @@ def test_a_failed_whole_step_replay_falls_back_to_the_breakable_graph(monkeypatc
     assert again.batches[0].reason == "graph_full" and torch.allclose(again.logits, res.logits, atol=1e-5)
 
 
+def test_runs_only_sends_a_request_in_pieces_to_the_breakable_graph(monkeypatch: pytest.MonkeyPatch) -> None:
+    """BCG_KV_READS=runs_only: the whole-step graphs read every request's keys by address, so a batch with a
+    request whose slots do not run up by one replays its bucket's breakable graph (eager's answer either way)."""
+    from bcg import env
+    from bcg.runtime.batch import PrefillBatch, PrefillItem
+
+    monkeypatch.setattr(env, "KV_READS", "runs_only")
+    eng = Engine("tiny-dense", dtype="bfloat16", full_graph_tokens=16, **OPTS)
+    eager = Engine("tiny-dense", backend="eager", dtype="bfloat16", **OPTS)
+    assert eng.runner.full.inputs.attention.kv_reads == "runs_only"
+    tokens = random_prompts([6])[0]
+    want = eager.prefill([tokens]).logits
+    for order, reason in (("run", "graph_full"), ("pieces", "graph")):
+        slots = eng.kv_pool.alloc(6)
+        try:
+            batch = PrefillBatch([PrefillItem(tokens, slots if order == "run" else slots.flip(0))], eng.kv_pool)
+            out = eng.runner.forward(batch)
+            assert out.record.graph_used and out.record.reason == reason
+            assert (out.logits - want).abs().max().item() <= 2e-2 * want.abs().max().item()
+        finally:
+            eng.kv_pool.free(slots)
+
+
 @pytest.mark.parametrize(("options", "match"), [
     (dict(backend="full"), r"leave it 0 \(or None\) with backend=.full."),
     (dict(backend="eager"), r"leave it 0 \(or None\) with backend=.eager."),

@@ -1,0 +1,5 @@
+"""``python -m bcg``: the same command as the ``bcg`` console script."""
+
+from bcg.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,131 @@
+"""The debug switches: every ``BCG_*`` environment variable bcg reads is read here and nowhere else.
+
+Configuration is :class:`~bcg.runtime.config.EngineConfig` and the command's flags; these are for debugging only.
+
+* ``BCG_DEBUG=1``: at each replay, check that every captured input of a segment or piece is where it was captured.
+* ``BCG_FLASH=wrapper``: the attention islands call ``varlen_attn`` instead of the aten flash op it wraps.
+* ``BCG_TP_ALLREDUCE=island``: every tensor parallel all-reduce runs as an eager island, outside the segments.
+* ``BCG_LEAK_CHECK=off|warn|raise``: the leak check of captures that do not choose one (read at each capture).
+* ``BCG_HF_FUSION=off``: transformers models run every module as written (no load-time fusion; read at each load).
+* ``BCG_COMPILE_LOG=1``: torch.compile's own log of bcg's compiles reaches the terminal (by default a failed trace is
+  reported in one line by bcg, and dynamo's log of the attempt is kept quiet).
+* ``BCG_PDL=0``: bcg's Triton kernels launch without programmatic dependent launch. By default they use it where it
+  runs (compiled kernels on sm_90+): each waits for the kernel before it with ``griddepcontrol`` and may be launched
+  while that one finishes. The H200 measured it at 0.84x the wall of a 64-token llama-dense prefill, 1-10% off the
+  other models' 16- and 64-token prefills, and 2-4% onto three of four models' at 256 tokens
+  (``benchmarks/device_bound.py``; ``benchmarks/pdl.py`` shows CUDA graphs keep it), so the runner launches only
+  forwards of up to 64 tokens with it (:func:`bcg.ops.kernels.dispatch.pdl_for`).
+  ``BCG_PDL=1`` asks for it explicitly and warns where the GPU cannot run it.
+* ``BCG_MLP_FUSION=gate_up|down|none``: which one-kernel fusion a SwiGLU MLP's activation rides at short prompts with
+  the fused kernels: ``gate_up`` (the default: :mod:`bcg.ops.kernels.gate_up`, in the gate/up projection's epilogue),
+  ``down`` (:mod:`bcg.ops.kernels.down_proj`, in the down projection's prologue; measured 1.4-2.8x slower on the
+  H200) or ``none`` (SiLU-and-multiply as a kernel of its own); ``benchmarks/mlp_kernels.py`` measures them.
+* ``BCG_QKV_FUSION=off``: the attention's q/k/v projection and bcg's RoPE kernel stay two launches at every row count.
+  By default, with the fused kernels, up to 16 rows they are one kernel (:mod:`bcg.ops.kernels.qkv_rope`: RoPE, the
+  split and the K/V write in the projection's epilogue), which the H200 measured at 0.95x of llama-dense's device
+  time at 16 tokens and even on the Llama-3.2-1B shape; at 64 rows it ran 1.00-1.09x, so it stops at 16.
+  ``benchmarks/qkv_kernels.py`` and ``benchmarks/device_bound.py`` measure both.
+* ``BCG_NORM_FUSION=on``: with the fused kernels, a dense decoder layer's post-attention add + RMSNorm is no kernel of
+  its own: the residual add rides the o projection (cuBLAS ``addmm`` with beta=1) and the norm folds into the gate/up
+  projection's kernel (:mod:`bcg.ops.kernels.gate_up`: the row's ``rstd`` applied in the epilogue), one launch fewer a
+  layer. Only where that is the same arithmetic up to rounding: one rank, an o projection without bias,
+  ``BCG_MLP_FUSION=gate_up`` and no compiled regions (:func:`bcg.models.dense.folds_post_attention_norm`). Off: on
+  the H200 the gate/up kernel with the norm ran 2.2x as long and the forward's device time rose 19% at 64 tokens
+  (DESIGN.md says why).
+* ``BCG_INPUT_NORM_FUSION=on`` (with ``BCG_NORM_FUSION=on``): the layer's input add + RMSNorm rides the q/k/v
+  projection's kernel too (:func:`bcg.ops.kernels.qkv_proj_rope`'s prologue, up to 16 rows), another launch fewer a
+  layer there. Off: measured slower on the H200 too (0.93 -> 1.04 ms device time at 16 tokens on llama-dense).
+* ``BCG_TRITON_VARLEN_FROM=<tokens>``: the varlen island runs bcg's Triton kernel from buckets of this many tokens
+  at every attention width, FlashAttention below (by default from 2048 tokens, 1024 for attention 2048 wide:
+  :func:`bcg.ops.attention.varlen.triton_from_tokens`); for measuring where the kernel's cheaper device time
+  outweighs its dearer launch (``benchmarks/device_bound.py`` under each value).
+* ``BCG_SLOT_BASE=on``: the whole-step graphs' attention (``static_triton``) also stages, per request, the first of
+  its KV slots when they run up by one, and the kernel reads such a request's keys by address instead of through
+  its slots (:mod:`bcg.ops.kernels.attention`'s ``kv_base``). Off until measured on a GPU: through the slots it
+  took 1.18-1.59x the direct kernel's time at 1024-2048 tokens on the H200 (round 14).
+* ``BCG_GC_FREEZE=0``: a serving engine leaves the heap to the garbage collector as it is (by default its first
+  ``submit`` moves every object alive then out of the collector's sight, ``gc.freeze()``, until it closes).
+
+``BCG_PDL``, ``BCG_MLP_FUSION``, ``BCG_QKV_FUSION``, the two norm fusions, ``BCG_TRITON_VARLEN_FROM`` and
+``BCG_SLOT_BASE`` are read once, at import: they are asked on hot paths, where an environment lookup per call costs.
+"""
+
+from __future__ import annotations
+
+import os
+
+__all__ = ["COMPILE_LOG", "DEBUG", "FLASH_WRAPPER", "INPUT_NORM_FUSION", "MLP_FUSION", "NORM_FUSION", "PDL",
+           "QKV_FUSION", "SLOT_BASE", "TP_ALLREDUCE_ISLAND", "TRITON_VARLEN_FROM", "gc_freeze", "hf_fusion",
+           "leak_check_mode"]
+
+
+def _flag(name: str) -> bool:
+    return os.environ.get(name, "") not in ("", "0")
+
+
+DEBUG: bool = _flag("BCG_DEBUG")
+FLASH_WRAPPER: bool = os.environ.get("BCG_FLASH", "").lower() == "wrapper"
+TP_ALLREDUCE_ISLAND: bool = os.environ.get("BCG_TP_ALLREDUCE", "").lower() == "island"
+COMPILE_LOG: bool = _flag("BCG_COMPILE_LOG")
+MLP_FUSION: str = os.environ.get("BCG_MLP_FUSION", "").lower() or "gate_up"
+if MLP_FUSION not in ("gate_up", "down", "none"):
+    raise ValueError(f"BCG_MLP_FUSION={MLP_FUSION!r}: expected gate_up, down or none (unset: gate_up)")
+
+
+def _switch(name: str, default: bool) -> bool:
+    """An on/off switch (on, off, 1, 0; ``default`` when unset); any other value stops the import, naming it."""
+    value = os.environ.get(name, "").lower()
+    if value not in ("", "off", "0", "on", "1"):
+        raise ValueError(f"{name}={value!r}: expected on or off (unset: {'on' if default else 'off'})")
+    return default if not value else value in ("on", "1")
+
+
+# None when unset: on where the GPU runs it (bcg.ops.kernels.triton_utils decides), without a word where it does not.
+PDL: bool | None = _switch("BCG_PDL", True) if os.environ.get("BCG_PDL") else None
+QKV_FUSION: bool = _switch("BCG_QKV_FUSION", True)
+NORM_FUSION: bool = _switch("BCG_NORM_FUSION", False)
+INPUT_NORM_FUSION: bool = _switch("BCG_INPUT_NORM_FUSION", False)
+
+
+def _tokens(name: str) -> int | None:
+    """A positive token count (None when unset); anything else stops the import, naming it."""
+    value = os.environ.get(name, "")
+    if not value:
+        return None
+    if not value.isdigit() or int(value) <= 0:
+        raise ValueError(f"{name}={value!r}: expected a positive number of tokens (unset: bcg's thresholds)")
+    return int(value)
+
+
+TRITON_VARLEN_FROM: int | None = _tokens("BCG_TRITON_VARLEN_FROM")
+SLOT_BASE: bool = _switch("BCG_SLOT_BASE", False)
+
+
+def leak_check_mode() -> str:
+    """``BCG_LEAK_CHECK``, or ``"off"`` when unset (validated by the caller, which names the variable).
+
+    Example:
+        >>> leak_check_mode() in ("off", "warn", "raise") or True
+        True
+    """
+    return os.environ.get("BCG_LEAK_CHECK", "") or "off"
+
+
+def hf_fusion() -> bool:
+    """Whether transformers models are fused at load: ``BCG_HF_FUSION`` unset, or anything but ``off``/``0``.
+
+    Example:
+        >>> isinstance(hf_fusion(), bool)
+        True
+    """
+    return os.environ.get("BCG_HF_FUSION", "").lower() not in ("off", "0")
+
+
+def gc_freeze() -> bool:
+    """Whether a serving engine freezes the heap (``BCG_GC_FREEZE``, on unless ``0``).
+
+    Example:
+        >>> isinstance(gc_freeze(), bool)
+        True
+    """
+    return os.environ.get("BCG_GC_FREEZE", "1") != "0"

@@ -1,0 +1,282 @@
+"""Variable-length causal attention forward as one Triton kernel (FlashAttention-2's algorithm), written in place.
+
+One program computes ``BLOCK_M`` query rows of one sequence for one query head: it walks the sequence's visible keys
+in ``BLOCK_N`` blocks with an online softmax (running max and denominator in fp32, scores and the output accumulated
+in fp32 on the tensor cores), then divides once and stores the rows straight into ``out``. The grid is
+``(cdiv(max_seqlen_q, BLOCK_M), num_seqs, num_heads)``: ``max_seqlen_q`` is a host upper bound, so programs past a
+sequence's end return at once and nothing is read back to the host. Rows of no sequence are never written, unless
+``zero_tail``: then the programs of the last sequence also zero the rows after it (the padded rows of a bucket: one
+kernel, no fill before it).
+
+Keys and values are read directly (key ``j`` of sequence ``s`` is row ``cu_k[s] + j`` of ``k``/``v``) or, with
+``kv_slots``, through a slot index (row ``kv_slots[cu_k[s] + j]``): the kernel then attends straight from a KV pool's
+layer, with no gather of each request's keys first. Only slots of keys inside a sequence are read.
+
+Masks, per sequence with ``Lq`` queries and ``Lk`` keys, bottom-right aligned (queries are the last ``Lq`` of the
+keys' positions, as with a cached prefix): query ``i`` sees key ``j`` iff ``j <= i + Lk - Lq`` and, with a left window
+``w >= 0``, ``j >= i + Lk - Lq - w``. Key blocks entirely outside that band are skipped, not masked, and those
+every row of the program sees in full (below the first row's diagonal, inside the last row's window) run in a loop
+of their own with no mask at all (FlashAttention's split of the causal loop): only the blocks on the band's edges
+pay for the comparisons. Soft-capping
+(``cap * tanh(s / cap)`` of the scaled score ``s``) and per-head sink logits (one more softmax column with no value,
+gpt-oss's) are compile-time switches. A row that sees no key gets 0.
+
+Block sizes are fixed per head dim and query length (:func:`block_config`; no autotuning, which benchmarks and so
+syncs the host: it cannot run inside a graph capture). Triton compiles each configuration at its first call: warm up
+before capturing. Importing this module needs Triton.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+from torch import Tensor
+from triton.language.extra import libdevice
+
+from bcg.ops.kernels.attention_blocks import BlockConfig, block_config
+from bcg.ops.kernels.triton_utils import INTERPRETING, grid_dependency, launch
+
+__all__ = ["BlockConfig", "block_config", "varlen_attention"]
+
+_ACCURATE_TANH = tl.constexpr(not INTERPRETING)  # the interpreter has no libdevice
+# The interpreter keeps bf16 as raw uint16 and its tl.dot multiplies those integers: it gets fp32 operands instead
+# (exact: bf16 -> fp32 is lossless, and the compiled dot accumulates in fp32 too).
+_DOT_F32 = tl.constexpr(INTERPRETING)
+
+
+@triton.jit
+def _tanh(x):
+    if _ACCURATE_TANH:
+        return libdevice.tanh(x)
+    else:
+        return 2.0 * tl.sigmoid(2.0 * x) - 1.0
+
+
+@triton.jit
+def _key_block(q, acc, m_i, l_i, k_base, v_base, kv_slots, k_start, len_k, start_n, in_band, diag, stride_kt,
+               stride_vt, score_scale, softcap, window_left, offs_n, offs_d, d_ok, HAS_SOFTCAP: tl.constexpr,
+               HAS_WINDOW: tl.constexpr, HAS_KV_SLOTS: tl.constexpr, MASKED: tl.constexpr, EVEN_D: tl.constexpr):
+    """One step of the online softmax: the scores of ``BLOCK_N`` keys from ``start_n``, masked, folded into the
+    running max ``m_i``, denominator ``l_i`` and output ``acc`` (all fp32, the max in log2 units). ``MASKED=False``:
+    a block every row of the program sees in full (inside the sequence, the causal band and the window), loaded and
+    scored with no mask at all."""
+    cols = start_n + offs_n
+    if MASKED:
+        col_ok = (cols < len_k) & in_band
+    if HAS_KV_SLOTS:  # the pool rows of these keys; keys outside the sequence read no slot (it may be anything)
+        if MASKED:
+            kv_rows = tl.load(kv_slots + k_start + cols, mask=col_ok, other=0).to(tl.int64)
+        else:
+            kv_rows = tl.load(kv_slots + k_start + cols).to(tl.int64)
+    else:
+        kv_rows = (k_start + cols).to(tl.int64)
+    k_ptrs = k_base + kv_rows[None, :] * stride_kt + offs_d[:, None]
+    if MASKED:
+        k = tl.load(k_ptrs, mask=col_ok[None, :] & d_ok[:, None], other=0.0)
+    elif EVEN_D:
+        k = tl.load(k_ptrs)
+    else:
+        k = tl.load(k_ptrs, mask=d_ok[:, None], other=0.0)
+    if _DOT_F32:
+        s = tl.dot(q.to(tl.float32), k.to(tl.float32)) * score_scale
+    else:
+        s = tl.dot(q, k) * score_scale
+    if HAS_SOFTCAP:
+        s = _tanh(s) * (softcap * 1.4426950408889634)
+    if MASKED:
+        visible = col_ok[None, :] & (cols[None, :] <= diag[:, None])
+        if HAS_WINDOW:
+            visible = visible & (cols[None, :] >= diag[:, None] - window_left)
+        s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    # A row that has seen nothing yet keeps a max of -inf: subtract 0 instead, so exp2 gives 0, not NaN.
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.math.exp2(s - m_safe[:, None])
+    alpha = tl.math.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v_ptrs = v_base + kv_rows[:, None] * stride_vt + offs_d[None, :]
+    if MASKED:
+        v = tl.load(v_ptrs, mask=col_ok[:, None] & d_ok[None, :], other=0.0)
+    elif EVEN_D:
+        v = tl.load(v_ptrs)
+    else:
+        v = tl.load(v_ptrs, mask=d_ok[None, :], other=0.0)
+    if _DOT_F32:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32))
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _attend_keys(q, acc, m_i, l_i, k_base, v_base, KV_SLOTS, k_start, len_k, lo, lo_full, hi_full, hi, diag,
+                 stride_kt, stride_vt, score_scale, softcap, window_left, offs_n, offs_d, d_ok,
+                 HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_KV_SLOTS: tl.constexpr,
+                 EVEN_D: tl.constexpr, STATIC_BLOCKS_N: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The program's key blocks in ``[lo, hi)``: masked before ``lo_full`` and from ``hi_full``, unmasked between."""
+    if STATIC_BLOCKS_N == 0:
+        if HAS_WINDOW:
+            for start_n in range(lo, lo_full, BLOCK_N):
+                acc, m_i, l_i = _key_block(q, acc, m_i, l_i, k_base, v_base, KV_SLOTS, k_start, len_k, start_n,
+                                           True, diag, stride_kt, stride_vt, score_scale, softcap, window_left,
+                                           offs_n, offs_d, d_ok, HAS_SOFTCAP, HAS_WINDOW, HAS_KV_SLOTS, True, EVEN_D)
+        for start_n in range(lo_full, hi_full, BLOCK_N):
+            acc, m_i, l_i = _key_block(q, acc, m_i, l_i, k_base, v_base, KV_SLOTS, k_start, len_k, start_n, True,
+                                       diag, stride_kt, stride_vt, score_scale, softcap, window_left, offs_n, offs_d,
+                                       d_ok, HAS_SOFTCAP, HAS_WINDOW, HAS_KV_SLOTS, False, EVEN_D)
+        for start_n in range(hi_full, hi, BLOCK_N):
+            acc, m_i, l_i = _key_block(q, acc, m_i, l_i, k_base, v_base, KV_SLOTS, k_start, len_k, start_n, True,
+                                       diag, stride_kt, stride_vt, score_scale, softcap, window_left, offs_n, offs_d,
+                                       d_ok, HAS_SOFTCAP, HAS_WINDOW, HAS_KV_SLOTS, True, EVEN_D)
+    else:
+        # The interpreter's loops: a fixed count, each block taking the compiled loops' path for its place (blocks
+        # outside [lo, hi) masked out as a whole): the compiled loops' ranges have runtime bounds, which Triton
+        # 3.6's interpreter cannot take under numpy >= 2.4.
+        for block in range(STATIC_BLOCKS_N):
+            start_n = block * BLOCK_N
+            if (start_n >= lo_full) & (start_n < hi_full):
+                acc, m_i, l_i = _key_block(q, acc, m_i, l_i, k_base, v_base, KV_SLOTS, k_start, len_k, start_n,
+                                           True, diag, stride_kt, stride_vt, score_scale, softcap, window_left,
+                                           offs_n, offs_d, d_ok, HAS_SOFTCAP, HAS_WINDOW, HAS_KV_SLOTS, False,
+                                           EVEN_D)
+            else:
+                acc, m_i, l_i = _key_block(q, acc, m_i, l_i, k_base, v_base, KV_SLOTS, k_start, len_k, start_n,
+                                           (start_n >= lo) & (start_n < hi), diag, stride_kt, stride_vt,
+                                           score_scale, softcap, window_left, offs_n, offs_d, d_ok, HAS_SOFTCAP,
+                                           HAS_WINDOW, HAS_KV_SLOTS, True, EVEN_D)
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _varlen_fwd(
+    Q, K, V, OUT, CU_Q, CU_K, SINKS, KV_SLOTS, KV_BASE, total_q,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
+    sm_scale, softcap, window_left,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr,
+    STATIC_BLOCKS_N: tl.constexpr, HAS_KV_SLOTS: tl.constexpr, ZERO_TAIL: tl.constexpr, SPLIT_MASK: tl.constexpr,
+    EVEN_D: tl.constexpr, HAS_KV_BASE: tl.constexpr,
+):
+    grid_dependency()  # under programmatic dependent launch: the kernel before is done
+    pid_m = tl.program_id(0)
+    seq = tl.program_id(1)
+    head = tl.program_id(2)
+    q_start = tl.load(CU_Q + seq)
+    q_end = tl.load(CU_Q + seq + 1)
+    len_q = q_end - q_start
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    if ZERO_TAIL:
+        if seq == tl.num_programs(1) - 1:
+            # Rows past the last sequence (the host sizes the grid to cover them): zeros, in this same launch.
+            tail = q_end + offs_m
+            t_ptrs = OUT + tail[:, None].to(tl.int64) * stride_ot + head * stride_oh + offs_d[None, :]
+            tl.store(t_ptrs, tl.zeros([BLOCK_M, BLOCK_D], tl.float32).to(OUT.dtype.element_ty),
+                     mask=(tail < total_q)[:, None] & d_ok[None, :])
+    if pid_m * BLOCK_M >= len_q:
+        return
+    k_start = tl.load(CU_K + seq)
+    len_k = tl.load(CU_K + seq + 1) - k_start
+    kv_head = head // GROUP
+
+    row_ok = offs_m < len_q
+    q_ptrs = Q + (q_start + offs_m)[:, None].to(tl.int64) * stride_qt + head * stride_qh + offs_d[None, :]
+    q = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+
+    # The last key each row sees (bottom-right causal), and the band of key blocks this row block can see.
+    diag = offs_m + (len_k - len_q)
+    hi = tl.minimum(len_k, (pid_m + 1) * BLOCK_M + len_k - len_q)
+    lo = 0
+    if HAS_WINDOW:
+        lo = tl.maximum(0, pid_m * BLOCK_M + len_k - len_q - window_left)
+        lo = (lo // BLOCK_N) * BLOCK_N
+
+    if HAS_SOFTCAP:
+        score_scale = sm_scale / softcap
+    else:
+        score_scale = sm_scale * 1.4426950408889634  # log2(e): the softmax runs on exp2
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    k_base = K + kv_head * stride_kh
+    v_base = V + kv_head * stride_vh
+    # The blocks every row of this program sees in full, [lo_full, hi_full): up to the first row's diagonal and,
+    # with a window, from the last row's window start. They run without masks; the blocks around them (the
+    # diagonal's, the window's edge) with them. SPLIT_MASK=False masks every block (the benchmark's comparison).
+    if SPLIT_MASK:
+        diag_first = pid_m * BLOCK_M + len_k - len_q
+        hi_full = tl.maximum(0, (diag_first + 1) // BLOCK_N * BLOCK_N)
+        if HAS_WINDOW:
+            diag_last = tl.minimum((pid_m + 1) * BLOCK_M, len_q) - 1 + len_k - len_q
+            lo_full = tl.cdiv(tl.maximum(0, diag_last - window_left), BLOCK_N) * BLOCK_N
+        else:
+            lo_full = lo
+        no_full = lo_full >= hi_full
+        lo_full = tl.where(no_full, lo, lo_full)
+        hi_full = tl.where(no_full, lo, hi_full)
+    else:
+        lo_full = lo
+        hi_full = lo
+    by_address, base = False, k_start
+    if HAS_KV_BASE:
+        # A request whose slots are one ascending run (KV_BASE[seq] >= 0: its first key's pool row) reads its keys
+        # by address, as the direct mode does: no slot load for the K/V loads to wait on.
+        base = tl.load(KV_BASE + seq)
+        by_address = base >= 0
+    if by_address:
+        acc, m_i, l_i = _attend_keys(q, acc, m_i, l_i, k_base, v_base, KV_SLOTS, base, len_k, lo, lo_full, hi_full,
+                                     hi, diag, stride_kt, stride_vt, score_scale, softcap, window_left, offs_n, offs_d,
+                                     d_ok, HAS_SOFTCAP, HAS_WINDOW, False, EVEN_D, STATIC_BLOCKS_N, BLOCK_N)
+    else:
+        acc, m_i, l_i = _attend_keys(q, acc, m_i, l_i, k_base, v_base, KV_SLOTS, k_start, len_k, lo, lo_full, hi_full,
+                                     hi, diag, stride_kt, stride_vt, score_scale, softcap, window_left, offs_n, offs_d,
+                                     d_ok, HAS_SOFTCAP, HAS_WINDOW, HAS_KV_SLOTS, EVEN_D, STATIC_BLOCKS_N, BLOCK_N)
+
+    if HAS_SINKS:
+        # One more softmax column per head with no value: it only grows the denominator.
+        sink = tl.load(SINKS + head).to(tl.float32) * 1.4426950408889634
+        m_new = tl.maximum(m_i, sink)
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.math.exp2(sink - m_new)
+        acc = acc * alpha[:, None]
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # a row that saw nothing: acc is 0, and so is its output
+    o = acc / l_safe[:, None]
+    o_ptrs = OUT + (q_start + offs_m)[:, None].to(tl.int64) * stride_ot + head * stride_oh + offs_d[None, :]
+    tl.store(o_ptrs, o.to(OUT.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+
+def varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int,
+                     max_seqlen_k: int, out: Tensor, scale: float | None = None, softcap: float | None = None,
+                     window_left: int | None = None, sinks: Tensor | None = None,
+                     config: BlockConfig | None = None, kv_slots: Tensor | None = None,
+                     zero_tail: bool = False, kv_base: Tensor | None = None) -> None:
+    """Launches the kernel: causal attention of ``q`` over ``k``/``v`` per sequence, written into ``out``.
+
+    Shapes and checks are the caller's (:func:`bcg.ops.kernels.attention.varlen_attention`): q/out
+    ``(total_q, H, D)``, k/v ``(total_k, H_kv, D)`` (with ``kv_slots``: any number of rows, the pool's), last dims
+    contiguous, int32 cumulative lengths of one length, ``kv_slots`` int32/int64 contiguous; ``kv_base`` (with
+    ``kv_slots``) int64, one per sequence: its first key's slot where its slots run up by one, else -1. ``zero_tail``
+    zeroes the rows past the last sequence. ``config`` overrides :func:`block_config` (benchmarks tune with it).
+    """
+    num_seqs = cu_seqlens_q.numel() - 1
+    total_q, num_heads, head_dim = q.shape
+    cfg = config or block_config(head_dim, max_seqlen_q)
+    # The tail has at most total_q rows: with zero_tail the grid covers them too (the bucket is max_seqlen_q anyway).
+    rows = max(max_seqlen_q, total_q) if zero_tail else max_seqlen_q
+    grid = (triton.cdiv(rows, cfg.block_m), num_seqs, num_heads)
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    launch(_varlen_fwd, grid, q, k, v, out, cu_seqlens_q, cu_seqlens_k, sinks if sinks is not None else q,
+           kv_slots if kv_slots is not None else cu_seqlens_k,
+           kv_base if kv_base is not None else cu_seqlens_k, total_q,
+           q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
+           scale if scale is not None else head_dim ** -0.5, softcap or 1.0,
+           window_left if window_left is not None and window_left >= 0 else 0,
+           HEAD_DIM=head_dim, BLOCK_D=block_d, GROUP=num_heads // k.shape[1],
+           BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HAS_SOFTCAP=bool(softcap),
+           HAS_WINDOW=window_left is not None and window_left >= 0, HAS_SINKS=sinks is not None,
+           STATIC_BLOCKS_N=triton.cdiv(max_seqlen_k, cfg.block_n) if INTERPRETING else 0,
+           HAS_KV_SLOTS=kv_slots is not None, ZERO_TAIL=zero_tail, SPLIT_MASK=cfg.split_mask,
+           EVEN_D=block_d == head_dim, HAS_KV_BASE=kv_base is not None, num_warps=cfg.num_warps,
+           num_stages=cfg.num_stages)

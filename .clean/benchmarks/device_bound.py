@@ -1,0 +1,285 @@
+"""Is a prefill device-bound? Wall time against device time, per model and length, and whether the host ever waits.
+
+For each model (a preset, a checkpoint folder, or one of the real-model shapes below built with random weights) and
+backend, one engine is built and kept; at each length one request of that many tokens is prefilled:
+
+* **wall**: median ms of whole ``Engine.prefill`` calls, each followed by a device sync (what a caller sees);
+* **host**: median ms until ``prefill`` returns (it does not wait for the GPU);
+* **device**: the GPU's busy time during one prefill (the union of its kernels' intervals, from the profiler);
+* **wall/device**: 1.0 means the host hides entirely behind the GPU;
+* **launch**: median ms from the call until its first graph replay is called (the GPU idles until then);
+* **after launch**: wall minus launch, what the GPU takes once the first graph is launched: the graph's kernels,
+  the gaps between them (the profiler's kernel times leave those out, and stretch them: under CUPTI a graph's
+  kernels sit 3-5 µs apart, not the 0.5 µs they do unprofiled), and the result's way back;
+* **span**: median device ms from the first graph replay to the end of the prefill's work, from CUDA events in
+  unprofiled prefills: after launch without the host's wake-up from the sync; against **device** (the kernels' own
+  time in one profiled prefill) it is what the device side adds: gaps, waits for an island's launch, the clock;
+* **syncs**: whether a prefill runs under ``torch.cuda.set_sync_debug_mode("error")`` (no host synchronisation
+  from the call to the result), checked once per model;
+* **kernels** (the per-kernel view, from one more profiled prefill at each length): how many kernels ran, how many
+  of them the host launched one by one (``eager``: island work; the rest replayed from a graph), kernels a layer,
+  and the kernels by name (count, total µs, share of the summed kernel time), costliest first. The table prints
+  the ``--top-kernels`` costliest names; the JSON has them all. On a CPU the "kernels" are the ops that compute
+  (:func:`bcg.bench.trace.kernels_from_events`), every one of them eager: the view's shape, not GPU numbers.
+
+With ``--timeline`` one prefill per model at the first length is written as a Chrome trace (host and device
+timelines side by side: load it in chrome://tracing or Perfetto). Build time and graph memory come from the engine's
+telemetry. The last line printed is one JSON object with every number.
+
+Usage::
+
+    python benchmarks/device_bound.py --models llama-dense,gptoss-moe,glm-dsa,llama-3.2-1b,qwen3-0.6b \\
+        --lengths 64,256,1024,2048 --out OUT/device_bound
+    python benchmarks/device_bound.py --models llama-dense,llama-3.2-1b,glm-dsa --lengths 64,2048 --top-kernels 25
+
+Without CUDA it runs tiny-dense on the CPU as a smoke test: CPU timings say nothing about launch overhead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import sys
+import time
+from collections import Counter, defaultdict
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+try:
+    import bcg  # noqa: F401
+except ImportError:  # run from a checkout without installing it
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from host_path import prefill_times, stage_times  # this folder is the script's own
+
+from bcg.bench.timing import gpu_kernel_ms, replay_span_ms, sync
+from bcg.bench.trace import Kernel, _innermost, _is_launch, kernels_from_events  # the bench's own parsing
+from bcg.errors import first_line
+from bcg.models.config import ModelConfig
+from bcg.runtime import Engine
+
+# Real models' shapes, random weights (the native classes; the same compute as their checkpoints by path).
+SHAPES = {
+    "llama-3.2-1b": ModelConfig(arch="dense", vocab_size=128256, hidden_size=2048, num_layers=16, num_heads=32,
+                                num_kv_heads=8, head_dim=64, intermediate_size=8192, rms_norm_eps=1e-5,
+                                rope_theta=500000.0, max_position_embeddings=131072, tie_word_embeddings=True),
+    "qwen3-0.6b": ModelConfig(arch="dense", vocab_size=151936, hidden_size=1024, num_layers=28, num_heads=16,
+                              num_kv_heads=8, head_dim=128, intermediate_size=3072, rms_norm_eps=1e-6,
+                              rope_theta=1000000.0, max_position_embeddings=40960, tie_word_embeddings=True,
+                              qk_norm=True),
+}
+
+
+def sync_free(eng: Engine, prompts: list[torch.Tensor]) -> str:
+    """"yes", or where the first host synchronisation happened."""
+    if eng.device.type != "cuda":
+        return "n/a (CPU)"
+    eng.prefill(prompts)
+    sync(eng.device)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        eng.prefill(prompts)
+    except RuntimeError as e:
+        return f"no: {first_line(e)}"
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    return "yes"
+
+
+def kernel_view(kernels: Sequence[Kernel], num_layers: int, eager_ops: dict[str, int]) -> dict[str, Any]:
+    """The per-kernel view of one profiled prefill: counts, kernels a layer, the kernels by name (count, total µs,
+    share of the summed kernel time), costliest first, and the kernels the host launched one by one, by the op
+    that launched them (``eager_ops``), most first.
+
+    Example::
+
+        >>> view = kernel_view([Kernel("gemm", "aten::mm", 3.0), Kernel("gemm", "aten::mm", 5.0),
+        ...                     Kernel("norm", "", 2.0)], num_layers=2, eager_ops={"aten::mm": 1})
+        >>> view["kernels"], view["kernels_per_layer"], view["by_name"][0], view["eager_by_op"]
+        (3, 1.5, {'name': 'gemm', 'count': 2, 'us': 8.0, 'share': 0.8}, [{'op': 'aten::mm', 'count': 1}])
+    """
+    count: dict[str, int] = defaultdict(int)
+    us: dict[str, float] = defaultdict(float)
+    for k in kernels:
+        count[k.name] += 1
+        us[k.name] += k.device_us
+    total = sum(us.values())
+    by_name = [{"name": n, "count": count[n], "us": us[n], "share": us[n] / total if total else None}
+               for n in sorted(us, key=lambda n: (-us[n], n))]
+    eager = sum(eager_ops.values())
+    return {"kernels": len(kernels), "eager_kernels": eager, "kernels_per_layer": len(kernels) / num_layers,
+            "eager_per_layer": eager / num_layers, "kernel_ms": total / 1e3, "by_name": by_name,
+            "eager_by_op": [{"op": op, "count": c} for op, c in sorted(eager_ops.items(), key=lambda x: (-x[1], x[0]))]}
+
+
+def _eager_ops(events: Sequence[Any]) -> dict[str, int]:
+    """The host's launch calls (kernels, copies, memsets; a graph launch is not one) by the innermost aten op around
+    each: on CUDA, what the islands and the eager code launched one by one."""
+    from torch.autograd import DeviceType
+
+    ops = [(float(e.time_range.start), float(e.time_range.end), e.name) for e in events
+           if e.device_type == DeviceType.CPU and e.name.startswith("aten::")]
+    launches = [float(e.time_range.start) for e in events if _is_launch(e.name)]
+    return dict(Counter(op or "(no aten op)" for op in _innermost(ops, launches)))
+
+
+def profile_kernels(fn: Callable[[], Any], device: torch.device, num_layers: int) -> dict[str, Any]:
+    """:func:`kernel_view` of one call of ``fn`` (after one unprofiled call). On a CPU every op is eager."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    fn()
+    sync(device)
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        fn()
+        sync(device)
+    events = prof.events()
+    kernels = kernels_from_events(events, cuda).kernels
+    return kernel_view(kernels, num_layers, _eager_ops(events) if cuda else dict(Counter(k.name for k in kernels)))
+
+
+def measure(name: str, backend: str, lengths: list[int], runs: int, out: Path | None, timeline: bool,
+            engine_args: dict[str, Any], full_graph_tokens: int | None = None) -> dict[str, Any]:
+    model: Any = SHAPES.get(name, name)
+    t0 = time.perf_counter()
+    # "breakable+full": the small buckets also hold a whole-step graph (EngineConfig.full_graph_tokens, the engine's
+    # default on CUDA); "breakable" attends in islands at every bucket, as bcg bench names them.
+    base, _, option = backend.partition("+")
+    full = {} if base != "breakable" or (option == "full" and full_graph_tokens is None) else {
+        "full_graph_tokens": full_graph_tokens if option == "full" else 0}  # (None: the engine's default)
+    eng = Engine(model, backend=base, progress=False, **engine_args, **full)
+    build_s = time.perf_counter() - t0
+    tele = eng.telemetry
+    vocab, num_layers = eng.model.config.vocab_size, eng.model.config.num_layers
+    gen = torch.Generator().manual_seed(0)
+    rows, inputs = [], []
+    for n in lengths:
+        prompts = [torch.randint(0, vocab, (n,), generator=gen)]
+        timed = prefill_times(eng, prompts, runs)
+        host, wall = timed["host_ms"], timed["wall_ms"]
+        bucket = eng.prefill(prompts).batches[0]
+        inputs.append(prompts)
+        rows.append({"tokens": n, "wall_ms": wall, "host_ms": host, "launch_ms": timed["first_replay_ms"],
+                     "span_ms": replay_span_ms(lambda p=prompts, e=eng: e.prefill(p), eng.device, runs),
+                     "bucket": bucket.bucket, "graph_used": bucket.graph_used, "ran": bucket.reason})
+    prompts = [torch.randint(0, vocab, (lengths[0],), generator=gen)]
+    # Where the launch goes, step by step, at the shortest length (host_path.py's stage view): the host time before
+    # the first replay differs between models on one machine, and only its steps say which one is slower.
+    stages = stage_times(eng, prompts, runs)
+    is_sync_free = sync_free(eng, prompts)
+    # Profiled only after every timed run: once loaded, the profiler slows later host work (bcg.bench.timing).
+    for row, p in zip(rows, inputs):
+        dev = gpu_kernel_ms(lambda p=p, e=eng: e.prefill(p), eng.device, warmup=0)
+        row.update(device_ms=dev, wall_over_device=row["wall_ms"] / dev if dev else None,
+                   kernel_view=profile_kernels(lambda p=p, e=eng: e.prefill(p), eng.device, num_layers))
+    result = {"model": name, "backend": backend, "kernels": engine_args.get("kernels") or "default",
+              "attention_backend": getattr(tele, "attention_backend", "?"),  # (older engines do not say)
+              "build_s": build_s, "capture_ms": tele.capture_ms, "num_layers": num_layers,
+              "compile_ms": tele.compile_ms, "graph_memory_mib": tele.graph_memory_bytes / 2**20,
+              "buckets": tele.num_captured, "sync_free": is_sync_free, "rows": rows, "launch_stages": stages}
+    if timeline and out is not None and eng.device.type == "cuda":
+        from torch.profiler import ProfilerActivity, profile
+
+        eng.prefill(prompts)
+        sync(eng.device)
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            eng.prefill(prompts)
+            sync(eng.device)
+        path = out / f"timeline-{name.replace('/', '_')}-{backend}-{lengths[0]}.json"
+        prof.export_chrome_trace(str(path))
+        result["timeline"] = path.name
+    del eng
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return result
+
+
+def print_result(r: dict[str, Any], top: int) -> None:
+    """The table of one model and backend, then its costliest ``top`` kernels at each length."""
+    print(f"\n{r['model']} / {r['backend']} ({r['attention_backend']} attention): build {r['build_s']:.1f} s, "
+          f"graph memory {r['graph_memory_mib']:.0f} MiB, {r['buckets']} buckets, sync-free: {r['sync_free']}")
+    print(f"  {'tokens':>6} {'wall ms':>8} {'host ms':>8} {'launch ms':>9} {'after ms':>8} {'span ms':>8} "
+          f"{'device ms':>9} {'wall/device':>11} {'kernels':>7} {'eager':>6} {'k/layer':>7} {'eager/layer':>11}")
+
+    def ms(x: float | None) -> str:
+        return "-" if x is None else f"{x:.3f}"
+
+    for row in r["rows"]:
+        ratio = "-" if row["wall_over_device"] is None else f"{row['wall_over_device']:.2f}"
+        k = row["kernel_view"]
+        launch = row.get("launch_ms")
+        after = None if launch is None else row["wall_ms"] - launch
+        print(f"  {row['tokens']:>6} {row['wall_ms']:>8.3f} {row['host_ms']:>8.3f} {ms(launch):>9} {ms(after):>8} "
+              f"{ms(row.get('span_ms')):>8} {ms(row['device_ms']):>9} {ratio:>11} {k['kernels']:>7} "
+              f"{k['eager_kernels']:>6} {k['kernels_per_layer']:>7.1f} {k['eager_per_layer']:>11.1f}")
+    stages = r.get("launch_stages") or []
+    if stages:  # µs after prefill was called at which each step started, and what it took
+        print(f"  {r['rows'][0]['tokens']} tokens, host steps (start+took µs): " + " | ".join(
+            f"{st['stage'].strip()} {st['start_us']:.0f}+{st['us']:.0f}" for st in stages if st["stage"] != "prefill"))
+    for row in r["rows"] if top > 0 else []:
+        k = row["kernel_view"]
+        eager = ", ".join(f"{e['op']} x{e['count']}" for e in k["eager_by_op"][:top])
+        print(f"  {row['tokens']} tokens: {k['eager_kernels']} launched by the host: {eager}")
+        print(f"  {row['tokens']} tokens: {k['kernels']} kernels, {k['kernel_ms']:.3f} ms summed; costliest:")
+        for entry in k["by_name"][:top]:
+            share = "-" if entry["share"] is None else f"{100 * entry['share']:.1f}%"
+            name = entry["name"] if len(entry["name"]) <= 90 else entry["name"][:87] + "..."
+            print(f"    {entry['count']:>5} x {entry['us']:>9.1f} us {share:>6}  {name}")
+    sys.stdout.flush()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    cuda = torch.cuda.is_available()
+    p.add_argument("--models", default="llama-dense,gptoss-moe,glm-dsa,llama-3.2-1b,qwen3-0.6b" if cuda
+                   else "tiny-dense", help="comma list: presets, checkpoint folders, or " + ", ".join(SHAPES))
+    p.add_argument("--backends", default="breakable+full" if cuda else "breakable",
+                   help="comma list of backends: breakable attends in islands at every bucket, breakable+full adds "
+                        "the small buckets' whole-step graphs (the engine's default on CUDA)")
+    p.add_argument("--lengths", default="64,256,1024,2048" if cuda else "16,64")
+    p.add_argument("--runs", type=int, default=20 if cuda else 3)
+    p.add_argument("--kernels", default=None, help="fused or torch (default: the engine's)")
+    p.add_argument("--attention-backend", default=None)
+    p.add_argument("--chunked-prefill-size", type=int, default=2048 if cuda else 256)
+    p.add_argument("--full-graph-tokens", type=int, default=None,
+                   help="breakable+full: the buckets up to this many tokens hold a whole-step graph (default: the "
+                        "engine's, by the model's attention width, on CUDA)")
+    p.add_argument("--timeline", action="store_true", help="write one prefill per model as a Chrome trace")
+    p.add_argument("--top-kernels", type=int, default=12,
+                   help="costliest kernel names printed per model and length (0: none; the JSON has them all)")
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args(argv)
+    if not cuda:
+        print("device_bound: no CUDA, a smoke test on the CPU; these timings say nothing about launch overhead")
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+    lengths = [int(x) for x in args.lengths.split(",")]
+    engine_args = {"kernels": args.kernels, "chunked_prefill_size": args.chunked_prefill_size}
+    if args.attention_backend:  # (older engines have no such option)
+        engine_args["attention_backend"] = args.attention_backend
+    results = []
+    for name in args.models.split(","):
+        for backend in args.backends.split(","):
+            try:
+                results.append(measure(name, backend, lengths, args.runs, args.out, args.timeline, engine_args,
+                                       args.full_graph_tokens))
+            except Exception as e:  # one model failing must not lose the others
+                results.append({"model": name, "backend": backend, "error": first_line(e)})
+                print(f"{name} {backend}: {first_line(e)}", flush=True)
+                continue
+            print_result(results[-1], args.top_kernels)
+    summary = {"kind": "device_bound", "torch": torch.__version__,
+               "device": torch.cuda.get_device_name() if cuda else "cpu", "results": results}
+    if args.out is not None:
+        (args.out / "device_bound.json").write_text(json.dumps(summary, indent=1))
+    print(json.dumps(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
