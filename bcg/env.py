@@ -46,11 +46,17 @@ Configuration is :class:`~bcg.runtime.config.EngineConfig` and the command's fla
   three models (round 15). ``slots``: every key through its slot (rounds 13-14). ``runs_only``: one key loop, by
   address only; a batch with a request whose slots do not run up by one replays the islanded graph instead (reason
   ``slots_not_in_runs``).
+* ``BCG_VARLEN_GRID=flat``: bcg's varlen attention kernel launches one program per row block a sequence has (found
+  from the cumulative lengths in the kernel) instead of the longest sequence's blocks for every sequence, whose
+  programs past a short or empty sequence return at once. Off (``per_seq``) until measured: on the H200 the whole-step
+  graphs' four request slots (three empty) took 1.3-1.5x the kernel's time at 256-1024 tokens at head dim 64
+  (round 15, ``benchmarks/attention_reads.py``).
 * ``BCG_GC_FREEZE=0``: a serving engine leaves the heap to the garbage collector as it is (by default its first
   ``submit`` moves every object alive then out of the collector's sight, ``gc.freeze()``, until it closes).
 
-``BCG_PDL``, ``BCG_MLP_FUSION``, ``BCG_QKV_FUSION``, the two norm fusions, ``BCG_TRITON_VARLEN_FROM`` and
-``BCG_KV_READS`` are read once, at import: they are asked on hot paths, where an environment lookup per call costs.
+``BCG_PDL``, ``BCG_MLP_FUSION``, ``BCG_QKV_FUSION``, the two norm fusions, ``BCG_TRITON_VARLEN_FROM``,
+``BCG_KV_READS`` and ``BCG_VARLEN_GRID`` are read once, at import: they are asked on hot paths, where an environment
+lookup per call costs.
 """
 
 from __future__ import annotations
@@ -58,7 +64,7 @@ from __future__ import annotations
 import os
 
 __all__ = ["COMPILE_LOG", "DEBUG", "FLASH_WRAPPER", "INPUT_NORM_FUSION", "KV_READS", "MLP_FUSION", "NORM_FUSION",
-           "PDL", "QKV_FUSION", "TP_ALLREDUCE_ISLAND", "TRITON_VARLEN_FROM", "gc_freeze", "hf_fusion",
+           "PDL", "QKV_FUSION", "TP_ALLREDUCE_ISLAND", "TRITON_VARLEN_FROM", "VARLEN_GRID", "gc_freeze", "hf_fusion",
            "leak_check_mode"]
 
 
@@ -101,6 +107,9 @@ def _tokens(name: str) -> int | None:
 
 
 TRITON_VARLEN_FROM: int | None = _tokens("BCG_TRITON_VARLEN_FROM")
+VARLEN_GRID: str = os.environ.get("BCG_VARLEN_GRID", "").lower() or "per_seq"
+if VARLEN_GRID not in ("per_seq", "flat"):
+    raise ValueError(f"BCG_VARLEN_GRID={VARLEN_GRID!r}: expected per_seq or flat (unset: per_seq)")
 KV_READS: str = os.environ.get("BCG_KV_READS", "").lower() or "runs"
 if KV_READS not in ("slots", "runs", "runs_only"):
     raise ValueError(f"BCG_KV_READS={KV_READS!r}: expected slots, runs or runs_only (unset: runs)")

@@ -12,7 +12,10 @@ times, on one prompt per shape and length, with the same inputs:
 * ``slots``: keys through a shuffled run of pool slots (``BCG_KV_READS=slots``);
 * ``slots+base``: keys at one run of pool rows, read by address through the per-request choice (``runs``: two key
   loops in one kernel);
-* ``base``: the same run read by address with the one loop (``runs_only``).
+* ``base``: the same run read by address with the one loop (``runs_only``);
+* ``direct+tail``: packed keys, one request slot, the tail zeroed (what the tail alone costs);
+
+and each again on the flat grid (``/flat``, ``BCG_VARLEN_GRID=flat``: one program per row block a sequence has).
 
 Each is captured as one CUDA graph of ``--repeats`` calls (device time per call, the median over ``--replays``
 replays, as ``benchmarks/fused_ops.py``), with TFLOP/s and the largest difference from ``direct``. The last line is
@@ -28,6 +31,7 @@ CUDA only: on a machine without a GPU it says so and exits with status 2.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import traceback
@@ -44,7 +48,8 @@ from bcg.bench.results import write_json
 from bcg.ops.kernels.attention import varlen_attention
 from bcg.ops.kernels.dispatch import fused_available
 
-MODES = ("direct", "direct+slots4", "slots", "slots+base", "base")
+BASE_MODES = ("direct", "direct+tail", "direct+slots4", "slots", "slots+base", "base")
+MODES = BASE_MODES + tuple(f"{mode}/flat" for mode in BASE_MODES)
 
 
 def calls(heads: int, kv_heads: int, dim: int, tokens: int, device: str = "cuda") -> tuple[dict, torch.Tensor]:
@@ -67,15 +72,26 @@ def calls(heads: int, kv_heads: int, dim: int, tokens: int, device: str = "cuda"
         pools[name] = (pool_k, pool_v)
     base = torch.tensor([17, -1, -1, -1], dtype=torch.int64, device=device)
     tail = dict(zero_tail=True)
-    return {
-        "direct": lambda: varlen_attention(q, k, v, one, one, tokens, tokens, out),
-        "direct+slots4": lambda: varlen_attention(q, k, v, four, four, tokens, tokens, out, **tail),
-        "slots": lambda: varlen_attention(q, *pools["shuffled"], four, four, tokens, tokens, out, kv_slots=shuffled,
-                                          **tail),
-        "slots+base": lambda: varlen_attention(q, *pools["run"], four, four, tokens, tokens, out, kv_slots=run,
-                                               kv_base=base, **tail),
-        "base": lambda: varlen_attention(q, *pools["run"], four, four, tokens, tokens, out, kv_base=base, **tail),
-    }, out
+    fns = {}
+    for flat in (False, True):
+        if device == "cpu":  # the reference: one grid as good as another
+            attend = varlen_attention
+        else:
+            from bcg.ops.kernels import triton_attention
+
+            attend = functools.partial(triton_attention.varlen_attention, flat_grid=flat)
+        suffix = "/flat" if flat else ""
+        fns.update({f"{mode}{suffix}": fn for mode, fn in {
+            "direct": lambda a=attend: a(q, k, v, one, one, tokens, tokens, out),
+            "direct+tail": lambda a=attend: a(q, k, v, one, one, tokens, tokens, out, **tail),
+            "direct+slots4": lambda a=attend: a(q, k, v, four, four, tokens, tokens, out, **tail),
+            "slots": lambda a=attend: a(q, *pools["shuffled"], four, four, tokens, tokens, out, kv_slots=shuffled,
+                                        **tail),
+            "slots+base": lambda a=attend: a(q, *pools["run"], four, four, tokens, tokens, out, kv_slots=run,
+                                             kv_base=base, **tail),
+            "base": lambda a=attend: a(q, *pools["run"], four, four, tokens, tokens, out, kv_base=base, **tail),
+        }.items()})
+    return fns, out
 
 
 def run(shapes: list[str], tokens: list[int], repeats: int, replays: int) -> list[dict]:

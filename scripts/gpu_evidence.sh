@@ -22,6 +22,7 @@
 #            same on the code in .baseline/ (an export of an earlier commit's bcg/) for a before/after
 #   BENCH_ARGS / ANALYZE_ARGS / TEST_ARGS / HF_ARGS / ATTENTION_ARGS (--sweep: block configurations)  extra flags;
 #            TEST_SHARDS / KERNEL_SHARDS  pytest processes at once for the tests / kernel_tests steps (1 / 4);
+#            KERNEL_TESTS  the kernel_tests step's files (default tests/ops/kernels);
 #            T_* the per-step time limits in seconds; CLOCKS=0: no clocks.csv (the GPU's clock and power every
 #            250 ms, to read a step's timings against).
 set -uo pipefail
@@ -91,7 +92,8 @@ case $steps in *" prefill_host "*)  # this host's CPU alone: the engine's Python
 case $steps in *" kernel_tests "*)
   # KERNEL_SHARDS pytest processes at once (default 4: the cases compile Triton kernels on the CPU, small tensors)
   step kernel_tests "${T_KERNELS:-150}" python3 scripts/pytest_shards.py --shards "${KERNEL_SHARDS:-4}" \
-    --logs "$work/kernel_tests" -- -q -m cuda -p no:cacheprovider -rf tests/ops/kernels ;; esac
+    --logs "$work/kernel_tests" -- -q -m cuda -p no:cacheprovider -rf --durations=10 \
+    ${KERNEL_TESTS:-tests/ops/kernels} ;; esac
 case $steps in *" load "*)  # serving under an open-loop load: every request answered, TTFT per backend and rate
   for model in ${LOAD_MODELS:-llama-dense}; do
     step "load-$model" "${T_LOAD:-300}" python3 -m bcg load --model "$model" \

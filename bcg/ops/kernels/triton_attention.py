@@ -36,6 +36,7 @@ import triton.language as tl
 from torch import Tensor
 from triton.language.extra import libdevice
 
+from bcg import env
 from bcg.ops.kernels.attention_blocks import BlockConfig, block_config
 from bcg.ops.kernels.triton_utils import INTERPRETING, grid_dependency, launch
 
@@ -151,33 +152,69 @@ def _attend_keys(q, acc, m_i, l_i, k_base, v_base, KV_SLOTS, k_start, len_k, lo,
 
 
 @triton.jit
+def _flat_block(CU_Q, num_seqs, pid, BLOCK_M: tl.constexpr, SEQS: tl.constexpr):
+    """Program ``pid`` of a flat grid: ``(seq, pid_m)``, its sequence and row block, counting only the blocks
+    sequences have (``seq == num_seqs``: a block of the rows past the last sequence, ``pid_m`` counted from there).
+    ``SEQS`` is a power of two of at least ``num_seqs``."""
+    offs = tl.arange(0, SEQS)
+    live = offs < num_seqs
+    starts = tl.load(CU_Q + offs, mask=live, other=0)
+    ends = tl.load(CU_Q + offs + 1, mask=live, other=0)
+    blocks = (ends - starts + BLOCK_M - 1) // BLOCK_M
+    ends_blk = tl.cumsum(blocks, axis=0)  # each sequence's blocks end here, in the flat order
+    seq = tl.sum((ends_blk <= pid).to(tl.int32), axis=0)  # sequences (empty ones too) wholly before pid
+    seq = tl.minimum(seq, num_seqs)
+    first = tl.sum(tl.where(offs == seq, ends_blk - blocks, 0), axis=0)
+    first = tl.where(seq == num_seqs, tl.sum(blocks, axis=0), first)
+    return seq, pid - first
+
+
+@triton.jit
 def _varlen_fwd(
-    Q, K, V, OUT, CU_Q, CU_K, SINKS, KV_SLOTS, KV_BASE, total_q,
+    Q, K, V, OUT, CU_Q, CU_K, SINKS, KV_SLOTS, KV_BASE, total_q, num_seqs,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
     sm_scale, softcap, window_left,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr,
     STATIC_BLOCKS_N: tl.constexpr, HAS_KV_SLOTS: tl.constexpr, ZERO_TAIL: tl.constexpr, SPLIT_MASK: tl.constexpr,
-    EVEN_D: tl.constexpr, HAS_KV_BASE: tl.constexpr,
+    EVEN_D: tl.constexpr, HAS_KV_BASE: tl.constexpr, FLAT_SEQS: tl.constexpr,
 ):
     grid_dependency()  # under programmatic dependent launch: the kernel before is done
-    pid_m = tl.program_id(0)
-    seq = tl.program_id(1)
-    head = tl.program_id(2)
-    q_start = tl.load(CU_Q + seq)
-    q_end = tl.load(CU_Q + seq + 1)
-    len_q = q_end - q_start
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < HEAD_DIM
-    if ZERO_TAIL:
-        if seq == tl.num_programs(1) - 1:
-            # Rows past the last sequence (the host sizes the grid to cover them): zeros, in this same launch.
-            tail = q_end + offs_m
-            t_ptrs = OUT + tail[:, None].to(tl.int64) * stride_ot + head * stride_oh + offs_d[None, :]
-            tl.store(t_ptrs, tl.zeros([BLOCK_M, BLOCK_D], tl.float32).to(OUT.dtype.element_ty),
-                     mask=(tail < total_q)[:, None] & d_ok[None, :])
+    if FLAT_SEQS > 0:
+        # A flat grid: one program per row block a sequence has, then the blocks of the rows past the last one.
+        seq, pid_m = _flat_block(CU_Q, num_seqs, tl.program_id(0), BLOCK_M, FLAT_SEQS)
+        head = tl.program_id(1)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = tl.arange(0, BLOCK_N)
+        offs_d = tl.arange(0, BLOCK_D)
+        d_ok = offs_d < HEAD_DIM
+        if seq == num_seqs:
+            if ZERO_TAIL:
+                tail = tl.load(CU_Q + num_seqs) + offs_m
+                t_ptrs = OUT + tail[:, None].to(tl.int64) * stride_ot + head * stride_oh + offs_d[None, :]
+                tl.store(t_ptrs, tl.zeros([BLOCK_M, BLOCK_D], tl.float32).to(OUT.dtype.element_ty),
+                         mask=(tail < total_q)[:, None] & d_ok[None, :])
+            return
+        q_start = tl.load(CU_Q + seq)
+        len_q = tl.load(CU_Q + seq + 1) - q_start
+    else:
+        pid_m = tl.program_id(0)
+        seq = tl.program_id(1)
+        head = tl.program_id(2)
+        q_start = tl.load(CU_Q + seq)
+        q_end = tl.load(CU_Q + seq + 1)
+        len_q = q_end - q_start
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = tl.arange(0, BLOCK_N)
+        offs_d = tl.arange(0, BLOCK_D)
+        d_ok = offs_d < HEAD_DIM
+        if ZERO_TAIL:
+            if seq == tl.num_programs(1) - 1:
+                # Rows past the last sequence (the host sizes the grid to cover them): zeros, in this same launch.
+                tail = q_end + offs_m
+                t_ptrs = OUT + tail[:, None].to(tl.int64) * stride_ot + head * stride_oh + offs_d[None, :]
+                tl.store(t_ptrs, tl.zeros([BLOCK_M, BLOCK_D], tl.float32).to(OUT.dtype.element_ty),
+                         mask=(tail < total_q)[:, None] & d_ok[None, :])
     if pid_m * BLOCK_M >= len_q:
         return
     k_start = tl.load(CU_K + seq)
@@ -260,7 +297,7 @@ def varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_s
                      max_seqlen_k: int, out: Tensor, scale: float | None = None, softcap: float | None = None,
                      window_left: int | None = None, sinks: Tensor | None = None,
                      config: BlockConfig | None = None, kv_slots: Tensor | None = None,
-                     zero_tail: bool = False, kv_base: Tensor | None = None) -> None:
+                     zero_tail: bool = False, kv_base: Tensor | None = None, flat_grid: bool | None = None) -> None:
     """Launches the kernel: causal attention of ``q`` over ``k``/``v`` per sequence, written into ``out``.
 
     Shapes and checks are the caller's (:func:`bcg.ops.kernels.attention.varlen_attention`): q/out
@@ -269,17 +306,26 @@ def varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_s
     ``kv_base`` int64, one per sequence: its first key's row where its keys run up by one, else -1 (alone: every
     non-empty sequence has one). ``zero_tail``
     zeroes the rows past the last sequence. ``config`` overrides :func:`block_config` (benchmarks tune with it).
+    ``flat_grid`` launches one program per row block a sequence has (found from ``cu_seqlens_q`` in the kernel)
+    instead of ``max_seqlen_q``'s blocks for every sequence, whose programs past a short or empty sequence return at
+    once (None: ``BCG_VARLEN_GRID``, :mod:`bcg.env`).
     """
     num_seqs = cu_seqlens_q.numel() - 1
     total_q, num_heads, head_dim = q.shape
     cfg = config or block_config(head_dim, max_seqlen_q)
-    # The tail has at most total_q rows: with zero_tail the grid covers them too (the bucket is max_seqlen_q anyway).
-    rows = max(max_seqlen_q, total_q) if zero_tail else max_seqlen_q
-    grid = (triton.cdiv(rows, cfg.block_m), num_seqs, num_heads)
+    flat = env.VARLEN_GRID == "flat" if flat_grid is None else flat_grid
+    if flat:
+        # Each sequence's blocks, less one each but for a partial one, and the tail's: at most this many.
+        grid: tuple[int, ...] = (triton.cdiv(total_q, cfg.block_m) + num_seqs, num_heads)
+    else:
+        # The tail has at most total_q rows: with zero_tail the grid covers them too (the bucket is max_seqlen_q).
+        rows = max(max_seqlen_q, total_q) if zero_tail else max_seqlen_q
+        grid = (triton.cdiv(rows, cfg.block_m), num_seqs, num_heads)
     block_d = max(16, triton.next_power_of_2(head_dim))
     launch(_varlen_fwd, grid, q, k, v, out, cu_seqlens_q, cu_seqlens_k, sinks if sinks is not None else q,
            kv_slots if kv_slots is not None else cu_seqlens_k,
            kv_base if kv_base is not None else cu_seqlens_k, total_q,
+           num_seqs if flat else None,  # None: a constant (the per-sequence grid's code keeps its registers)
            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
            scale if scale is not None else head_dim ** -0.5, softcap or 1.0,
            window_left if window_left is not None and window_left >= 0 else 0,
@@ -288,5 +334,8 @@ def varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_s
            HAS_WINDOW=window_left is not None and window_left >= 0, HAS_SINKS=sinks is not None,
            STATIC_BLOCKS_N=triton.cdiv(max_seqlen_k, cfg.block_n) if INTERPRETING else 0,
            HAS_KV_SLOTS=kv_slots is not None, ZERO_TAIL=zero_tail, SPLIT_MASK=cfg.split_mask,
-           EVEN_D=block_d == head_dim, HAS_KV_BASE=kv_base is not None, num_warps=cfg.num_warps,
+           EVEN_D=block_d == head_dim, HAS_KV_BASE=kv_base is not None,
+           # A power of two of sequences the flat grid's search covers: 16 at least, so batches of up to 16
+           # requests share one compiled kernel (an island compiles at its first batch of a new size).
+           FLAT_SEQS=max(16, triton.next_power_of_2(num_seqs)) if flat else 0, num_warps=cfg.num_warps,
            num_stages=cfg.num_stages)

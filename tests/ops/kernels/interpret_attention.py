@@ -155,3 +155,43 @@ def test_kv_base_alone_reads_every_sequence_by_address(ta, name):
     varlen_attention_reference(*args, ref, zero_tail=True, kv_base=base, **features)
     assert torch.equal(by_address, through) and through[: sum(lens_q)].abs().sum() > 0
     assert (ref.float() - through.float()).abs().max().item() <= TOL[torch.bfloat16]
+
+
+@pytest.mark.parametrize("name", ["self", "prefixes", "empty-sequences", "long", "everything"])
+@pytest.mark.parametrize("reads", ["direct", "slots", "slots+base", "base"])
+def test_the_flat_grid_gives_the_per_sequence_grids_bits(ta, name, reads):
+    """``flat_grid``: one program per row block a sequence has (plus the tail's) computes what the per-sequence
+    grid does, bit for bit, in every key mode, the zeroed tail included and rows of no sequence left alone."""
+    from bcg.ops.kv_cache import run_starts
+
+    lens_q, lens_k, features = CASES[name]
+    q, k, v, cu_q, cu_k, features = packed(lens_q, lens_k, extra_q=70, **features)
+    extra = {}
+    if reads != "direct":
+        k, v, slots = runs_pooled(k, v, lens_k, every=1 if reads == "base" else 2)
+        base = torch.from_numpy(run_starts(slots.numpy(), cu_k.numpy()))
+        extra = {"slots": dict(kv_slots=slots), "slots+base": dict(kv_slots=slots, kv_base=base),
+                 "base": dict(kv_base=base)}[reads]
+    args = (q, k, v, cu_q, cu_k, max(lens_q), max(lens_k))
+    for zero_tail in (False, True):
+        per_seq, flat = torch.full_like(q, 7.0), torch.full_like(q, 7.0)
+        ta.varlen_attention(*args, per_seq, zero_tail=zero_tail, flat_grid=False, **extra, **features)
+        ta.varlen_attention(*args, flat, zero_tail=zero_tail, flat_grid=True, **extra, **features)
+        assert torch.equal(flat, per_seq) and per_seq[: sum(lens_q)].abs().sum() > 0
+        assert torch.equal(flat[sum(lens_q):] == 0, torch.full_like(flat[sum(lens_q):], zero_tail, dtype=torch.bool))
+
+
+def test_the_flat_grid_searches_more_sequences_than_its_smallest_width(ta):
+    """21 sequences (the search's width rounds up to 32), empty ones among them, with cached prefixes."""
+    gen = torch.Generator().manual_seed(5)
+    lens_q = torch.randint(0, 6, (21,), generator=gen).tolist()
+    lens_k = [n + int(p) for n, p in zip(lens_q, torch.randint(0, 4, (21,), generator=gen))]
+    q, k, v, cu_q, cu_k, _ = packed(lens_q, lens_k, extra_q=9)
+    args = (q, k, v, cu_q, cu_k, max(lens_q), max(lens_k))
+    per_seq, flat = torch.full_like(q, 7.0), torch.full_like(q, 7.0)
+    ta.varlen_attention(*args, per_seq, zero_tail=True, flat_grid=False, config=ta.BlockConfig(16, 16, 4, 1))
+    ta.varlen_attention(*args, flat, zero_tail=True, flat_grid=True, config=ta.BlockConfig(16, 16, 4, 1))
+    assert torch.equal(flat, per_seq)
+    want = oracle(q, k, v, lens_q, lens_k)
+    n = sum(lens_q)
+    assert (flat[:n].double() - want[:n]).abs().max().item() <= TOL[torch.bfloat16]

@@ -35,8 +35,8 @@ def compile_sm90(kernel, types: dict[str, str], constants: dict[str, int], num_w
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    signature = {**types, **{name: "constexpr" for name in constants}}
-    assert list(signature) == kernel.arg_names, "every argument typed or constant, in order"
+    assert sorted([*types, *constants]) == sorted(kernel.arg_names), "every argument typed or constant, once"
+    signature = {name: "constexpr" if name in constants else types[name] for name in kernel.arg_names}
     constexprs = {(kernel.arg_names.index(name),): value for name, value in constants.items()}
     attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name in aligned}
     compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs),
@@ -292,11 +292,11 @@ def test_launches_ask_for_pdl_only_in_forwards_small_enough(monkeypatch):
     assert all(o["BLOCK"] == 16 for o in launched)
 
 
-# How the varlen kernel reads keys: (HAS_KV_SLOTS, HAS_KV_BASE) and the spill stores (bytes) ptxas may report at
-# head dim 128 with the default 2048-row blocks (64 x 64, 4 warps: the fastest the H200 measured, round 13), which
-# spill already reading keys directly; at head dim 64 none may spill.
+# How the varlen kernel reads keys (and on which grid): (HAS_KV_SLOTS, HAS_KV_BASE) and the spill stores (bytes)
+# ptxas may report at head dim 128 with the default 2048-row blocks (64 x 64, 4 warps: the fastest the H200
+# measured, round 13), which spill already reading keys directly; at head dim 64 none may spill.
 KEY_READS = {"direct": (False, False, 708), "slots": (True, False, 800), "slots+base": (True, True, 1200),
-             "base": (False, True, 708)}
+             "base": (False, True, 708), "direct/flat": (False, False, 1000), "slots+base/flat": (True, True, 1200)}
 
 
 @pytest.mark.parametrize("reads", list(KEY_READS))
@@ -305,7 +305,8 @@ def test_varlen_kernel_compiles_for_sm90_in_every_key_mode(head_dim, reads):
     """Every way the kernel reads keys compiles: directly (the islands), through the pool's slots, through them with
     a second loop that reads a request's run of slots by address, chosen per program at run time (the whole-step
     graphs' ``runs``), and by address alone (``runs_only``: the direct mode's one loop from another start, so no
-    more spills than it)."""
+    more spills than it); ``/flat`` on the flat grid (``BCG_VARLEN_GRID=flat``: its block search keeps more values
+    live, 956 bytes of spills against 708 at head dim 128)."""
     from bcg.ops.kernels import triton_attention
 
     has_slots, has_base, max_spill = KEY_READS[reads]
@@ -317,7 +318,12 @@ def test_varlen_kernel_compiles_for_sm90_in_every_key_mode(head_dim, reads):
     cfg = triton_attention.block_config(head_dim, 2048)
     constants = dict(HEAD_DIM=head_dim, BLOCK_D=head_dim, GROUP=4, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
                      HAS_SOFTCAP=False, HAS_WINDOW=False, HAS_SINKS=False, STATIC_BLOCKS_N=0, HAS_KV_SLOTS=has_slots,
-                     ZERO_TAIL=has_slots or has_base, SPLIT_MASK=cfg.split_mask, EVEN_D=True, HAS_KV_BASE=has_base)
+                     ZERO_TAIL=has_slots or has_base, SPLIT_MASK=cfg.split_mask, EVEN_D=True, HAS_KV_BASE=has_base,
+                     FLAT_SEQS=16 if reads.endswith("/flat") else 0)
+    if reads.endswith("/flat"):  # the flat grid's sequence count is an argument; elsewhere a constant None
+        types["num_seqs"] = "i32"
+    else:
+        constants["num_seqs"] = None
     aligned = (*ptrs, "stride_qt", "stride_kt", "stride_vt", "stride_ot")
     report = compile_sm90(triton_attention._varlen_fwd, types, constants, num_warps=cfg.num_warps,
                           num_stages=cfg.num_stages, aligned=aligned)

@@ -153,6 +153,27 @@ def test_kv_base_alone_reads_every_sequence_by_address(batch):
     assert _max_err(by_address, through) <= 1.6e-2
 
 
+@pytest.mark.parametrize("batch", ["packed-with-prefixes", "2048"])
+def test_the_flat_grid_computes_what_the_per_sequence_grid_does(batch):
+    """``flat_grid`` (BCG_VARLEN_GRID=flat), compiled: directly and by address from the pool, with the tail zeroed,
+    within the file's tolerance of the per-sequence grid (the programs' work is the same; the block search differs)."""
+    from bcg.ops.kernels import triton_attention
+    from bcg.ops.kv_cache import run_starts
+
+    lens_q, lens_k = BATCHES[batch]
+    q, k, v, cu_q, cu_k, _ = packed(lens_q, lens_k, 32, 8, 128, extra_q=70, dtype=BF16, device="cuda")
+    pool_k, pool_v, slots = runs_pooled(k, v, lens_k, every=1)
+    base = torch.from_numpy(run_starts(slots.cpu().numpy(), cu_k.cpu().numpy())).to("cuda")
+    for keys, extra in (((k, v), {}), ((pool_k, pool_v), dict(kv_base=base))):
+        per_seq, flat = torch.full_like(q, 7.0), torch.full_like(q, 7.0)
+        args = (q, *keys, cu_q, cu_k, max(lens_q), max(lens_k))
+        triton_attention.varlen_attention(*args, per_seq, zero_tail=True, flat_grid=False, **extra)
+        triton_attention.varlen_attention(*args, flat, zero_tail=True, flat_grid=True, **extra)
+        n = sum(lens_q)
+        assert _max_err(flat[:n], per_seq[:n]) <= 1.6e-2 and not flat.isnan().any()
+        assert torch.equal(flat[n:], torch.zeros_like(flat[n:]))
+
+
 def test_slot_mode_captured_in_a_cuda_graph_as_the_full_backend_runs_it():
     """A bucket of 64 rows, 4 request slots, a key capacity of 96 read from a NaN pool: capture once, then new
     lengths, slots and sentinels written in place; the replay equals the reference on the new metadata."""
