@@ -12,7 +12,8 @@
 #            variants (VARIANTS: space-separated NAME=ENV pairs, ENV's settings joined by commas, e.g.
 #            "base= norm=BCG_NORM_FUSION=on pdl=BCG_PDL=1": the device step once per variant, each its own process,
 #            VARIANT_ARGS its flags, VARIANT_ROUNDS times in turn),
-#            host_path, prefill_host, hf_speed, load, soak, attention, reads (READS_ARGS), qkv (QKV_ROWS, QKV_ARGS),
+#            host_path, prefill_host, hf_speed, load, soak, attention, reads (READS_ARGS), nodes (NODES_MODELS),
+#            qkv (QKV_ROWS, QKV_ARGS),
 #            retest, capacity,
 #            validate (VALIDATE_MODELS); a before/after baseline needs the earlier
 #            commit's bcg/ (and benchmarks/device_bound.py with the host_path.py it imports) exported first:
@@ -114,6 +115,9 @@ case $steps in *" soak "*)  # the serving soak on the GPU, every attention backe
 case $steps in *" attention "*)  # the Triton varlen kernel against FlashAttention (with and without the island's copy)
   step attention "${T_ATTENTION:-150}" python3 benchmarks/attention_kernels.py --tokens 64,256,2048 \
     --out "$work/attention_kernels.json" ${ATTENTION_ARGS:-} ;; esac
+case $steps in *" nodes "*)  # the engine's graphs by node type, and each whole-step graph's launch on the host
+  step nodes "${T_NODES:-150}" python3 benchmarks/graph_nodes.py --models "${NODES_MODELS:-$device_models}" \
+    --out "$work/graph_nodes.json" ;; esac
 case $steps in *" reads "*)  # the varlen kernel under each way it reads keys (islands' vs whole-step graphs')
   step reads "${T_READS:-120}" python3 benchmarks/attention_reads.py --out "$work/attention_reads.json" \
     ${READS_ARGS:-} ;; esac

@@ -112,8 +112,11 @@ class CausalLM(nn.Module):
         head = self.lm_head
         if out is not None and type(head) is nn.Linear and head.weight.dtype == out.dtype == normed.dtype:
             return torch.mm(normed, head.weight.t(), out=out)
-        logits = head(normed).float()
-        return logits if out is None else out.copy_(logits)
+        logits = head(normed)
+        # With ``out``: the cast to fp32 is the copy itself, one kernel. A cast first and a same-dtype copy after
+        # cost a kernel more and put a device-to-device memcpy into the graph, which CUDA may run as a copy-engine
+        # node rather than a kernel (benchmarks/graph_nodes.py counts a graph's nodes by type).
+        return logits.float() if out is None else out.copy_(logits)
 
     def make_kv_pool(self, num_slots: int, device: torch.device | str, dtype: torch.dtype) -> KVPool:
         """The KV pool this model's islands read and write, for ``num_slots`` cached tokens.

@@ -190,6 +190,25 @@ def test_attention_reads_modes_read_the_same_keys() -> None:
         assert proc.returncode == 2 and "needs a CUDA GPU" in proc.stdout
 
 
+def test_graph_nodes_counts_a_dot_dumps_nodes_by_type() -> None:
+    """cudaGraphDebugDotPrint's records, the type on the label's first line (or the next): counted by type, edges
+    and clusters not; without a GPU the script itself exits 2."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import graph_nodes
+
+    dot = ('digraph dot {\nsubgraph cluster_1 {\nlabel="graph_1" graph[style="dashed"];\n'
+           '"graph_1_node_0"[style="bold" shape="record" label="{KERNEL\n| {ID | 0 (topoId: 2) | k}}"];\n'
+           '"graph_1_node_1"[style="solid" shape="record" label="{\nMEMCPY\n| {{ID | node handle} | 1}}"];\n'
+           '"graph_1_node_2"[style="solid" shape="record" label="{\nMEMSET\n| {ID | 2}}"];\n'
+           '"graph_1_node_3"[style="bold" shape="record" label="{KERNEL\n| {ID | 3 | k2}}"];\n'
+           '"graph_1_node_0" -> "graph_1_node_1" [headlabel=0];\n}\n}\n')
+    assert graph_nodes.node_types(dot) == {"KERNEL": 2, "MEMCPY": 1, "MEMSET": 1}
+    if not torch.cuda.is_available():
+        proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "graph_nodes.py")], capture_output=True,
+                              text=True)
+        assert proc.returncode == 2 and "needs a CUDA GPU" in proc.stdout
+
+
 def test_graph_gap_refuses_without_a_gpu() -> None:
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "graph_gap.py")], capture_output=True, text=True,
                           timeout=120, cwd=ROOT)

@@ -1,0 +1,144 @@
+"""What the engine's CUDA graphs are made of, node type by node type, beside what launching each costs the host.
+
+On the H200 (round 15) launching a whole-step graph took the host 10 µs on llama-dense but 57-157 µs on the
+Llama-3.2-1B and Qwen3-0.6B shapes at the same bucket (``benchmarks/device_bound.py``'s host steps), with about as
+many kernels; their profiles show two device-to-device copies and a memset (copy-engine work) where llama-dense's
+copies ran as kernels. CUDA launches a graph of kernels alone quickly; this checks whether the other node types are
+what costs. Every ``torch.cuda.CUDAGraph`` the engine captures is made in debug mode (the CUDA graph kept after
+instantiation), dumped as DOT (``cudaGraphDebugDotPrint``) and its nodes counted by type; each whole-step graph is
+then replayed ``--replays`` times, the host time of the ``replay()`` call timed with the GPU idle before each.
+
+Usage::
+
+    python benchmarks/graph_nodes.py --models llama-dense,llama-3.2-1b,qwen3-0.6b --out nodes.json
+
+CUDA only: on a machine without a GPU it says so and exits with status 2. :func:`node_types` (the DOT parser) runs
+anywhere.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import sys
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(1, str(Path(__file__).resolve().parent.parent))
+from device_bound import SHAPES
+
+from bcg.bench.results import write_json
+from bcg.runtime import Engine
+
+# A DOT node of cudaGraphDebugDotPrint: a record whose label starts with the node's type.
+_NODE = re.compile(r'label="\{\s*([A-Z_]+)')
+
+
+def node_types(dot: str) -> Counter:
+    """Node types of one graph's DOT dump, counted (``KERNEL``, ``MEMCPY``, ``MEMSET``, ...).
+
+    Example:
+        >>> node_types('"n0"[shape="record" label="{KERNEL | {ID | 0}}"]; "n1"[label="{MEMSET | {ID | 1}}"]')
+        Counter({'KERNEL': 1, 'MEMSET': 1})
+    """
+    return Counter(_NODE.findall(dot))
+
+
+class _Recorder:
+    """Every ``torch.cuda.CUDAGraph`` made while installed, in debug mode (so it can be dumped after capture)."""
+
+    def __init__(self) -> None:
+        self.graphs: list[Any] = []
+        self._original = torch.cuda.CUDAGraph
+
+    def __enter__(self) -> _Recorder:
+        graphs, original = self.graphs, self._original
+
+        class DebugGraph(original):  # type: ignore[misc, valid-type]
+            def __init__(self, *args: Any, **kwargs: Any) -> None:
+                self.enable_debug_mode()
+                graphs.append(self)
+
+        torch.cuda.CUDAGraph = DebugGraph  # type: ignore[misc]
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        torch.cuda.CUDAGraph = self._original  # type: ignore[misc]
+
+
+def census(graph: Any, folder: Path) -> Counter:
+    path = folder / f"g{id(graph)}.dot"
+    graph.debug_dump(str(path))
+    return node_types(path.read_text())
+
+
+def replay_us(graph: Any, replays: int) -> float:
+    """Median host time of ``graph.replay()`` with the GPU idle before each call."""
+    times = []
+    for _ in range(replays):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter_ns()
+        graph.replay()
+        times.append((time.perf_counter_ns() - t0) / 1e3)
+    torch.cuda.synchronize()
+    return statistics.median(times)
+
+
+def measure(name: str, replays: int, folder: Path) -> dict[str, Any]:
+    with _Recorder() as rec:
+        eng = Engine(SHAPES.get(name, name), progress=False)
+    try:
+        full = eng.runner.full
+        whole = {bucket: g for bucket, g in (full.handles.items() if full is not None else [])}
+        by_id = {id(g) for g in whole.values()}
+        rows = []
+        for bucket, g in sorted(whole.items()):
+            nodes = census(g, folder)
+            rows.append({"bucket": bucket, "nodes": dict(nodes), "replay_us": replay_us(g, replays)})
+        others = Counter()
+        for g in rec.graphs:
+            if id(g) not in by_id:
+                try:
+                    others += census(g, folder)
+                except RuntimeError:  # made but never captured (a refused bucket)
+                    pass
+        return {"model": name, "whole_step": rows, "other_graphs": dict(others)}
+    finally:
+        eng.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", default="llama-dense,llama-3.2-1b,qwen3-0.6b")
+    parser.add_argument("--replays", type=int, default=50)
+    parser.add_argument("--out", type=Path, default=None, help="also write the JSON here")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("benchmarks/graph_nodes.py needs a CUDA GPU; none found.")
+        return 2
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in args.models.split(","):
+            r = measure(name, args.replays, Path(tmp))
+            results.append(r)
+            print(f"\n{name}: breakable segments {r['other_graphs']}")
+            print(f"  {'bucket':>6} {'replay us':>9}  nodes")
+            for row in r["whole_step"]:
+                print(f"  {row['bucket']:>6} {row['replay_us']:>9.1f}  {row['nodes']}", flush=True)
+    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "results": results}
+    if args.out:
+        write_json(args.out, result)
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
