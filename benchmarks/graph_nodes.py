@@ -6,7 +6,8 @@ many kernels; their profiles show two device-to-device copies and a memset (copy
 copies ran as kernels. CUDA launches a graph of kernels alone quickly; this checks whether the other node types are
 what costs. Every ``torch.cuda.CUDAGraph`` the engine captures is made in debug mode (the CUDA graph kept after
 instantiation), dumped as DOT (``cudaGraphDebugDotPrint``) and its nodes counted by type; each whole-step graph is
-then replayed ``--replays`` times, the host time of the ``replay()`` call timed with the GPU idle before each.
+then replayed ``--replays`` times, the host time of the ``replay()`` call timed with the GPU idle before each, and
+every node that is no kernel is named by the kernels around it.
 
 Usage::
 
@@ -52,6 +53,36 @@ def node_types(dot: str) -> Counter:
     return Counter(_NODE.findall(dot))
 
 
+_RECORD = re.compile(r'"(graph_\d+_node_\d+)"\[')
+_EDGE = re.compile(r'"(graph_\d+_node_\d+)"\s*->\s*"(graph_\d+_node_\d+)"')
+_KERNEL_NAME = re.compile(r"topoId: \d+\)\s*\|\s*([^\s|}\\]+)")
+
+
+def non_kernel_nodes(dot: str) -> list[dict[str, Any]]:
+    """Each node of a DOT dump that is no kernel, with the kernels right before and after it (by the graph's
+    edges): which op of the forward put a copy or a memset into the graph.
+
+    Example:
+        >>> dot = ('"graph_1_node_0"[label="{KERNEL\\n| {ID | 0 (topoId: 2) | add_kernel}}"];'
+        ...        '"graph_1_node_1"[label="{\\nMEMSET\\n| {ID | 1}}"];'
+        ...        '"graph_1_node_0" -> "graph_1_node_1" [headlabel=0];')
+        >>> non_kernel_nodes(dot)
+        [{'type': 'MEMSET', 'after': ['add_kernel'], 'before': []}]
+    """
+    starts = [(m.start(), m.group(1)) for m in _RECORD.finditer(dot)]
+    kinds, names = {}, {}
+    for (start, node), (end, _) in zip(starts, [*starts[1:], (len(dot), "")]):
+        text = dot[start:end]
+        kind = _NODE.search(text)
+        kinds[node] = kind.group(1) if kind else "?"
+        name = _KERNEL_NAME.search(text)
+        names[node] = name.group(1)[:80] if name else kinds[node]
+    edges = _EDGE.findall(dot)
+    return [{"type": kinds[n], "after": [names[a] for a, b in edges if b == n],
+             "before": [names[b] for a, b in edges if a == n]}
+            for n in kinds if kinds[n] != "KERNEL"]
+
+
 class _Recorder:
     """Every ``torch.cuda.CUDAGraph`` made while installed, in debug mode (so it can be dumped after capture)."""
 
@@ -74,10 +105,10 @@ class _Recorder:
         torch.cuda.CUDAGraph = self._original  # type: ignore[misc]
 
 
-def census(graph: Any, folder: Path) -> Counter:
+def dump(graph: Any, folder: Path) -> str:
     path = folder / f"g{id(graph)}.dot"
     graph.debug_dump(str(path))
-    return node_types(path.read_text())
+    return path.read_text()
 
 
 def replay_us(graph: Any, replays: int) -> float:
@@ -101,13 +132,14 @@ def measure(name: str, replays: int, folder: Path) -> dict[str, Any]:
         by_id = {id(g) for g in whole.values()}
         rows = []
         for bucket, g in sorted(whole.items()):
-            nodes = census(g, folder)
-            rows.append({"bucket": bucket, "nodes": dict(nodes), "replay_us": replay_us(g, replays)})
-        others = Counter()
+            dot = dump(g, folder)
+            rows.append({"bucket": bucket, "nodes": dict(node_types(dot)), "replay_us": replay_us(g, replays),
+                         "non_kernel": non_kernel_nodes(dot)})
+        others: Counter = Counter()
         for g in rec.graphs:
             if id(g) not in by_id:
                 try:
-                    others += census(g, folder)
+                    others += node_types(dump(g, folder))
                 except RuntimeError:  # made but never captured (a refused bucket)
                     pass
         return {"model": name, "whole_step": rows, "other_graphs": dict(others)}
@@ -133,6 +165,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {'bucket':>6} {'replay us':>9}  nodes")
             for row in r["whole_step"]:
                 print(f"  {row['bucket']:>6} {row['replay_us']:>9.1f}  {row['nodes']}", flush=True)
+                for node in row["non_kernel"][:6]:
+                    print(f"         {node['type']} after {node['after']} before {node['before']}")
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "results": results}
     if args.out:
         write_json(args.out, result)

@@ -90,8 +90,8 @@ class CausalLM(nn.Module):
         """Token ids ``(T,)`` -> hidden states ``(T, hidden_size)``. Eager part."""
         return self.embed_tokens(input_ids)
 
-    def forward_layers(self, hidden: Tensor, positions: Tensor) -> Tensor:
-        """Run the layer stack on ``(T_pad, hidden_size)`` rows. Captured part.
+    def forward_layers(self, hidden: Tensor, positions: Tensor, out: Tensor | None = None) -> Tensor:
+        """Run the layer stack on ``(T_pad, hidden_size)`` rows (written into ``out`` when given). Captured part.
 
         Rows past the real token count are padding: they flow through the dense ops like any row
         but the attention islands ignore them and never let them touch the KV pool. Needs a
@@ -102,7 +102,7 @@ class CausalLM(nn.Module):
         residual = None
         for i, layer in enumerate(self.layers):
             hidden, residual = run_layer(layer, LayerIds(attention=i), hidden, residual, rope)
-        return hidden + residual
+        return torch.add(hidden, residual, out=out)  # straight into out: no copy after (a graph node fewer)
 
     def compute_logits(self, hidden_last: Tensor, out: Tensor | None = None) -> Tensor:
         """Final norm + LM head on ``(R, hidden_size)`` rows -> fp32 logits ``(R, vocab_size)``, written into ``out``

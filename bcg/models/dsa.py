@@ -7,6 +7,7 @@ the live batch. The plan and every layer's sparse attention have fixed shapes, s
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor, nn
 
 from bcg.models.base import CausalLM
@@ -128,14 +129,14 @@ class DSALM(CausalLM):
                                  max_keys)
         return [f"DSA top-k kernel compiled for key ranges up to {widths[-1]}"] if widths else []
 
-    def forward_layers(self, hidden: Tensor, positions: Tensor) -> Tensor:
+    def forward_layers(self, hidden: Tensor, positions: Tensor, out: Tensor | None = None) -> Tensor:
         rope = self.rotary.rope(positions)
         residual: Tensor | None = None
         plan: list[Tensor] | None = None
         for i, layer in enumerate(self.layers):
             ids = LayerIds(attention=i, index_group=getattr(layer.self_attn.indexer, "group_id", None))
             hidden, residual, plan = run_layer(layer, ids, hidden, residual, rope, plan)
-        return hidden + residual
+        return torch.add(hidden, residual, out=out)
 
     def post_init(self) -> None:
         super().post_init()

@@ -197,12 +197,16 @@ def test_graph_nodes_counts_a_dot_dumps_nodes_by_type() -> None:
     import graph_nodes
 
     dot = ('digraph dot {\nsubgraph cluster_1 {\nlabel="graph_1" graph[style="dashed"];\n'
-           '"graph_1_node_0"[style="bold" shape="record" label="{KERNEL\n| {ID | 0 (topoId: 2) | k}}"];\n'
+           '"graph_1_node_0"[style="bold" shape="record" label="{KERNEL\n| {ID | 0 (topoId: 2) | '
+           '_ZN2at6native4add\\<\\<\\<1,128,0\\>\\>\\>}}"];\n'
            '"graph_1_node_1"[style="solid" shape="record" label="{\nMEMCPY\n| {{ID | node handle} | 1}}"];\n'
            '"graph_1_node_2"[style="solid" shape="record" label="{\nMEMSET\n| {ID | 2}}"];\n'
            '"graph_1_node_3"[style="bold" shape="record" label="{KERNEL\n| {ID | 3 | k2}}"];\n'
            '"graph_1_node_0" -> "graph_1_node_1" [headlabel=0];\n}\n}\n')
     assert graph_nodes.node_types(dot) == {"KERNEL": 2, "MEMCPY": 1, "MEMSET": 1}
+    assert graph_nodes.non_kernel_nodes(dot) == [
+        {"type": "MEMCPY", "after": ["_ZN2at6native4add"], "before": []},
+        {"type": "MEMSET", "after": [], "before": []}]
     if not torch.cuda.is_available():
         proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "graph_nodes.py")], capture_output=True,
                               text=True)

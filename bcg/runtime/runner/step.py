@@ -47,11 +47,26 @@ class ModelStep:
         self.head_writes_out = "out" in inspect.signature(model.compute_logits).parameters
 
     @property
+    def layers(self) -> Callable[..., Tensor]:
+        """The layer stack the step runs (settable: tools wrap it)."""
+        return self._layers
+
+    @layers.setter
+    def layers(self, layers: Callable[..., Tensor]) -> None:
+        self._layers = layers
+        # A layer stack that ends in ``out`` (the uncompiled one of bcg's models) needs no copy into it after.
+        self.layers_write_out = not self.is_compiled and "out" in inspect.signature(layers).parameters
+
+    @property
     def is_compiled(self) -> bool:
-        return self.layers is not getattr(self.model, "forward_layers", None)
+        # ==, not is: each attribute access makes a new bound method, equal to the others.
+        return self._layers != getattr(self.model, "forward_layers", None)
 
     def __call__(self, input_ids: Tensor, positions: Tensor, logit_rows: Tensor, out: Tensor, logits: Tensor) -> None:
-        out.copy_(self.layers(self.model.embed(input_ids), positions))
+        if self.layers_write_out:
+            self.layers(self.model.embed(input_ids), positions, out=out)
+        else:
+            out.copy_(self.layers(self.model.embed(input_ids), positions))
         if self.head_writes_out:
             self.model.compute_logits(out[logit_rows], out=logits)
         else:
