@@ -45,7 +45,8 @@ Configuration is :class:`~bcg.runtime.config.EngineConfig` and the command's fla
   kernel (two key loops in one kernel); on the H200 its device time was 0.90-1.00x ``slots``' at 256-2048 tokens on
   three models (round 15). ``slots``: every key through its slot (rounds 13-14). ``runs_only``: one key loop, by
   address only; a batch with a request whose slots do not run up by one replays the islanded graph instead (reason
-  ``slots_not_in_runs``).
+  ``slots_not_in_runs``), and so does a bucket whose capture (or recapture, once the pool is fragmented) found no run
+  of free slots for its dummy batch: its whole-step capture fails with that reason, logged.
 * ``BCG_VARLEN_GRID=flat``: bcg's varlen attention kernel launches one program per row block a sequence has (found
   from the cumulative lengths in the kernel) instead of the longest sequence's blocks for every sequence, whose
   programs past a short or empty sequence return at once. Off (``per_seq``) until measured: on the H200 the whole-step

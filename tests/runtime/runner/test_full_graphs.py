@@ -94,6 +94,15 @@ def test_runs_only_sends_a_request_in_pieces_to_the_breakable_graph(monkeypatch:
             assert (out.logits - want).abs().max().item() <= 2e-2 * want.abs().max().item()
         finally:
             eng.kv_pool.free(slots)
+    # A recapture on a fragmented pool finds no run for its dummy batch: that whole-step bucket is refused, logged,
+    # and its batches replay the breakable graph.
+    held = eng.kv_pool.alloc(eng.kv_pool.num_free)
+    eng.kv_pool.free(held[::2].clone())
+    eng.runner.recapture(8)
+    eng.kv_pool.free(held[1::2].clone())
+    assert "slots_not_in_runs" in eng.runner.full.table.buckets[8].record.disabled_reason
+    res = eng.prefill([tokens])
+    assert res.batches[0].reason == "graph" and res.batches[0].bucket == 8
 
 
 @pytest.mark.parametrize(("options", "match"), [
