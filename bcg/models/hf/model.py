@@ -231,9 +231,11 @@ class HFCausalLM(nn.Module):
         out = self.body(inputs_embeds=hidden[None], position_ids=positions[None], use_cache=False)
         return out.last_hidden_state[0]
 
-    def compute_logits(self, hidden_last: Tensor) -> Tensor:
-        """LM head and known tails on ``(R, hidden)`` final-normed rows -> fp32 ``(R, vocab)``."""
-        return self.tail.apply(self.lm_head(hidden_last)).float()
+    def compute_logits(self, hidden_last: Tensor, out: Tensor | None = None) -> Tensor:
+        """LM head and known tails on ``(R, hidden)`` final-normed rows -> fp32 ``(R, vocab)``, written into ``out``
+        when given (the cast is the copy: one kernel, no device-to-device memcpy in a graph)."""
+        logits = self.tail.apply(self.lm_head(hidden_last))
+        return logits.float() if out is None else out.copy_(logits)
 
     def make_kv_pool(self, num_slots: int, device: torch.device | str, dtype: torch.dtype) -> KVPool:
         """A pool of ``num_slots`` tokens whose layers hold what this model's attention caches (probed shapes, in

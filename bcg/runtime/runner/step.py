@@ -42,8 +42,9 @@ class ModelStep:
     def __init__(self, model: torch.nn.Module, layers: Callable[[Tensor, Tensor], Tensor]) -> None:
         self.model = model
         self.layers = layers
-        # A head that writes the logits buffer itself holds no (rows, vocab) temporary: with a large vocabulary that
-        # temporary, kept by every bucket's graph, would be most of the graphs' memory.
+        # A head that writes the logits buffer itself needs no copy after it, and in fp32 holds no (rows, vocab)
+        # temporary: with a large vocabulary that temporary, kept by every bucket's graph, would be most of the
+        # graphs' memory.
         self.head_writes_out = "out" in inspect.signature(model.compute_logits).parameters
 
     @property
