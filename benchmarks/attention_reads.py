@@ -23,7 +23,7 @@ one JSON object.
 
 Usage::
 
-    python benchmarks/attention_reads.py --tokens 256,1024,2048 --out reads.json
+    python benchmarks/attention_reads.py --tokens 64,256,1024,2048 --out reads.json
 
 CUDA only: on a machine without a GPU it says so and exits with status 2.
 """
@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", default="llama-dense,llama-3.2-1b,qwen3-0.6b",
                         help=f"comma list of {', '.join(SHAPES)}")
-    parser.add_argument("--tokens", default="256,1024,2048")
+    parser.add_argument("--tokens", default="64,256,1024,2048")
     parser.add_argument("--repeats", type=int, default=20, help="calls per captured graph")
     parser.add_argument("--replays", type=int, default=30, help="timed replays (median)")
     parser.add_argument("--out", type=Path, default=None, help="also write the JSON here")

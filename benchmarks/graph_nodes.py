@@ -26,6 +26,7 @@ import statistics
 import sys
 import tempfile
 import time
+import traceback
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -95,6 +96,7 @@ class _Recorder:
 
         class DebugGraph(original):  # type: ignore[misc, valid-type]
             def __init__(self, *args: Any, **kwargs: Any) -> None:
+                super().__init__(*args, **kwargs)  # the C++ graph's constructor (pybind11 init): not skippable
                 self.enable_debug_mode()
                 graphs.append(self)
 
@@ -140,7 +142,7 @@ def measure(name: str, replays: int, folder: Path) -> dict[str, Any]:
             if id(g) not in by_id:
                 try:
                     others += node_types(dump(g, folder))
-                except RuntimeError:  # made but never captured (a refused bucket)
+                except (RuntimeError, OSError):  # made but never captured (an anchor, a refused bucket): no dump
                     pass
         return {"model": name, "whole_step": rows, "other_graphs": dict(others)}
     finally:
@@ -159,7 +161,12 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.models.split(","):
-            r = measure(name, args.replays, Path(tmp))
+            try:
+                r = measure(name, args.replays, Path(tmp))
+            except Exception as exc:  # one model's failure must not cost the others' census
+                traceback.print_exc()
+                results.append({"model": name, "error": repr(exc)[:300]})
+                continue
             results.append(r)
             print(f"\n{name}: breakable segments {r['other_graphs']}")
             print(f"  {'bucket':>6} {'replay us':>9}  nodes")
