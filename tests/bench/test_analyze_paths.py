@@ -4,6 +4,8 @@ numbers are the emulation's, only their shape and the cache are checked)."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from bcg.bench.paths import measure_paths
@@ -13,9 +15,10 @@ def test_breakables_replay_path_is_measured_once_per_process() -> None:
     paths = measure_paths("cpu", ("breakable",), cache=False)
     assert set(paths.per_layer_us) == set(paths.fixed_us) == {"breakable"} and paths.errors == {}
     assert paths.per_layer_us["breakable"] >= 0 and paths.fixed_us["breakable"] >= 0 and paths.island_us >= 0
-    # the whole layer's host time is at least what is left beyond the island (the latter clamped at 0)
-    assert paths.layer_total_us["breakable"] > 0
-    assert paths.per_layer_us["breakable"] >= paths.layer_total_us["breakable"] - paths.island_us - 1e-9
+    # What is left of a layer beyond its island, clamped at 0: the slope between two toys' host times is noise on a
+    # loaded machine (a CI run measured -520 µs once), so its sign is not asserted, only what is made of it.
+    total = paths.layer_total_us["breakable"]
+    assert math.isfinite(total) and paths.per_layer_us["breakable"] == max(total - paths.island_us, 0.0)
     assert paths.params_per_layer > 0  # a dense layer's norms and projections
     assert paths.seconds > 0
     again = measure_paths("cpu", ("breakable",))  # the cache=False call filled the cache
