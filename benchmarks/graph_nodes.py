@@ -85,7 +85,12 @@ def non_kernel_nodes(dot: str) -> list[dict[str, Any]]:
 
 
 class _Recorder:
-    """Every ``torch.cuda.CUDAGraph`` made while installed, in debug mode (so it can be dumped after capture)."""
+    """Every ``torch.cuda.CUDAGraph`` made while installed, kept and in debug mode (so it can be dumped after capture).
+
+    Debug mode alone is not enough: since ``keep_graph`` exists, ``capture_end`` of a graph made without it destroys
+    the CUDA graph after instantiating it whatever the debug flag says, and ``debug_dump`` then writes nothing (the
+    H200's first run of this script, torch 2.11). A kept graph is instantiated by its first ``replay()``.
+    """
 
     def __init__(self) -> None:
         self.graphs: list[Any] = []
@@ -95,6 +100,12 @@ class _Recorder:
         graphs, original = self.graphs, self._original
 
         class DebugGraph(original):  # type: ignore[misc, valid-type]
+            def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+                try:
+                    return super().__new__(cls, *args, **{"keep_graph": True, **kwargs})
+                except TypeError:  # a torch before keep_graph: debug mode alone kept the graph there
+                    return super().__new__(cls, *args, **kwargs)
+
             def __init__(self, *args: Any, **kwargs: Any) -> None:
                 super().__init__(*args, **kwargs)  # the C++ graph's constructor (pybind11 init): not skippable
                 self.enable_debug_mode()
@@ -110,6 +121,8 @@ class _Recorder:
 def dump(graph: Any, folder: Path) -> str:
     path = folder / f"g{id(graph)}.dot"
     graph.debug_dump(str(path))
+    if not path.exists():
+        raise RuntimeError(f"debug_dump wrote no {path.name}: the graph was not kept after capture (keep_graph)")
     return path.read_text()
 
 
@@ -125,7 +138,7 @@ def replay_us(graph: Any, replays: int) -> float:
     return statistics.median(times)
 
 
-def measure(name: str, replays: int, folder: Path) -> dict[str, Any]:
+def measure(name: str, replays: int, folder: Path, dots: Path | None = None) -> dict[str, Any]:
     with _Recorder() as rec:
         eng = Engine(SHAPES.get(name, name), progress=False)
     try:
@@ -135,6 +148,9 @@ def measure(name: str, replays: int, folder: Path) -> dict[str, Any]:
         rows = []
         for bucket, g in sorted(whole.items()):
             dot = dump(g, folder)
+            if dots is not None:  # the raw dump beside the census, to re-read if the parser missed something
+                dots.mkdir(parents=True, exist_ok=True)
+                (dots / f"{name}-{bucket}.dot").write_text(dot)
             rows.append({"bucket": bucket, "nodes": dict(node_types(dot)), "replay_us": replay_us(g, replays),
                          "non_kernel": non_kernel_nodes(dot)})
         others: Counter = Counter()
@@ -154,6 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--models", default="llama-dense,llama-3.2-1b,qwen3-0.6b")
     parser.add_argument("--replays", type=int, default=50)
     parser.add_argument("--out", type=Path, default=None, help="also write the JSON here")
+    parser.add_argument("--dots", type=Path, default=None, help="also write each whole-step graph's DOT dump here")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("benchmarks/graph_nodes.py needs a CUDA GPU; none found.")
@@ -162,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.models.split(","):
             try:
-                r = measure(name, args.replays, Path(tmp))
+                r = measure(name, args.replays, Path(tmp), args.dots)
             except Exception as exc:  # one model's failure must not cost the others' census
                 traceback.print_exc()
                 results.append({"model": name, "error": repr(exc)[:300]})

@@ -117,7 +117,7 @@ case $steps in *" attention "*)  # the Triton varlen kernel against FlashAttenti
     --out "$work/attention_kernels.json" ${ATTENTION_ARGS:-} ;; esac
 case $steps in *" nodes "*)  # the engine's graphs by node type, and each whole-step graph's launch on the host
   step nodes "${T_NODES:-150}" python3 benchmarks/graph_nodes.py --models "${NODES_MODELS:-$device_models}" \
-    --out "$work/graph_nodes.json" ;; esac
+    --out "$work/graph_nodes.json" --dots "$work/graph_nodes" ;; esac
 case $steps in *" reads "*)  # the varlen kernel under each way it reads keys (islands' vs whole-step graphs')
   step reads "${T_READS:-120}" python3 benchmarks/attention_reads.py --out "$work/attention_reads.json" \
     ${READS_ARGS:-} ;; esac
