@@ -100,14 +100,15 @@ class _Recorder:
         graphs, original = self.graphs, self._original
 
         class DebugGraph(original):  # type: ignore[misc, valid-type]
-            def __new__(cls, *args: Any, **kwargs: Any) -> Any:
-                try:
-                    return super().__new__(cls, *args, **{"keep_graph": True, **kwargs})
-                except TypeError:  # a torch before keep_graph: debug mode alone kept the graph there
-                    return super().__new__(cls, *args, **kwargs)
-
+            # pybind11 builds the C++ graph in __init__ with the call's arguments (torch's __new__ only allocates),
+            # so keep_graph must reach __init__: passing it to __new__ alone left every graph unkept.
             def __init__(self, *args: Any, **kwargs: Any) -> None:
-                super().__init__(*args, **kwargs)  # the C++ graph's constructor (pybind11 init): not skippable
+                if not args and "keep_graph" not in kwargs:
+                    args = (True,)  # keep_graph, positionally: the binding's argument name is not promised
+                try:
+                    super().__init__(*args, **kwargs)
+                except TypeError:  # a torch before keep_graph: debug mode alone kept the graph there
+                    super().__init__()
                 self.enable_debug_mode()
                 graphs.append(self)
 

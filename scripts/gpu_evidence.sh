@@ -11,7 +11,7 @@
 #   Other steps: prefix, device, device2 (DEVICE2_ARGS, DEVICE2_ENV: e.g. BCG_QKV_FUSION=off), device_baseline,
 #            variants (VARIANTS: space-separated NAME=ENV pairs, ENV's settings joined by commas, e.g.
 #            "base= norm=BCG_NORM_FUSION=on pdl=BCG_PDL=1": the device step once per variant, each its own process,
-#            VARIANT_ARGS its flags, VARIANT_ROUNDS times in turn),
+#            VARIANT_ARGS their flags and VARIANT_ARGS_NAME one variant's own, VARIANT_ROUNDS times in turn),
 #            host_path, prefill_host, hf_speed, load, soak, attention, reads (READS_ARGS), nodes (NODES_MODELS),
 #            qkv (QKV_ROWS, QKV_ARGS),
 #            retest, capacity,
@@ -129,9 +129,9 @@ case $steps in *" device2 "*)  # the device step again with other flags (DEVICE2
 case $steps in *" variants "*)  # the device step under each debug switch, in turn, each in a process of its own
   for round in $(seq "${VARIANT_ROUNDS:-1}"); do
     for variant in ${VARIANTS:-base=}; do
-      name=${variant%%=*} settings=${variant#*=}
+      name=${variant%%=*} settings=${variant#*=} own_args="VARIANT_ARGS_${variant%%=*}"
       step "variant-$name-$round" "${T_VARIANT:-150}" env ${settings//,/ } python3 benchmarks/device_bound.py \
-        --models "$device_models" --out "$work/variant-$name-$round" ${VARIANT_ARGS:-}
+        --models "$device_models" --out "$work/variant-$name-$round" ${VARIANT_ARGS:-} ${!own_args:-}
     done
   done ;; esac
 case $steps in *" qkv "*)  # the q/k/v projection: cuBLAS + the RoPE kernel against the one kernel (QKV_ARGS: --sweep)
