@@ -40,13 +40,14 @@ Configuration is :class:`~bcg.runtime.config.EngineConfig` and the command's fla
   :func:`bcg.ops.attention.varlen.triton_from_tokens`); for measuring where the kernel's cheaper device time
   outweighs its dearer launch (``benchmarks/device_bound.py`` under each value).
 * ``BCG_KV_READS=slots|runs|runs_only``: how the whole-step graphs' attention (``static_triton``) reads a request's
-  keys from the KV pool. ``runs`` (the default): each request whose slots run up by one (a fresh pool hands out runs)
-  by address, as the islands' kernel reads packed keys, the others through their slots, chosen per program by the
-  kernel (two key loops in one kernel); on the H200 its device time was 0.90-1.00x ``slots``' at 256-2048 tokens on
-  three models (round 15). ``slots``: every key through its slot (rounds 13-14). ``runs_only``: one key loop, by
-  address only; a batch with a request whose slots do not run up by one replays the islanded graph instead (reason
-  ``slots_not_in_runs``), and so does a bucket whose capture (or recapture, once the pool is fragmented) found no run
-  of free slots for its dummy batch: its whole-step capture fails with that reason, logged.
+  keys from the KV pool, in every bucket. Unset: by bucket (:data:`bcg.ops.attention.static_triton.RUNS_TOKENS`),
+  ``runs`` up to 512 tokens and ``runs_only`` above. ``runs``: each request whose slots run up by one (a fresh pool
+  hands out runs) by address, as the islands' kernel reads packed keys, the others through their slots, chosen per
+  program by the kernel (two key loops in one kernel); on the H200 its device time was 0.90-1.00x ``slots``' at
+  256-2048 tokens on three models (round 15). ``slots``: every key through its slot (rounds 13-14). ``runs_only``:
+  one key loop, by address only; a batch with a request whose slots do not run up by one replays the islanded graph
+  instead (reason ``slots_not_in_runs``), and so does a bucket whose capture (or recapture, once the pool is
+  fragmented) found no run of free slots for its dummy batch: its whole-step capture fails with that reason, logged.
 * ``BCG_VARLEN_GRID=flat``: bcg's varlen attention kernel launches one program per row block a sequence has (found
   from the cumulative lengths in the kernel) instead of the longest sequence's blocks for every sequence, whose
   programs past a short or empty sequence return at once. Off (``per_seq``) until measured: on the H200 the whole-step
@@ -111,9 +112,9 @@ TRITON_VARLEN_FROM: int | None = _tokens("BCG_TRITON_VARLEN_FROM")
 VARLEN_GRID: str = os.environ.get("BCG_VARLEN_GRID", "").lower() or "per_seq"
 if VARLEN_GRID not in ("per_seq", "flat"):
     raise ValueError(f"BCG_VARLEN_GRID={VARLEN_GRID!r}: expected per_seq or flat (unset: per_seq)")
-KV_READS: str = os.environ.get("BCG_KV_READS", "").lower() or "runs"
-if KV_READS not in ("slots", "runs", "runs_only"):
-    raise ValueError(f"BCG_KV_READS={KV_READS!r}: expected slots, runs or runs_only (unset: runs)")
+KV_READS: str | None = os.environ.get("BCG_KV_READS", "").lower() or None
+if KV_READS not in (None, "slots", "runs", "runs_only"):
+    raise ValueError(f"BCG_KV_READS={KV_READS!r}: expected slots, runs or runs_only (unset: by bucket)")
 
 
 def leak_check_mode() -> str:

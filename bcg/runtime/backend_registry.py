@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import importlib
 
-__all__ = ["ALIASES", "BACKENDS", "DEFAULT_FULL_GRAPH_TOKENS", "NARROW_FULL_GRAPH_TOKENS", "REGISTRY", "backend_class",
-           "resolve_backend"]
+__all__ = ["ALIASES", "BACKENDS", "DEFAULT_FULL_GRAPH_TOKENS", "REGISTRY", "backend_class", "resolve_backend"]
 
 # name -> (module, class)
 REGISTRY = {
@@ -22,15 +21,16 @@ REGISTRY = {
 # SGLang's name for no graphs.
 ALIASES = {"disabled": "eager"}
 BACKENDS = tuple(REGISTRY)
-# Where "breakable" on one GPU also captures whole-step graphs by default (EngineConfig.full_graph_tokens): the
-# buckets where the islands' launches weigh most against the device time (an H200 at 64 tokens: 59 host launches a
-# prefill become 3), up to where the island's attention turns to bcg's Triton kernel (triton_from_tokens in
-# bcg.ops.attention.varlen): below that the island runs FlashAttention and a copy, the whole-step graph bcg's slot
-# kernel. On the H200 (round 14, benchmarks/device_bound.py, whole-step graphs to 2048 against the default):
-# llama-dense (attention 1024 wide) took 0.82x the wall at 1024 tokens with them and 1.02x at 2048; the 2048-wide
-# shapes, whose islands run the Triton kernel from 1024, 1.00x (Llama-3.2-1B) and 1.12x (Qwen3-0.6B) at 1024.
-DEFAULT_FULL_GRAPH_TOKENS = 512
-NARROW_FULL_GRAPH_TOKENS = 1024  # attention narrower than varlen.WIDE_ATTENTION (EngineConfig.resolved)
+# Where "breakable" on one GPU also captures whole-step graphs by default (EngineConfig.full_graph_tokens): every
+# bucket up to 2048 tokens, the default chunk (larger ones are not measured). At the small ones the islands' launches
+# weigh most against the device time (an H200 at 64 tokens: 59 host launches a prefill become 3). Up to round 15
+# they stopped at 512 tokens (1024 for attention narrower than 2048), where the island's attention turns to bcg's
+# Triton kernel: the whole-step graphs' kernel then read keys through their slots and cost up to 1.12x the wall
+# (round 14). Reading them by address above 512 tokens (bcg.ops.attention.static_triton.RUNS_TOKENS), on the H200
+# (round 16, benchmarks/device_bound.py, two rounds in turn) the whole-step graphs to 2048 took 0.98-1.02x the
+# islanded graphs' device time at 1024 and 2048 tokens on llama-dense and the Llama-3.2-1B and Qwen3-0.6B shapes,
+# the host 0.2-0.5x its time, the wall 0.95-1.01x, and the same graph memory (374 against 370 MiB on llama-dense).
+DEFAULT_FULL_GRAPH_TOKENS = 2048
 
 
 def resolve_backend(name: str) -> str:

@@ -13,29 +13,13 @@ import torch
 from bcg.leaks import LEAK_CHECK_MODES
 from bcg.models.impl_names import check_model_impl
 from bcg.ops.attention import ATTENTION_BACKENDS
-from bcg.ops.attention.varlen import WIDE_ATTENTION
-from bcg.runtime.backend_registry import BACKENDS, DEFAULT_FULL_GRAPH_TOKENS, NARROW_FULL_GRAPH_TOKENS, resolve_backend
+from bcg.runtime.backend_registry import BACKENDS, DEFAULT_FULL_GRAPH_TOKENS, resolve_backend
 from bcg.runtime.compile import COMPILERS
 from bcg.runtime.config_checks import bucket_list, check_bool, check_int, check_number, device_name, dtype_name
 from bcg.runtime.schedule_policies import SCHEDULE_POLICIES
 
-__all__ = ["BACKENDS", "DEFAULT_FULL_GRAPH_TOKENS", "SCHEDULE_POLICIES", "EngineConfig", "default_full_graph_tokens",
-           "describe_buckets", "resolve_backend"]
-
-
-def default_full_graph_tokens(attention_width: int | None) -> int:
-    """The buckets up to which a breakable engine on one GPU also holds whole-step graphs, for a model whose
-    attention is ``attention_width`` wide (q heads x head dim; None where no model is known): up to where its
-    island's attention turns to bcg's Triton kernel (:func:`bcg.ops.attention.varlen.triton_from_tokens`), so
-    narrow attention to ``NARROW_FULL_GRAPH_TOKENS`` and wide to ``DEFAULT_FULL_GRAPH_TOKENS``
-    (:mod:`bcg.runtime.backend_registry` has the measurements).
-
-    Example:
-        >>> default_full_graph_tokens(1024), default_full_graph_tokens(4096), default_full_graph_tokens(None)
-        (1024, 512, 512)
-    """
-    is_narrow = attention_width is not None and 0 < attention_width < WIDE_ATTENTION
-    return NARROW_FULL_GRAPH_TOKENS if is_narrow else DEFAULT_FULL_GRAPH_TOKENS
+__all__ = ["BACKENDS", "DEFAULT_FULL_GRAPH_TOKENS", "SCHEDULE_POLICIES", "EngineConfig", "describe_buckets",
+           "resolve_backend"]
 
 
 def describe_buckets(buckets: list[int]) -> str:
@@ -125,9 +109,9 @@ class EngineConfig:
         full_graph_tokens: backend "breakable" only: the buckets up to this many tokens also hold a whole-step graph
             with the attention inside ("static_triton" where it runs, else "static"); a batch within its request
             slots and key capacity replays that one (no island launched), any other the breakable one. 0: off;
-            None: for "breakable" on one CUDA device :func:`default_full_graph_tokens` of the model's attention
-            width (1024 where it is narrower than 2048, q heads x head dim, else 512), else 0 (on the CPU the
-            graphs are emulated and islands cost no launches; pass a size to build them there too).
+            None: for "breakable" on one CUDA device every bucket up to ``DEFAULT_FULL_GRAPH_TOKENS`` (2048;
+            :mod:`bcg.runtime.backend_registry` has the measurements), else 0 (on the CPU the graphs are emulated
+            and islands cost no launches; pass a size to build them there too).
     """
 
     backend: str = "breakable"
@@ -235,11 +219,10 @@ class EngineConfig:
             return torch.bfloat16 if self.torch_device.type == "cuda" else torch.float32
         return getattr(torch, self.dtype)
 
-    def resolved(self, attention_width: int | None = None) -> EngineConfig:
+    def resolved(self) -> EngineConfig:
         """A copy with every choice left to bcg settled for this machine: ``device``, ``dtype``, ``kernels``,
-        ``attention_backend``, ``buckets`` (with ``max_tokens``, their largest) and ``full_graph_tokens`` (for a
-        model whose attention is ``attention_width`` wide, q heads x head dim, where the engine knows it). Resolving
-        twice changes nothing.
+        ``attention_backend``, ``buckets`` (with ``max_tokens``, their largest) and ``full_graph_tokens``.
+        Resolving twice changes nothing.
 
         Raises:
             ValueError: ``kernels="fused"`` on CUDA without Triton (naming the fix).
@@ -263,8 +246,8 @@ class EngineConfig:
         buckets = self.buckets or default_ladder(self.max_tokens or self.chunked_prefill_size)
         full = self.full_graph_tokens
         if full is None:
-            full = (default_full_graph_tokens(attention_width) if self.backend == "breakable" and self.tp_size == 1
-                    and device.type == "cuda" else 0)
+            on_one_gpu = self.backend == "breakable" and self.tp_size == 1 and device.type == "cuda"
+            full = min(max(buckets), DEFAULT_FULL_GRAPH_TOKENS) if on_one_gpu else 0
         return replace(self, device=str(device), dtype=str(dtype).removeprefix("torch."), kernels=kernels,
                        attention_backend=attention, buckets=sorted(set(buckets)), max_tokens=max(buckets),
                        full_graph_tokens=full)

@@ -82,8 +82,7 @@ class Engine:
         t0 = time.perf_counter()
         model, loaded = load_model(model, requested, self.tp)
         # Resolved once, here: every choice left to bcg (kernels, attention, buckets) reads from engine.config.
-        width = getattr(model.config, "num_heads", 0) * getattr(model.config, "head_dim", 0) or None
-        self.config = cfg = loaded.resolved(attention_width=width)
+        self.config = cfg = loaded.resolved()
         self.model = model.eval()
         self.load_ms = (time.perf_counter() - t0) * 1e3
         self.device, self.dtype = cfg.torch_device, cfg.torch_dtype

@@ -155,7 +155,6 @@ class StaticAttention(AttentionBackend):
     name = "static"
     is_island = False
     use_slot_kernel: ClassVar[bool] = False  # bcg's varlen kernel over the pool's slots (``static_triton``)
-    kv_reads = "slots"  # how that kernel reads keys: "slots", "runs" or "runs_only" (BCG_KV_READS)
 
     def __init__(self, kv_pool: KVPool, max_requests: int = 4, prefix_capacity: int = 0,
                  use_varlen: bool | None = None) -> None:
@@ -171,6 +170,10 @@ class StaticAttention(AttentionBackend):
     def max_batch_requests(self) -> int:
         return self.max_requests
 
+    def reads(self, bucket: int) -> str:
+        """How bucket ``bucket``'s slot kernel reads keys: "slots", "runs" or "runs_only" (``static_triton``)."""
+        return "slots"
+
     def key_capacity(self, bucket: int) -> int:
         # Keys of one batch are distinct pool slots, so no batch has more than num_slots of them.
         return min(bucket + self.prefix_capacity, self.kv_pool.num_slots)
@@ -180,7 +183,7 @@ class StaticAttention(AttentionBackend):
         slots = [Field("write_slots", num_rows), Field("read_slots", keys),
                  Field("cu_seqlens", 2 * (self.max_requests + 1), "int32")]
         if self.use_slot_kernel:  # it reads keys through read_slots and masks by cu_seqlens: nothing else to stage
-            return slots + ([Field("kv_base", self.max_requests)] if self.kv_reads != "slots" else []), ()
+            return slots + ([Field("kv_base", self.max_requests)] if self.reads(num_rows) != "slots" else []), ()
         return slots + [Field("query_request", num_rows), Field("query_positions", num_rows),
                         Field("key_request", keys), Field("key_positions", keys)], ()
 
@@ -193,7 +196,7 @@ class StaticAttention(AttentionBackend):
             return "too_many_requests"
         if batch.num_tokens + sum(batch.prefix_lens) > self.key_capacity(bucket):
             return "too_many_keys"
-        if self.kv_reads == "runs_only" and min(batch.host_run_starts) < 0:
+        if self.reads(bucket) == "runs_only" and min(batch.host_run_starts) < 0:
             return "slots_not_in_runs"
         return None
 
@@ -215,7 +218,7 @@ class StaticAttention(AttentionBackend):
         cu[slots + 1 : slots + r + 2] = cu_k
         cu[slots + r + 2 :] = num_keys
         if self.use_slot_kernel:  # it masks by cu_seqlens alone
-            if self.kv_reads != "slots":
+            if self.reads(num_rows) != "slots":
                 h["kv_base"][:r] = batch.host_run_starts
                 h["kv_base"][r:] = -1  # sentinel request slots: empty, never read
             return
@@ -237,7 +240,7 @@ class StaticAttention(AttentionBackend):
         if ctx is None or ctx.cu_seqlens is not views["cu_seqlens"] or ctx.write_slots is not views["write_slots"]:
             ctx = self._contexts[num_rows] = StaticContext(num_rows, self.key_capacity(num_rows), self.max_requests,
                                                            self.use_varlen, views, self.kv_pool, self.use_slot_kernel,
-                                                           self.kv_reads == "runs_only")
+                                                           self.reads(num_rows) == "runs_only")
         return ctx
 
     def attend(self, ctx: StaticContext, q: Tensor, k: Tensor, v: Tensor, out: Tensor,  # type: ignore[override]

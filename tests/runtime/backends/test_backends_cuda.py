@@ -174,13 +174,13 @@ def test_breakable_with_whole_step_graphs_matches_eager_in_bf16(preset: str) -> 
 
 @pytest.mark.parametrize("preset", ["tiny-dense", "tiny-moe", "tiny-dsa"])
 def test_a_default_breakable_engine_holds_whole_step_graphs_on_one_gpu(preset: str) -> None:
-    """No full_graph_tokens given: the buckets up to 1024 tokens hold whole-step graphs (attention 64 wide is narrow;
-    a DSA model's are refused with a note, its breakable graphs serve), and every answer is eager's."""
+    """No full_graph_tokens given: every bucket holds a whole-step graph (up to 2048 tokens; a DSA model's are
+    refused with a note, its breakable graphs serve), and every answer is eager's."""
     from bcg.runtime import Engine
 
     eng = Engine(CONFIGS[preset], buckets=BUCKETS, chunked_prefill_size=64, kv_tokens=1024, dtype="bfloat16",
                  device="cuda", max_requests=4, progress=False)  # request slots: 1 by default at a 64-token chunk
-    assert eng.config.full_graph_tokens == 1024
+    assert eng.config.full_graph_tokens == max(eng.config.buckets) == 64
     is_refused = preset == "tiny-dsa"
     assert (eng.runner.full.table.refused_reason is not None) == is_refused
     assert any(n.startswith("full graphs:") and ("refused" in n) == is_refused for n in eng.telemetry.notes)

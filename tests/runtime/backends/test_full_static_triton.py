@@ -191,8 +191,13 @@ def test_runs_of_slots_read_by_address_answer_as_eager(kv_reads: str, monkeypatc
         ref.close()
 
 
-def test_kv_reads_takes_three_values() -> None:
+def test_kv_reads_takes_three_values_or_goes_by_bucket() -> None:
+    from bcg.ops.attention.static_triton import RUNS_TOKENS
+
     pool = KVPool(16, 1, 1, 8, torch.bfloat16)
-    assert StaticTritonAttention(pool).kv_reads == "runs"  # BCG_KV_READS unset
+    by_bucket = StaticTritonAttention(pool)  # BCG_KV_READS unset
+    assert by_bucket.kv_reads is None
+    assert (by_bucket.reads(RUNS_TOKENS), by_bucket.reads(RUNS_TOKENS + 1)) == ("runs", "runs_only")
+    assert StaticTritonAttention(pool, kv_reads="slots").reads(4 * RUNS_TOKENS) == "slots"
     with pytest.raises(ValueError, match="kv_reads='pages'"):
         StaticTritonAttention(pool, kv_reads="pages")

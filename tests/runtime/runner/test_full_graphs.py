@@ -11,7 +11,7 @@ from engine_cache import random_prompts
 
 from bcg.runtime import Engine, EngineConfig
 from bcg.runtime.backends.full import FullBackend
-from bcg.runtime.config import default_full_graph_tokens
+from bcg.runtime.config import DEFAULT_FULL_GRAPH_TOKENS
 
 OPTS = dict(device="cpu", buckets=[8, 16, 32, 64], chunked_prefill_size=64, kv_tokens=512, max_requests=2,
             progress=False)
@@ -143,7 +143,9 @@ def test_a_compiled_stack_serves_both_graphs_of_a_bucket() -> None:
 
 
 @pytest.mark.parametrize(("options", "want"), [
-    (dict(device="cuda"), 512),                            # one GPU: the default
+    (dict(device="cuda"), 2048),                           # one GPU: the default, every bucket of the default chunk
+    (dict(device="cuda", chunked_prefill_size=512), 512),  # every bucket of a smaller chunk
+    (dict(device="cuda", chunked_prefill_size=8192), 2048),  # not past what was measured
     (dict(device="cuda", full_graph_tokens=0), 0),         # asked off
     (dict(device="cuda", full_graph_tokens=64), 64),       # asked smaller
     (dict(device="cuda", tp_size=2), 0),                   # tensor parallel: the two runners would agree separately
@@ -155,33 +157,35 @@ def test_full_graphs_are_the_default_of_breakable_on_one_gpu(options: dict, want
     cfg = EngineConfig(**{"kernels": "torch", "attention_backend": "varlen", **options}).resolved()
     assert cfg.full_graph_tokens == want
     assert cfg.resolved() == cfg
-    assert ("full graphs up to 512 tokens" in cfg.describe()) == (want == 512)
+    assert (f"full graphs up to {want} tokens" in cfg.describe()) == (want > 0)
+    assert want <= DEFAULT_FULL_GRAPH_TOKENS
 
 
-@pytest.mark.parametrize(("width", "want"), [(64, 1024), (2047, 1024), (2048, 512), (4096, 512), (None, 512)])
-def test_the_default_follows_the_attention_width_the_engine_gives(width: int | None, want: int) -> None:
-    """Narrow attention keeps whole-step graphs to 1024 tokens (its island runs FlashAttention below 2048), wide
-    attention to 512 (its island runs bcg's Triton kernel from 1024); a size asked for is kept whatever the width."""
-    cfg = EngineConfig(device="cuda", kernels="torch", attention_backend="varlen").resolved(attention_width=width)
-    assert cfg.full_graph_tokens == want == default_full_graph_tokens(width)
-    assert cfg.resolved() == cfg  # resolved once, by the engine that knows the model
-    asked = EngineConfig(device="cuda", kernels="torch", attention_backend="varlen", full_graph_tokens=64)
-    assert asked.resolved(attention_width=width).full_graph_tokens == 64
+def test_large_buckets_read_runs_only_and_small_ones_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """BCG_KV_READS unset: a bucket up to RUNS_TOKENS reads "runs" (a request in pieces still replays its whole-step
+    graph), a larger one "runs_only" (the same request replays the breakable graph; in one run, the whole-step one).
+    Eager's answer every time."""
+    from bcg import env
+    from bcg.ops.attention import static_triton
+    from bcg.runtime.batch import PrefillBatch, PrefillItem
 
-
-def test_an_engine_resolves_its_config_with_its_models_attention_width(monkeypatch: pytest.MonkeyPatch) -> None:
-    widths: list[int | None] = []
-    resolved = EngineConfig.resolved
-
-    def spy(self: EngineConfig, attention_width: int | None = None) -> EngineConfig:
-        widths.append(attention_width)
-        return resolved(self, attention_width)
-
-    monkeypatch.setattr(EngineConfig, "resolved", spy)
-    eng = Engine("tiny-dense", **OPTS)
-    cfg = eng.model.config
-    assert widths == [cfg.num_heads * cfg.head_dim] == [64]
-    assert eng.config.full_graph_tokens == 0  # a CPU makes none by default, whatever the width
+    monkeypatch.setattr(env, "KV_READS", None)
+    monkeypatch.setattr(static_triton, "RUNS_TOKENS", 8)  # buckets 8 | 16: as 512 | 1024 on a GPU
+    eng = Engine("tiny-dense", dtype="bfloat16", full_graph_tokens=16, **OPTS)
+    eager = Engine("tiny-dense", backend="eager", dtype="bfloat16", **OPTS)
+    attention = eng.runner.full.inputs.attention
+    assert attention.kv_reads is None and (attention.reads(8), attention.reads(16)) == ("runs", "runs_only")
+    for length, order, reason in ((6, "pieces", "graph_full"), (12, "pieces", "graph"), (12, "run", "graph_full")):
+        tokens = random_prompts([length], seed=length)[0]
+        want = eager.prefill([tokens]).logits
+        slots = eng.kv_pool.alloc(length)
+        try:
+            batch = PrefillBatch([PrefillItem(tokens, slots if order == "run" else slots.flip(0))], eng.kv_pool)
+            out = eng.runner.forward(batch)
+            assert out.record.graph_used and out.record.reason == reason, (length, order)
+            assert (out.logits - want).abs().max().item() <= 2e-2 * want.abs().max().item()
+        finally:
+            eng.kv_pool.free(slots)
 
 
 def test_a_refused_whole_step_graph_leaves_the_breakable_graphs_serving(caplog: pytest.LogCaptureFixture) -> None:
