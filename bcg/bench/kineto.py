@@ -16,7 +16,7 @@ import functools
 from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple
 
-from bcg.bench.trace import _is_launch  # the launch calls, as the trace parser reads them
+from bcg.bench.trace import is_launch  # the launch calls, as the trace parser reads them
 
 __all__ = ["FORWARD_PREFIX", "Event", "Span", "cpu_peak_bytes", "forward_label", "profile_events", "split_forwards"]
 
@@ -132,7 +132,7 @@ def split_forwards(events: Sequence[Event]) -> dict[str, list[Event]]:
     ranges = sorted((e.time_range.start, e.time_range.end, e.name[len(FORWARD_PREFIX):]) for e in events
                     if e.device_type == "CPU" and e.name.startswith(FORWARD_PREFIX))
     starts = [r[0] for r in ranges]
-    launches = {e.id: e.time_range.start for e in events if e.device_type == "CPU" and _is_launch(e.name)}
+    launches = {e.id: e.time_range.start for e in events if e.device_type == "CPU" and is_launch(e.name)}
     out: dict[str, list[Event]] = {r[2]: [] for r in ranges}
 
     def owner(t: float) -> str | None:

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = ["ISLAND_PREFIX", "ForwardTrace", "IslandCall", "Kernel", "Region", "combine_traces", "island_label",
-           "island_names", "kernels_from_events", "regions"]
+           "island_names", "innermost", "is_launch", "kernels_from_events", "regions"]
 
 # The annotation around one island call: "bcg.island:<name>#<call index>".
 ISLAND_PREFIX = "bcg.island:"
@@ -112,7 +112,7 @@ def _parse_label(text: str, start_us: float) -> IslandCall:
     return IslandCall(name, int(index), start_us)
 
 
-def _is_launch(name: str) -> bool:
+def is_launch(name: str) -> bool:
     """A CUDA runtime or driver call that puts one kernel, copy or memset on a stream (not a graph launch)."""
     if not name.startswith("cu") or "Graph" in name:
         return False
@@ -127,7 +127,7 @@ def _span(event: Any) -> tuple[float, float]:
     return float(event.time_range.start), float(event.time_range.end)
 
 
-def _innermost(intervals: Sequence[tuple[float, float, Any]], times: Sequence[float]) -> list[Any]:
+def innermost(intervals: Sequence[tuple[float, float, Any]], times: Sequence[float]) -> list[Any]:
     """For each time, the payload of the innermost interval holding it (None if none); intervals nest properly."""
     order = sorted(range(len(intervals)), key=lambda i: (intervals[i][0], -intervals[i][1]))
     queries = sorted(range(len(times)), key=lambda i: times[i])
@@ -187,7 +187,7 @@ def kernels_from_events(events: Iterable[Any], cuda: bool) -> ForwardTrace:
     ops = [e for e in ops if e.thread == main]
     op_spans = [(*_span(e), e.name) for e in ops]
     if cuda:
-        launches = {e.id: _span(e)[0] for e in cpu if _is_launch(e.name)}
+        launches = {e.id: _span(e)[0] for e in cpu if is_launch(e.name)}
         op_start = {e.id: _span(e)[0] for e in ops}
         # Device events of the annotations themselves (kineto's GPU-side user ranges) are not kernels.
         kernels = sorted((e for e in events if _device(e) == "CUDA" and not e.name.startswith(ISLAND_PREFIX)
@@ -202,7 +202,7 @@ def kernels_from_events(events: Iterable[Any], cuda: bool) -> ForwardTrace:
         times = [h if h is not None else _span(k)[0] for h, k in zip(hosts, kernels)]
         names = [k.name for k in kernels]
         durations = [_span(k)[1] - _span(k)[0] for k in kernels]
-        owners = _innermost(op_spans, times)
+        owners = innermost(op_spans, times)
         copies = ["memcpy" in n.lower() or "memset" in n.lower() for n in names]
     else:
         leaves = _compute_leaves(op_spans)
@@ -210,7 +210,7 @@ def kernels_from_events(events: Iterable[Any], cuda: bool) -> ForwardTrace:
         names = owners = [s[2] for s in leaves]
         durations = [s[1] - s[0] for s in leaves]
         copies = [False] * len(leaves)
-    islands = _innermost([(s, e, c.label) for s, e, c in marks], times)
+    islands = innermost([(s, e, c.label) for s, e, c in marks], times)
     order = sorted(range(len(times)), key=lambda i: times[i])
     return ForwardTrace([Kernel(names[i], owners[i] or "", durations[i], islands[i], copies[i], times[i])
                          for i in order], calls)

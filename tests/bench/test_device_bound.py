@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
 import pytest
 
+from bcg.bench.kernel_view import eager_ops, kernel_view
 from bcg.bench.trace import Kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
@@ -16,7 +18,7 @@ device_bound = pytest.importorskip("device_bound")
 def test_kernel_view_counts_and_ranks_kernels_by_name() -> None:
     kernels = [Kernel("gemm", "aten::mm", 3.0), Kernel("norm", "", 1.0), Kernel("gemm", "aten::mm", 5.0),
                Kernel("copy", "aten::copy_", 1.0, is_copy=True), Kernel("norm", "", 2.0)]
-    view = device_bound.kernel_view(kernels, num_layers=2, eager_ops={"aten::copy_": 1, "aten::mm": 2})
+    view = kernel_view(kernels, num_layers=2, eager_ops={"aten::copy_": 1, "aten::mm": 2})
     assert (view["kernels"], view["eager_kernels"], view["kernels_per_layer"], view["eager_per_layer"]) == (5, 3, 2.5,
                                                                                                             1.5)
     assert view["kernel_ms"] == pytest.approx(12e-3)
@@ -24,7 +26,7 @@ def test_kernel_view_counts_and_ranks_kernels_by_name() -> None:
                                                                           ("copy", 1, 1.0)]
     assert [e["share"] for e in view["by_name"]] == pytest.approx([8 / 12, 3 / 12, 1 / 12])
     assert view["eager_by_op"] == [{"op": "aten::mm", "count": 2}, {"op": "aten::copy_", "count": 1}]
-    assert device_bound.kernel_view([], num_layers=1, eager_ops={})["by_name"] == []
+    assert kernel_view([], num_layers=1, eager_ops={})["by_name"] == []
 
 
 def test_device_bound_reports_the_kernel_view_on_a_cpu(capsys: pytest.CaptureFixture[str]) -> None:
@@ -76,6 +78,25 @@ def test_eager_launches_are_counted_by_the_op_around_them() -> None:
               event("cudaGraphLaunch", 40, 41),  # a replayed segment: not an eager launch
               event("cudaLaunchKernel", 50, 51),  # a Triton kernel launched from Python
               event("void gemm<...>", 60, 70, DeviceType.CUDA)]
-    assert device_bound._eager_ops(events) == {"aten::index": 1, "aten::fill_": 1, "aten::copy_": 1,
+    assert eager_ops(events) == {"aten::index": 1, "aten::fill_": 1, "aten::copy_": 1,
                                                "(no aten op)": 1}
 
+
+
+def test_model_spec_replaces_config_fields_and_names_a_bad_one() -> None:
+    spec = device_bound.model_spec("llama-dense+vocab_size=151936+tie_word_embeddings=True+rope_theta=1e6")
+    assert (spec.vocab_size, spec.tie_word_embeddings, spec.rope_theta, spec.num_layers) == (151936, True, 1e6, 28)
+    assert device_bound.model_spec("qwen3-0.6b+qk_norm=False").head_dim == 128  # a shape of the script's own
+    assert device_bound.model_spec("tiny-dense") == "tiny-dense"  # no overrides: the name, as Engine takes it
+    with pytest.raises(ValueError, match="not field=value of a ModelConfig field"):
+        device_bound.model_spec("llama-dense+vocab=5")
+    with pytest.raises(ValueError, match="no int, float or True/False"):
+        device_bound.model_spec("llama-dense+vocab_size=lots")
+
+
+def test_buckets_and_overrides_reach_the_engine(capsys: pytest.CaptureFixture[str]) -> None:
+    assert device_bound.main(["--models", "tiny-dense+num_layers=1", "--lengths", "8", "--buckets", "8,16",
+                              "--runs", "1", "--top-kernels", "0"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["results"][0]
+    assert (result["num_layers"], result["buckets"]) == (1, 2)
+    assert "gaps_ms" in result["rows"][0]
