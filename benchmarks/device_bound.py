@@ -43,8 +43,6 @@ Without CUDA it runs tiny-dense on the CPU as a smoke test: CPU timings say noth
 from __future__ import annotations
 
 import argparse
-import ast
-import dataclasses
 import gc
 import json
 import sys
@@ -62,21 +60,10 @@ except ImportError:  # run from a checkout without installing it
 from host_path import prefill_times, stage_times  # this folder is the script's own
 
 from bcg.bench.kernel_view import profile_kernels
+from bcg.bench.shapes import SHAPES, model_spec
 from bcg.bench.timing import gpu_kernel_ms, replay_span_ms, sync
 from bcg.errors import first_line
-from bcg.models.config import ModelConfig, get_preset
 from bcg.runtime import Engine
-
-# Real models' shapes, random weights (the native classes; the same compute as their checkpoints by path).
-SHAPES = {
-    "llama-3.2-1b": ModelConfig(arch="dense", vocab_size=128256, hidden_size=2048, num_layers=16, num_heads=32,
-                                num_kv_heads=8, head_dim=64, intermediate_size=8192, rms_norm_eps=1e-5,
-                                rope_theta=500000.0, max_position_embeddings=131072, tie_word_embeddings=True),
-    "qwen3-0.6b": ModelConfig(arch="dense", vocab_size=151936, hidden_size=1024, num_layers=28, num_heads=16,
-                              num_kv_heads=8, head_dim=128, intermediate_size=3072, rms_norm_eps=1e-6,
-                              rope_theta=1000000.0, max_position_embeddings=40960, tie_word_embeddings=True,
-                              qk_norm=True),
-}
 
 
 def sync_free(eng: Engine, prompts: list[torch.Tensor]) -> str:
@@ -93,36 +80,6 @@ def sync_free(eng: Engine, prompts: list[torch.Tensor]) -> str:
     finally:
         torch.cuda.set_sync_debug_mode(0)
     return "yes"
-
-
-def model_spec(name: str) -> Any:
-    """What ``Engine`` builds for ``name``: a shape of :data:`SHAPES`, a preset or a checkpoint folder; a shape or
-    preset may be followed by ``+field=value`` overrides of its :class:`ModelConfig` (ints, floats, True/False), so
-    one run can ask which field of a shape costs what.
-
-    Example::
-
-        >>> model_spec("llama-dense+vocab_size=151936+tie_word_embeddings=True").vocab_size
-        151936
-        >>> model_spec("llama-3.2-1b").num_layers
-        16
-    """
-    base, *overrides = name.split("+")
-    if not overrides:
-        return SHAPES.get(name, name)
-    config = SHAPES.get(base) or get_preset(base)
-    fields = {f.name: f for f in dataclasses.fields(ModelConfig)}
-    changes: dict[str, Any] = {}
-    for item in overrides:
-        key, sep, text = item.partition("=")
-        if not sep or key not in fields:
-            raise ValueError(f"model {name!r}: {item!r} is not field=value of a ModelConfig field "
-                             f"(e.g. {base}+vocab_size=32000)")
-        try:
-            changes[key] = ast.literal_eval(text)
-        except (ValueError, SyntaxError):
-            raise ValueError(f"model {name!r}: {text!r} is no int, float or True/False") from None
-    return dataclasses.replace(config, **changes)
 
 
 def build(name: str, backend: str, engine_args: dict[str, Any], full_graph_tokens: int | None) -> Engine:
@@ -253,6 +210,20 @@ def print_result(r: dict[str, Any], top: int) -> None:
     sys.stdout.flush()
 
 
+def profile(result: dict[str, Any], lengths: list[int], args: argparse.Namespace, engine_args: dict[str, Any]) -> None:
+    """:func:`measure_profiled` of one timed ``result`` (none after an error), then its table."""
+    if "error" in result:
+        return
+    try:
+        measure_profiled(result, lengths, args.out, args.timeline, engine_args, args.full_graph_tokens)
+    except Exception as e:
+        result["error"] = f"profiling: {first_line(e)}"
+        print(f"{result['model']} {result['backend']}: {result['error']}", flush=True)
+        return
+    result["profiled"] = "each" if args.profile_each else "after every timed run"
+    print_result(result, args.top_kernels)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     cuda = torch.cuda.is_available()
@@ -274,6 +245,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeline", action="store_true", help="write one prefill per model as a Chrome trace")
     p.add_argument("--top-kernels", type=int, default=12,
                    help="costliest kernel names printed per model and length (0: none; the JSON has them all)")
+    p.add_argument("--profile-each", action="store_true",
+                   help="profile each model right after its timed phase (the order before round 17, which timed "
+                        "every model after the first under CUPTI): to measure what that order cost")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
     if not cuda:
@@ -295,16 +269,11 @@ def main(argv: list[str] | None = None) -> int:
             except Exception as e:  # one model failing must not lose the others
                 results.append({"model": name, "backend": backend, "error": first_line(e)})
                 print(f"{name} {backend}: {first_line(e)}", flush=True)
-    for result in results:
-        if "error" in result:
-            continue
-        try:
-            measure_profiled(result, lengths, args.out, args.timeline, engine_args, args.full_graph_tokens)
-        except Exception as e:
-            result["error"] = f"profiling: {first_line(e)}"
-            print(f"{result['model']} {result['backend']}: {result['error']}", flush=True)
-            continue
-        print_result(result, args.top_kernels)
+            if args.profile_each:
+                profile(results[-1], lengths, args, engine_args)
+    if not args.profile_each:
+        for result in results:
+            profile(result, lengths, args, engine_args)
     summary = {"kind": "device_bound", "torch": torch.__version__,
                "device": torch.cuda.get_device_name() if cuda else "cpu", "results": results}
     if args.out is not None:

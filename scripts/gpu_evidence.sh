@@ -13,7 +13,7 @@
 #            "base= norm=BCG_NORM_FUSION=on pdl=BCG_PDL=1": the device step once per variant, each its own process,
 #            VARIANT_ARGS their flags and VARIANT_ARGS_NAME one variant's own, VARIANT_ROUNDS times in turn),
 #            host_path, prefill_host, hf_speed, load, soak, attention, reads (READS_ARGS), nodes (NODES_MODELS),
-#            qkv (QKV_ROWS, QKV_ARGS),
+#            qkv (QKV_ROWS, QKV_ARGS), partials (PARTIALS_ARGS),
 #            retest, capacity,
 #            validate (VALIDATE_MODELS); a before/after baseline needs the earlier
 #            commit's bcg/ (and benchmarks/device_bound.py with the host_path.py it imports) exported first:
@@ -134,6 +134,9 @@ case $steps in *" variants "*)  # the device step under each debug switch, in tu
         --models "$device_models" --out "$work/variant-$name-$round" ${VARIANT_ARGS:-} ${!own_args:-}
     done
   done ;; esac
+case $steps in *" partials "*)  # the down projection as split-K partials for the next kernel (benchmarks/down_partials.py)
+  step partials "${T_PARTIALS:-90}" python3 benchmarks/down_partials.py --out "$work/down_partials.json" \
+    ${PARTIALS_ARGS:-} ;; esac
 case $steps in *" qkv "*)  # the q/k/v projection: cuBLAS + the RoPE kernel against the one kernel (QKV_ARGS: --sweep)
   step qkv "${T_QKV:-150}" python3 benchmarks/qkv_kernels.py --rows "${QKV_ROWS:-16,64,128}" \
     --out "$work/qkv_kernels.json" ${QKV_ARGS:-} ;; esac

@@ -83,17 +83,6 @@ def test_eager_launches_are_counted_by_the_op_around_them() -> None:
 
 
 
-def test_model_spec_replaces_config_fields_and_names_a_bad_one() -> None:
-    spec = device_bound.model_spec("llama-dense+vocab_size=151936+tie_word_embeddings=True+rope_theta=1e6")
-    assert (spec.vocab_size, spec.tie_word_embeddings, spec.rope_theta, spec.num_layers) == (151936, True, 1e6, 28)
-    assert device_bound.model_spec("qwen3-0.6b+qk_norm=False").head_dim == 128  # a shape of the script's own
-    assert device_bound.model_spec("tiny-dense") == "tiny-dense"  # no overrides: the name, as Engine takes it
-    with pytest.raises(ValueError, match="not field=value of a ModelConfig field"):
-        device_bound.model_spec("llama-dense+vocab=5")
-    with pytest.raises(ValueError, match="no int, float or True/False"):
-        device_bound.model_spec("llama-dense+vocab_size=lots")
-
-
 def test_buckets_and_overrides_reach_the_engine(capsys: pytest.CaptureFixture[str]) -> None:
     assert device_bound.main(["--models", "tiny-dense+num_layers=1", "--lengths", "8", "--buckets", "8,16",
                               "--runs", "1", "--top-kernels", "0"]) == 0

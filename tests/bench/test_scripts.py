@@ -143,10 +143,10 @@ def test_pdl_refuses_without_a_gpu() -> None:
     assert proc.returncode == 2 and "programmatic dependent launch on a GPU" in proc.stderr
 
 
-def _graph_gap_module():
+def _script_module(name: str):
     import importlib.util as iu
 
-    spec = iu.spec_from_file_location("graph_gap", ROOT / "benchmarks" / "graph_gap.py")
+    spec = iu.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
     module = iu.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -157,7 +157,7 @@ def test_graph_gaps_chains_write_only_their_own_buffers_and_run_on_a_cpu() -> No
     new shape), the layer-like chain's kernels differing from each other."""
     from bcg.emulation import EmulatedGraph
 
-    chains = _graph_gap_module().chains(8, "cpu")
+    chains = _script_module("graph_gap").chains(8, "cpu")
     assert set(chains) == {"add x1", "layer-like", "gemms"}
     for fn in chains.values():
         fn()
@@ -167,6 +167,21 @@ def test_graph_gaps_chains_write_only_their_own_buffers_and_run_on_a_cpu() -> No
         graph.capture_end()
         graph.replay()
         assert graph.num_ops > 0
+
+
+def test_down_partials_split_k_in_place_and_sum_to_the_product() -> None:
+    """The batched GEMM down_partials.py times reads the activation and the weight in place (views, no copy) and
+    its S partials sum to the projection; without a GPU the script exits 2."""
+    module = _script_module("down_partials")
+    x, w = torch.randn(5, 12, dtype=torch.float64), torch.randn(7, 12, dtype=torch.float64)
+    for splits in (1, 3, 4):
+        xs, ws = module.split_views(x, w, splits)
+        assert xs.data_ptr() == x.data_ptr() and ws.data_ptr() == w.data_ptr()
+        assert torch.allclose(torch.bmm(xs, ws).sum(0), x @ w.T)
+    if not torch.cuda.is_available():
+        proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "down_partials.py")], capture_output=True,
+                              text=True, timeout=120, cwd=ROOT)
+        assert proc.returncode == 2 and "needs CUDA" in proc.stderr
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the script measures (the H200 run)")
