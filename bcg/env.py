@@ -20,6 +20,10 @@ Configuration is :class:`~bcg.runtime.config.EngineConfig` and the command's fla
   the fused kernels: ``gate_up`` (the default: :mod:`bcg.ops.kernels.gate_up`, in the gate/up projection's epilogue),
   ``down`` (:mod:`bcg.ops.kernels.down_proj`, in the down projection's prologue; measured 1.4-2.8x slower on the
   H200) or ``none`` (SiLU-and-multiply as a kernel of its own); ``benchmarks/mlp_kernels.py`` measures them.
+* ``BCG_DOWN_PARTIALS=off``: a dense model's down projection at up to 256 rows is one ``F.linear`` (cuBLAS's split-K
+  GEMM and its reduce kernel). By default, with the fused kernels, it is one batched GEMM that leaves four fp32 split-K
+  partials to the next layer's add + RMSNorm kernel, which sums them (:mod:`bcg.ops.kernels.down_partials`): on the
+  H200 the GEMM took 0.55-0.78x of the two launches at 16-256 rows (``benchmarks/down_partials.py``).
 * ``BCG_QKV_FUSION=off``: the attention's q/k/v projection and bcg's RoPE kernel stay two launches at every row count.
   By default, with the fused kernels, up to 16 rows they are one kernel (:mod:`bcg.ops.kernels.qkv_rope`: RoPE, the
   split and the K/V write in the projection's epilogue), which the H200 measured at 0.95x of llama-dense's device
@@ -56,18 +60,18 @@ Configuration is :class:`~bcg.runtime.config.EngineConfig` and the command's fla
 * ``BCG_GC_FREEZE=0``: a serving engine leaves the heap to the garbage collector as it is (by default its first
   ``submit`` moves every object alive then out of the collector's sight, ``gc.freeze()``, until it closes).
 
-``BCG_PDL``, ``BCG_MLP_FUSION``, ``BCG_QKV_FUSION``, the two norm fusions, ``BCG_TRITON_VARLEN_FROM``,
-``BCG_KV_READS`` and ``BCG_VARLEN_GRID`` are read once, at import: they are asked on hot paths, where an environment
-lookup per call costs.
+``BCG_PDL``, ``BCG_MLP_FUSION``, ``BCG_DOWN_PARTIALS``, ``BCG_QKV_FUSION``, the two norm fusions,
+``BCG_TRITON_VARLEN_FROM``, ``BCG_KV_READS`` and ``BCG_VARLEN_GRID`` are read once, at import: they are asked on hot
+paths, where an environment lookup per call costs.
 """
 
 from __future__ import annotations
 
 import os
 
-__all__ = ["COMPILE_LOG", "DEBUG", "FLASH_WRAPPER", "INPUT_NORM_FUSION", "KV_READS", "MLP_FUSION", "NORM_FUSION",
-           "PDL", "QKV_FUSION", "TP_ALLREDUCE_ISLAND", "TRITON_VARLEN_FROM", "VARLEN_GRID", "gc_freeze", "hf_fusion",
-           "leak_check_mode"]
+__all__ = ["COMPILE_LOG", "DEBUG", "DOWN_PARTIALS", "FLASH_WRAPPER", "INPUT_NORM_FUSION", "KV_READS", "MLP_FUSION",
+           "NORM_FUSION", "PDL", "QKV_FUSION", "TP_ALLREDUCE_ISLAND", "TRITON_VARLEN_FROM", "VARLEN_GRID", "gc_freeze",
+           "hf_fusion", "leak_check_mode"]
 
 
 def _flag(name: str) -> bool:
@@ -94,6 +98,7 @@ def _switch(name: str, default: bool) -> bool:
 # None when unset: on where the GPU runs it (bcg.ops.kernels.triton_utils decides), without a word where it does not.
 PDL: bool | None = _switch("BCG_PDL", True) if os.environ.get("BCG_PDL") else None
 QKV_FUSION: bool = _switch("BCG_QKV_FUSION", True)
+DOWN_PARTIALS: bool = _switch("BCG_DOWN_PARTIALS", True)
 NORM_FUSION: bool = _switch("BCG_NORM_FUSION", False)
 INPUT_NORM_FUSION: bool = _switch("BCG_INPUT_NORM_FUSION", False)
 

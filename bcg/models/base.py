@@ -102,6 +102,10 @@ class CausalLM(nn.Module):
         residual = None
         for i, layer in enumerate(self.layers):
             hidden, residual = run_layer(layer, LayerIds(attention=i), hidden, residual, rope)
+        if hidden.dim() == residual.dim() + 1:  # the last MLP's split-K partials (bcg.ops.kernels.down_partials)
+            hidden = hidden.sum(0)  # fp32; the add below rounds once, as the add + RMSNorm kernel does
+            if out is None:
+                return (residual + hidden).to(residual.dtype)
         return torch.add(hidden, residual, out=out)  # straight into out: no copy after (a graph node fewer)
 
     def compute_logits(self, hidden_last: Tensor, out: Tensor | None = None) -> Tensor:

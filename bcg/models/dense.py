@@ -265,3 +265,9 @@ class DenseLM(CausalLM):
         make_mlp = make_mlp or (lambda cfg, tp: SwiGLUMLP(cfg.hidden_size, cfg.intermediate_size, tp))
         self.layers.extend(DecoderLayer(config, Attention(config, layer_id, tp), make_mlp(config, tp))
                            for layer_id in range(config.num_layers))
+        # What follows each MLP takes its down projection's split-K partials (bcg.ops.kernels.down_partials): the
+        # next layer's add + RMSNorm, or the stack's last add (forward_layers). Every layer alike, so a compiled
+        # stack keeps one structure (SwiGLUMLP asks BCG_INPUT_NORM_FUSION, under which the q/k/v kernel takes it).
+        for layer in self.layers:
+            if isinstance(layer.mlp, SwiGLUMLP):
+                layer.mlp.emits_partials = True

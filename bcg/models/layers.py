@@ -55,7 +55,7 @@ class RMSNorm(nn.Module):
         if self.kernels == "fused":
             out = None if inplace else torch.empty_like(residual)
             return fused.fused_add_rms_norm(x, residual, self.weight, self.eps, residual_out=out, impl="fused")
-        residual = residual + x
+        residual = fused.add_partials(x, residual) if x.dim() == residual.dim() + 1 else residual + x
         return self(residual), residual
 
 
@@ -140,6 +140,10 @@ class SwiGLUMLP(nn.Module):
     """
 
     kernels: str = "torch"
+    # Set by a model whose next step after this MLP takes split-K partials (the next layer's add + RMSNorm): the
+    # down projection may then leave them (bcg.ops.kernels.down_partials) instead of one (M, H) output; not while
+    # BCG_INPUT_NORM_FUSION hands that add + norm to the q/k/v kernel, which takes one output.
+    emits_partials: bool = False
 
     def __init__(self, hidden_size: int, intermediate_size: int, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
@@ -153,7 +157,8 @@ class SwiGLUMLP(nn.Module):
         handed in to fold into the gate/up kernel (``BCG_NORM_FUSION``, :class:`bcg.models.dense.DecoderLayer`)."""
         if self.kernels == "fused":
             return swiglu_fused(x, self.gate_up_proj.weight, self.gate_up_proj.bias, self.down_proj, "fused",
-                                norm_weight=norm_weight, eps=eps)
+                                norm_weight=norm_weight, eps=eps,
+                                partials=self.emits_partials and not env.INPUT_NORM_FUSION)
         if norm_weight is not None:
             x = F.rms_norm(x, norm_weight.shape, norm_weight, eps)
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -161,13 +166,14 @@ class SwiGLUMLP(nn.Module):
 
 
 def swiglu_fused(x: Tensor, gate_up_weight: Tensor, gate_up_bias: Tensor | None, down: nn.Module,
-                 impl: str, *, norm_weight: Tensor | None = None, eps: float = 1e-6) -> Tensor:
+                 impl: str, *, norm_weight: Tensor | None = None, eps: float = 1e-6, partials: bool = False) -> Tensor:
     """``down(silu(gate) * up)`` of the joined ``(2I, H)`` gate/up projection on the fused kernels, SiLU-and-multiply
     where ``BCG_MLP_FUSION`` puts it (:mod:`bcg.env`): in the gate/up projection's epilogue (the default), in a plain
     ``nn.Linear`` down projection's prologue, or a kernel of its own. Each fusion runs its one kernel only at short
     prompts and is the two steps elsewhere. With ``norm_weight`` the MLP's input is ``rms_norm(x, norm_weight,
     eps)``: folded into the gate/up kernel where that runs (:func:`~bcg.ops.kernels.gate_up_silu`), a kernel of its
-    own otherwise.
+    own otherwise. With ``partials`` (a caller whose next step is an add + RMSNorm) a plain bias-free down projection
+    may return its split-K partials, ``(S, M, H)`` fp32, where :func:`~bcg.ops.kernels.num_splits` says so.
 
     Example:
         >>> mlp = SwiGLUMLP(8, 16)
@@ -176,10 +182,21 @@ def swiglu_fused(x: Tensor, gate_up_weight: Tensor, gate_up_bias: Tensor | None,
         True
     """
     if env.MLP_FUSION == "gate_up" and gate_up_bias is None:
-        return down(fused.gate_up_silu(x, gate_up_weight, norm_weight=norm_weight, eps=eps, impl=impl))
+        act = fused.gate_up_silu(x, gate_up_weight, norm_weight=norm_weight, eps=eps, impl=impl)
+        return _down(act, down, impl, partials)
     if norm_weight is not None:
         x = fused.rms_norm(x, norm_weight, eps, impl=impl)
     gate_up = F.linear(x, gate_up_weight, gate_up_bias)
     if env.MLP_FUSION == "down" and type(down) is nn.Linear and down.bias is None:
         return fused.swiglu_down(gate_up, down.weight, impl=impl)
-    return down(fused.silu_and_mul(gate_up, impl=impl))
+    return _down(fused.silu_and_mul(gate_up, impl=impl), down, impl, partials)
+
+
+def _down(act: Tensor, down: nn.Module, impl: str, partials: bool) -> Tensor:
+    """The down projection of ``act``: its split-K partials where the caller takes them and they run, else
+    ``down(act)`` (a row-parallel projection under tensor parallel all-reduces its one output)."""
+    if partials and type(down) is nn.Linear and down.bias is None:
+        splits = fused.num_splits(act, down.weight, impl)
+        if splits:
+            return fused.down_partials(act, down.weight, splits, impl)
+    return down(act)

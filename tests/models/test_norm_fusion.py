@@ -87,6 +87,8 @@ def test_the_residual_to_the_next_layer_is_the_sum_and_the_first_layers_input_st
             expected = r + h + model.layers[1].self_attn(model.layers[1].input_layernorm(r + h), rope)
     for layer in (0, 1):
         for got, want in zip(out[True, layer], out[False, layer]):
+            # Unfolded, the MLP may hand the next layer its down projection's split-K partials: their sum is its output.
+            want = want.sum(0) if want.dim() == got.dim() + 1 else want
             assert _rel(got, want) <= TOL[torch.float32]
     assert _rel(out[True, 1][1], expected) <= TOL[torch.float32]  # h + attn(norm(h)) with h = r + hidden
 
@@ -130,6 +132,8 @@ def test_the_input_fold_leaves_the_first_layers_input_and_the_residual_it_was_gi
             assert torch.equal(given, r)
     for layer in (0, 1):
         for got, want in zip(out[True, layer], out[False, layer]):
+            # Unfolded, the MLP may hand the next layer its down projection's split-K partials: their sum is its output.
+            want = want.sum(0) if want.dim() == got.dim() + 1 else want
             assert _rel(got, want) <= TOL[torch.float32]
 
 

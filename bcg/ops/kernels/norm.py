@@ -17,7 +17,7 @@ from torch import Tensor
 from bcg.ops.kernels.dispatch import kernel_path
 from bcg.ops.kernels.library import kernel_op
 
-__all__ = ["fused_add_rms_norm", "fused_add_rms_norm_reference", "rms_norm", "rms_norm_reference"]
+__all__ = ["add_partials", "fused_add_rms_norm", "fused_add_rms_norm_reference", "rms_norm", "rms_norm_reference"]
 
 
 def rms_norm_reference(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -85,16 +85,27 @@ def fused_add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float, 
         >>> n is x and h2 is h and torch.allclose(n, expected)
         True
     """
-    if x.shape != residual.shape:
+    is_partials = x.dim() == residual.dim() + 1
+    if is_partials:  # a split-K GEMM's fp32 partials (bcg.ops.kernels.down_partials): summed as they are read
+        if x.shape[1:] != residual.shape or x.dtype != torch.float32:
+            raise ValueError(f"partials {tuple(x.shape)} {x.dtype} must be float32 (S, *residual.shape) for "
+                             f"residual {tuple(residual.shape)}")
+        out = torch.empty_like(residual) if out is None else out  # the normed rows cannot go back into x
+    elif x.shape != residual.shape:
         raise ValueError(f"x {tuple(x.shape)} and residual {tuple(residual.shape)} must have the same shape")
     out = x if out is None else out
     residual_out = residual if residual_out is None else residual_out
     path = kernel_path(impl, x)
     if path == "torch":
-        if residual_out is not residual:
-            residual_out.copy_(residual)
-        residual_out.add_(x)
+        if is_partials:
+            residual_out.copy_(add_partials(x, residual))
+        else:
+            if residual_out is not residual:
+                residual_out.copy_(residual)
+            residual_out.add_(x)
         return out.copy_(rms_norm_reference(residual_out, weight, eps)), residual_out
+    if is_partials and path == "op":  # a trace never makes partials; should one reach it, the sum first
+        x = x.sum(0).to(residual.dtype)
     for name, t in (("x", x), ("residual", residual), ("out", out), ("residual_out", residual_out)):
         _check_rows(name, t, weight.shape[0])
     if path == "op":
@@ -108,6 +119,21 @@ def fused_add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float, 
 
     triton_norm.add_rms_norm(x, residual, weight, eps, out, residual_out)
     return out, residual_out
+
+
+def add_partials(partials: Tensor, residual: Tensor) -> Tensor:
+    """``residual + partials.sum(0)``, summed in fp32 in the partials' order and rounded once to the residual's dtype
+    (what the fused kernel computes).
+
+    Example:
+        >>> p, h = torch.randn(4, 2, 8), torch.randn(2, 8, dtype=torch.bfloat16)
+        >>> add_partials(p, h).dtype
+        torch.bfloat16
+    """
+    total = partials[0].clone()
+    for part in partials[1:]:
+        total += part
+    return (total + residual.float()).to(residual.dtype)
 
 
 # --- The ops (bcg.ops.kernels.library): each allocates its results as its fake kernel does, then fills them. ---

@@ -136,6 +136,12 @@ def test_fused_add_rms_norm(run, dtype, rows, hidden, in_place):
 
 
 @pytest.mark.parametrize("dtype", cases.DTYPES)
+@pytest.mark.parametrize("rows,hidden,parts", [(0, 64, 4), (1, 1000, 2), (4, 1536, 4)])
+def test_fused_add_rms_norm_partials(run, dtype, rows, hidden, parts):
+    cases.check_add_rms_norm_partials(run, "cpu", dtype, rows, hidden, parts, MIN_EXACT[dtype])
+
+
+@pytest.mark.parametrize("dtype", cases.DTYPES)
 @pytest.mark.parametrize("rows,inter", [(0, 16), (1, 2816), (3, 500)])
 def test_silu_and_mul(run, dtype, rows, inter):
     cases.check_silu_and_mul(run, "cpu", dtype, rows, inter, MIN_EXACT[dtype])

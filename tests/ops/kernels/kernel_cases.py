@@ -106,6 +106,25 @@ def check_add_rms_norm(run, device: str, dtype: torch.dtype, rows: int, hidden: 
     return _match(run, out, expected, min_exact, "fused_add_rms_norm")
 
 
+def check_add_rms_norm_partials(run, device: str, dtype: torch.dtype, rows: int, hidden: int, parts: int,
+                                min_exact: float | None) -> float:
+    """The add + norm over a split-K GEMM's fp32 partials ``(parts, rows, hidden)``: summed in order, added to the
+    residual, rounded once (``add_partials``); the partials are only read."""
+    from bcg.ops.kernels import add_partials, rms_norm_reference
+
+    x = randn(parts, rows, hidden, dtype=torch.float32, device=device, seed=5)
+    residual = randn(rows, hidden, dtype=dtype, device=device, seed=6, scale=4.0)
+    w = randn(hidden, dtype=dtype, device=device, seed=7, scale=0.5) + 1
+    x0, residual0 = x.clone(), residual.clone()
+    expected_residual = add_partials(x, residual)
+    out, residual_out = poisoned(rows, hidden, dtype=dtype, device=device), poisoned(rows, hidden, dtype=dtype,
+                                                                                    device=device)
+    run.add_rms_norm(x, residual, w, EPS, out, residual_out)
+    assert torch.equal(x, x0) and torch.equal(residual, residual0), "an input changed"
+    _match(run, residual_out, expected_residual, min_exact, "residual + partials")
+    return _match(run, out, rms_norm_reference(expected_residual, w, EPS), min_exact, "fused_add_rms_norm(partials)")
+
+
 def check_silu_and_mul(run, device: str, dtype: torch.dtype, rows: int, inter: int, min_exact: float | None) -> float:
     from bcg.ops.kernels import silu_and_mul_reference
 

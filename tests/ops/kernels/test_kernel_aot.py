@@ -120,9 +120,10 @@ def _rms_norm_pdl() -> tuple[dict, bool, bool]:
 
     types = {"x_ptr": "*bf16", "x_stride": "i32", "res_ptr": "*bf16", "res_stride": "i32", "w_ptr": "*bf16",
              "out_ptr": "*bf16", "out_stride": "i32", "res_out_ptr": "*bf16", "res_out_stride": "i32",
-             "n_cols": "i32", "eps": "fp32", "HAS_RESIDUAL": "constexpr", "BLOCK": "constexpr"}
+             "n_cols": "i32", "eps": "fp32", "part_stride": "i32", "HAS_RESIDUAL": "constexpr", "BLOCK": "constexpr",
+             "NUM_PARTS": "constexpr"}
     ptx = triton.compile(ASTSource(fn=triton_norm._rms_norm_kernel, signature=types,
-                                   constexprs={(11,): True, (12,): 1024}),
+                                   constexprs={(12,): True, (13,): 1024, (14,): 1}),
                          target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
     return triton_utils.LAUNCH_OPTIONS, "griddepcontrol.wait" in ptx, "griddepcontrol.launch_dependents" in ptx
 

@@ -87,6 +87,14 @@ def test_fused_add_rms_norm(dtype, rows, hidden, in_place):
     cases.check_add_rms_norm(RUN, DEV, dtype, rows, hidden, MIN_EXACT[dtype], in_place=in_place)
 
 
+@pytest.mark.parametrize("parts", [2, 4])
+@pytest.mark.parametrize("dtype", cases.DTYPES)
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("hidden", [64, 1024, 2048])
+def test_fused_add_rms_norm_partials(dtype, rows, hidden, parts):
+    cases.check_add_rms_norm_partials(RUN, DEV, dtype, rows, hidden, parts, MIN_EXACT[dtype])
+
+
 @pytest.mark.parametrize("dtype", cases.DTYPES)
 @pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize("inter", [8, 500, 512, 2816, 5632])
