@@ -8,6 +8,8 @@
 * ``"sdpa"`` (:mod:`.sdpa`): per-request SDPA as an island, the exact reference and the default elsewhere.
 * ``"triton"`` (:mod:`.triton_varlen`): bcg's Triton varlen kernel as the same island, written in place, with
   soft-caps, windows and sinks (the varlen backend uses it for soft-capped layers on CUDA).
+* ``"flash4"`` (:mod:`.flash4`): FlashAttention 4 (``flash-attn-4``, CuTe DSL) as the same island, optional: only
+  where that package imports (CUDA sm_90+).
 * ``"static"`` (:mod:`.static`): captured inside the graph over request slots and a key capacity (``full``'s).
 * ``"static_triton"`` (:mod:`.static_triton`): the same, bcg's Triton kernel reading the pool through the slots (no
   gather; opt-in).
@@ -21,7 +23,7 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
-from bcg.ops.attention import sdpa, static, static_triton, triton_varlen, varlen  # noqa: F401 - each registers one
+from bcg.ops.attention import flash4, sdpa, static, static_triton, triton_varlen, varlen  # noqa: F401 - each registers one
 from bcg.ops.attention.base import (
     ATTENTION_BACKENDS,
     AttentionBackend,
