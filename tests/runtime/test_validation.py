@@ -85,7 +85,7 @@ def test_sequences_and_integer_arrays_are_prompts() -> None:
         ({"auto_islands": 1}, TypeError, "auto_islands must be True or False"),
         ({"progress": None}, TypeError, "progress must be True or False"),
         ({"attention_backend": "flash3"}, ValueError,
-         "attention_backend must be one of sdpa, static, static_triton, triton, varlen"),
+         "attention_backend must be one of flash4, sdpa, static, static_triton, triton, varlen"),
         ({"max_logit_rows": 0}, ValueError, "max_logit_rows must be >= 1"),
     ],
     ids=lambda v: str(v) if not isinstance(v, dict) else "-".join(f"{k}={v[k]!r}" for k in v),
