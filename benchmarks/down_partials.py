@@ -6,8 +6,8 @@ its ``S`` split-K partials in fp32, that kernel could sum them as it reads them 
 measures the first half: a batched GEMM over ``S`` slices of K (``torch.bmm`` with ``out_dtype=float32``, the
 activation and the weight viewed in place, no copy) against ``F.linear``, per shape and row count:
 
-* device µs a call inside a CUDA graph (a graph of ``--calls`` calls replayed ``--replays`` times, CUDA events: the
-  gaps between a graph's kernels included, as in a model's graph);
+* device µs a call inside a CUDA graph (a graph of ``--calls`` calls, the median of ``--replays`` replays by CUDA
+  events, ``fused_ops.graph_us``: the gaps between a graph's kernels included, as in a model's graph);
 * kernels a call (the profiler, after every timed run);
 * the error of the partials' fp32 sum and of ``F.linear`` against an fp64 reference (max abs, over the output's
   max abs);
@@ -34,47 +34,17 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+try:
+    import bcg  # noqa: F401
+except ImportError:  # run from a checkout without installing it
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from fused_ops import graph_us  # this folder is the script's own
+
+from bcg.ops.kernels.down_partials import down_partials, split_views
+
 # model -> (intermediate size K, hidden size N) of its down projection
 SHAPES = {"llama-dense": (2816, 1024), "llama-3.2-1b": (8192, 2048), "qwen3-0.6b": (3072, 1024)}
-
-
-def split_views(x: torch.Tensor, w: torch.Tensor, splits: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x`` (M, K) and ``w`` (N, K) as ``splits`` slices of K, batched, in place: (S, M, K/S) and (S, K/S, N)."""
-    m, k = x.shape
-    n = w.shape[0]
-    ks = k // splits
-    xs = x.as_strided((splits, m, ks), (ks, k, 1))
-    ws = w.as_strided((splits, ks, n), (ks, 1, k))
-    return xs, ws
-
-
-def partials(x: torch.Tensor, w: torch.Tensor, splits: int) -> torch.Tensor:
-    """(S, M, N) fp32 partials of ``x @ w.T``, one per slice of K."""
-    xs, ws = split_views(x, w, splits)
-    return torch.bmm(xs, ws, out_dtype=torch.float32)
-
-
-def graph_us(fn: Callable[[], Any], calls: int, replays: int) -> float:
-    """Device µs a call of ``fn`` inside a CUDA graph of ``calls`` calls."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    for _ in range(3):
-        graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1e3 / (replays * calls)
 
 
 def kernels_per_call(fn: Callable[[], Any], calls: int = 10) -> tuple[float, list[str]]:
@@ -119,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
                 p = torch.empty(sp, m, n, device="cuda", dtype=torch.float32)
                 variants.append((f"partials S={sp}", sp,
                                  lambda xs=xs, ws=ws, p=p: torch.bmm(xs, ws, out_dtype=torch.float32, out=p),
-                                 lambda x=x, w=w, sp=sp: partials(x, w, sp).sum(0).double()))
+                                 lambda x=x, w=w, sp=sp: down_partials(x, w, sp).sum(0).double()))
             for name, splits, fn, value in variants:
                 row: dict[str, Any] = {"model": model, "rows": m, "variant": name,
                                        "extra_read_bytes": (splits * 4 - 2) * m * n if splits else 0}

@@ -24,12 +24,10 @@ def _rms_norm_kernel(
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
-    if NUM_PARTS == 1:
-        x = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0)
-    else:  # a split-K GEMM's fp32 partials (bcg.ops.kernels.down_partials), summed in order as they are read
-        x = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0)
-        for p in tl.static_range(1, NUM_PARTS):
-            x += tl.load(x_ptr + p * part_stride + row * x_stride + cols, mask=mask, other=0.0)
+    x = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0)
+    # A split-K GEMM's fp32 partials (bcg.ops.kernels.down_partials): the rest summed in order as they are read.
+    for p in tl.static_range(1, NUM_PARTS):
+        x += tl.load(x_ptr + p * part_stride + row * x_stride + cols, mask=mask, other=0.0)
     if HAS_RESIDUAL:
         r = tl.load(res_ptr + row * res_stride + cols, mask=mask, other=0.0)
         # Rounded to the residual's dtype before the norm reads it, as `h = h + x` followed by `norm(h)` is.
